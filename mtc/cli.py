@@ -1,0 +1,171 @@
+"""The `mtc` command line: parses arguments and calls library functions, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from mtc.errors import MTCError
+
+__all__ = ["main"]
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from mtc.demo import run_demo
+    from mtc.progress import ProgressBar
+
+    print(f"mtc demo: training the `tiny` Llama on the embedded corpus for {a.steps} steps, through the store in {a.dir}/store")
+    bar = ProgressBar(a.steps)
+    res = run_demo(a.dir, steps=a.steps, on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
+    print(f"loss {res.first_loss:.3f} -> {res.last_loss:.3f} in {res.steps} steps, {res.train_s:.1f} s")
+    print("sample:\n" + res.sample)
+    return 0
+
+
+def _train_config(a: argparse.Namespace):  # -> TrainConfig
+    from mtc.config import TrainConfig, load_config
+
+    cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
+    for field in ("steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device"):
+        val = getattr(a, field)
+        if val is not None:
+            setattr(cfg, field, val)
+    if a.lr is not None:
+        cfg.optim.lr = a.lr
+        cfg.optim.min_lr = min(cfg.optim.min_lr, a.lr)
+    cfg.validate()
+    return cfg
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    from mtc.progress import ProgressBar
+    from mtc.runtime.trainer import open_run, train
+
+    cfg = _train_config(a)
+    run = open_run(cfg, a.store, overwrite=a.overwrite)
+    start = run[2].step
+    if start >= cfg.steps:
+        run[0].close()
+        print(f"store {a.store} is already at step {start} of {cfg.steps}; nothing to do")
+        return 0
+    print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
+    print(json.dumps(cfg.to_dict()))
+    bar = ProgressBar(cfg.steps, initial=start)
+    res = train(cfg, a.store, a.data, stop_after=a.stop_after, store=run,
+                on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
+    res.store.close()
+    if res.losses:
+        print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
+    return 0
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from mtc.store import TensorStore
+
+    with TensorStore.open(a.store) as st:
+        last = st.last_commit()
+        total = 0
+        for name in st.array_names():
+            info = st.array_info(name)
+            total += info.nbytes
+            if a.arrays:
+                print(f"{name:32s} {str(info.dtype).removeprefix('torch.'):9s} {str(info.shape):16s} {info.nbytes / 2**20:9.2f} MiB")
+        print(f"store {a.store}: {len(st.array_names())} arrays, {total / 2**20:.1f} MiB")
+        if last is None:
+            print("no commit yet")
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.time_unix))
+            print(f"last commit: step {last.step} of {last.config.get('steps')}, generation {last.generation}, "
+                  f"data cursor {last.data_cursor}, at {when}, model {last.config.get('model')}")
+    return 0
+
+
+def _cmd_prepare(a: argparse.Namespace) -> int:
+    from mtc.data import prepare
+
+    tf = prepare(Path(a.text), Path(a.output), tokenizer=a.tokenizer)
+    print(f"wrote {len(tf):,} tokens ({tf.header.dtype}, vocab {tf.header.vocab_size}) to {a.output}")
+    return 0
+
+
+def _cmd_trace(a: argparse.Namespace) -> int:
+    from mtc.config import TrainConfig
+    from mtc.plan import save_plan
+    from mtc.runtime.trainer import build_model
+    from mtc.tracer import trace
+
+    cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
+    model = build_model(cfg, device="meta" if a.meta else "cpu")
+    program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
+    save_plan(program, a.output)
+    print(program.summary())
+    print(f"plan written to {a.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `mtc`."""
+    p = argparse.ArgumentParser(prog="mtc", description="Train language models larger than GPU memory, streamed from a store.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="train the tiny model on the embedded corpus and print a sample")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--dir", default="runs/demo", help="work directory (default: runs/demo)")
+    d.set_defaults(fn=_cmd_demo)
+
+    t = sub.add_parser("train", help="train a preset or a config file, resuming from the store if it has a commit")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="model preset (tiny, 125m, 1b, 8b, 13b, 70b)")
+    src.add_argument("--config", help="a .json or .toml TrainConfig file")
+    t.add_argument("--store", required=True, help="store directory (created, or resumed)")
+    t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--micro-batch-size", type=int)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--grad-accum", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device")
+    t.add_argument("--lr", type=float)
+    t.add_argument("--stop-after", type=int, help="stop once this many steps are committed (resume later)")
+    t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
+    t.set_defaults(fn=_cmd_train)
+
+    i = sub.add_parser("inspect", help="list a store's arrays and its last commit")
+    i.add_argument("store")
+    i.add_argument("--arrays", action="store_true", help="list every array")
+    i.set_defaults(fn=_cmd_inspect)
+
+    pr = sub.add_parser("prepare", help="tokenize a text file (or a directory of .txt) into a token file")
+    pr.add_argument("text")
+    pr.add_argument("-o", "--output", required=True)
+    pr.add_argument("--tokenizer", default="byte")
+    pr.set_defaults(fn=_cmd_prepare)
+
+    tr = sub.add_parser("trace", help="trace a preset into a plan directory")
+    tr.add_argument("preset")
+    tr.add_argument("-o", "--output", required=True)
+    tr.add_argument("--seq-len", type=int, default=128)
+    tr.add_argument("--micro-batch-size", type=int, default=1)
+    tr.add_argument("--meta", action="store_true", help="trace on the meta device (no weights; for large presets)")
+    tr.set_defaults(fn=_cmd_trace)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run a subcommand; an MTCError prints one line and exits 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MTCError as e:
+        print(f"mtc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mtc: interrupted; the store keeps its last committed step", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

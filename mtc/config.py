@@ -1,0 +1,105 @@
+"""Run configuration: nested dataclasses, loadable from JSON or TOML, dumped as JSON with every run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from mtc.errors import ConfigError
+
+__all__ = ["OptimConfig", "TrainConfig", "load_config"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with decoupled weight decay, global-norm clipping, linear warmup then cosine decay."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+
+    def validate(self) -> None:
+        """Raise ConfigError for values AdamW cannot use."""
+        if not (self.lr > 0 and self.min_lr >= 0 and self.min_lr <= self.lr):
+            raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.eps <= 0:
+            raise ConfigError("warmup_steps and weight_decay must be >= 0 and eps > 0")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ConfigError(f"clip_norm must be positive or null (no clipping), got {self.clip_norm}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a training run needs besides the store directory and the data file."""
+
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    steps: int = 200
+    micro_batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    compute_dtype: str = "float32"
+    io_threads: int = 4
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+    def validate(self) -> None:
+        """Raise ConfigError for inconsistent settings."""
+        for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "io_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.optim.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-able)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        """Build from a dict, rejecting unknown keys with the list of known ones."""
+        d = dict(d)
+        optim = d.pop("optim", {}) or {}
+        _check_keys(cls, d, "")
+        _check_keys(OptimConfig, optim, "optim.")
+        cfg = cls(**d, optim=OptimConfig(**optim))
+        cfg.validate()
+        return cfg
+
+
+def _check_keys(cls: type, d: dict[str, Any], prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)} - {"optim"}
+    bad = sorted(set(d) - known)
+    if bad:
+        raise ConfigError(f"unknown config key(s) {', '.join(prefix + b for b in bad)}; known: {', '.join(sorted(known))}")
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a TrainConfig from a .json or .toml file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        if p.suffix == ".toml":
+            d = tomllib.loads(p.read_text())
+        elif p.suffix == ".json":
+            d = json.loads(p.read_text())
+        else:
+            raise ConfigError(f"config file {p} must end in .json or .toml")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {p} does not parse: {e}") from None
+    return TrainConfig.from_dict(d)

@@ -1,0 +1,56 @@
+"""mtc's error types.
+
+Every error mtc raises on purpose is an `MTCError`, which is also a `ValueError`, so callers can
+catch either. A message says what was wrong, what was received, and how to fix it; the CLI prints
+it as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MTCError",
+    "ConfigError",
+    "DataError",
+    "TraceError",
+    "PlanError",
+    "StoreError",
+    "StoreCorruptionError",
+    "StoreLockedError",
+    "KernelInputError",
+]
+
+
+class MTCError(ValueError):
+    """Base class of every error mtc raises deliberately."""
+
+
+class ConfigError(MTCError):
+    """A configuration value, preset name or config file is invalid."""
+
+
+class DataError(MTCError):
+    """A token file, its header or a text corpus is missing or malformed."""
+
+
+class TraceError(MTCError):
+    """A model could not be traced into a Program."""
+
+
+class PlanError(MTCError):
+    """A plan directory is missing, malformed, or does not match the store or batch."""
+
+
+class StoreError(MTCError):
+    """A tensor store could not be created, opened, read or written."""
+
+
+class StoreLockedError(StoreError):
+    """Another process (or another handle in this one) holds the store's exclusive lock."""
+
+
+class StoreCorruptionError(StoreError):
+    """Stored bytes failed their checksum, or store metadata is inconsistent."""
+
+
+class KernelInputError(MTCError):
+    """A kernel launcher received tensors of the wrong device, dtype, shape or layout."""

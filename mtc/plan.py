@@ -1,0 +1,60 @@
+"""Plan directories: a traced Program written to disk and read back.
+
+Layout: ``program.json`` (templates, layer calls, parameter layout; see `mtc.graphs.serialize`),
+``constants.safetensors`` (values of non-trainable buffers, if the model has any). Compiled
+kernels will live beside them under ``kernels/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from mtc.errors import PlanError
+from mtc.graphs.program import Program
+from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
+
+__all__ = ["save_plan", "load_plan"]
+
+PROGRAM_FILE = "program.json"
+CONSTANTS_FILE = "constants.safetensors"
+
+
+def save_plan(program: Program, path: str | Path) -> Path:
+    """Write ``program`` into the plan directory ``path`` (created if needed) and return it."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        doc = program_to_dict(program)
+    except SerializeError as e:
+        raise PlanError(f"cannot write plan {root}: {e}") from None
+    tmp = root / (PROGRAM_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, root / PROGRAM_FILE)
+    if program.constant_values:
+        vals = {k: v.detach().cpu().contiguous() for k, v in program.constant_values.items()}
+        if any(v.is_meta for v in program.constant_values.values()):
+            raise PlanError("the model's constants are on the meta device; trace a model with real buffers to save them")
+        save_file(vals, str(root / CONSTANTS_FILE))
+    return root
+
+
+def load_plan(path: str | Path) -> Program:
+    """Read a plan directory written by `save_plan`."""
+    root = Path(path)
+    f = root / PROGRAM_FILE
+    if not f.is_file():
+        raise PlanError(f"{root} is not a plan directory (no {PROGRAM_FILE}); create one with `mtc trace`")
+    try:
+        program = program_from_dict(json.loads(f.read_text()))
+    except (SerializeError, json.JSONDecodeError, KeyError) as e:
+        raise PlanError(f"plan {f} is malformed or from another mtc version: {e}; re-trace the model") from None
+    if program.constants:
+        cf = root / CONSTANTS_FILE
+        if not cf.is_file():
+            raise PlanError(f"plan {root} names constants but {CONSTANTS_FILE} is missing; re-trace the model")
+        program.constant_values = load_file(str(cf))
+    return program

@@ -1,0 +1,74 @@
+"""Moving parameters between an `nn.Module` and a store's flat per-layer state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtc.errors import StoreError
+from mtc.graphs.program import Program
+from mtc.store import TensorStore, create_layer_state, state_array_name
+
+__all__ = ["init_state", "flatten_layer", "read_params", "load_into_module"]
+
+
+def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Layer ``layer``'s parameters concatenated in its flat-state order, as fp32 on the CPU."""
+    specs = program.layer_params(layer)
+    flat = torch.empty(program.layer_numel(layer), dtype=torch.float32)
+    for p in specs:
+        t = params[p.key]
+        if tuple(t.shape) != p.spec.shape:
+            raise StoreError(f"parameter {p.key} has shape {tuple(t.shape)}, the plan expects {p.spec.shape}")
+        flat[p.offset : p.offset + p.numel] = t.detach().reshape(-1).to("cpu", torch.float32)
+    return flat
+
+
+def init_state(
+    program: Program,
+    store: TensorStore,
+    params: dict[str, torch.Tensor],
+    *,
+    compute_dtype: torch.dtype | None = None,
+    generation: int = 0,
+) -> None:
+    """Create every layer's state arrays and write initial master weights and zero moments."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    cdt = compute_dtype if compute_dtype not in (None, torch.float32) else None
+    create_layer_state(store, numels, compute_dtype=cdt)
+    missing = [k for k in program.params if k not in params]
+    if missing:
+        raise StoreError(f"initial parameters lack {', '.join(missing[:5])}; pass the traced module's named_parameters()")
+    for layer, n in enumerate(numels):
+        if not n:
+            continue
+        flat = flatten_layer(program, layer, params)
+        store.write(state_array_name(layer, "master", generation), flat)
+        zeros = torch.zeros_like(flat)
+        store.write(state_array_name(layer, "m", generation), zeros)
+        store.write(state_array_name(layer, "v", generation), zeros)
+        if cdt is not None:
+            store.write(state_array_name(layer, "compute", generation), flat.to(cdt))
+
+
+def read_params(program: Program, store: TensorStore, generation: int) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master value from state generation ``generation``."""
+    out: dict[str, torch.Tensor] = {}
+    for layer in range(program.n_layers):
+        if not program.layer_numel(layer):
+            continue
+        flat = store.read(state_array_name(layer, "master", generation))
+        for p in program.layer_params(layer):
+            out[p.key] = flat[p.offset : p.offset + p.numel].view(p.spec.shape)
+    return out
+
+
+@torch.no_grad()
+def load_into_module(module: nn.Module, program: Program, store: TensorStore, generation: int) -> nn.Module:
+    """Copy the store's master weights into ``module`` (e.g. to generate text with it)."""
+    values = read_params(program, store, generation)
+    for name, p in module.named_parameters():
+        if name not in values:
+            raise StoreError(f"module parameter {name} is not in the store; was the store made from this model?")
+        p.copy_(values[name])
+    return module

@@ -1,0 +1,147 @@
+"""Token files: prepare -> open round trips, dtype choice, and the errors for damaged files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtc.data import ByteTokenizer, TokenFile, prepare, write_token_file
+from mtc.errors import DataError, MTCError
+
+
+def _prepared(tmp_path: Path, text: str = "The fox sat by the lantern.\n") -> TokenFile:
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    return prepare(src, tmp_path / "out.bin")
+
+
+def test_prepare_round_trip(tmp_path: Path) -> None:
+    text = "The fox sat by the lantern. Caf\u00e9.\n"
+    tf = _prepared(tmp_path, text)
+    assert len(tf) == len(text.encode("utf-8"))
+    assert tf.header.to_dict() == {
+        "format": "mtc-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+        "tokenizer": "byte", "n_tokens": len(tf),
+    }
+    assert ByteTokenizer().decode(tf.tokens) == text
+    assert (tmp_path / "out.bin").stat().st_size == 2 * len(tf)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # temp files renamed away
+
+
+@pytest.mark.parametrize("name", ["out.bin", "out.json", "out"])
+def test_open_accepts_bin_json_or_stem(tmp_path: Path, name: str) -> None:
+    tf = _prepared(tmp_path)
+    again = TokenFile.open(tmp_path / name)
+    assert again.path == tf.path and again.header == tf.header
+    np.testing.assert_array_equal(again.tokens, tf.tokens)
+
+
+def test_tokens_are_read_only_memmap(tmp_path: Path) -> None:
+    tf = _prepared(tmp_path)
+    assert isinstance(tf.tokens, np.memmap)
+    with pytest.raises(ValueError):
+        tf.tokens[0] = 1
+
+
+def test_prepare_directory_in_sorted_order(tmp_path: Path) -> None:
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "b.txt").write_text("second\n")
+    (d / "a.txt").write_text("first")  # no final newline: one is added before the blank line
+    (d / "notes.md").write_text("ignored\n")
+    tf = prepare(d, tmp_path / "corpus.bin")
+    assert ByteTokenizer().decode(tf.tokens) == "first\n\nsecond\n"
+
+
+def test_prepare_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        prepare(tmp_path / "nope.txt", tmp_path / "o.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no \*\.txt"):
+        prepare(tmp_path / "empty", tmp_path / "o.bin")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(DataError, match="not valid UTF-8"):
+        prepare(tmp_path / "latin1.txt", tmp_path / "o.bin")
+    with pytest.raises(DataError, match="unknown tokenizer"):
+        prepare(tmp_path / "latin1.txt", tmp_path / "o.bin", tokenizer="nope")
+
+
+def test_uint32_for_large_vocab(tmp_path: Path) -> None:
+    toks = np.array([0, 65535, 65536, 99_999], dtype=np.int64)
+    tf = write_token_file(tmp_path / "big", toks, vocab_size=100_000, tokenizer="custom")
+    assert tf.header.dtype == "uint32" and tf.tokens.dtype == np.dtype("<u4")
+    assert (tmp_path / "big.bin").stat().st_size == 4 * 4
+    np.testing.assert_array_equal(TokenFile.open(tmp_path / "big.bin").tokens, toks)
+
+
+def test_uint16_up_to_65536(tmp_path: Path) -> None:
+    tf = write_token_file(tmp_path / "edge", np.array([65535]), vocab_size=65536, tokenizer="custom")
+    assert tf.header.dtype == "uint16" and int(tf.tokens[0]) == 65535
+
+
+@pytest.mark.parametrize("bad", [256, -1])
+def test_token_outside_vocab(tmp_path: Path, bad: int) -> None:
+    with pytest.raises(DataError, match=f"token {bad} at position 2"):
+        write_token_file(tmp_path / "t", np.array([1, 2, bad, 3]), vocab_size=256, tokenizer="byte")
+    assert not (tmp_path / "t.bin").exists()
+
+
+def test_write_rejects_non_integer_tokens(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="1-D integer"):
+        write_token_file(tmp_path / "t", np.array([1.0, 2.0]), vocab_size=256, tokenizer="byte")
+
+
+def test_empty_token_file_opens(tmp_path: Path) -> None:
+    tf = write_token_file(tmp_path / "e", np.array([], dtype=np.int64), vocab_size=256, tokenizer="byte")
+    assert len(tf) == 0 and tf.tokens.size == 0
+
+
+def test_truncated_bin(tmp_path: Path) -> None:
+    tf = _prepared(tmp_path)
+    data = tf.path.read_bytes()
+    tf.path.write_bytes(data[:-3])
+    with pytest.raises(DataError, match=r"is \d+ bytes but its header says .* re-run `mtc prepare"):
+        TokenFile.open(tmp_path / "out.bin")
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not found.*mtc prepare"):
+        TokenFile.open(tmp_path / "none.bin")
+    _prepared(tmp_path)
+    (tmp_path / "out.json").unlink()
+    with pytest.raises(DataError, match="header .* is missing"):
+        TokenFile.open(tmp_path / "out.bin")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"format": "npy"}, "format is 'npy'"),
+        ({"version": 2}, "version 2 is not supported"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"dtype": "uint16", "vocab_size": 70_000}, "cannot hold"),
+        ({"n_tokens": -1}, "n_tokens must be an integer"),
+        ({"n_tokens": True}, "n_tokens must be an integer"),
+        ({"vocab_size": "256"}, "vocab_size must be an integer"),
+        ({"tokenizer": None}, "tokenizer must be"),
+    ],
+)
+def test_bad_header(tmp_path: Path, edit: dict, match: str) -> None:
+    _prepared(tmp_path)
+    h = tmp_path / "out.json"
+    h.write_text(json.dumps(json.loads(h.read_text()) | edit))
+    with pytest.raises(DataError, match=match) as e:
+        TokenFile.open(tmp_path / "out")
+    assert "re-run `mtc prepare" in str(e.value)
+    assert isinstance(e.value, MTCError) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
+def test_header_not_an_object(tmp_path: Path, content: str) -> None:
+    _prepared(tmp_path)
+    (tmp_path / "out.json").write_text(content)
+    with pytest.raises(DataError, match="JSON"):
+        TokenFile.open(tmp_path / "out.bin")

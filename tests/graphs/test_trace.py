@@ -1,0 +1,173 @@
+"""Tracing into a Program: stage split, shared templates, binding, errors, meta-device presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtc.graphs.program import Program
+from torch import nn
+
+from mtc.errors import TraceError
+from mtc.models.llama import Llama, preset
+from mtc.tracer import LossModel, trace
+
+
+def run_program(program: Program, params: dict[str, torch.Tensor], ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Execute a Program eagerly with every weight resident (the executor's logic without streaming)."""
+    dev = ids.device
+    batch = {"ids": ids, "targets": targets}
+    carry, aux = None, []
+    for call in program.layers:
+        t = program.templates[call.template]
+        args = []
+        for inp in t.inputs:
+            s = call.bindings[inp.name]
+            args.append({"param": lambda: params[s.key], "batch": lambda: batch[s.key], "carry": lambda: carry,
+                         "aux": lambda: aux[s.index], "const": lambda: program.constant_values[s.key]}[s.kind]())
+        out = t.module(dev)(*args)
+        if t.kind == "embed":
+            carry, aux = out[0], list(out[1:])
+        else:
+            carry = out[0]
+    return carry
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[nn.Module, Program]:
+    torch.manual_seed(0)
+    model = Llama(preset("tiny", n_layers=3))
+    return model, trace(model, 2, 16)
+
+
+def test_stages_and_shared_template(tiny):
+    model, prog = tiny
+    kinds = [prog.templates[c.template].kind for c in prog.layers]
+    assert kinds == ["embed", "block", "block", "block", "head"]
+    assert len({c.template for c in prog.layers[1:4]}) == 1, "identical blocks must share one template"
+    assert len(prog.templates) == 3
+    assert prog.n_params() == sum(p.numel() for p in model.parameters())
+    # every parameter is bound exactly once, to its own layer
+    bound = [k for c in prog.layers for k in c.param_keys()]
+    assert sorted(bound) == sorted(k for k, _ in model.named_parameters())
+    assert prog.layers[2].bindings["param_attn_wq_weight"].key == "layers.1.attn.wq.weight"
+    # RoPE tables are computed once by the embed stage and fed to every block
+    assert len(prog.aux) == 2 and all(c.bindings["aux_0"].kind == "aux" for c in prog.layers[1:4])
+
+
+def test_flat_layout_decay_first(tiny):
+    _, prog = tiny
+    for layer in range(prog.n_layers):
+        ps = prog.layer_params(layer)
+        offs = 0
+        for p in ps:
+            assert p.offset == offs
+            offs += p.numel
+        flags = [p.decay for p in ps]
+        assert flags == sorted(flags, reverse=True), "decayed parameters must form a prefix"
+        assert prog.layer_decay_numel(layer) == sum(p.numel for p in ps if p.decay)
+
+
+def test_program_matches_module_bitwise(tiny):
+    model, prog = tiny
+    ids = torch.randint(0, 256, (2, 16))
+    tg = torch.randint(0, 256, (2, 16))
+    loss = run_program(prog, dict(model.named_parameters()), ids, tg)
+    ref = LossModel(model)(ids, tg)
+    assert torch.equal(loss, ref)
+
+
+def test_rebinding_weights_changes_result(tiny):
+    model, prog = tiny
+    ids = torch.randint(0, 256, (2, 16))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    a = run_program(prog, params, ids, ids)
+    params["layers.2.mlp.w_down.weight"].mul_(3.0)
+    b = run_program(prog, params, ids, ids)
+    assert not torch.equal(a, b)
+
+
+def test_meta_device_preset_traces_without_weights():
+    with torch.device("meta"):
+        model = Llama(preset("8b", n_layers=4))
+    prog = trace(model, 1, 256)
+    assert len(prog.templates) == 3
+    assert prog.carry.shape == (1, 256, 4096)
+    block = prog.templates[prog.layers[1].template]
+    shapes = {i.role: i.spec.shape for i in block.inputs if i.kind == "param"}
+    assert shapes["attn.wk.weight"] == (8 * 128, 4096)  # 8 KV heads of 128: GQA
+    assert shapes["mlp.w_gate.weight"] == (14336, 4096)
+
+
+def test_tied_embeddings_one_parameter():
+    torch.manual_seed(0)
+    model = Llama(preset("tiny", n_layers=2, tie_embeddings=True))
+    prog = trace(model, 1, 8)
+    assert "lm_head.weight" not in prog.params and "embed.weight" in prog.params
+    head = prog.layers[-1]
+    assert "embed.weight" in head.param_keys()
+    assert prog.params["embed.weight"].layer == 0
+    assert prog.last_backward_user()[0] == 0
+    ids = torch.randint(0, 256, (1, 8))
+    assert torch.equal(run_program(prog, dict(model.named_parameters()), ids, ids), LossModel(model)(ids, ids))
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0:  # data-dependent Python control flow: untraceable
+            return self.lin(x)
+        return x
+
+
+class _Toy(nn.Module):
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([block(), block()])
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_untraceable_module_is_named():
+    with pytest.raises(TraceError) as e:
+        trace(_Toy(_Gated), 1, 4)
+    msg = str(e.value)
+    assert "layers.0" in msg and "_Gated" in msg
+    assert "torch.where" in msg  # says what to change
+
+
+def test_custom_model_traces():
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.ln = nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.nn.functional.gelu(self.lin(self.ln(x)))
+
+    model = _Toy(Plain)
+    prog = trace(model, 2, 4)
+    ids = torch.randint(0, 16, (2, 4))
+    assert torch.equal(run_program(prog, dict(model.named_parameters()), ids, ids), LossModel(model)(ids, ids))
+
+
+def test_no_blocks_error():
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids)
+
+    with pytest.raises(TraceError, match="ModuleList"):
+        trace(Flat(), 1, 2)

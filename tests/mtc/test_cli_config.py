@@ -1,0 +1,52 @@
+"""CLI behaviour, config files and the LR schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mtc.cli import main
+from mtc.config import OptimConfig, TrainConfig, load_config
+from mtc.errors import ConfigError
+from mtc.runtime.schedule import lr_at
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
+    assert [lr_at(s, 20, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, 20, cfg) == pytest.approx(1.0)
+    assert lr_at(19, 20, cfg) == pytest.approx(0.1)
+    mid = 4 + (19 - 4) / 2
+    assert lr_at(int(mid), 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * (int(mid) - 4) / 15)))
+    vals = [lr_at(s, 20, cfg) for s in range(4, 20)]
+    assert all(a >= b for a, b in zip(vals, vals[1:])), "cosine decay must not increase"
+
+
+def test_config_files(tmp_path):
+    cfg = TrainConfig(steps=7, optim=OptimConfig(lr=1e-3, min_lr=1e-4))
+    (tmp_path / "a.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_config(tmp_path / "a.json") == cfg
+    (tmp_path / "b.toml").write_text('model = "tiny"\nsteps = 3\n[optim]\nlr = 0.01\nmin_lr = 0.001\n')
+    t = load_config(tmp_path / "b.toml")
+    assert t.steps == 3 and t.optim.lr == 0.01
+    (tmp_path / "c.json").write_text(json.dumps({"stpes": 3}))
+    with pytest.raises(ConfigError, match="stpes"):
+        load_config(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match="grad_accum"):
+        TrainConfig(grad_accum=0).validate()
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtc: error:") and err.count("\n") == 1
+    assert main(["train", "--preset", "nosuch", "--store", str(tmp_path / "s"), "--data", "x.bin"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+def test_cli_trace_meta_preset(tmp_path, capsys):
+    assert main(["trace", "70b", "-o", str(tmp_path / "plan"), "--meta", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "80 blocks" in out and (tmp_path / "plan" / "program.json").is_file()

@@ -1,0 +1,43 @@
+"""Plain PyTorch training of the same model, data and AdamW: the other side of the parity contract."""
+
+from __future__ import annotations
+
+import torch
+
+from mtc.config import TrainConfig
+from mtc.data import BatchSampler, TokenFile
+from mtc.runtime.schedule import lr_at
+from mtc.runtime.trainer import build_model
+from mtc.tracer import LossModel
+
+
+def reference_train(cfg: TrainConfig, tokens: TokenFile) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train cfg's model with torch.optim.AdamW + clip_grad_norm_; return per-step losses and weights."""
+    model = build_model(cfg)
+    lm = LossModel(model)
+    params = dict(model.named_parameters())
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    )
+    sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    losses, cursor = [], 0
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.steps, o)
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            ids, tg = sampler.batch(cursor)
+            cursor += 1
+            loss = lm(ids, tg)
+            (loss / cfg.grad_accum).backward()
+            total += loss.item()
+        if o.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), o.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / cfg.grad_accum)
+    return losses, {k: v.detach().clone() for k, v in params.items()}
