@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="train the tiny model on the embedded corpus and print a sample")
-    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--steps", type=int, default=400)
     d.add_argument("--dir", default="runs/demo", help="work directory (default: runs/demo)")
     d.set_defaults(fn=_cmd_demo)
 

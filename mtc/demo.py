@@ -29,7 +29,7 @@ class DemoResult:
     store_dir: Path
 
 
-def demo_config(steps: int = 300) -> TrainConfig:
+def demo_config(steps: int = 400) -> TrainConfig:
     """The demo's run: `tiny` on bytes, 16 x 128 tokens a step, AdamW with warmup and cosine decay."""
     return TrainConfig(
         model="tiny",
@@ -42,7 +42,7 @@ def demo_config(steps: int = 300) -> TrainConfig:
     )
 
 
-def run_demo(workdir: str | Path, *, steps: int = 300, on_step: Callable[[StepRecord], None] | None = None) -> DemoResult:
+def run_demo(workdir: str | Path, *, steps: int = 400, on_step: Callable[[StepRecord], None] | None = None) -> DemoResult:
     """Run the whole demo in ``workdir`` (a fresh store each time) and return its figures."""
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,11 @@ def generate(
         raise ValueError("prompt must hold at least one token")
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    ids = list(prompt)
+    ids = [int(t) for t in prompt]
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        x = torch.tensor([ids[-context:]], device=device)
+        x = torch.tensor([ids[-context:]], dtype=torch.long, device=device)
         out = model(x)
         logits = getattr(out, "logits", out)[0, -1].float().cpu()
         if temperature <= 0:

@@ -138,7 +138,8 @@ class TensorStore:
             p.mkdir(parents=True, exist_ok=True)
             fd = _lock(p)
         zs = LocalStore(str(p))
-        zarr.open_group(store=zs, mode="w").attrs[_MARKER] = _FORMAT
+        # mode "a", not "w": "w" clears the directory, which would delete the lock file we hold
+        zarr.open_group(store=zs, mode="a").attrs[_MARKER] = _FORMAT
         return cls(zs, p, io_threads, fd)
 
     @classmethod
