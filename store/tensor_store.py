@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -235,7 +236,10 @@ class TensorStore:
 
     def array_names(self) -> list[str]:
         """All array names (paths), sorted."""
-        return sorted(k for k, v in self._root.members(max_depth=None) if isinstance(v, zarr.Array))
+        with warnings.catch_warnings():
+            # the lock, commit records, plan/ and logs/ live beside the arrays; zarr warns about them
+            warnings.simplefilter("ignore")
+            return sorted(k for k, v in self._root.members(max_depth=None) if isinstance(v, zarr.Array))
 
     def array_info(self, name: str) -> ArrayInfo:
         """Shape, dtype and chunking of ``name``."""

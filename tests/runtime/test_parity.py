@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,35 @@ def test_resume_parity_new_process(tokens, reference, tmp_path):
         last = st.last_commit()
         assert last.step == 20 and last.data_cursor == 40
         assert_weights_close(read_params(program, st, last.generation), ref_weights)
+
+
+def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path):
+    # The state committed at step k is never overwritten by step k+1 (two generations), so a run
+    # killed at any moment resumes from its last commit and ends where an unbroken run ends.
+    ref_losses, ref_weights = reference
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(parity_config().to_dict()))
+    store = tmp_path / "store"
+    args = ["train", "--config", str(cfg_file), "--store", str(store), "--data", str(tokens.path)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "mtc", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        commit = store / "commit.json"
+        if commit.exists() and json.loads(commit.read_text())["step"] >= 4:
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)  # land somewhere inside a later step
+    proc.kill()
+    proc.wait()
+    killed_at = json.loads((store / "commit.json").read_text())["step"]
+    assert 4 <= killed_at < 20, "the kill must interrupt the run"
+    second = _mtc(*args)
+    assert second.returncode == 0, second.stderr
+    from mtc.plan import load_plan
+
+    with TensorStore.open(store) as st:
+        last = st.last_commit()
+        assert last.step == 20
+        assert_weights_close(read_params(load_plan(store / "plan"), st, last.generation), ref_weights)
