@@ -44,7 +44,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
     from mtc.progress import ProgressBar
     from mtc.runtime.trainer import open_run, train
 
+    from mtc.data import TokenFile
+
     cfg = _train_config(a)
+    tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
     run = open_run(cfg, a.store, overwrite=a.overwrite)
     start = run[2].step
     if start >= cfg.steps:
@@ -54,7 +57,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
     bar = ProgressBar(cfg.steps, initial=start)
-    res = train(cfg, a.store, a.data, stop_after=a.stop_after, store=run,
+    res = train(cfg, a.store, tokens, stop_after=a.stop_after, store=run,
                 on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
     res.store.close()
     if res.losses:

@@ -85,6 +85,16 @@ def _comparable(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in ("io_threads",)}
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "model_overrides":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False
 ) -> tuple[TensorStore, Program, CommitRecord]:
@@ -101,9 +111,9 @@ def open_run(
             last = store.last_commit()
             if last is None:
                 raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
-            saved = _comparable(last.config)
-            if saved != _comparable(cfg.to_dict()):
-                diff = sorted(k for k in set(saved) | set(cfg.to_dict()) if saved.get(k) != cfg.to_dict().get(k))
+            saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
+            if saved != now:
+                diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
                 raise ConfigError(
                     f"store {path} was created with a different config (differs in: {', '.join(diff)}); "
                     "resume with the same config, or use a new store directory"

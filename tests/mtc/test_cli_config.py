@@ -50,3 +50,21 @@ def test_cli_trace_meta_preset(tmp_path, capsys):
     assert main(["trace", "70b", "-o", str(tmp_path / "plan"), "--meta", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "80 blocks" in out and (tmp_path / "plan" / "program.json").is_file()
+
+
+def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
+    import numpy as np
+
+    from mtc.data import write_token_file
+
+    assert main(["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(tmp_path / "no.bin")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists(), "a bad data path must not leave a store behind"
+    tok = write_token_file(tmp_path / "t.bin", np.arange(3000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
+    common = ["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(tok.path),
+              "--micro-batch-size", "2", "--seq-len", "16"]
+    assert main([*common, "--steps", "2"]) == 0
+    assert main([*common, "--steps", "3"]) == 2
+    assert "differs in: steps" in capsys.readouterr().err
+    assert main([*common, "--steps", "2"]) == 0  # same config: already done, nothing to do
+    assert "already at step 2" in capsys.readouterr().out
