@@ -295,17 +295,7 @@ class TensorStore:
     def write_async(self, name: str, tensor: torch.Tensor) -> Future[None]:
         """`write` on a helper thread (not an I/O worker, so chunk tasks never wait on themselves)."""
         t = tensor.detach().to("cpu").clone() if tensor.device.type != "cpu" else tensor.detach()
-        fut: Future[None] = Future()
-
-        def run() -> None:
-            try:
-                self.write(name, t)
-                fut.set_result(None)
-            except BaseException as e:
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="mtc-write", daemon=True).start()
-        return fut
+        return _in_thread(self.write, name, t)
 
     def write_rows(self, name: str, start_row: int, tensor: torch.Tensor, *, _whole: bool = False) -> None:
         """Write rows [start_row, start_row + len(tensor)) of ``name``; durable on return."""
@@ -344,17 +334,7 @@ class TensorStore:
 
     def read_into_async(self, name: str, out: torch.Tensor) -> Future[None]:
         """`read_into` on a helper thread."""
-        fut: Future[None] = Future()
-
-        def run() -> None:
-            try:
-                self.read_into(name, out)
-                fut.set_result(None)
-            except BaseException as e:
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="mtc-read", daemon=True).start()
-        return fut
+        return _in_thread(self.read_into, name, out)
 
     def read(self, name: str) -> torch.Tensor:
         """The whole array as a fresh CPU tensor."""
@@ -454,6 +434,22 @@ class TensorStore:
             return CommitRecord.from_json(f.read_text())
         except (ValueError, KeyError, TypeError) as e:
             raise StoreCorruptionError(f"commit record {f} is malformed ({e}); the store's last commit cannot be read") from None
+
+
+def _in_thread(fn: Any, *args: Any) -> Future[None]:
+    """Run ``fn(*args)`` on a fresh thread (not an I/O worker, so its chunk tasks never wait on
+    themselves) and return a Future for it."""
+    fut: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+            fut.set_result(None)
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="mtc-store-async", daemon=True).start()
+    return fut
 
 
 def _lock(path: Path) -> int:

@@ -135,3 +135,14 @@ def test_layer_state_layout(store):
     assert not any(n.startswith("layers/0001") for n in names), "a layer with no parameters has no state"
     with pytest.raises(StoreError, match="unknown state kind"):
         state_array_name(0, "grad", 0)
+
+
+def test_async_write_and_read(store):
+    store.create_array("a", (300,), torch.float32, chunk_rows=64)
+    src = torch.randn(300)
+    store.write_async("a", src).result()
+    out = torch.empty(300)
+    store.read_into_async("a", out).result()
+    assert torch.equal(out, src)
+    with pytest.raises(StoreError, match="shape"):
+        store.write_async("a", torch.zeros(3)).result()
