@@ -1,0 +1,319 @@
+"""Partition a layer template into anchors and fusion groups, forward and joint forward+backward.
+
+The joint graph of a template is ``(inputs..., grad_out) -> (outputs..., grads of carry and
+params)``, traced with make_fx over the template's vector-Jacobian product and lowered to core
+ATen. It recomputes the forward inside, which is exactly what the streaming executor does in a
+backward visit, so nothing has to be saved between the forward and the backward visit of a layer.
+
+Every call node is then classified:
+
+* ``anchor``: matmuls and attention (``mm``, ``addmm``, ``bmm``, SDPA and its backward): left to
+  cuBLAS / hand-tuned kernels;
+* ``view``: metadata-only ops (view, permute, expand, slice, ...): no kernel, run as ATen;
+* ``fusible``: pointwise ops and last-dimension reductions (sum, mean, amax): grouped;
+* ``fallback``: anything else (cat, embedding, gather, ...): run as ATen, and reported.
+
+A fusion group is a maximal connected set of fusible nodes that compute over one iteration
+shape (the shape of the group's largest output); groups never contain anchors or views, so
+each group becomes one generated kernel. No I/O and no devices here: tracing runs on meta tensors.
+
+Known gap (issue 3 continues here): on meta tensors ``scaled_dot_product_attention`` dispatches
+to its math decomposition before any decomposition table is consulted, so attention shows up as
+softmax/mask pieces instead of one anchor. The fix is to route attention through a registered
+custom op (with fake and autograd implementations) that the tracer substitutes for SDPA, which
+the flash-attention kernel then implements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from mtc.graphs.program import Template
+
+__all__ = ["FusionGroup", "Partition", "joint_graph", "forward_graph", "partition", "classify"]
+
+aten = torch.ops.aten
+
+ANCHORS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+    aten.scaled_dot_product_attention.default,
+}
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
+    aten.alias.default, aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
+    aten.unbind.int, operator.getitem,
+}
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
+# Pointwise ops the code generator can express (kernels/codegen.py has the expression for each).
+POINTWISE = {
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.exp.default, aten.log.default,
+    aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default, aten.sigmoid.default,
+    aten.tanh.default, aten.relu.default, aten.abs.default, aten.pow.Tensor_Scalar,
+    aten.maximum.default, aten.minimum.default, aten.where.self, aten.clone.default,
+    aten._to_copy.default, aten.silu.default, aten.gelu.default, aten.erf.default,
+    aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar, aten.eq.Scalar,
+    aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor,
+    aten.sin.default, aten.cos.default, aten.fill.Scalar, aten.copy.default,
+}
+
+
+def classify(node: fx.Node) -> str:
+    """'anchor', 'view', 'fusible' or 'fallback' (placeholder/output nodes: 'io')."""
+    if node.op != "call_function":
+        return "io"
+    t = node.target
+    if t in ANCHORS:
+        return "anchor"
+    if t in VIEWS:
+        return "view"
+    if t in POINTWISE and _tensor_out(node):
+        return "fusible"
+    if t in REDUCTIONS and _last_dim_reduction(node):
+        return "fusible"
+    return "fallback"
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _tensor_out(node: fx.Node) -> bool:
+    v = _val(node)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+
+
+def _last_dim_reduction(node: fx.Node) -> bool:
+    src = node.args[0]
+    v = _val(src)
+    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return False
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return False
+    dims = [d % v.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") is not None:
+        return False
+    return dims == [v.dim() - 1]
+
+
+@dataclasses.dataclass(slots=True)
+class FusionGroup:
+    """Connected fusible nodes sharing one iteration shape ``shape``; ``reduces`` if any reduction."""
+
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    shape: tuple[int, ...]
+    reduces: bool
+
+    @property
+    def name(self) -> str:
+        """A readable name (first node's)."""
+        return f"group_{self.nodes[0].name}"
+
+
+@dataclasses.dataclass(slots=True)
+class Partition:
+    """How a graph splits into kernels."""
+
+    graph: fx.Graph
+    groups: list[FusionGroup]
+    anchors: list[fx.Node]
+    fallbacks: list[fx.Node]
+    views: list[fx.Node]
+
+    def aten_ops(self) -> int:
+        """Op calls in the unfused graph (views included: each is a dispatcher call)."""
+        return len(self.anchors) + len(self.fallbacks) + len(self.views) + sum(len(g.nodes) for g in self.groups)
+
+    def kernels(self) -> int:
+        """Kernel launches after fusion: a kernel per group, anchor and fallback (views launch none)."""
+        return len(self.groups) + len(self.anchors) + len(self.fallbacks)
+
+    def fallback_ops(self) -> Counter[str]:
+        """Which ops stay on ATen because no generated kernel covers them."""
+        return Counter(str(n.target) for n in self.fallbacks)
+
+
+def _iter_shape(nodes: list[fx.Node]) -> tuple[int, ...]:
+    best: tuple[int, ...] = ()
+    for n in nodes:
+        v = _val(n)
+        shapes = [tuple(v.shape)] if isinstance(v, torch.Tensor) else []
+        if n.target in REDUCTIONS:
+            shapes.append(tuple(_val(n.args[0]).shape))
+        for s in shapes:
+            if _numel(s) > _numel(best):
+                best = s
+    return best
+
+
+def _numel(s: tuple[int, ...]) -> int:
+    n = 1
+    for d in s:
+        n *= d
+    return n
+
+
+def _compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Can tensors of shapes a and b be computed in one iteration space (one broadcasts to the other)?"""
+    big, small = (a, b) if _numel(a) >= _numel(b) else (b, a)
+    if len(small) > len(big):
+        return False
+    for x, y in zip(reversed(big), reversed(small)):
+        if y not in (1, x):
+            return False
+    return True
+
+
+def partition(graph: fx.Graph) -> Partition:
+    """Group fusible nodes: union connected fusible neighbours whose iteration shapes agree.
+
+    A reduction's output (…, 1) joins its input's group (the row kernel broadcasts it back); two
+    groups merge only if the merged group still has one iteration shape and no cycle forms
+    through non-fusible nodes (checked by topological position: a group must not both feed and
+    consume an outside node).
+    """
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    kind = {n: classify(n) for n in nodes}
+    group_of: dict[fx.Node, int] = {}
+    members: dict[int, list[fx.Node]] = {}
+    shape_of: dict[int, tuple[int, ...]] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    next_id = 0
+    for n in nodes:
+        if kind[n] != "fusible":
+            continue
+        gid, next_id = next_id, next_id + 1
+        group_of[n], members[gid] = gid, [n]
+        shape_of[gid] = _iter_shape([n])
+        # try to join the groups of fusible producers (in order), if shapes agree and no cycle
+        for a in n.all_input_nodes:
+            if a not in group_of or group_of[a] == group_of[n]:
+                continue
+            ga, gn = group_of[a], group_of[n]
+            merged = members[ga] + members[gn]
+            shape = _iter_shape(merged)
+            if not all(_compatible(shape, _iter_shape([m])) for m in merged):
+                continue
+            if any(m.target in REDUCTIONS for m in merged) and not _row_ok(merged, shape):
+                continue
+            if _creates_cycle(set(merged), order):
+                continue
+            for m in members[gn]:
+                group_of[m] = ga
+            members[ga] = sorted(merged, key=order.__getitem__)
+            shape_of[ga] = shape
+            del members[gn], shape_of[gn]
+    groups = []
+    for gid, ms in members.items():
+        inside = set(ms)
+        ins: list[fx.Node] = []
+        for m in ms:
+            for a in m.all_input_nodes:
+                if a not in inside and a not in ins:
+                    ins.append(a)
+        outs = [m for m in ms if any(u not in inside for u in m.users)]
+        groups.append(FusionGroup(ms, ins, outs, shape_of[gid], any(m.target in REDUCTIONS for m in ms)))
+    groups.sort(key=lambda g: order[g.nodes[0]])
+    return Partition(
+        graph=graph,
+        groups=groups,
+        anchors=[n for n in nodes if kind[n] == "anchor"],
+        fallbacks=[n for n in nodes if kind[n] == "fallback"],
+        views=[n for n in nodes if kind[n] == "view"],
+    )
+
+
+def _row_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+    """With a reduction in the group, every node must be a full row (…, N) or a reduced row (…, 1)."""
+    if not shape:
+        return False
+    rows = shape[:-1]
+    for m in ms:
+        s = tuple(_val(m).shape)
+        if m.target in REDUCTIONS:
+            keep = (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
+            if not keep or s != (*rows, 1):
+                return False
+        elif s not in (shape, (*rows, 1)):  # full rows, or per-row scalars (e.g. rsqrt(mean + eps))
+            return False
+    return True
+
+
+def _creates_cycle(group: set[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """True if some path leaves the group and comes back (the group could not run as one kernel)."""
+    lo = min(order[n] for n in group)
+    hi = max(order[n] for n in group)
+    frontier = [u for n in group for u in n.users if u not in group and order[u] < hi]
+    seen: set[fx.Node] = set()
+    while frontier:
+        x = frontier.pop()
+        if x in seen or order[x] > hi:
+            continue
+        seen.add(x)
+        for u in x.users:
+            if u in group:
+                return True
+            frontier.append(u)
+    del lo
+    return False
+
+
+def _meta_inputs(t: Template) -> list[torch.Tensor]:
+    return [torch.empty(i.spec.shape, dtype=i.spec.torch_dtype, device="meta") for i in t.inputs]
+
+
+def _decomps() -> dict[Any, Callable[..., Any]]:
+    from torch._decomp import core_aten_decompositions
+
+    table = dict(core_aten_decompositions())
+    # keep attention as one anchor (decomposing it would materialise T x T scores)
+    for op in list(table):
+        if "scaled_dot_product" in str(op):
+            del table[op]
+    return table
+
+
+def forward_graph(t: Template) -> fx.GraphModule:
+    """The template's forward lowered to core ATen, traced on meta tensors."""
+    gm = t.module("meta")
+    return make_fx(lambda *xs: gm(*xs), decomposition_table=_decomps())(*_meta_inputs(t))
+
+
+def joint_graph(t: Template) -> tuple[fx.GraphModule, list[int]]:
+    """``(inputs..., grad_out) -> (outputs..., grads)`` in core ATen, and the input indices the
+    grads are for (carry and params: what the executor needs)."""
+    gm = t.module("meta")
+    diff = [k for k, i in enumerate(t.inputs) if i.kind in ("carry", "param")]
+
+    def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        *xs, gout = args
+        xs = [x.requires_grad_() if k in diff else x for k, x in enumerate(xs)]
+        with torch.enable_grad():
+            outs = gm(*xs)
+            grads = torch.autograd.grad(outs[0], [xs[k] for k in diff], gout, allow_unused=True)
+        return (*outs, *grads)
+
+    ins = _meta_inputs(t)
+    out0 = t.module("meta")(*ins)[0]
+    g = make_fx(joint, decomposition_table=_decomps())(*ins, torch.empty_like(out0))
+    return g, diff
