@@ -17,16 +17,16 @@ A fusion group is a maximal connected set of fusible nodes that compute over one
 shape (the shape of the group's largest output); groups never contain anchors or views, so
 each group becomes one generated kernel. No I/O and no devices here: tracing runs on meta tensors.
 
-Known gap (issue 3 continues here): on meta tensors ``scaled_dot_product_attention`` dispatches
-to its math decomposition before any decomposition table is consulted, so attention shows up as
-softmax/mask pieces instead of one anchor. The fix is to route attention through a registered
-custom op (with fake and autograd implementations) that the tracer substitutes for SDPA, which
-the flash-attention kernel then implements.
+Attention: on meta tensors ``scaled_dot_product_attention`` would dispatch to its math
+decomposition before any decomposition table is consulted, so lowering swaps it for
+``mtc::attention`` (kernels/ops.py), which stays one anchor forward and backward.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import operator
 from collections import Counter
 from typing import Any, Callable
@@ -53,6 +53,7 @@ ANCHORS = {
     aten._scaled_dot_product_cudnn_attention_backward.default,
     aten.scaled_dot_product_attention.default,
 }
+_MTC_ANCHORS = ("mtc.attention.default", "mtc.attention_backward.default")
 VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
@@ -80,7 +81,7 @@ def classify(node: fx.Node) -> str:
     if node.op != "call_function":
         return "io"
     t = node.target
-    if t in ANCHORS:
+    if t in ANCHORS or str(t) in _MTC_ANCHORS:
         return "anchor"
     if t in VIEWS:
         return "view"
@@ -278,6 +279,39 @@ def _creates_cycle(group: set[fx.Node], order: dict[fx.Node, int]) -> bool:
     return False
 
 
+def _use_mtc_attention(node: fx.Node) -> None:
+    """Swap SDPA for mtc::attention (kept whole by make_fx) when it is plain causal/non-causal
+    attention; masked or dropout attention stays SDPA (and decomposes)."""
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    defaults = [None, None, None, None, 0.0, False, None, False]
+    bound = dict(zip(names, defaults))
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    if bound["attn_mask"] is not None or bound["dropout_p"] not in (0, 0.0):
+        return
+    q = bound["query"].meta["val"]
+    scale = bound["scale"] if bound["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    node.target = torch.ops.mtc.attention.default
+    node.args = (bound["query"], bound["key"], bound["value"], bool(bound["is_causal"]), float(scale))
+    node.kwargs = {}
+
+
+def _lowerable(t: Template) -> fx.GraphModule:
+    """The template on the meta device with SDPA swapped for mtc::attention.
+
+    Templates keep ATen SDPA so eager execution is bit-identical to the user's module; only the
+    lowered graphs (what kernels are generated from) use the op that stays whole.
+    """
+    import mtc.kernels.ops  # noqa: F401  (registers mtc::attention)
+
+    gm = copy.deepcopy(t.module("meta"))
+    for node in gm.graph.nodes:
+        if node.target is aten.scaled_dot_product_attention.default:
+            _use_mtc_attention(node)
+    gm.recompile()
+    return gm
+
+
 def _meta_inputs(t: Template) -> list[torch.Tensor]:
     return [torch.empty(i.spec.shape, dtype=i.spec.torch_dtype, device="meta") for i in t.inputs]
 
@@ -295,14 +329,14 @@ def _decomps() -> dict[Any, Callable[..., Any]]:
 
 def forward_graph(t: Template) -> fx.GraphModule:
     """The template's forward lowered to core ATen, traced on meta tensors."""
-    gm = t.module("meta")
+    gm = _lowerable(t)
     return make_fx(lambda *xs: gm(*xs), decomposition_table=_decomps())(*_meta_inputs(t))
 
 
 def joint_graph(t: Template) -> tuple[fx.GraphModule, list[int]]:
     """``(inputs..., grad_out) -> (outputs..., grads)`` in core ATen, and the input indices the
     grads are for (carry and params: what the executor needs)."""
-    gm = t.module("meta")
+    gm = _lowerable(t)
     diff = [k for k, i in enumerate(t.inputs) if i.kind in ("carry", "param")]
 
     def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -314,6 +348,6 @@ def joint_graph(t: Template) -> tuple[fx.GraphModule, list[int]]:
         return (*outs, *grads)
 
     ins = _meta_inputs(t)
-    out0 = t.module("meta")(*ins)[0]
+    out0 = gm(*ins)[0]
     g = make_fx(joint, decomposition_table=_decomps())(*ins, torch.empty_like(out0))
     return g, diff

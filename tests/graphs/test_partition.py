@@ -38,6 +38,8 @@ def test_block_forward_fuses_rmsnorm(program):
     _check_partition(p)
     mm = [n for n in p.anchors if n.target is torch.ops.aten.mm.default]
     assert len(mm) == 7, "q, k, v, o, gate, up, down projections"
+    attn = [n for n in p.anchors if str(n.target) == "mtc.attention.default"]
+    assert len(attn) == 1, "attention stays one anchor instead of decomposing into softmax pieces"
     norm = [g for g in p.groups if g.reduces]
     assert norm and all(g.shape == (2, 16, 128) for g in norm)
     # the whole RMSNorm (square, mean, + eps, rsqrt, scale, weight) is one kernel, and the
@@ -58,3 +60,5 @@ def test_joint_graph_has_every_gradient(program):
     p = partition(jg.graph)
     _check_partition(p)
     assert len([n for n in p.anchors if n.target is torch.ops.aten.mm.default]) == 21  # 7 fwd + 14 bwd
+    assert sorted(str(n.target) for n in p.anchors if "mtc." in str(n.target)) == [
+        "mtc.attention.default", "mtc.attention_backward.default"]

@@ -1,0 +1,79 @@
+"""mtc's own graph-level ops, registered with torch.library so tracing keeps them whole.
+
+``mtc::attention`` stands for causal / non-causal scaled dot-product attention in layer
+templates. The tracer substitutes it for ``aten.scaled_dot_product_attention`` so that lowering a
+template to core ATen (make_fx, meta tensors) keeps attention as one anchor node, forward and
+backward, instead of decomposing it into a T x T softmax. The implementations here call torch's
+SDPA (bit-identical to eager); the compiled plan swaps in the flash-attention kernel on CUDA.
+The ops are registered without ``device_types`` so CPU tests can run them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention", "attention_backward"]
+
+
+@torch.library.custom_op("mtc::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v for (B, H, T, D) tensors (k, v may have fewer heads)."""
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+@attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("mtc::attention_backward", mutates_args=())
+def attention_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `attention` for q, k, v, recomputing the probabilities (as flash attention does).
+
+    Reference math in fp32 with the full (T, T) matrix: right on every device, memory-heavy at
+    long context; the compiled plan replaces it with the flash-attention kernel on CUDA.
+    """
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    qf, g = q.float(), grad.float()
+    s = (qf @ kf.transpose(-1, -2)) * scale  # (B, H, T, S)
+    if is_causal:
+        T, S = s.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=s.device).tril(diagonal=S - T)
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    if rep > 1:  # each KV head's gradient sums over its group of query heads
+        B, H, S, D = dk.shape
+        dk = dk.view(B, H // rep, rep, S, D).sum(2)
+        dv = dv.view(B, H // rep, rep, S, dv.shape[-1]).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@attention_backward.register_fake
+def _(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    q, k, v, is_causal, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, grad):  # noqa: ANN001
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad, q, k, v, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup)
