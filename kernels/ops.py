@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+aten = torch.ops.aten
+
 __all__ = ["attention", "attention_backward"]
 
 
@@ -38,6 +40,13 @@ def attention_backward(
     long context; the compiled plan replaces it with the flash-attention kernel on CUDA.
     """
     rep = q.shape[1] // k.shape[1]
+    if q.device.type == "cpu" and rep == 1:
+        # the same fused CPU kernels eager SDPA uses, so the unfused and compiled paths agree bitwise
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+        return dq, dk, dv
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     qf, g = q.float(), grad.float()

@@ -52,6 +52,7 @@ class TrainConfig:
     device: str = "cpu"
     compute_dtype: str = "float32"
     io_threads: int = 4
+    kernels: str = "auto"  # "fused" (generated Triton kernels), "unfused" (ATen templates), "auto": fused on CUDA
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
     def validate(self) -> None:
@@ -64,9 +65,16 @@ class TrainConfig:
         preset(self.model, **self.model_overrides)  # unknown preset or field: ConfigError
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.kernels not in ("auto", "fused", "unfused"):
+            raise ConfigError(f"kernels must be 'auto', 'fused' or 'unfused', got {self.kernels!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.optim.validate()
+
+    @property
+    def fused(self) -> bool:
+        """Whether this run uses the compiled (fused) plan."""
+        return self.kernels == "fused" or (self.kernels == "auto" and self.device.startswith("cuda"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""

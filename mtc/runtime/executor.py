@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ from mtc.errors import PlanError
 from mtc.graphs.program import LayerCall, Program, Template
 from mtc.runtime.buffers import LayerBufferPool, Slot
 from mtc.store import TensorStore, state_array_name
+
+if TYPE_CHECKING:  # the compiler pulls in Triton; the unfused path must not need it
+    from mtc.compiler import CompiledTemplate
 
 __all__ = ["StreamingExecutor", "GradSink", "LayerWeights"]
 
@@ -75,6 +78,7 @@ class StreamingExecutor:
         *,
         device: torch.device | str = "cpu",
         on_visit: Callable[[str, int], None] | None = None,
+        compiled: dict[str, CompiledTemplate] | None = None,
     ) -> None:
         self.program, self.store = program, store
         self.device = torch.device(device)
@@ -87,6 +91,13 @@ class StreamingExecutor:
         self._last_user = program.last_backward_user()
         self._consts = {k: v.to(self.device) for k, v in program.constant_values.items()}
         self._aux_needs_grad = _aux_param_dependence(program.template_of(0))
+        self.compiled = compiled
+        if compiled is not None:
+            missing = [t for t in program.templates if t not in compiled]
+            if missing:
+                raise PlanError(f"the compiled plan lacks templates {missing}; recompile it (`mtc compile`)")
+            if any(self._aux_needs_grad):
+                raise PlanError("compiled plans do not yet support embed outputs that depend on parameters; run --unfused")
         self.live_weights: weakref.WeakSet[LayerWeights] = weakref.WeakSet()
         self.on_visit = on_visit  # test hook: called as (phase, layer) after each visit
         self.generation = 0
@@ -227,9 +238,11 @@ class StreamingExecutor:
         prog = self.program
         call = prog.layers[layer]
         tmpl = prog.templates[call.template]
-        gm = tmpl.module(self.device)
+        gm = tmpl.module(self.device) if self.compiled is None else self.compiled[tmpl.id].module("forward", self.device)
         batch, saved = st["batch"], st["saved"]
         head = layer == prog.n_layers - 1
+        if phase != "fwd" and self.compiled is not None:
+            return self._visit_compiled(layer, w, st, sink, scale)
         if phase == "fwd":
             with torch.no_grad():
                 if layer == 0:
@@ -275,6 +288,32 @@ class StreamingExecutor:
             else:
                 sink.add_grad(key, torch.zeros(self.program.params[key].spec.shape))
         return float(out[0].detach()) if head else None
+
+    def _visit_compiled(self, layer: int, w: LayerWeights, st: dict, sink: GradSink, scale: float) -> float | None:
+        """Backward visit with the compiled joint graph: recompute + gradients in one call."""
+        prog = self.program
+        call = prog.layers[layer]
+        tmpl = prog.templates[call.template]
+        ct = self.compiled[tmpl.id]
+        head = layer == prog.n_layers - 1
+        if layer == 0:
+            carry_in, gout = None, st.pop("grad_carry")
+        elif head:
+            carry_in, gout = st.pop("carry"), torch.tensor(scale, dtype=torch.float32, device=self.device)
+        else:
+            carry_in, gout = st["saved"].pop(layer), st.pop("grad_carry")
+        args = self._args(call, tmpl, w.tensors, st["batch"], carry_in, st["aux"])
+        with torch.no_grad():
+            res = ct.module("joint", self.device)(*args, gout)
+        n_out = 1 + tmpl.n_aux_out
+        for k, g in zip(ct.diff, res[n_out:], strict=True):
+            inp = tmpl.inputs[k]
+            if inp.kind == "carry":
+                st["grad_carry"] = g
+            else:
+                key = call.bindings[inp.name].key
+                sink.add_grad(key, g if g is not None else torch.zeros(prog.params[key].spec.shape))
+        return float(res[0]) if head else None
 
     def close(self) -> None:
         """Stop the fetch thread."""

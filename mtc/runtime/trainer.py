@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -58,6 +60,7 @@ class TrainResult:
     store: TensorStore
     program: Program
     generation: int
+    compiled: dict | None = None
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
@@ -82,7 +85,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 
 def _comparable(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k not in ("io_threads",)}
+    return {k: v for k, v in d.items() if k not in ("io_threads", "kernels")}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -175,7 +178,8 @@ def train(
         _set_rng_state(last.rng_state)
         sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         device = torch.device(cfg.device)
-        executor = StreamingExecutor(program, st, device=device)
+        compiled = _compile(cfg, program, st)
+        executor = StreamingExecutor(program, st, device=device, compiled=compiled)
         opt = HostAdamW(program, st, cfg.optim, compute_dtype=getattr(torch, cfg.compute_dtype))
         step, gen, cursor = last.step, last.generation, last.data_cursor
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -216,8 +220,23 @@ def train(
         raise
     return TrainResult(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0,
-        store=st, program=program, generation=gen,
+        store=st, program=program, generation=gen, compiled=compiled,
     )
+
+
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
+    if not cfg.fused:
+        return None
+    if cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "fused kernels on the CPU run in Triton's interpreter, which must be enabled before start: "
+            "set TRITON_INTERPRET=1 (slow: for tests), or use kernels='unfused' on the CPU"
+        )
+    from mtc.compiler import compile_program
+
+    cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+    return compile_program(program, cache)
 
 
 def _model_vocab(program: Program) -> int:

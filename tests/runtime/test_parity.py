@@ -46,12 +46,13 @@ def reference(tokens: TokenFile) -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_train(parity_config(), tokens)
 
 
-def assert_weights_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+def assert_weights_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    """Each tensor within 1e-5 relative (norm of the difference), and elementwise to rtol 1e-5 / atol."""
     assert got.keys() == ref.keys()
     for k in ref:
         rel = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
         assert rel < 1e-5, f"{k}: relative difference {rel:.2e}"
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def assert_losses_close(got: list[float], ref: list[float]) -> None:
@@ -147,3 +148,21 @@ def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path):
         last = st.last_commit()
         assert last.step == 20
         assert_weights_close(read_params(load_plan(store / "plan"), st, last.generation), ref_weights)
+
+
+def test_parity_compiled_plan(tokens):
+    # The same contract with generated Triton kernels (interpreter on the CPU): a smaller shape
+    # keeps the interpreter's cost down; everything else is the parity run.
+    cfg = parity_config(steps=6, micro_batch_size=2, seq_len=8, kernels="fused",
+                        model_overrides={"n_layers": 2})
+    ref_losses, ref_weights = reference_train(cfg, tokens)
+    res = train(cfg, None, tokens)
+    try:
+        assert res.compiled and all(c.backward_report.generated > 0 for c in res.compiled.values())
+        assert_losses_close(res.losses, ref_losses)
+        # Fused kernels sum in another order (~1e-7 per op); Adam turns that into up to ~3e-6 on
+        # the odd weight whose gradient is near zero (update ~ g / (sqrt(v) + eps)), so the
+        # elementwise floor is 1e-5 here; the per-tensor 1e-5 relative contract is unchanged.
+        assert_weights_close(read_params(res.program, res.store, res.generation), ref_weights, atol=1e-5)
+    finally:
+        res.store.close()
