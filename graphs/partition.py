@@ -142,8 +142,8 @@ class Partition:
     views: list[fx.Node]
 
     def aten_ops(self) -> int:
-        """Op calls in the unfused graph (views included: each is a dispatcher call)."""
-        return len(self.anchors) + len(self.fallbacks) + len(self.views) + sum(len(g.nodes) for g in self.groups)
+        """Ops that launch a kernel when the graph runs unfused (views launch none and are left out)."""
+        return len(self.anchors) + len(self.fallbacks) + sum(len(g.nodes) for g in self.groups)
 
     def kernels(self) -> int:
         """Kernel launches after fusion: a kernel per group, anchor and fallback (views launch none)."""

@@ -29,7 +29,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     from mtc.config import TrainConfig, load_config
 
     cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
-    for field in ("steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device"):
+    for field in ("steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "kernels"):
         val = getattr(a, field)
         if val is not None:
             setattr(cfg, field, val)
@@ -109,6 +109,25 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compile(a: argparse.Namespace) -> int:
+    from mtc.compiler import compile_program, write_report
+    from mtc.config import TrainConfig
+    from mtc.plan import save_plan
+    from mtc.runtime.trainer import build_model
+    from mtc.tracer import trace
+
+    cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
+    cfg.validate()
+    model = build_model(cfg, device="meta")
+    program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
+    out = Path(a.output)
+    save_plan(program, out)
+    compiled = compile_program(program, out / "kernels")
+    print(write_report(program, compiled, out))
+    print(f"plan and kernels written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
     p = argparse.ArgumentParser(prog="mtc", description="Train language models larger than GPU memory, streamed from a store.")
@@ -132,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int)
     t.add_argument("--device")
     t.add_argument("--lr", type=float)
+    t.add_argument("--kernels", choices=["auto", "fused", "unfused"], help="fused (generated kernels) or unfused (ATen "
+                   "templates); auto = fused on CUDA. Fused on the CPU needs TRITON_INTERPRET=1")
+    t.add_argument("--unfused", action="store_const", const="unfused", dest="kernels", help="same as --kernels unfused")
     t.add_argument("--stop-after", type=int, help="stop once this many steps are committed (resume later)")
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
     t.set_defaults(fn=_cmd_train)
@@ -146,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("-o", "--output", required=True)
     pr.add_argument("--tokenizer", default="byte")
     pr.set_defaults(fn=_cmd_prepare)
+
+    c = sub.add_parser("compile", help="trace a model and generate its fused kernels into a plan directory; print the report")
+    c.add_argument("model", help="model preset")
+    c.add_argument("-o", "--output", required=True)
+    c.add_argument("--seq-len", type=int, default=128)
+    c.add_argument("--micro-batch-size", type=int, default=1)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.set_defaults(fn=_cmd_compile)
 
     tr = sub.add_parser("trace", help="trace a preset into a plan directory")
     tr.add_argument("preset")

@@ -23,7 +23,7 @@ from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_gr
 from mtc.graphs.program import COMPUTE_DEVICE, Program, Template
 from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
 
-__all__ = ["GraphReport", "CompiledTemplate", "compile_template", "compile_program", "cache_key"]
+__all__ = ["GraphReport", "CompiledTemplate", "compile_template", "compile_program", "cache_key", "format_report", "write_report"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,3 +204,33 @@ def compile_program(program: Program, cache_dir: str | Path) -> dict[str, Compil
     """Compile every template of ``program``."""
     return {tid: compile_template(t, cache_dir) for tid, t in program.templates.items()}
 
+
+
+def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> str:
+    """Per template: ATen ops vs kernel launches, forward and backward, and what stays on ATen."""
+    lines = [f"{'template':26s} {'calls':>5s} {'fwd ATen ops':>12s} {'fwd kernels':>11s} {'bwd ATen ops':>12s} {'bwd kernels':>11s}"]
+    for tid, ct in compiled.items():
+        calls = sum(1 for c in program.layers if c.template == tid)
+        f, b = ct.forward_report, ct.backward_report
+        lines.append(f"{tid:26s} {calls:5d} {f.aten_ops:12d} {f.kernels:11d} {b.aten_ops:12d} {b.kernels:11d}")
+        fb = Counter(f.fallbacks) + Counter(b.fallbacks)
+        if fb:
+            lines.append("    on ATen (no generated kernel): " + ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(fb.items())))
+        ng = Counter(f.not_generated) + Counter(b.not_generated)
+        if ng:
+            lines.append("    groups left unfused: " + "; ".join(f"{k} x{v}" for k, v in sorted(ng.items())))
+    return "\n".join(lines)
+
+
+def write_report(program: Program, compiled: dict[str, CompiledTemplate], plan_dir: str | Path) -> str:
+    """Write ``compile_report.json`` into the plan directory and return the printable report."""
+    import json
+
+    doc = {
+        tid: {"calls": sum(1 for c in program.layers if c.template == tid),
+              "forward": dataclasses.asdict(ct.forward_report), "backward": dataclasses.asdict(ct.backward_report)}
+        for tid, ct in compiled.items()
+    }
+    doc["cache_key"] = cache_key()
+    Path(plan_dir, "compile_report.json").write_text(json.dumps(doc, indent=1))
+    return format_report(program, compiled)

@@ -68,3 +68,19 @@ def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
     assert "differs in: steps" in capsys.readouterr().err
     assert main([*common, "--steps", "2"]) == 0  # same config: already done, nothing to do
     assert "already at step 2" in capsys.readouterr().out
+
+
+def test_cli_compile_reports_and_caches(tmp_path, capsys):
+    assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "plan" / "compile_report.json").read_text())
+    block = next(v for k, v in rep.items() if k.startswith("block"))
+    assert block["calls"] == 4
+    assert block["forward"]["kernels"] < block["forward"]["aten_ops"]
+    assert block["backward"]["kernels"] < block["backward"]["aten_ops"]
+    assert "fwd kernels" in out and "block-" in out
+    kdir = next((tmp_path / "plan" / "kernels").iterdir())
+    files = {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")}
+    assert files
+    assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")} == files, "cached kernels must not be rewritten"
