@@ -319,12 +319,32 @@ def _meta_inputs(t: Template) -> list[torch.Tensor]:
 def _decomps() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions
 
+    from torch._decomp import get_decompositions
+
     table = dict(core_aten_decompositions())
+    # core ATen keeps layer norm whole; decompose it (and var_mean) into reductions the generator fuses
+    table.update(get_decompositions([aten.native_layer_norm, aten.native_layer_norm_backward]))
+    table[aten.var_mean.correction] = _var_mean
     # keep attention as one anchor (decomposing it would materialise T x T scores)
     for op in list(table):
         if "scaled_dot_product" in str(op):
             del table[op]
     return table
+
+
+def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
+    """var_mean as two last-dim reductions (torch's own decomposition emits prims the generator
+    does not know); other dims fall back to the op itself."""
+    dims = [d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if dim is not None else None
+    if dims != [x.dim() - 1]:
+        return NotImplemented
+    n = x.shape[-1]
+    mean = aten.mean.dim(x, [-1], True)
+    diff = aten.sub.Tensor(x, mean)
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), [-1], True), n - (1 if correction is None else correction))
+    if not keepdim:
+        mean, var = aten.squeeze.dims(mean, [-1]), aten.squeeze.dims(var, [-1])
+    return var, mean
 
 
 def forward_graph(t: Template) -> fx.GraphModule:

@@ -60,9 +60,9 @@ class TrainConfig:
         for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "io_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from mtc.models.llama import preset  # here, not at import: config must stay importable alone
+        from mtc.models import model_config  # here, not at import: config must stay importable alone
 
-        preset(self.model, **self.model_overrides)  # unknown preset or field: ConfigError
+        model_config(self.model, **self.model_overrides)  # unknown preset or field: ConfigError
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.kernels not in ("auto", "fused", "unfused"):

@@ -33,6 +33,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2-style blocks add a bias to the q, k and v projections
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -65,6 +66,10 @@ class LlamaConfig:
 # tests and the demo. 125m follows GPT-3 Small's width/depth with a Llama block.
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, max_seq_len=256),
+    "qwen2-tiny": LlamaConfig(
+        vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, max_seq_len=256,
+        qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6,
+    ),
     "125m": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
     "1b": LlamaConfig(
         vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
@@ -132,9 +137,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,6 +204,8 @@ class Llama(nn.Module):
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if p.ndim < 2:
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
                 continue  # norm scales stay at one
             scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)

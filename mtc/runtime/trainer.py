@@ -24,7 +24,7 @@ from mtc.config import TrainConfig
 from mtc.data import BatchSampler, TokenFile
 from mtc.errors import ConfigError, DataError, StoreError
 from mtc.graphs.program import Program
-from mtc.models.llama import Llama, preset
+from mtc.models import build, model_config
 from mtc.plan import load_plan, save_plan
 from mtc.runtime.executor import StreamingExecutor
 from mtc.runtime.optimizer import HostAdamW
@@ -65,12 +65,12 @@ class TrainResult:
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
     """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only)."""
-    mcfg = preset(cfg.model, **cfg.model_overrides)
+    mcfg = model_config(cfg.model, **cfg.model_overrides)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
     torch.manual_seed(cfg.seed)
     with torch.device(device):
-        model = Llama(mcfg)
+        model = build(cfg.model, **cfg.model_overrides)
     return model.to(getattr(torch, cfg.compute_dtype))
 
 
