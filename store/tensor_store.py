@@ -1,60 +1,91 @@
 """The tensor store: zarr v3 arrays of training state, checked writes, parallel reads, commits, a lock.
 
 zarr does not check writes (it truncates, broadcasts and casts silently), keeps no checksum on
-data chunks unless asked, never fsyncs, and has no bfloat16. This class closes those gaps:
+data chunks unless asked, skips (and even deletes) all-zero chunks by default, never fsyncs, and
+has no bfloat16. This class closes those gaps:
 
 * every write is checked against the array's shape and dtype and fans out one writer per chunk
-  over a pool of I/O threads, then fsyncs the chunk files (local stores) before returning;
-* every chunk carries a CRC32C (``Crc32cCodec``); a mismatch, an undecodable or a missing chunk
-  raises `StoreCorruptionError` naming the array, the chunk and its file;
-* bf16 (and other dtypes numpy lacks) are stored as int16 views with the real dtype in the
-  array's attributes;
+  over the store's I/O threads; on a local store the chunk files and their directories are
+  fsynced before the write counts as done;
+* every chunk carries a CRC32C (``Crc32cCodec``) and every chunk is written, zeros included; a
+  checksum mismatch, an undecodable chunk or a missing chunk raises `StoreCorruptionError`
+  naming the array, the chunk and its file, instead of returning garbage or zeros;
+* bf16 (and other dtypes numpy lacks) are stored as int16 views with the real dtype recorded in
+  the array's attributes (``mtc_dtype``);
 * reads go straight into a caller's preallocated (e.g. pinned) buffer, one task per chunk;
-* a commit record is written atomically (temp file, fsync, rename, fsync dir) and an exclusive
-  ``flock`` stops a second run from opening the same store.
+* a commit record is written atomically (temp file, fsync, rename, fsync dir), and an exclusive
+  ``flock`` keeps a second run (or a second handle) off the same store directory.
+
+Layout of a store directory: ``zarr.json`` (root group, attribute ``mtc_store: 1``), the arrays,
+``.lock``, ``commit.json`` (the last commit) and ``commits.jsonl`` (their history). Other
+directories (the runtime's ``plan/`` and ``logs/``) may live beside them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
+import operator
 import os
+import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec
-from zarr.core.buffer import default_buffer_prototype
+from zarr.errors import NodeNotFoundError, NodeTypeValidationError  # public in zarr 3.1 through 3.4
 from zarr.storage import LocalStore, MemoryStore
+
+try:  # public since zarr 3.1; the private path is the fallback for older 3.x
+    from zarr.buffer import default_buffer_prototype
+except ImportError:  # pragma: no cover
+    from zarr.core.buffer import default_buffer_prototype
 
 from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
 
-__all__ = ["ArrayInfo", "CommitRecord", "TensorStore"]
+__all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore"]
 
 _MARKER = "mtc_store"
 _FORMAT = 1
 _CHUNK_BYTES = 16 * 2**20  # 16 MiB chunks read faster than 4 MiB ones (NOTES.md)
+_LOCK_FILE = ".lock"
+_COMMIT_FILE = "commit.json"
+_HISTORY_FILE = "commits.jsonl"
+_RESERVED = {_LOCK_FILE, _COMMIT_FILE, _HISTORY_FILE, _COMMIT_FILE + ".tmp", "zarr.json"}
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
-# torch dtype -> (numpy storage dtype, name recorded in attributes)
+# torch dtype -> (numpy storage dtype, name recorded in the array's attributes)
 _DTYPES: dict[torch.dtype, tuple[np.dtype, str]] = {
     torch.float32: (np.dtype("float32"), "float32"),
     torch.float16: (np.dtype("float16"), "float16"),
-    torch.bfloat16: (np.dtype("int16"), "bfloat16"),
+    torch.bfloat16: (np.dtype("int16"), "bfloat16"),  # numpy has no bfloat16: store the bits
     torch.int64: (np.dtype("int64"), "int64"),
     torch.int32: (np.dtype("int32"), "int32"),
     torch.int16: (np.dtype("int16"), "int16"),
     torch.uint8: (np.dtype("uint8"), "uint8"),
 }
 _BY_NAME = {name: dt for dt, (_np, name) in _DTYPES.items()}
-_VIEW_AS = {torch.bfloat16: torch.int16}
+_VIEW_AS = {torch.bfloat16: torch.int16}  # dtypes moved through numpy as a same-size integer view
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_DTYPES)
+
+# Runtime array config (zarr does not persist it, so it is applied on every open):
+# write_empty_chunks: all-zero chunks (fresh Adam moments) must exist on disk, or a missing chunk
+#   could not be told from a lost one; with the default False zarr even DELETES a chunk file when
+#   it is overwritten with zeros.
+# read_missing_chunks (zarr >= 3.2): make zarr itself refuse to invent zeros for a missing chunk;
+#   older zarr has no such switch, so `_read_chunk` also checks the chunk exists.
+_ARRAY_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
+if "read_missing_chunks" in zarr.config.get("array", {}):
+    _ARRAY_CONFIG["read_missing_chunks"] = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,13 +100,18 @@ class ArrayInfo:
 
     @property
     def n_chunks(self) -> int:
-        """Number of chunks along dim 0."""
-        return max(1, -(-self.shape[0] // self.chunk_rows)) if self.shape else 1
+        """Number of chunks along dim 0 (0 for an array with no rows)."""
+        return -(-self.shape[0] // self.chunk_rows)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CommitRecord:
-    """What a step commit records: enough to resume exactly."""
+    """What a step commit records: enough to resume exactly.
+
+    ``generation`` is the state generation (see `mtc.store.layout`) that holds the weights after
+    ``step``; ``data_cursor`` is the position in the token stream; ``rng_state`` maps a generator
+    name to its serialised state.
+    """
 
     step: int
     generation: int
@@ -86,98 +122,155 @@ class CommitRecord:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
-        """One-line JSON."""
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        """The record as one line of JSON."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "CommitRecord":
-        """Parse; raises ValueError/KeyError/TypeError on malformed input."""
+    def from_json(cls, text: str) -> CommitRecord:
+        """Parse `to_json` output; raises ValueError or TypeError naming the first bad field."""
         d = json.loads(text)
         if not isinstance(d, dict):
-            raise ValueError("commit record is not a JSON object")
+            raise TypeError(f"a commit record is a JSON object, got {type(d).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - fields):
+            raise ValueError(f"unknown fields {unknown}")
+        if missing := sorted(fields - set(d) - {"extra"}):
+            raise ValueError(f"missing fields {missing}")
+        for key in ("step", "generation", "data_cursor"):
+            if not isinstance(d[key], int) or isinstance(d[key], bool):
+                raise TypeError(f"{key} must be an integer, got {d[key]!r}")
+        if not isinstance(d["time_unix"], (int, float)) or isinstance(d["time_unix"], bool):
+            raise TypeError(f"time_unix must be a number, got {d['time_unix']!r}")
+        rng = d["rng_state"]
+        if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rng.items()):
+            raise TypeError("rng_state must map names to strings")
+        for key in ("config", "extra"):
+            if not isinstance(d.get(key, {}), dict):
+                raise TypeError(f"{key} must be a JSON object")
         return cls(**d)
 
 
 class TensorStore:
-    """A directory (or in-memory) zarr v3 store of named tensors plus step commits."""
+    """A directory (or in-memory) zarr v3 store of named tensors plus step commits.
 
-    def __init__(self, zstore: Any, path: Path | None, io_threads: int, lock_fd: int | None) -> None:
+    Use `TensorStore.create` or `TensorStore.open`, and `close` (or ``with``) when done: closing
+    waits for pending asynchronous I/O and releases the directory's lock.
+    """
+
+    def __init__(self, zstore: Any, path: Path | None, io_threads: int, lock_fd: int | None, mem: dict[str, Any] | None) -> None:
+        """Internal: use `create` or `open`."""
         self._zstore = zstore
-        self._root = zarr.open_group(store=zstore, mode="a")
         self._path = path
         self._lock_fd = lock_fd
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
+        self._mem = mem  # the MemoryStore's dict, to tell a missing chunk from a written one
+        self._root = zarr.open_group(store=zstore, mode="a")
+        self._tls = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="mtc-store-io", initializer=self._mark_worker)
         self._arrays: dict[str, zarr.Array] = {}
-        self._meta_lock = threading.Lock()
+        self._meta_lock = threading.RLock()
+        self._unsynced: set[Path] = set()  # metadata files/dirs created since the last fsync
         self._commit: CommitRecord | None = None
+        self._commit_loaded = path is None
+        self._history: list[CommitRecord] = []  # in-memory stores only
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | Path | None, *, io_threads: int = 4, overwrite: bool = False) -> "TensorStore":
-        """Create a new store at ``path`` (None: in memory). Refuses a non-empty dir unless overwrite."""
+    def create(cls, path: str | Path | None, *, io_threads: int = 4, overwrite: bool = False) -> TensorStore:
+        """Create a new store in directory ``path`` (None: in memory, for tests).
+
+        Refuses a non-empty directory unless ``overwrite``; even then it only empties a directory
+        that is an mtc store, so a mistyped path cannot wipe unrelated files.
+        """
+        _check_threads(io_threads)
         if path is None:
-            zs = MemoryStore()
+            mem: dict[str, Any] = {}
+            zs = MemoryStore(store_dict=mem)
             zarr.open_group(store=zs, mode="w").attrs[_MARKER] = _FORMAT
-            return cls(zs, None, io_threads, None)
+            return cls(zs, None, io_threads, None, mem)
         p = Path(path)
         if p.exists() and not p.is_dir():
-            raise StoreError(f"cannot create a store at {p}: it is a file")
-        if p.exists() and any(p.iterdir()):
-            if not overwrite:
-                raise StoreError(f"cannot create a store at {p}: the directory is not empty; pick a new directory or overwrite it")
-            fd = _lock(p)  # never wipe a store another run is using
-            try:
-                for child in p.iterdir():
-                    if child.name != ".lock":
-                        shutil.rmtree(child) if child.is_dir() else child.unlink()
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            p.mkdir(parents=True, exist_ok=True)
-            fd = _lock(p)
-        zs = LocalStore(str(p))
-        # mode "a", not "w": "w" clears the directory, which would delete the lock file we hold
-        zarr.open_group(store=zs, mode="a").attrs[_MARKER] = _FORMAT
-        return cls(zs, p, io_threads, fd)
+            raise StoreError(f"cannot create a store at {p}: it is a file, not a directory; pick a directory path")
+        content = sorted(c.name for c in p.iterdir() if c.name != _LOCK_FILE) if p.exists() else []
+        if content and not overwrite:
+            shown = ", ".join(content[:5]) + (", ..." if len(content) > 5 else "")
+            raise StoreError(
+                f"cannot create a store at {p}: the directory is not empty ({shown}); "
+                "use a new or empty directory, or pass overwrite=True (`--overwrite`) to replace a store there"
+            )
+        if content and not _is_mtc_store(p):
+            raise StoreError(
+                f"refusing to overwrite {p}: it is not empty and not an mtc store ({', '.join(content[:5])}); "
+                "remove its contents yourself or use another directory"
+            )
+        p.mkdir(parents=True, exist_ok=True)
+        fd = _lock(p)  # before deleting anything: never wipe a store another run is using
+        try:
+            for child in p.iterdir():
+                # the lock file stays: unlinking it would let a third process lock a new inode
+                if child.name != _LOCK_FILE:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            zs = LocalStore(str(p))
+            # mode "a", not "w": "w" clears the directory, which would delete the lock file we hold
+            zarr.open_group(store=zs, mode="a").attrs[_MARKER] = _FORMAT
+            st = cls(zs, p, io_threads, fd, None)
+        except BaseException:
+            _unlock(fd)
+            raise
+        st._unsynced.update({p / "zarr.json", p})
+        st._sync_metadata()
+        return st
 
     @classmethod
-    def open(cls, path: str | Path, *, io_threads: int = 4) -> "TensorStore":
-        """Open an existing store directory (taking its lock)."""
+    def open(cls, path: str | Path, *, io_threads: int = 4) -> TensorStore:
+        """Open an existing store directory, taking its lock."""
+        _check_threads(io_threads)
         p = Path(path)
+        how = f"create one with TensorStore.create({str(p)!r}) (or `mtc train --store {p} ...`)"
+        if not p.is_dir():
+            raise StoreError(f"no store at {p}: the directory does not exist; {how}")
         if not (p / "zarr.json").is_file():
-            raise StoreError(f"{p} is not an mtc store (no zarr.json); create one with `mtc train --store {p} ...`")
+            raise StoreError(f"{p} is not an mtc store (it has no zarr.json); {how}")
         fd = _lock(p)
         try:
             zs = LocalStore(str(p))
-            attrs = zarr.open_group(store=zs, mode="r").attrs
-            if attrs.get(_MARKER) != _FORMAT:
-                raise StoreError(f"{p} is a zarr group but not an mtc store (format {attrs.get(_MARKER)!r})")
-            st = cls(zs, p, io_threads, fd)
+            try:
+                fmt = zarr.open_group(store=zs, mode="r").attrs.get(_MARKER)
+            except Exception as e:  # unreadable root metadata
+                raise StoreCorruptionError(
+                    f"{p / 'zarr.json'} cannot be read as zarr v3 group metadata ({e}); restore the store from a copy"
+                ) from e
+            if fmt is None:
+                raise StoreError(f"{p} is a zarr group but not an mtc store (no '{_MARKER}' attribute); {how}")
+            if fmt != _FORMAT:
+                raise StoreError(f"{p} is an mtc store of format {fmt!r}; this mtc reads format {_FORMAT}: use a matching mtc version")
+            return cls(zs, p, io_threads, fd, None)
         except BaseException:
-            os.close(fd)
+            _unlock(fd)
             raise
-        st._commit = st._read_commit()
-        return st
 
     def close(self) -> None:
-        """Finish pending I/O and release the lock (idempotent)."""
+        """Wait for pending I/O, make new metadata durable and release the lock (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        try:
+            self._pool.shutdown(wait=True)
+            self._sync_metadata()
+        finally:
+            if self._lock_fd is not None:
+                _unlock(self._lock_fd)
+                self._lock_fd = None
 
-    def __enter__(self) -> "TensorStore":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __repr__(self) -> str:
+        return f"TensorStore({self._where()}{', closed' if self._closed else ''})"
 
     @property
     def path(self) -> Path | None:
@@ -192,149 +285,182 @@ class TensorStore:
     # -- arrays ---------------------------------------------------------------------------------
 
     def create_array(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, *, chunk_rows: int | None = None) -> None:
-        """Create array ``name``; chunked along dim 0 (~16 MiB chunks by default), CRC32C per chunk."""
+        """Create array ``name``, chunked along dim 0 only (~16 MiB chunks unless ``chunk_rows``).
+
+        Creating an existing name again is a no-op when shape and dtype (and ``chunk_rows``, if
+        given) match, and an error otherwise.
+        """
         self._check_open()
+        _check_name(name)
         if dtype not in _DTYPES:
             raise StoreError(f"array {name!r}: dtype {dtype} is not supported; use one of {', '.join(n for _d, n in _DTYPES.values())}")
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s < 0 for s in shape):
-            raise StoreError(f"array {name!r}: shape {shape} must have at least one non-negative dimension")
-        if self.has_array(name):
-            info = self.array_info(name)
-            if info.shape != shape or info.dtype != dtype:
-                raise StoreError(
-                    f"array {name!r} already exists with shape {info.shape} and dtype {info.dtype}, not {shape} / {dtype}"
-                )
-            return
+        shape = _as_shape(name, shape)
+        if not shape:
+            raise StoreError(f"array {name!r}: shape must have at least one dimension (store a scalar as shape (1,))")
+        if shape[0] < 0 or any(s <= 0 for s in shape[1:]):
+            raise StoreError(f"array {name!r}: shape {shape} needs rows >= 0 and every other dimension >= 1")
+        if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+            raise StoreError(f"array {name!r}: chunk_rows must be a positive int, got {chunk_rows!r}")
         np_dt, dt_name = _DTYPES[dtype]
-        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * np_dt.itemsize)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np_dt.itemsize
         rows = chunk_rows or max(1, _CHUNK_BYTES // row_bytes)
-        rows = max(1, min(rows, max(1, shape[0])))
+        rows = max(1, min(rows, shape[0]))  # a chunk larger than the array would only waste header
         with self._meta_lock:
-            arr = self._root.create_array(
-                name,
-                shape=shape,
-                chunks=(rows, *shape[1:]),
-                dtype=np_dt,
-                serializer=BytesCodec(),
-                compressors=[Crc32cCodec()],  # a checksum codec, not compression: weights barely compress
-                fill_value=0,
-                attributes={"mtc_dtype": dt_name},
-                config={"write_empty_chunks": True},  # fresh all-zero Adam state must exist on disk
-            )
-            self._arrays[name] = arr
+            existing = self._open_array(name)
+            if existing is not None:
+                info = self._info(name, existing)
+                if info.shape != shape or info.dtype != dtype:
+                    raise StoreError(
+                        f"array {name!r} already exists with shape {info.shape} and dtype {info.dtype}; "
+                        f"cannot re-create it as shape {shape}, dtype {dtype}: use another name or a new store"
+                    )
+                if chunk_rows is not None and info.chunk_rows != rows:
+                    raise StoreError(f"array {name!r} already exists with chunk_rows {info.chunk_rows}, not {rows}")
+                return
+            try:
+                arr = self._root.create_array(
+                    name,
+                    shape=shape,
+                    chunks=(rows, *shape[1:]),
+                    dtype=np_dt,
+                    serializer=BytesCodec(),
+                    compressors=[Crc32cCodec()],  # a checksum, not compression: weights barely compress
+                    fill_value=0,
+                    attributes={"mtc_dtype": dt_name},
+                    # spelled out so `chunk_path` knows where chunk i lives: <name>/c/<i>/0/...
+                    chunk_key_encoding={"name": "default", "separator": "/"},
+                    config=_ARRAY_CONFIG,
+                )
+            except Exception as e:  # e.g. a parent of `name` is an array, or `name` is a group
+                raise StoreError(f"cannot create array {name!r} in store {self._where()}: {e}") from e
+            self._arrays[name] = arr.with_config(_ARRAY_CONFIG)
+            if self._path is not None:
+                # the new metadata files and every directory entry up to the root; fsynced in bulk
+                # at the next commit or close (one fsync per directory, not per array)
+                d = self._path.joinpath(*name.split("/"))
+                while True:
+                    self._unsynced.update({d, d / "zarr.json"})
+                    if d == self._path:
+                        break
+                    d = d.parent
 
     def has_array(self, name: str) -> bool:
         """Whether array ``name`` exists."""
-        if name in self._arrays:
-            return True
-        try:
-            self._array(name)
-            return True
-        except StoreError:
-            return False
+        self._check_open()
+        return self._open_array(name) is not None
 
     def array_names(self) -> list[str]:
-        """All array names (paths), sorted."""
+        """All array names (paths such as ``layers/0003/master/g1``), sorted."""
+        self._check_open()
         with warnings.catch_warnings():
-            # the lock, commit records, plan/ and logs/ live beside the arrays; zarr warns about them
-            warnings.simplefilter("ignore")
-            return sorted(k for k, v in self._root.members(max_depth=None) if isinstance(v, zarr.Array))
+            # the lock, commit records, plan/ and logs/ live beside the arrays and zarr warns
+            # about each ("Object at ... is not recognized as a component of a Zarr hierarchy")
+            warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+            with self._meta_lock:
+                return sorted(k for k, v in self._root.members(max_depth=None) if isinstance(v, zarr.Array))
 
     def array_info(self, name: str) -> ArrayInfo:
-        """Shape, dtype and chunking of ``name``."""
-        arr = self._array(name)
-        dtype = _BY_NAME[arr.attrs.get("mtc_dtype", "float32")]
-        shape = tuple(arr.shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype][0].itemsize
-        return ArrayInfo(name, shape, dtype, int(arr.chunks[0]), nbytes)
+        """Shape, dtype, chunk rows and byte size of array ``name``."""
+        return self._info(name, self._array(name))
 
     def total_nbytes(self) -> int:
-        """Bytes of all arrays (uncompressed)."""
+        """Bytes of all arrays, uncompressed (what they take in memory)."""
         return sum(self.array_info(n).nbytes for n in self.array_names())
 
     def chunk_path(self, name: str, chunk_index: int) -> Path | None:
-        """File holding chunk ``chunk_index`` of ``name`` (None for in-memory stores)."""
+        """File that holds chunk ``chunk_index`` of ``name``; None for an in-memory store."""
+        info = self.array_info(name)
+        if not 0 <= chunk_index < info.n_chunks:
+            raise StoreError(f"array {name!r} has chunks 0..{info.n_chunks - 1}, not {chunk_index}")
         if self._path is None:
             return None
-        info = self.array_info(name)
-        return self._path.joinpath(*name.split("/"), "c", str(chunk_index), *(["0"] * (len(info.shape) - 1)))
-
-    def _array(self, name: str) -> zarr.Array:
-        arr = self._arrays.get(name)
-        if arr is None:
-            with self._meta_lock:
-                try:
-                    arr = zarr.open_array(store=self._zstore, path=name, mode="r+")
-                except (FileNotFoundError, KeyError, ValueError, zarr.errors.NodeTypeValidationError) as e:
-                    raise StoreError(f"no array {name!r} in store {self._path or '<memory>'} ({type(e).__name__})") from None
-                self._arrays[name] = arr
-        return arr
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"store {self._path or '<memory>'} is closed")
+        return self._local_chunk_path(name, chunk_index, len(info.shape))
 
     # -- writing --------------------------------------------------------------------------------
 
-    def _as_numpy(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> np.ndarray:
-        info = self.array_info(name)
-        if tensor.dtype != info.dtype:
-            raise StoreError(f"{what} array {name!r}: dtype {tensor.dtype}, the array holds {info.dtype}; convert it first")
-        if tuple(tensor.shape) != shape:
-            raise StoreError(f"{what} array {name!r}: shape {tuple(tensor.shape)}, expected {shape}")
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dtype in _VIEW_AS:
-            t = t.view(_VIEW_AS[t.dtype])
-        return t.numpy()
-
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the whole array (shape and dtype must match exactly); durable on return."""
-        self.write_rows(name, 0, tensor, _whole=True)
+        """Write the whole array; shape and dtype must match it exactly. Durable on return."""
+        self._wait(self.write_async(name, tensor))
 
     def write_async(self, name: str, tensor: torch.Tensor) -> Future[None]:
-        """`write` on a helper thread (not an I/O worker, so chunk tasks never wait on themselves)."""
-        t = tensor.detach().to("cpu").clone() if tensor.device.type != "cpu" else tensor.detach()
-        return _in_thread(self.write, name, t)
+        """Start `write` on the I/O threads; the Future completes once the data is durable.
 
-    def write_rows(self, name: str, start_row: int, tensor: torch.Tensor, *, _whole: bool = False) -> None:
-        """Write rows [start_row, start_row + len(tensor)) of ``name``; durable on return."""
-        self._check_open()
+        Bad arguments raise at once; I/O errors arrive through the Future. A CPU tensor is not
+        copied: do not modify it before the Future is done.
+        """
         info = self.array_info(name)
-        n = info.shape[0] if _whole else int(tensor.shape[0]) if tensor.dim() else -1
-        if n < 0 or start_row < 0 or start_row + n > info.shape[0]:
-            raise StoreError(f"write to array {name!r}: rows [{start_row}, {start_row + max(n, 0)}) do not fit its {info.shape[0]} rows")
-        data = self._as_numpy(name, tensor, (n, *info.shape[1:]), "write to")
+        return self._write_rows(info, 0, tensor, whole=True)
+
+    def write_rows(self, name: str, start_row: int, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` into rows [start_row, start_row + len(tensor)) of ``name``.
+
+        The range need not be chunk-aligned: a partly covered chunk is read, patched and rewritten,
+        so two concurrent partial writes into one chunk would race (don't).
+        """
+        info = self.array_info(name)
+        self._wait(self._write_rows(info, start_row, tensor, whole=False))
+
+    def _write_rows(self, info: ArrayInfo, start_row: int, tensor: torch.Tensor, *, whole: bool) -> Future[None]:
+        self._check_open()
+        name = info.name
+        if not isinstance(tensor, torch.Tensor):
+            raise StoreError(f"write to array {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != info.dtype:
+            raise StoreError(f"write to array {name!r}: got dtype {tensor.dtype}, the array holds {info.dtype}; convert the tensor first")
+        n = int(tensor.shape[0]) if tensor.dim() else 0
+        expect = info.shape if whole else (n, *info.shape[1:])
+        if tuple(tensor.shape) != expect:
+            raise StoreError(f"write to array {name!r}: got shape {tuple(tensor.shape)}, expected {expect}")
+        _check_rows(name, "write to", start_row, n, info.shape[0])
+        t = tensor.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()
+        data = (t.view(_VIEW_AS[t.dtype]) if t.dtype in _VIEW_AS else t).numpy()
         arr = self._array(name)
-        rows = info.chunk_rows
-        tasks = []
-        for c in range(start_row // rows, -(-(start_row + n) // rows)):
-            lo, hi = max(start_row, c * rows), min(start_row + n, (c + 1) * rows)
-            tasks.append(self._pool.submit(self._write_chunk, arr, name, c, lo, hi, data[lo - start_row : hi - start_row]))
-        for t in tasks:
-            t.result()
+        jobs = [
+            functools.partial(self._write_chunk, arr, name, c, lo, hi, data[lo - start_row : hi - start_row])
+            for c, lo, hi in _chunk_spans(start_row, n, info.chunk_rows)
+        ]
+        dirs: set[Path] = set()
+        if self._path is not None and jobs:
+            # the chunk files were renamed into these directories (zarr writes temp + rename),
+            # and `c/...` may be new: their entries are only durable once the directories are fsynced
+            d = self._path.joinpath(*name.split("/"))
+            for c, _lo, _hi in _chunk_spans(start_row, n, info.chunk_rows):
+                parent = self._local_chunk_path(name, c, len(info.shape)).parent
+                while parent != d:
+                    dirs.add(parent)
+                    parent = parent.parent
+            dirs.add(d)
+        return self._run(jobs, then=lambda: [_fsync(p, directory=True) for p in sorted(dirs, reverse=True)])
 
     def _write_chunk(self, arr: zarr.Array, name: str, c: int, lo: int, hi: int, block: np.ndarray) -> None:
         try:
             arr[lo:hi] = block
         except Exception as e:
-            raise StoreError(f"writing chunk {c} of array {name!r} failed: {e}") from e
-        path = self.chunk_path(name, c)
-        if path is not None:
-            # zarr writes a chunk as temp file + rename: the data and the rename must both be durable
-            _fsync(path)
-            _fsync_dir(path.parent)
+            raise StoreError(f"writing chunk {c} of array {name!r} in store {self._where()} failed: {e}") from e
+        if self._path is not None:
+            path = self._local_chunk_path(name, c, arr.ndim)
+            try:
+                _fsync(path)
+            except OSError as e:
+                raise StoreError(f"fsync of chunk {c} of array {name!r} ({path}) failed: {e}") from e
 
     # -- reading --------------------------------------------------------------------------------
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Read the whole array into ``out`` (CPU, contiguous, exact shape and dtype)."""
-        info = self.array_info(name)
-        self.read_rows_into(name, 0, out, _expect=info.shape)
+        """Read the whole array into ``out``: a contiguous CPU tensor (pinned is fine) of its exact shape and dtype."""
+        self._wait(self.read_into_async(name, out))
 
     def read_into_async(self, name: str, out: torch.Tensor) -> Future[None]:
-        """`read_into` on a helper thread."""
-        return _in_thread(self.read_into, name, out)
+        """Start `read_into` on the I/O threads; ``out`` is complete when the Future is done."""
+        info = self.array_info(name)
+        return self._read_rows(info, 0, out, whole=True)
+
+    def read_rows_into(self, name: str, start_row: int, out: torch.Tensor) -> None:
+        """Read rows [start_row, start_row + len(out)) of ``name`` into ``out``."""
+        info = self.array_info(name)
+        self._wait(self._read_rows(info, start_row, out, whole=False))
 
     def read(self, name: str) -> torch.Tensor:
         """The whole array as a fresh CPU tensor."""
@@ -343,142 +469,328 @@ class TensorStore:
         self.read_into(name, out)
         return out
 
-    def read_rows_into(self, name: str, start_row: int, out: torch.Tensor, *, _expect: tuple[int, ...] | None = None) -> None:
-        """Read rows [start_row, start_row + len(out)) of ``name`` into ``out``, one task per chunk."""
+    def _read_rows(self, info: ArrayInfo, start_row: int, out: torch.Tensor, *, whole: bool) -> Future[None]:
         self._check_open()
-        info = self.array_info(name)
-        n = int(out.shape[0]) if out.dim() else -1
-        expect = _expect or (n, *info.shape[1:])
+        name = info.name
+        if not isinstance(out, torch.Tensor):
+            raise StoreError(f"read of array {name!r}: out must be a torch.Tensor, got {type(out).__name__}")
+        n = int(out.shape[0]) if out.dim() else 0
+        expect = info.shape if whole else (n, *info.shape[1:])
         if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != info.dtype or tuple(out.shape) != expect:
             raise StoreError(
-                f"read of array {name!r}: the out buffer must be a contiguous CPU tensor of shape {expect} and dtype "
-                f"{info.dtype}; got shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}, contiguous={out.is_contiguous()}"
+                f"read of array {name!r}: out must be a contiguous CPU tensor of shape {expect} and dtype {info.dtype}; "
+                f"got shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}, contiguous={out.is_contiguous()}"
             )
-        if start_row < 0 or start_row + n > info.shape[0]:
-            raise StoreError(f"read of array {name!r}: rows [{start_row}, {start_row + n}) exceed its {info.shape[0]} rows")
+        _check_rows(name, "read of", start_row, n, info.shape[0])
         view = (out.view(_VIEW_AS[out.dtype]) if out.dtype in _VIEW_AS else out).numpy()
         arr = self._array(name)
-        rows = info.chunk_rows
-        tasks = []
-        for c in range(start_row // rows, -(-(start_row + n) // rows)):
-            lo, hi = max(start_row, c * rows), min(start_row + n, (c + 1) * rows)
-            tasks.append(self._pool.submit(self._read_chunk, arr, name, c, lo, hi, view[lo - start_row : hi - start_row]))
-        errors = []
-        for t in tasks:
-            try:
-                t.result()
-            except StoreError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        jobs = [
+            functools.partial(self._read_chunk, arr, info, c, lo, hi, view[lo - start_row : hi - start_row])
+            for c, lo, hi in _chunk_spans(start_row, n, info.chunk_rows)
+        ]
+        return self._run(jobs)
 
-    def _read_chunk(self, arr: zarr.Array, name: str, c: int, lo: int, hi: int, dst: np.ndarray) -> None:
-        path = self.chunk_path(name, c)
-        if path is not None and not path.is_file():
-            # zarr would return the fill value (zeros) for a missing chunk: silent loss of state
-            raise StoreCorruptionError(
-                f"array {name!r} chunk {c} is missing ({path}); the store is damaged: restore it from a copy or re-import the weights"
-            )
+    def _read_chunk(self, arr: zarr.Array, info: ArrayInfo, c: int, lo: int, hi: int, dst: np.ndarray) -> None:
+        name = info.name
+        ndim = len(info.shape)
+        where = f" ({self._local_chunk_path(name, c, ndim)})" if self._path is not None else ""
+        fix = "the store is damaged: restore it from a copy, or re-import the weights into a new store"
+        if not self._chunk_exists(name, c, ndim):
+            # zarr < 3.2 would quietly return the fill value (zeros): silent loss of state
+            raise StoreCorruptionError(f"array {name!r} chunk {c} is missing{where}; {fix}")
         try:
+            # decode straight into the caller's memory (no temporary array per chunk)
             arr.get_basic_selection(slice(lo, hi), out=default_buffer_prototype().nd_buffer.from_numpy_array(dst))
-        except Exception as e:
-            where = f" ({path})" if path is not None else ""
+        except OSError as e:  # the disk failed us, not (necessarily) the data
+            raise StoreError(f"reading array {name!r} chunk {c}{where} failed: {e}") from e
+        except Exception as e:  # "Stored and computed checksum do not match", a short chunk, ...
             raise StoreCorruptionError(
-                f"array {name!r} chunk {c}{where} failed to decode or failed its CRC32C checksum ({e}); the store is damaged: "
-                "restore it from a copy or re-import the weights"
+                f"array {name!r} chunk {c}{where} failed its CRC32C checksum or could not be decoded ({e}); {fix}"
             ) from e
 
     # -- commits --------------------------------------------------------------------------------
 
     def commit(self, record: CommitRecord) -> None:
-        """Make ``record`` the store's last commit, atomically, and append it to the history."""
+        """Make ``record`` the store's last commit (atomically, durably) and append it to the history.
+
+        Array metadata created since the last commit is made durable first, so a commit never
+        refers to arrays a crash could lose.
+        """
         self._check_open()
-        if self._path is not None:
+        if not isinstance(record, CommitRecord):
+            raise StoreError(f"commit takes a CommitRecord, got {type(record).__name__}")
+        try:
             text = record.to_json()
-            tmp = self._path / "commit.json.tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path / "commit.json")
-            with open(self._path / "commits.jsonl", "a") as f:
-                f.write(text + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(self._path)
-        self._commit = record
+        except TypeError as e:
+            raise StoreError(f"commit record for step {record.step} is not JSON-serialisable: {e}") from e
+        if self._path is None:
+            self._commit = record
+            self._history.append(record)
+            return
+        self._sync_metadata()
+        tmp, final = self._path / (_COMMIT_FILE + ".tmp"), self._path / _COMMIT_FILE
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: readers see the old record or the new one, never half
+        hist = self._path / _HISTORY_FILE
+        with open(hist, "a+b") as f:
+            # a crash mid-append leaves a torn line without "\n": end it so the next record is whole
+            torn = False
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + text.encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(self._path, directory=True)  # the rename and a new history file
+        self._commit, self._commit_loaded = record, True
 
     def last_commit(self) -> CommitRecord | None:
         """The last committed record, or None before the first commit."""
+        self._check_open()
+        if not self._commit_loaded:
+            assert self._path is not None
+            f = self._path / _COMMIT_FILE
+            if f.is_file():
+                try:
+                    self._commit = CommitRecord.from_json(f.read_text())
+                except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+                    raise StoreCorruptionError(
+                        f"commit record {f} is malformed ({e}); the store's last commit cannot be read: "
+                        f"restore the store from a copy, or start a new run with --overwrite"
+                    ) from None
+            self._commit_loaded = True
         return self._commit
 
     def commit_history(self) -> list[CommitRecord]:
-        """Every commit so far (local stores; an in-memory store remembers only the last)."""
+        """Every commit so far, oldest first (for `mtc inspect`; `last_commit` is authoritative)."""
+        self._check_open()
         if self._path is None:
-            return [self._commit] if self._commit else []
-        f = self._path / "commits.jsonl"
+            return list(self._history)
+        f = self._path / _HISTORY_FILE
         if not f.is_file():
             return []
         out = []
-        for line in f.read_text().splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                out.append(CommitRecord.from_json(line))  # a torn last line (crash mid-append) is skipped
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                out.append(CommitRecord.from_json(line))
+            except (ValueError, TypeError):
+                continue  # a line torn by a crash mid-append; the history is informational
         return out
 
-    def _read_commit(self) -> CommitRecord | None:
+    # -- internals ------------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return str(self._path) if self._path is not None else "<memory>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"store {self._where()} is closed; open it again with TensorStore.open")
+
+    def _open_array(self, name: str) -> zarr.Array | None:
+        """The array ``name`` (cached), or None if there is none."""
+        arr = self._arrays.get(name)
+        if arr is not None:
+            return arr
+        with self._meta_lock:
+            if name in self._arrays:
+                return self._arrays[name]
+            try:
+                # zarr < 3.2 ignores open_array(config=...), so the runtime config is applied here
+                arr = zarr.open_array(store=self._zstore, path=name, mode="r+").with_config(_ARRAY_CONFIG)
+            except (FileNotFoundError, KeyError, NodeNotFoundError):
+                return None
+            except NodeTypeValidationError:
+                return None  # a group of that name, not an array
+            except Exception as e:
+                raise StoreCorruptionError(
+                    f"metadata of array {name!r} in store {self._where()} cannot be read ({e}); restore the store from a copy"
+                ) from e
+            self._arrays[name] = arr
+            return arr
+
+    def _array(self, name: str) -> zarr.Array:
+        self._check_open()
+        arr = self._open_array(name)
+        if arr is None:
+            raise StoreError(f"no array {name!r} in store {self._where()}; `mtc inspect --arrays` lists them")
+        return arr
+
+    def _info(self, name: str, arr: zarr.Array) -> ArrayInfo:
+        dt_name = arr.attrs.get("mtc_dtype")
+        dtype = _BY_NAME.get(dt_name) if isinstance(dt_name, str) else None
+        if dtype is None or np.dtype(arr.dtype) != _DTYPES[dtype][0]:
+            raise StoreCorruptionError(
+                f"array {name!r} in store {self._where()} has dtype attribute {dt_name!r} and stored dtype {arr.dtype}, "
+                "which do not match any mtc dtype; it was not written by mtc, or its metadata is damaged"
+            )
+        shape = tuple(int(s) for s in arr.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return ArrayInfo(name, shape, dtype, int(arr.chunks[0]), nbytes)
+
+    @staticmethod
+    def _chunk_key(name: str, c: int, ndim: int) -> str:
+        return "/".join([name, "c", str(c), *(["0"] * (ndim - 1))])
+
+    def _local_chunk_path(self, name: str, c: int, ndim: int) -> Path:
         assert self._path is not None
-        f = self._path / "commit.json"
-        if not f.is_file():
-            return None
+        return self._path.joinpath(*self._chunk_key(name, c, ndim).split("/"))
+
+    def _chunk_exists(self, name: str, c: int, ndim: int) -> bool:
+        if self._mem is not None:
+            return self._chunk_key(name, c, ndim) in self._mem
+        return self._local_chunk_path(name, c, ndim).is_file()
+
+    def _sync_metadata(self) -> None:
+        """fsync metadata files and directories created since the last call (deepest first)."""
+        with self._meta_lock:
+            pending, self._unsynced = self._unsynced, set()
+        for p in sorted(pending, key=lambda q: len(q.parts), reverse=True):
+            if p.exists():
+                _fsync(p, directory=p.is_dir())
+
+    def _mark_worker(self) -> None:
+        self._tls.worker = True
+
+    def _run(self, jobs: list[Callable[[], None]], then: Callable[[], Any] | None = None) -> Future[None]:
+        """Run ``jobs`` on the I/O pool, then ``then``; one Future for all (first chunk's error wins)."""
+        done: Future[None] = Future()
+        done.set_running_or_notify_cancel()
+        if getattr(self._tls, "worker", False):
+            # called from one of our own I/O threads: waiting on the pool here could deadlock it
+            try:
+                for job in jobs:
+                    job()
+                if then is not None:
+                    then()
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller through the Future
+                done.set_exception(e)
+            return done
+        lock = threading.Lock()
+        left = [len(jobs)]
+        errors: list[tuple[int, BaseException]] = []
+
+        def finish() -> None:
+            if errors:
+                done.set_exception(min(errors, key=lambda e: e[0])[1])
+                return
+            try:
+                if then is not None:
+                    then()
+            except OSError as e:
+                done.set_exception(StoreError(f"fsync in store {self._where()} failed: {e}"))
+                return
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller through the Future
+                done.set_exception(e)
+                return
+            done.set_result(None)
+
+        def one_done(i: int, fut: Future[None]) -> None:
+            exc = fut.exception()
+            with lock:
+                if exc is not None:
+                    errors.append((i, exc))
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                finish()
+
+        if not jobs:
+            finish()
+            return done
         try:
-            return CommitRecord.from_json(f.read_text())
-        except (ValueError, KeyError, TypeError) as e:
-            raise StoreCorruptionError(f"commit record {f} is malformed ({e}); the store's last commit cannot be read") from None
+            futs = [self._pool.submit(job) for job in jobs]
+        except RuntimeError as e:  # the pool was shut down: closed under our feet
+            raise StoreError(f"store {self._where()} is closed; open it again with TensorStore.open") from e
+        for i, f in enumerate(futs):
+            f.add_done_callback(functools.partial(one_done, i))
+        return done
+
+    @staticmethod
+    def _wait(fut: Future[None]) -> None:
+        fut.result()
 
 
-def _in_thread(fn: Any, *args: Any) -> Future[None]:
-    """Run ``fn(*args)`` on a fresh thread (not an I/O worker, so its chunk tasks never wait on
-    themselves) and return a Future for it."""
-    fut: Future[None] = Future()
+def _chunk_spans(start: int, n: int, rows: int) -> list[tuple[int, int, int]]:
+    """(chunk index, first row, end row) of every chunk that rows [start, start + n) touch."""
+    return [(c, max(start, c * rows), min(start + n, (c + 1) * rows)) for c in range(start // rows, -(-(start + n) // rows))]
 
-    def run() -> None:
-        try:
-            fn(*args)
-            fut.set_result(None)
-        except BaseException as e:
-            fut.set_exception(e)
 
-    threading.Thread(target=run, name="mtc-store-async", daemon=True).start()
-    return fut
+def _check_rows(name: str, what: str, start: int, n: int, total: int) -> None:
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start + n > total:
+        raise StoreError(f"{what} array {name!r}: rows [{start}, {start}+{n}) do not fit its {total} rows")
+
+
+def _as_shape(name: str, shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints: torch.Size and numpy integers are fine, floats and bools are not."""
+    try:
+        dims = tuple(shape)
+        if any(isinstance(s, bool) for s in dims):
+            raise TypeError
+        return tuple(operator.index(s) for s in dims)
+    except TypeError:
+        raise StoreError(f"array {name!r}: shape must be a tuple of ints, got {shape!r}") from None
+
+
+def _check_threads(io_threads: int) -> None:
+    if not isinstance(io_threads, int) or io_threads < 1:
+        raise StoreError(f"io_threads must be a positive int, got {io_threads!r}")
+
+
+def _check_name(name: str) -> None:
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or not all(_NAME_PART.fullmatch(p) for p in parts) or parts[0] in _RESERVED:
+        raise StoreError(
+            f"bad array name {name!r}: use '/'-separated parts of letters, digits, '_', '-', '.', "
+            f"not starting with '.', e.g. 'layers/0003/master/g1' (reserved: {', '.join(sorted(_RESERVED))})"
+        )
+
+
+def _is_mtc_store(p: Path) -> bool:
+    try:
+        return json.loads((p / "zarr.json").read_text()).get("attributes", {}).get(_MARKER) is not None
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _lock(path: Path) -> int:
-    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    """Take the exclusive lock of store ``path``; return the lock file's descriptor."""
+    # O_CLOEXEC: a subprocess the trainer starts must not inherit (and so keep) the lock
+    fd = os.open(path / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
+        # flock locks belong to the open file description, so a second handle in this same
+        # process conflicts too, as it should (two handles would interleave writes)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         finally:
             os.close(fd)
+        who = f"this process (pid {holder}) through another open handle" if holder == str(os.getpid()) else f"pid {holder}"
         raise StoreLockedError(
-            f"store {path} is in use by another run (pid {holder}); stop that run or use another store directory"
+            f"store {path} is locked by {who}; stop the other run (or close the other handle), or use another store directory"
         ) from None
+    except OSError as e:
+        os.close(fd)
+        raise StoreError(f"cannot lock store {path} ({e}); put the store on a local filesystem that supports flock") from e
     os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _unlock(fd: int) -> None:
     try:
-        os.fsync(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: Path | str, *, directory: bool = False) -> None:
+    """fsync a file or directory by path (fsync through a read-only descriptor is enough on Linux)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
