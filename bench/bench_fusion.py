@@ -1,0 +1,177 @@
+"""One transformer layer, forward + backward: unfused ATen template vs mtc fused vs torch.compile.
+
+Side by side, same inputs: a traced block template run eagerly under autograd (what `--unfused`
+plans do), mtc's compiled joint graph (generated kernels, recompute + backward in one call), and
+torch.compile of the same template. Reports median ms, TFLOP/s (matmul + attention FLOPs, x3 for
+forward + backward), kernel counts, peak memory; one JSON record per architecture.
+
+    python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
+    python bench/bench_fusion.py --arch qwen2 gpt2
+    python bench/bench_fusion.py --smoke         # CPU: tiny shapes, fp32, Triton interpreter (correctness, not speed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel import: the CPU smoke run needs the interpreter
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_record  # noqa: E402
+
+from mtc.compiler import compile_template  # noqa: E402
+from mtc.models import build  # noqa: E402
+from mtc.tracer import trace  # noqa: E402
+
+REAL = {
+    "llama": ("8b", dict(n_layers=1)),
+    "qwen2": ("qwen2-tiny", dict(n_layers=1, vocab_size=32000, dim=3584, n_heads=28, n_kv_heads=4, ffn_dim=18944, max_seq_len=8192)),
+    "gpt2": ("gpt2-tiny", dict(n_layers=1, vocab_size=50257, dim=1600, n_heads=25, max_seq_len=8192)),
+}
+SMOKE = {
+    "llama": ("tiny", dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160)),
+    "qwen2": ("qwen2-tiny", dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160)),
+    "gpt2": ("gpt2-tiny", dict(n_layers=1, dim=64, n_heads=4)),
+}
+
+
+def _time(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _peak(fn, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def layer_flops(block, tokens: int) -> float:
+    """Matmul + causal attention FLOPs of one block, forward + backward (3x forward)."""
+    mats = sum(math.prod(i.spec.shape) for i in block.inputs if i.kind == "param" and len(i.spec.shape) == 2)
+    dim = block.inputs[0].spec.shape[-1]
+    return 3 * (2 * tokens * mats + 2 * tokens * tokens * dim)  # QK^T and PV, causal half each
+
+
+def run(arch: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool) -> dict:
+    """Benchmark one architecture's block; returns the record."""
+    name, over = (SMOKE if smoke else REAL)[arch]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    with torch.device("meta"):
+        model = build(name, **over).to(dtype)
+    prog = trace(model, 1, seq)
+    block = prog.templates[prog.layers[1].template]
+    call = prog.layers[1]
+    torch.manual_seed(0)
+    args = []
+    for inp in block.inputs:
+        src = call.bindings[inp.name]
+        shape, dt = inp.spec.shape, inp.spec.torch_dtype
+        if src.kind == "param":
+            t = torch.randn(shape, device=device, dtype=dt) * (0.02 if len(shape) == 2 else 1.0)
+        else:
+            t = torch.randn(shape, device=device, dtype=dt)
+        args.append(t)
+    diff = [k for k, i in enumerate(block.inputs) if i.kind in ("carry", "param")]
+    gm = block.module(device)
+    gout = torch.randn(block.inputs[0].spec.shape, device=device, dtype=dtype)
+
+    def unfused():
+        xs = [a.detach().requires_grad_(k in diff) for k, a in enumerate(args)]
+        out = gm(*xs)[0]
+        return torch.autograd.grad(out, [xs[k] for k in diff], gout)
+
+    t0 = time.perf_counter()
+    ct = compile_template(block, Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-")))
+    compile_s = time.perf_counter() - t0
+    joint = ct.module("joint", device)
+
+    def fused():
+        with torch.no_grad():
+            return joint(*args, gout)
+
+    # correctness before speed: the fused gradients must match the unfused ones
+    want, got = unfused(), fused()[1:]
+    rel = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True))
+
+    variants = {"unfused": unfused, "mtc_fused": fused}
+    if use_compile:
+        cgm = torch.compile(gm)
+
+        def compiled():
+            xs = [a.detach().requires_grad_(k in diff) for k, a in enumerate(args)]
+            return torch.autograd.grad(cgm(*xs)[0], [xs[k] for k in diff], gout)
+
+        variants["torch_compile"] = compiled
+    flops = layer_flops(block, seq)
+    rec: dict = {"arch": arch, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
+                 "max_rel_grad_diff_fused_vs_unfused": rel, "flops_fwd_bwd": flops,
+                 # launches for forward + backward: the joint graph holds both (ATen ops unfused, kernels fused)
+                 "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
+                             "torch_compile": None},
+                 "results": {}}
+    for vname, fn in variants.items():
+        ts = _time(fn, device, warmup, reps)
+        med = statistics.median(ts)
+        rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
+    r = rec["results"]
+    rec["fused_speedup_vs_unfused"] = r["unfused"]["median_ms"] / r["mtc_fused"]["median_ms"]
+    if "torch_compile" in r:
+        rec["fused_speedup_vs_torch_compile"] = r["torch_compile"]["median_ms"] / r["mtc_fused"]["median_ms"]
+    return rec
+
+
+def main() -> None:
+    """Parse, run each architecture, print a table, write JSON records."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", nargs="+", default=["llama", "qwen2", "gpt2"], choices=list(REAL))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks, not speed")
+    ap.add_argument("--seq", type=int, help="tokens (default 8192; 16 with --smoke)")
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--no-torch-compile", action="store_true")
+    a = ap.parse_args()
+    device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if not a.smoke and device.type != "cuda":
+        ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
+    seq = a.seq or (16 if a.smoke else 8192)
+    warmup, reps = a.warmup or (1 if a.smoke else 3), a.reps or (3 if a.smoke else 10)
+    print(f"{'arch':6s} {'variant':14s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
+    for arch in a.arch:
+        rec = run(arch, a.smoke, device, seq, warmup, reps, not a.no_torch_compile)
+        for v, r in rec["results"].items():
+            peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] is not None else "      n/a"
+            print(f"{arch:6s} {v:14s} {r['median_ms']:10.2f} {r['tflops']:8.2f} {peak}")
+        extra = f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x" if "fused_speedup_vs_torch_compile" in rec else ""
+        print(f"{arch:6s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
+              f"max rel grad diff {rec['max_rel_grad_diff_fused_vs_unfused']:.1e}")
+        print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
+
+
+if __name__ == "__main__":
+    main()
