@@ -25,6 +25,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0
+    update_on: str = "host"  # "host": torch ops on the CPU; "device": the fused AdamW kernel on the run's device
 
     def validate(self) -> None:
         """Raise ConfigError for values AdamW cannot use."""
@@ -34,6 +35,8 @@ class OptimConfig:
             raise ConfigError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.eps <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and eps > 0")
+        if self.update_on not in ("host", "device"):
+            raise ConfigError(f"update_on must be 'host' or 'device', got {self.update_on!r}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ConfigError(f"clip_norm must be positive or null (no clipping), got {self.clip_norm}")
 

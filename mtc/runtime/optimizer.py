@@ -47,6 +47,7 @@ class HostAdamW:
         *,
         compute_dtype: torch.dtype | None = None,
         workers: int = 1,
+        kernel_device: torch.device | None = None,
     ) -> None:
         self.program, self.store, self.cfg = program, store, cfg
         self.compute_dtype = compute_dtype if compute_dtype not in (None, torch.float32) else None
@@ -60,6 +61,9 @@ class HostAdamW:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-adamw")
         self._lock = threading.Lock()
         self._step: int | None = None
+        # Where the fused AdamW kernel runs (None: torch ops on the host). On CUDA this is the
+        # GPU-side update option: the layer's state crosses PCIe, the update is one kernel pass.
+        self.kernel_device = kernel_device
 
     def begin_step(self, step: int, lr: float, read_gen: int, write_gen: int) -> None:
         """Start optimizer step ``step`` (0-based): reads generation read_gen, writes write_gen."""
@@ -121,6 +125,9 @@ class HostAdamW:
         names = {k: state_array_name(layer, k, self._rgen) for k in ("master", "m", "v")}
         param, exp_avg, exp_avg_sq = (self.store.read(names[k]) for k in ("master", "m", "v"))
         grad = self._acc[layer]
+        if self.kernel_device is not None:
+            self._update_with_kernel(layer, param, exp_avg, exp_avg_sq, grad, coef, step)
+            return
         if coef is not None:
             grad.mul_(coef)
         lr = self._lr
@@ -141,6 +148,20 @@ class HostAdamW:
         self.store.write(state_array_name(layer, "v", w), exp_avg_sq)
         if self.compute_dtype is not None:
             self.store.write(state_array_name(layer, "compute", w), param.to(self.compute_dtype))
+
+    def _update_with_kernel(self, layer: int, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                            grad: torch.Tensor, coef: torch.Tensor | None, step: int) -> None:
+        from mtc.kernels.adamw import adamw_step_  # Triton: only imported when this option is used
+
+        cfg, dev = self.cfg, self.kernel_device
+        p, m, v, g = (t.to(dev) for t in (param, exp_avg, exp_avg_sq, grad))
+        copy = torch.empty(p.shape, dtype=self.compute_dtype, device=dev) if self.compute_dtype is not None else None
+        adamw_step_(p, g, m, v, lr=self._lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                    step=step, decay_numel=self._decay[layer], grad_scale=float(coef) if coef is not None else 1.0,
+                    compute_copy=copy)
+        w = self._wgen
+        for kind, t in (("master", p), ("m", m), ("v", v)) + ((("compute", copy),) if copy is not None else ()):
+            self.store.write(state_array_name(layer, kind, w), t.cpu())
 
     def close(self) -> None:
         """Stop the worker threads."""

@@ -180,7 +180,8 @@ def train(
         device = torch.device(cfg.device)
         compiled = _compile(cfg, program, st)
         executor = StreamingExecutor(program, st, device=device, compiled=compiled)
-        opt = HostAdamW(program, st, cfg.optim, compute_dtype=getattr(torch, cfg.compute_dtype))
+        opt = HostAdamW(program, st, cfg.optim, compute_dtype=getattr(torch, cfg.compute_dtype),
+                        kernel_device=device if cfg.optim.update_on == "device" else None)
         step, gen, cursor = last.step, last.generation, last.data_cursor
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         losses: list[float] = []

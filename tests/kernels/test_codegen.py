@@ -92,3 +92,26 @@ def test_row_kernel_handles_ragged_rows_and_strided_inputs(tmp_path):
     got = kern(*[vals[i] for i in group.inputs])
     for o, t in zip(group.outputs, got, strict=True):
         torch.testing.assert_close(t, vals[o], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_real_shape_llama_groups_bf16_on_gpu(tmp_path):
+    # every generated group of an 8B-shaped block (bf16, 2048 tokens) against ATen on the GPU
+    with torch.device("meta"):
+        model = Llama(preset("8b", n_layers=1)).to(torch.bfloat16)
+    prog = trace(model, 1, 2048)
+    block = prog.templates[prog.layers[1].template]
+    checked = 0
+    for g in (forward_graph(block), joint_graph(block)[0]):
+        for group in partition(g.graph).groups:
+            try:
+                kern = compile_group(group, tmp_path)
+            except CodegenError:
+                continue
+            inputs = [_random_like(i).cuda() for i in group.inputs]
+            want = _run_aten(group, inputs)
+            got = kern(*inputs)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+            checked += 1
+    assert checked > 20
