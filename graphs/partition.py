@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mtc.graphs.program import Template
+from mtc.graphs.program import Template, external_inputs
 
 __all__ = ["FusionGroup", "Partition", "joint_graph", "forward_graph", "partition", "classify"]
 
@@ -227,11 +227,7 @@ def partition(graph: fx.Graph) -> Partition:
     groups = []
     for gid, ms in members.items():
         inside = set(ms)
-        ins: list[fx.Node] = []
-        for m in ms:
-            for a in m.all_input_nodes:
-                if a not in inside and a not in ins:
-                    ins.append(a)
+        ins = external_inputs(ms)
         outs = [m for m in ms if any(u not in inside for u in m.users)]
         groups.append(FusionGroup(ms, ins, outs, shape_of[gid], any(m.target in REDUCTIONS for m in ms)))
     groups.sort(key=lambda g: order[g.nodes[0]])

@@ -32,6 +32,9 @@ __all__ = [
     "COMPUTE_DEVICE",
     "dtype_name",
     "dtype_from_name",
+    "devices_to_marker",
+    "instantiate",
+    "external_inputs",
 ]
 
 InputKind = Literal["carry", "aux", "batch", "param", "const"]
@@ -119,16 +122,7 @@ class Template:
         key = str(torch.device(device))
         gm = self._modules.get(key)
         if gm is None:
-            g = fx.Graph()
-            env: dict[fx.Node, fx.Node] = {}
-            dev = torch.device(device)
-            for node in self.graph.nodes:
-                new = g.node_copy(node, lambda n: env[n])
-                new.args = _bind_device(new.args, dev)
-                new.kwargs = _bind_device(new.kwargs, dev)
-                env[node] = new
-            gm = fx.GraphModule(torch.nn.Module(), g)
-            self._modules[key] = gm
+            gm = self._modules[key] = instantiate(self.graph, device)
         return gm
 
     def count_ops(self) -> int:
@@ -140,16 +134,43 @@ class Template:
         return [i.name for i in self.inputs if i.kind == kind]
 
 
-def _bind_device(arg: Any, dev: torch.device) -> Any:
-    if isinstance(arg, str) and arg == COMPUTE_DEVICE:
-        return dev
-    if isinstance(arg, tuple):
-        return tuple(_bind_device(a, dev) for a in arg)
-    if isinstance(arg, list):
-        return [_bind_device(a, dev) for a in arg]
+def _map_devices(arg: Any, fn: Any) -> Any:
+    if isinstance(arg, torch.device) or (isinstance(arg, str) and arg == COMPUTE_DEVICE):
+        return fn(arg)
+    if isinstance(arg, (tuple, list)):
+        return type(arg)(_map_devices(a, fn) for a in arg)
     if isinstance(arg, dict):
-        return {k: _bind_device(v, dev) for k, v in arg.items()}
+        return {k: _map_devices(v, fn) for k, v in arg.items()}
     return arg
+
+
+def devices_to_marker(arg: Any) -> Any:
+    """Replace every torch.device inside a node's args/kwargs by the COMPUTE_DEVICE marker."""
+    return _map_devices(arg, lambda _d: COMPUTE_DEVICE)
+
+
+def instantiate(graph: fx.Graph, device: torch.device | str) -> fx.GraphModule:
+    """A runnable copy of ``graph`` with every device argument (or marker) bound to ``device``."""
+    dev = torch.device(device)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        new = g.node_copy(node, lambda n: env[n])
+        new.args = _map_devices(new.args, lambda _d: dev)
+        new.kwargs = _map_devices(new.kwargs, lambda _d: dev)
+        env[node] = new
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Values that ``nodes`` read but do not compute, in first-use order."""
+    inside = set(nodes)
+    ext: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                ext.setdefault(a)
+    return list(ext)
 
 
 def _canon_arg(arg: Any, index: dict[fx.Node, int]) -> Any:

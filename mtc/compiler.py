@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_graph, partition
-from mtc.graphs.program import COMPUTE_DEVICE, Program, Template
+from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
 
 __all__ = ["GraphReport", "CompiledTemplate", "compile_template", "compile_program", "cache_key", "format_report", "write_report"]
@@ -55,28 +55,8 @@ class CompiledTemplate:
         key = (which, str(torch.device(device)))
         gm = self._modules.get(key)
         if gm is None:
-            src = self.forward_graph if which == "forward" else self.joint_graph
-            dev = torch.device(device)
-            g = fx.Graph()
-            env: dict[fx.Node, fx.Node] = {}
-            for n in src.nodes:
-                new = g.node_copy(n, lambda x: env[x])
-                new.args = _bind(new.args, dev)
-                new.kwargs = _bind(new.kwargs, dev)
-                env[n] = new
-            gm = fx.GraphModule(torch.nn.Module(), g)
-            self._modules[key] = gm
+            gm = self._modules[key] = instantiate(self.forward_graph if which == "forward" else self.joint_graph, device)
         return gm
-
-
-def _bind(arg: Any, dev: torch.device) -> Any:
-    if isinstance(arg, torch.device) or (isinstance(arg, str) and arg == COMPUTE_DEVICE):
-        return dev
-    if isinstance(arg, (tuple, list)):
-        return type(arg)(_bind(a, dev) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _bind(v, dev) for k, v in arg.items()}
-    return arg
 
 
 def cache_key() -> str:
@@ -174,18 +154,8 @@ def _item(t: tuple[torch.Tensor, ...], j: int) -> torch.Tensor:
 
 def _devices_to_marker(graph: fx.Graph) -> None:
     for n in graph.nodes:
-        n.args = _to_marker(n.args)
-        n.kwargs = _to_marker(n.kwargs)
-
-
-def _to_marker(arg: Any) -> Any:
-    if isinstance(arg, torch.device):
-        return COMPUTE_DEVICE
-    if isinstance(arg, (tuple, list)):
-        return type(arg)(_to_marker(a) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _to_marker(v) for k, v in arg.items()}
-    return arg
+        n.args = devices_to_marker(n.args)
+        n.kwargs = devices_to_marker(n.kwargs)
 
 
 def compile_template(t: Template, cache_dir: str | Path) -> CompiledTemplate:

@@ -25,7 +25,6 @@ from torch.export.graph_signature import InputKind
 
 from mtc.errors import TraceError
 from mtc.graphs.program import (
-    COMPUTE_DEVICE,
     LayerCall,
     ParamSpec,
     Program,
@@ -33,7 +32,9 @@ from mtc.graphs.program import (
     Template,
     TemplateInput,
     TensorSpec,
+    devices_to_marker,
     dtype_name,
+    external_inputs,
 )
 
 __all__ = ["trace", "find_blocks", "LossModel"]
@@ -180,18 +181,6 @@ def _spec(node: fx.Node) -> TensorSpec:
     return TensorSpec.of(val)
 
 
-def _device_to_marker(arg: Any) -> Any:
-    if isinstance(arg, torch.device):
-        return COMPUTE_DEVICE
-    if isinstance(arg, tuple):
-        return tuple(_device_to_marker(a) for a in arg)
-    if isinstance(arg, list):
-        return [_device_to_marker(a) for a in arg]
-    if isinstance(arg, dict):
-        return {k: _device_to_marker(v) for k, v in arg.items()}
-    return arg
-
-
 def _extract(
     kind: str,
     nodes: list[fx.Node],
@@ -202,14 +191,7 @@ def _extract(
 
     Returns the template, the external input nodes (first-use order) and their (kind, role).
     """
-    inside = set(nodes)
-    ext: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in seen:
-                seen.add(a)
-                ext.append(a)
+    ext = external_inputs(nodes)
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[TemplateInput] = []
@@ -229,8 +211,8 @@ def _extract(
         kinds.append((ikind, role))
     for n in nodes:
         new = g.node_copy(n, lambda x: env[x])
-        new.args = _device_to_marker(new.args)
-        new.kwargs = _device_to_marker(new.kwargs)
+        new.args = devices_to_marker(new.args)
+        new.kwargs = devices_to_marker(new.kwargs)
         env[n] = new
     g.output(tuple(env[o] for o in outputs))
     g.lint()
@@ -346,9 +328,9 @@ def trace(
     # place where block 1 consumes block 0's output (same template), else the one shaped like the
     # block output that depends on a parameter.
     carry0: fx.Node | None = None
-    ext0 = _ext_inputs(nodes_of[0])
+    ext0 = external_inputs(nodes_of[0])
     if n_blocks >= 2:
-        ext1 = _ext_inputs(nodes_of[1])
+        ext1 = external_inputs(nodes_of[1])
         if len(ext0) == len(ext1) and block_out[0] in ext1:
             carry0 = ext0[ext1.index(block_out[0])]
     if carry0 is None:
@@ -440,16 +422,6 @@ def trace(
         meta={"blocks": blocks_path, "param_dtype": dtype_name(first.dtype)},
         constant_values=const_values,
     )
-
-
-def _ext_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
-    inside = set(nodes)
-    ext: list[fx.Node] = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in ext:
-                ext.append(a)
-    return ext
 
 
 def _depends_on_param(node: fx.Node, ph_source: dict[fx.Node, Source]) -> bool:
