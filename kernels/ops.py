@@ -47,6 +47,8 @@ def attention_backward(
             grad, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
         return dq, dk, dv
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_backward_cuda(grad, q, k, v, is_causal, scale, rep)
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     qf, g = q.float(), grad.float()
@@ -66,6 +68,24 @@ def attention_backward(
         dk = dk.view(B, H // rep, rep, S, D).sum(2)
         dv = dv.view(B, H // rep, rep, S, dv.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _flash_backward_cuda(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float, rep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA, half precision: torch's flash-attention forward (for out and logsumexp) and backward,
+    so memory stays O(T) at long context. Grouped KV heads are expanded, then summed back."""
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out, lse, cq, ck, mq, mk, rng, unused, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, is_causal, rng, unused, scale=scale
+    )
+    if rep > 1:
+        B, H, S, D = dk.shape
+        dk = dk.view(B, H // rep, rep, S, D).sum(2)
+        dv = dv.view(B, H // rep, rep, S, dv.shape[-1]).sum(2)
+    return dq, dk, dv
 
 
 @attention_backward.register_fake

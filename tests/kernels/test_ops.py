@@ -25,3 +25,19 @@ def test_attention_matches_sdpa(shape, kv_heads, causal):
     want = torch.autograd.grad(ref, (q, k, v), g)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_attention_backward_bf16_cuda_long_context():
+    B, H, KV, T, D = 1, 32, 8, 4096, 128
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, KV, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, KV, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = attention(q, k, v, True, D**-0.5)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(4, 1), vf.repeat_interleave(4, 1), is_causal=True)
+    want = torch.autograd.grad(ref, (qf, kf, vf), g.float())
+    for a, b in zip(got, want, strict=True):
+        assert ((a.float() - b).norm() / b.norm()).item() < 2e-2
