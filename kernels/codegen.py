@@ -169,12 +169,19 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
         }
         out_off = f"row * {N} + cols"
     names: dict[fx.Node, str] = {}
-    scalar: set[fx.Node] = set()  # per-row values (reduction results and what only they feed)
+    scalar: set[fx.Node] = set()  # per-row values (reductions, per-row inputs, and what only they feed)
     for i, inp in enumerate(group.inputs):
         names[inp] = f"x{i}"
         # masked lanes load 1.0, not 0: keeps rsqrt/log/div of padding finite (reductions mask them)
         other = "0" if _dtype(inp) in (torch.bool, torch.int64, torch.int32) else "1.0"
         cast = "" if _dtype(inp) == torch.bool else ".to(tl.float32)"
+        shp = _shape(inp)
+        if mode == "row" and (not shp or shp[-1] == 1) and S[-1] != 1:
+            # a per-row input (…, 1): one scalar per row, so values computed from it stay per-row
+            row_idx = " + ".join([f"i{d} * s{i}_{d}" for d in range(R - 1)]) or "0"
+            body.append(f"x{i} = tl.load({ins[i]} + ({row_idx})){cast}")
+            scalar.add(inp)
+            continue
         body.append(f"x{i} = tl.load({ins[i]} + ({idx[i]}), mask=mask, other={other}){cast}")
 
     def v(a: Any) -> str:
