@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mtc.graphs.program import Template, external_inputs
+from mtc.graphs.rewrite import use_linear_cross_entropy
 
 __all__ = ["FusionGroup", "Partition", "joint_graph", "forward_graph", "partition", "classify"]
 
@@ -53,7 +54,11 @@ ANCHORS = {
     aten._scaled_dot_product_cudnn_attention_backward.default,
     aten.scaled_dot_product_attention.default,
 }
-_MTC_ANCHORS = ("mtc.attention.default", "mtc.attention_backward.default")
+_MTC_ANCHORS = (
+    "mtc.attention.default", "mtc.attention_backward.default",
+    "mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default",
+    "mtc.linear_cross_entropy_loss.default", "mtc.linear_cross_entropy_fwd_bwd.default",
+)
 VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
@@ -292,8 +297,9 @@ def _use_mtc_attention(node: fx.Node) -> None:
     node.kwargs = {}
 
 
-def _lowerable(t: Template) -> fx.GraphModule:
-    """The template on the meta device with SDPA swapped for mtc::attention.
+def _lowerable(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
+    """The template on the meta device with SDPA swapped for mtc::attention and the head's
+    linear + cross-entropy for the fused kernel (graphs/rewrite.py).
 
     Templates keep ATen SDPA so eager execution is bit-identical to the user's module; only the
     lowered graphs (what kernels are generated from) use the op that stays whole.
@@ -304,6 +310,8 @@ def _lowerable(t: Template) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.target is aten.scaled_dot_product_attention.default:
             _use_mtc_attention(node)
+    if hand_tuned:  # the head's loss: logits are never materialised
+        use_linear_cross_entropy(gm)
     gm.recompile()
     return gm
 
@@ -343,16 +351,17 @@ def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepd
     return var, mean
 
 
-def forward_graph(t: Template) -> fx.GraphModule:
-    """The template's forward lowered to core ATen, traced on meta tensors."""
-    gm = _lowerable(t)
+def forward_graph(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
+    """The template's forward lowered to core ATen, traced on meta tensors (``hand_tuned``: with
+    the patterns graphs/rewrite.py swaps for hand-tuned kernels swapped)."""
+    gm = _lowerable(t, hand_tuned)
     return make_fx(lambda *xs: gm(*xs), decomposition_table=_decomps())(*_meta_inputs(t))
 
 
-def joint_graph(t: Template) -> tuple[fx.GraphModule, list[int]]:
+def joint_graph(t: Template, hand_tuned: bool = True) -> tuple[fx.GraphModule, list[int]]:
     """``(inputs..., grad_out) -> (outputs..., grads)`` in core ATen, and the input indices the
     grads are for (carry and params: what the executor needs)."""
-    gm = _lowerable(t)
+    gm = _lowerable(t, hand_tuned)
     diff = [k for k, i in enumerate(t.inputs) if i.kind in ("carry", "param")]
 
     def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -466,9 +466,9 @@ def _flash_attn_bwd(
     B, H, T, D = q.shape
     H_KV = k.shape[1]
     do = do.to(q.dtype)  # autograd may hand a grad of another dtype; the half matmuls need q's
-    dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H_KV, T, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, H_KV, T, D), dtype=v.dtype, device=v.device)
+    # gradients take their input's layout (as autograd's do), so graphs traced against the
+    # reference op can view them the same way; the kernels write through any strides
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
     block_d = max(16, triton.next_power_of_2(D))
@@ -517,7 +517,7 @@ def _flash_attention_bwd_op(
 
 @_flash_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):  # noqa: ANN001, ANN202
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 class FlashAttentionFunction(torch.autograd.Function):

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_graph, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
+from mtc.graphs.rewrite import use_flash_attention
 from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
 
 __all__ = ["GraphReport", "CompiledTemplate", "compile_template", "compile_program", "cache_key", "format_report", "write_report"]
@@ -36,6 +37,7 @@ class GraphReport:
     generated: int
     fallbacks: dict[str, int]
     not_generated: dict[str, int]
+    hand_tuned: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,7 +71,9 @@ def cache_key() -> str:
     return f"torch{torch.__version__}-triton{triton.__version__}-{cap}".replace("+", "_")
 
 
-def _fuse(gm: fx.GraphModule, cache_dir: Path) -> tuple[fx.Graph, GraphReport]:
+def _fuse(gm: fx.GraphModule, cache_dir: Path, unfused_ops: int | None = None) -> tuple[fx.Graph, GraphReport]:
+    """Generate and splice a kernel per fusion group; ``unfused_ops``: the ATen op count of the
+    graph without hand-tuned swaps (the report compares against what unfused execution runs)."""
     p: Partition = partition(gm.graph)
     kernels: dict[int, FusedKernel] = {}
     skipped: Counter[str] = Counter()
@@ -80,12 +84,14 @@ def _fuse(gm: fx.GraphModule, cache_dir: Path) -> tuple[fx.Graph, GraphReport]:
             skipped[str(e).split(":")[0][:60]] += 1
     graph = _splice(gm.graph, [(p.groups[i], k) for i, k in kernels.items()])
     report = GraphReport(
-        aten_ops=p.aten_ops(),
+        aten_ops=p.aten_ops() if unfused_ops is None else unfused_ops,
         kernels=p.kernels() + sum(len(p.groups[i].nodes) - 1 for i in range(len(p.groups)) if i not in kernels),
         groups=len(p.groups),
         generated=len(kernels),
         fallbacks=dict(p.fallback_ops()),
         not_generated=dict(skipped),
+        hand_tuned=dict(Counter(str(n.target).removeprefix("mtc.").removesuffix(".default")
+                                for n in p.anchors if str(n.target).startswith("mtc."))),
     )
     return graph, report
 
@@ -165,9 +171,18 @@ def compile_template(t: Template, cache_dir: str | Path) -> CompiledTemplate:
     joint, diff = joint_graph(t)
     for g in (fwd.graph, joint.graph):
         _devices_to_marker(g)
-    fg, frep = _fuse(fwd, cache)
-    jg, jrep = _fuse(joint, cache)
+        use_flash_attention(g)
+    unfused_f = unfused_j = None
+    if _swapped_linear_ce(fwd.graph):  # count what the head runs without the fused loss
+        unfused_f = partition(forward_graph(t, hand_tuned=False).graph).aten_ops()
+        unfused_j = partition(joint_graph(t, hand_tuned=False)[0].graph).aten_ops()
+    fg, frep = _fuse(fwd, cache, unfused_f)
+    jg, jrep = _fuse(joint, cache, unfused_j)
     return CompiledTemplate(t.id, fg, jg, diff, frep, jrep)
+
+
+def _swapped_linear_ce(graph: fx.Graph) -> bool:
+    return any(str(n.target).startswith("mtc.linear_cross_entropy") for n in graph.nodes)
 
 
 def compile_program(program: Program, cache_dir: str | Path) -> dict[str, CompiledTemplate]:
@@ -183,6 +198,9 @@ def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> st
         calls = sum(1 for c in program.layers if c.template == tid)
         f, b = ct.forward_report, ct.backward_report
         lines.append(f"{tid:26s} {calls:5d} {f.aten_ops:12d} {f.kernels:11d} {b.aten_ops:12d} {b.kernels:11d}")
+        ht = Counter(f.hand_tuned) + Counter(b.hand_tuned)
+        if ht:
+            lines.append("    hand-tuned kernels: " + ", ".join(f"{k} x{v}" for k, v in sorted(ht.items())))
         fb = Counter(f.fallbacks) + Counter(b.fallbacks)
         if fb:
             lines.append("    on ATen (no generated kernel): " + ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(fb.items())))

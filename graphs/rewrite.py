@@ -1,0 +1,180 @@
+"""Graph rewrites that swap a multi-op pattern for one of mtc's hand-tuned kernels.
+
+* ``use_linear_cross_entropy`` (template level, before lowering): ``linear -> reshape/upcast ->
+  cross_entropy`` becomes one call of the fused linear + cross-entropy, so the (N, V) logits are
+  never materialised and the loss's gradient is computed in its forward;
+* ``use_flash_attention`` (lowered graphs): ``mtc::attention`` and its backward become the Triton
+  flash-attention forward and backward; the backward reuses the forward's output and logsumexp
+  when the joint graph has both, so attention is not recomputed twice.
+
+Each rewrite checks every condition the kernel needs and leaves the pattern alone otherwise (it
+then runs as ATen, and the compile report shows it). Graph surgery only: no I/O, no devices.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = ["use_linear_cross_entropy", "use_flash_attention", "FLASH_MAX_HEAD_DIM"]
+
+aten = torch.ops.aten
+FLASH_MAX_HEAD_DIM = 128  # kernels/flash_attention.py holds a (BLOCK, D) tile in registers
+_PASS_THROUGH = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.contiguous.default}
+_CE_DEFAULTS = (None, 1, -100, 0.0)  # weight, reduction (1 = mean), ignore_index, label_smoothing
+
+
+def _val(node: object) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _ce_args(ce: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(logits, targets, ignore_index) of a mean, unweighted, unsmoothed cross_entropy_loss."""
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    bound = dict(zip(names, _CE_DEFAULTS))
+    bound.update(zip(names, ce.args[2:]))
+    bound.update(ce.kwargs)
+    if bound["weight"] is not None or bound["reduction"] != 1 or bound["label_smoothing"] not in (0, 0.0):
+        return None
+    return ce.args[0], ce.args[1], int(bound["ignore_index"])
+
+
+def _upcast_only(node: fx.Node) -> bool:
+    """A dtype conversion that only widens to fp32 (the `.float()` before the loss)."""
+    if node.target is aten.to.dtype:
+        dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    elif node.target is aten._to_copy.default:
+        if set(node.kwargs) - {"dtype"}:
+            return False
+        dtype = node.kwargs.get("dtype")
+    else:
+        return False
+    return dtype == torch.float32
+
+
+def _linear_behind(logits: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """Walk back from the loss's logits through single-use reshapes and an fp32 upcast to a linear."""
+    chain: list[fx.Node] = []
+    n = logits
+    while n.op == "call_function" and (n.target in _PASS_THROUGH or _upcast_only(n)):
+        if len(n.users) != 1:
+            return None
+        chain.append(n)
+        n = n.args[0]
+    if n.op != "call_function" or n.target is not aten.linear.default or len(n.users) != 1:
+        return None
+    return n, chain
+
+
+def use_linear_cross_entropy(gm: fx.GraphModule) -> int:
+    """Swap every ``linear -> (reshape | view | .float())* -> cross_entropy`` chain for the fused
+    linear + cross-entropy; returns how many were swapped. Needs the nodes' ``meta['val']``."""
+    from mtc.kernels.linear_cross_entropy import linear_cross_entropy
+
+    swapped = 0
+    for ce in list(gm.graph.nodes):
+        if ce.op != "call_function" or ce.target is not aten.cross_entropy_loss.default:
+            continue
+        args = _ce_args(ce)
+        if args is None:
+            continue
+        logits, targets, ignore_index = args
+        found = _linear_behind(logits)
+        if found is None:
+            continue
+        lin, chain = found
+        x, w = lin.args[0], lin.args[1]
+        b = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+        vx, vw, vl, vt = _val(x), _val(w), _val(logits), _val(targets)
+        if vx is None or vw is None or vl is None or vt is None or vw.dim() != 2:
+            continue
+        rows = vx.numel() // max(vx.shape[-1], 1)
+        # the loss must see every row of the linear, each whole, in order: (rows, V), upcast or fp32
+        if tuple(vl.shape) != (rows, vw.shape[0]) or vl.dtype != torch.float32 or vt.numel() != rows:
+            continue
+        with gm.graph.inserting_before(ce):
+            fused = gm.graph.call_function(linear_cross_entropy, (x, w, b, targets, ignore_index))
+        fused.meta["val"] = _val(ce)
+        ce.replace_all_uses_with(fused)
+        for dead in (ce, *chain, lin):
+            gm.graph.erase_node(dead)
+        swapped += 1
+    if swapped:
+        gm.graph.lint()
+        gm.recompile()
+    return swapped
+
+
+def _flash_ok(q: fx.Node, k: fx.Node, v: fx.Node) -> bool:
+    vq, vk, vv = _val(q), _val(k), _val(v)
+    if vq is None or vk is None or vv is None or vq.dim() != 4:
+        return False
+    return (
+        vq.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and vq.dtype == vk.dtype == vv.dtype
+        and vk.shape == vv.shape
+        and vk.shape[0] == vq.shape[0]
+        and vk.shape[2:] == vq.shape[2:]  # same length and head dim for queries and keys
+        and vk.shape[1] > 0 and vq.shape[1] % vk.shape[1] == 0
+        and 1 <= vq.shape[-1] <= FLASH_MAX_HEAD_DIM
+    )
+
+
+def _flash_fwd_val(q: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta values of the flash forward's (out, logsumexp): out like q, logsumexp (B, H, T) fp32."""
+    vq = _val(q)
+    return torch.empty(vq.shape, dtype=vq.dtype, device="meta"), torch.empty(vq.shape[:-1], dtype=torch.float32, device="meta")
+
+
+def _getitem(graph: fx.Graph, node: fx.Node, i: int) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, i))
+    item.meta["val"] = node.meta["val"][i]
+    return item
+
+
+def use_flash_attention(graph: fx.Graph) -> int:
+    """Swap ``mtc::attention`` / ``mtc::attention_backward`` for the flash-attention kernels;
+    returns how many attention calls were swapped (forward and backward count separately)."""
+    import mtc.kernels.flash_attention  # noqa: F401  (registers mtc::flash_attention_*)
+
+    fwd_op = torch.ops.mtc.flash_attention_fwd.default
+    bwd_op = torch.ops.mtc.flash_attention_bwd.default
+    forwards: dict[tuple, tuple[fx.Node, fx.Node]] = {}
+    swapped = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if str(n.target) == "mtc.attention.default":
+            q, k, v, causal, scale = n.args
+            if not _flash_ok(q, k, v):
+                continue
+            with graph.inserting_before(n):
+                call = graph.call_function(fwd_op, (q, k, v, bool(causal), float(scale)))
+                call.meta["val"] = _flash_fwd_val(q)
+                out, lse = _getitem(graph, call, 0), _getitem(graph, call, 1)
+            n.replace_all_uses_with(out)
+            graph.erase_node(n)
+            forwards[(q, k, v, bool(causal), float(scale))] = (out, lse)
+            swapped += 1
+        elif str(n.target) == "mtc.attention_backward.default":
+            grad, q, k, v, causal, scale = n.args
+            if not _flash_ok(q, k, v):
+                continue
+            key = (q, k, v, bool(causal), float(scale))
+            with graph.inserting_before(n):
+                if key not in forwards:  # a backward without its forward: recompute out and lse
+                    call = graph.call_function(fwd_op, key)
+                    call.meta["val"] = _flash_fwd_val(q)
+                    forwards[key] = (_getitem(graph, call, 0), _getitem(graph, call, 1))
+                out, lse = forwards[key]
+                bwd = graph.call_function(bwd_op, (grad, q, k, v, out, lse, bool(causal), float(scale)))
+                bwd.meta["val"] = n.meta["val"]
+            n.replace_all_uses_with(bwd)
+            graph.erase_node(n)
+            swapped += 1
+    if swapped:
+        graph.lint()
+    return swapped

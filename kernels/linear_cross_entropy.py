@@ -1,0 +1,253 @@
+"""Fused linear + cross-entropy: mean CE of ``x @ W^T (+ b)`` against targets, without the (N, V) logits.
+
+A language model's head turns N hidden rows into N x V logits (8192 x 128256 in fp32 is 4.2 GB,
+more than the rest of a layer's activations) only to reduce each row to one number. Here the rows
+go in chunks of C rows, C chosen so that a chunk's logits hold about as many elements as x itself:
+
+1. ``logits_c = x_c @ W^T (+ b)`` in x's dtype (cuBLAS, as the unfused linear does);
+2. one Triton program per row walks the vocabulary in blocks twice: an online max / sum-exp gives
+   the row's logsumexp and loss ``lse - logit[target]``; the second pass overwrites the row in
+   place with ``d loss / d logits = (softmax - onehot(target)) / n_valid`` (the mean over rows whose
+   target is not ``ignore_index``; ignored rows get loss 0 and gradient 0, as in torch);
+3. ``dx_c = dlogits_c @ W``, ``dW += dlogits_c^T @ x_c``, ``db += dlogits_c.sum(0)``.
+
+The gradients are computed in the forward: the loss is the last op of the model, so its backward
+only scales them by the incoming gradient, and no logits are saved or recomputed. Without
+gradients (evaluation) only the loss pass runs.
+
+The CE statistics are fp32 whatever x's dtype (the traced models upcast logits with ``.float()``
+before the loss); the logits gradient is stored in x's dtype for the two backward matmuls, as
+autograd's cast-back does. ``linear_cross_entropy_ref`` is the plain torch computation it matches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mtc.errors import KernelInputError
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "chunk_rows_for", "LinearCrossEntropy"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Kernels are interpreted iff this was set when they were defined (tests/conftest.py sets it).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Widest vocabulary block one program holds per loop step: 4096 fp32 lanes fit the registers of 8
+# warps on CUDA; the interpreter runs one numpy op per block, so wider is faster there.
+_BLOCK_V = {"cuda": 4096, "cpu": 16384}
+
+
+@triton.jit
+def _ce_rows_kernel(
+    logits_ptr, stride_row, targets_ptr, n_valid_ptr, loss_ptr,
+    V, ignore_index,
+    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # grid: (rows,); one program owns one row of the chunk's logits
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+
+    # pass 1: online max and sum of exp over the row, in fp32
+    m_i = float("-inf")
+    s_i = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(x, 0))
+        s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m_i = m_new
+    lse = m_i + tl.log(s_i)
+    safe_target = tl.where(valid, target, 0).to(tl.int64)
+    x_t = tl.load(base + safe_target).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+
+    if WRITE_GRAD:
+        # pass 2: the row becomes its gradient, (softmax - onehot) / n_valid, in the logits' dtype
+        n_valid = tl.load(n_valid_ptr).to(tl.float32)
+        scale = tl.where(valid, 1.0 / n_valid, 0.0)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            g = tl.where(cols == safe_target, p - 1.0, p) * scale
+            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def chunk_rows_for(n_rows: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk: a chunk's logits about as large as x (n_rows x hidden), at least one row."""
+    chunks = max(1, math.ceil(vocab / max(hidden, 1)))
+    return max(1, math.ceil(n_rows / chunks))
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> None:
+    """Raise KernelInputError unless the inputs can go to the kernel."""
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise KernelInputError(
+            f"linear_cross_entropy: expected x (..., H) and weight (V, H); got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise KernelInputError(f"linear_cross_entropy: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise KernelInputError(
+            f"linear_cross_entropy: x, weight and bias must share one dtype of float16, bfloat16, float32; got "
+            f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32) or targets.numel() != x.numel() // max(x.shape[-1], 1):
+        raise KernelInputError(
+            f"linear_cross_entropy: targets must be int64/int32 with one entry per row of x ({x.numel() // max(x.shape[-1], 1)}); "
+            f"got {targets.dtype} {tuple(targets.shape)}"
+        )
+    devices = {t.device for t in (x, weight, targets, bias) if t is not None}
+    if len(devices) != 1:
+        raise KernelInputError(f"linear_cross_entropy: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range targets would read outside a logits row: reject them as torch does (one sync)."""
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    if bool(bad.any()):
+        t = targets[bad][0].item()
+        raise KernelInputError(f"linear_cross_entropy: target {t} is outside the vocabulary [0, {vocab}) and not ignore_index {ignore_index}")
+
+
+def _uses_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and _INTERPRETED)
+
+
+def _rows_ce(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor, ignore_index: int, write_grad: bool) -> torch.Tensor:
+    """Per-row losses (fp32) of a logits chunk; with write_grad the chunk becomes d loss / d logits."""
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return loss
+    if _uses_kernel(logits):
+        block = min(triton.next_power_of_2(vocab), _BLOCK_V[logits.device.type])
+        _ce_rows_kernel[(rows,)](
+            logits, logits.stride(0), targets, n_valid, loss, vocab, ignore_index,
+            WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+        )
+        return loss
+    # plain torch on the CPU without the interpreter: the same math, one chunk at a time
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=1)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0).long()
+    loss.copy_(torch.where(valid, lse - lf.gather(1, safe[:, None])[:, 0], 0.0))
+    if write_grad:
+        g = torch.exp(lf - lse[:, None])
+        g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+        logits.copy_(g * torch.where(valid, 1.0 / n_valid, 0.0)[:, None])
+    return loss
+
+
+def _forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    ignore_index: int, chunk_rows: int, with_grads: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The chunked computation: loss, and with_grads also dx, dW, db (db empty without bias)."""
+    _check(x, weight, bias, targets)
+    H, V = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, H)
+    t = targets.reshape(-1)
+    N = x2.shape[0]
+    _check_targets(t, V, ignore_index)
+    C = chunk_rows if chunk_rows > 0 else chunk_rows_for(N, V, H)
+    n_valid = (t != ignore_index).sum().to(torch.float32)
+    wt = weight.t()
+    row_losses = torch.empty(N, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x2) if with_grads else None
+    one_chunk = C >= N
+    # several chunks accumulate dW / db in fp32 (each chunk's product is rounded once, as unfused)
+    acc_dtype = weight.dtype if one_chunk else torch.float32
+    dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if with_grads else None
+    db = torch.zeros(V, dtype=acc_dtype, device=x.device) if with_grads and bias is not None else None
+    for lo in range(0, N, C):
+        hi = min(lo + C, N)
+        xc = x2[lo:hi]
+        logits = torch.addmm(bias, xc, wt) if bias is not None else torch.mm(xc, wt)
+        row_losses[lo:hi] = _rows_ce(logits, t[lo:hi], n_valid, ignore_index, with_grads)
+        if with_grads:
+            torch.mm(logits, weight, out=dx[lo:hi])
+            if one_chunk:
+                dw = torch.mm(logits.t(), xc)
+                if db is not None:
+                    db = logits.sum(0)
+            else:
+                dw += torch.mm(logits.t(), xc)
+                if db is not None:
+                    db += logits.sum(0, dtype=torch.float32)
+    loss = row_losses.sum() / n_valid
+    if not with_grads:
+        return (loss,)
+    db_out = db.to(weight.dtype) if db is not None else x.new_empty(0)
+    return loss, dx.view(x.shape), dw.to(weight.dtype), db_out
+
+
+# Custom ops: tracing (make_fx, export, torch.compile) keeps each one node with known output shapes.
+@torch.library.custom_op("mtc::linear_cross_entropy_loss", mutates_args=())
+def _loss_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int, chunk_rows: int
+) -> torch.Tensor:
+    return _forward(x, weight, bias, targets, ignore_index, chunk_rows, with_grads=False)[0]
+
+
+@_loss_op.register_fake
+def _(x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN202
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("mtc::linear_cross_entropy_fwd_bwd", mutates_args=())
+def _fwd_bwd_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int, chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, bias, targets, ignore_index, chunk_rows, with_grads=True)  # type: ignore[return-value]
+
+
+@_fwd_bwd_op.register_fake
+def _(x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN202
+    db = x.new_empty((weight.shape[0],) if bias is not None else (0,))
+    return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Autograd wrapper: gradients are computed in the forward when any input needs one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN205
+        if any(ctx.needs_input_grad[:3]):
+            loss, dx, dw, db = torch.ops.mtc.linear_cross_entropy_fwd_bwd(x, weight, bias, targets, ignore_index, chunk_rows)
+            ctx.save_for_backward(dx, dw, db)
+        else:
+            loss = torch.ops.mtc.linear_cross_entropy_loss(x, weight, bias, targets, ignore_index, chunk_rows)
+        ctx.has_bias = bias is not None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        dx, dw, db = ctx.saved_tensors
+        return dx * grad, dw * grad, (db * grad if ctx.has_bias else None), None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    ignore_index: int = -100, chunk_rows: int = 0,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``x @ weight^T + bias`` (rows of x, targets ignoring ``ignore_index``),
+    as an fp32 scalar, never holding more than ``chunk_rows`` rows of logits (0: about x's size)."""
+    return LinearCrossEntropy.apply(x, weight, bias, targets, int(ignore_index), int(chunk_rows))
+
+
+def linear_cross_entropy_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """The unfused computation: full logits, upcast to fp32, torch's cross-entropy."""
+    logits = F.linear(x, weight, bias)
+    return F.cross_entropy(logits.reshape(-1, weight.shape[0]).float(), targets.reshape(-1), ignore_index=ignore_index)

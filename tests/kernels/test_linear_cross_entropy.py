@@ -1,0 +1,136 @@
+"""Fused linear + cross-entropy against the unfused torch computation: loss and every gradient.
+
+Without CUDA the row kernel runs in Triton's interpreter (tiny shapes, fp32 and fp16); the `gpu`
+tests add bf16 at a Llama-sized head and check that the full logits are never allocated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtc.kernels.linear_cross_entropy as lce
+from mtc.errors import KernelInputError
+from mtc.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy, linear_cross_entropy_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(rows, H, V, dtype=torch.float32, bias=True, ignored=3, device=DEVICE, lead=(1,)):
+    x = torch.randn(*lead, rows, H, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_()
+    b = (torch.randn(V, device=device, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    t = torch.randint(0, V, (*lead, rows), device=device)
+    t.view(-1)[torch.randperm(t.numel(), device=device)[:ignored]] = -100
+    return x, w, b, t
+
+
+def _compare(x, w, b, t, chunk_rows=0, grad_scale=2.5, atol=1e-5, rtol=1e-5):
+    leaves = [p for p in (x, w, b) if p is not None]
+    got = linear_cross_entropy(x, w, b, t, chunk_rows=chunk_rows)
+    got_grads = torch.autograd.grad(got * grad_scale, leaves)
+    ref_leaves = [p.detach().clone().requires_grad_() for p in leaves]
+    rx, rw, rb = ref_leaves[0], ref_leaves[1], (ref_leaves[2] if b is not None else None)
+    want = linear_cross_entropy_ref(rx, rw, rb, t)
+    want_grads = torch.autograd.grad(want * grad_scale, ref_leaves)
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    for name, g, r in zip(("dx", "dw", "db"), got_grads, want_grads):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        torch.testing.assert_close(g.float(), r.float(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 1, 7, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_fp32_matches_unfused(chunk_rows, bias):
+    _compare(*_inputs(37, 24, 50, bias=bias), chunk_rows=chunk_rows)
+
+
+def test_vocab_over_several_blocks(monkeypatch):
+    """Vocabulary wider than one block: the online max / sum-exp and the gradient pass loop."""
+    monkeypatch.setitem(lce._BLOCK_V, "cpu", 16)
+    monkeypatch.setitem(lce._BLOCK_V, "cuda", 16)
+    _compare(*_inputs(9, 16, 53, lead=(2,)), chunk_rows=4)
+
+
+def test_large_logits_are_stable():
+    """Logits in the hundreds: the online softmax must not overflow."""
+    x, w, b, t = _inputs(11, 8, 40)
+    with torch.no_grad():
+        w.mul_(60.0)
+    _compare(x, w, b, t, atol=1e-4, rtol=1e-5)
+
+
+def test_loss_only_without_grad():
+    x, w, b, t = _inputs(13, 8, 21)
+    with torch.no_grad():
+        got = linear_cross_entropy(x, w, b, t, chunk_rows=5)
+        want = linear_cross_entropy_ref(x, w, b, t)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the torch path serves CPUs without the interpreter")
+def test_torch_path_without_interpreter(monkeypatch):
+    monkeypatch.setattr(lce, "_INTERPRETED", False)
+    _compare(*_inputs(19, 12, 30), chunk_rows=6)
+
+
+def test_half_precision():
+    """fp16 (right in the interpreter, unlike bf16): loss in fp32, gradients in fp16."""
+    _compare(*_inputs(17, 16, 33, dtype=torch.float16), chunk_rows=8, atol=2e-3, rtol=2e-2)
+
+
+def test_chunk_rows_for():
+    assert chunk_rows_for(8192, 128256, 4096) == 256  # 32 chunks: logits chunk about x's size
+    assert chunk_rows_for(10, 50, 100) == 10
+    assert chunk_rows_for(1, 10**6, 1) == 1
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("hidden", "expected x"),
+        ("dtype", "one dtype"),
+        ("bias", "bias must have shape"),
+        ("rows", "one entry per row"),
+        ("target", "outside the vocabulary"),
+    ],
+)
+def test_errors(case, match):
+    x, w, b, t = _inputs(5, 8, 11, ignored=0)
+    if case == "hidden":
+        w = torch.zeros(11, 9, device=DEVICE)
+    elif case == "dtype":
+        w = w.detach().double()
+    elif case == "bias":
+        b = torch.zeros(12, device=DEVICE)
+    elif case == "rows":
+        t = t[:, :4]
+    else:
+        t = t.clone()
+        t[0, 2] = 11
+    with pytest.raises(KernelInputError, match=match):
+        linear_cross_entropy(x, w, b, t)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_llama_head_without_full_logits():
+    """bf16 at a Llama-3 head (vocab 128256, hidden 4096, 4096 rows): matches the unfused loss and
+    gradients, and allocates far less than the fp32 logits (2.1 GB) the unfused path needs."""
+    torch.manual_seed(0)
+    x, w, b, t = _inputs(4096, 4096, 128256, dtype=torch.bfloat16, bias=False, ignored=100, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(x, w, None, t)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    peak = torch.cuda.max_memory_allocated() - base
+    logits_fp32 = 4096 * 128256 * 4
+    assert peak < 0.5 * logits_fp32 + 2 * w.numel() * 4, f"peak {peak / 2**30:.2f} GiB"
+    rx, rw = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    want = linear_cross_entropy_ref(rx, rw, None, t)
+    rdx, rdw = torch.autograd.grad(want, (rx, rw))
+    torch.testing.assert_close(loss, want, atol=2e-3, rtol=2e-3)
+    for g, r in ((dx, rdx), (dw, rdw)):
+        rel = (g.float() - r.float()).norm() / r.float().norm()
+        assert rel < 2e-2, float(rel)
