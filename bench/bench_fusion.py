@@ -1,12 +1,14 @@
-"""One transformer layer, forward + backward: unfused ATen template vs mtc fused vs torch.compile.
+"""One transformer layer (and the LM head), forward + backward: unfused ATen vs mtc fused vs torch.compile.
 
-Side by side, same inputs: a traced block template run eagerly under autograd (what `--unfused`
-plans do), mtc's compiled joint graph (generated kernels, recompute + backward in one call), and
-torch.compile of the same template. Reports median ms, TFLOP/s (matmul + attention FLOPs, x3 for
-forward + backward), kernel counts, peak memory; one JSON record per architecture.
+Side by side, same inputs: a traced template run eagerly under autograd (what `--unfused` plans
+do), mtc's compiled joint graph (generated kernels, flash attention, fused linear + cross-entropy;
+recompute + backward in one call), on CUDA also mtc fused with torch's SDPA kernels instead of
+mtc's flash attention, and torch.compile of the same template. Reports median ms, TFLOP/s (matmul
++ attention FLOPs, x3 for forward + backward), kernel counts, peak memory; one JSON record per
+architecture and part.
 
     python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
-    python bench/bench_fusion.py --arch qwen2 gpt2
+    python bench/bench_fusion.py --arch qwen2 gpt2 --part block
     python bench/bench_fusion.py --smoke         # CPU: tiny shapes, fp32, Triton interpreter (correctness, not speed)
 """
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_record  # noqa: E402
 
 from mtc.compiler import compile_template  # noqa: E402
-from mtc.models import build  # noqa: E402
+from mtc.models import build, model_config  # noqa: E402
 from mtc.tracer import trace  # noqa: E402
 
 REAL = {
@@ -71,55 +73,73 @@ def _peak(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
-def layer_flops(block, tokens: int) -> float:
-    """Matmul + causal attention FLOPs of one block, forward + backward (3x forward)."""
-    mats = sum(math.prod(i.spec.shape) for i in block.inputs if i.kind == "param" and len(i.spec.shape) == 2)
-    dim = block.inputs[0].spec.shape[-1]
-    return 3 * (2 * tokens * mats + 2 * tokens * tokens * dim)  # QK^T and PV, causal half each
+def layer_flops(t, tokens: int, attention: bool) -> float:
+    """Matmul (+ causal attention) FLOPs of one template, forward + backward (3x forward)."""
+    mats = sum(math.prod(i.spec.shape) for i in t.inputs if i.kind == "param" and len(i.spec.shape) == 2)
+    dim = t.inputs[0].spec.shape[-1]
+    attn = 2 * tokens * tokens * dim if attention else 0  # QK^T and PV, causal half each
+    return 3 * (2 * tokens * mats + attn)
 
 
-def run(arch: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool) -> dict:
-    """Benchmark one architecture's block; returns the record."""
+def _inputs(t, call, device: torch.device, vocab: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    args = []
+    for inp in t.inputs:
+        src = call.bindings[inp.name]
+        shape, dt = inp.spec.shape, inp.spec.torch_dtype
+        if src.kind == "batch":
+            args.append(torch.randint(0, vocab, shape, device=device))
+        elif src.kind == "param":
+            args.append(torch.randn(shape, device=device, dtype=dt) * (0.02 if len(shape) == 2 else 1.0))
+        else:
+            args.append(torch.randn(shape, device=device, dtype=dt))
+    return args
+
+
+def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool) -> dict:
+    """Benchmark one architecture's block (or head: norm + LM head + loss); returns the record."""
     name, over = (SMOKE if smoke else REAL)[arch]
     dtype = torch.float32 if smoke else torch.bfloat16
     with torch.device("meta"):
         model = build(name, **over).to(dtype)
     prog = trace(model, 1, seq)
-    block = prog.templates[prog.layers[1].template]
-    call = prog.layers[1]
-    torch.manual_seed(0)
-    args = []
-    for inp in block.inputs:
-        src = call.bindings[inp.name]
-        shape, dt = inp.spec.shape, inp.spec.torch_dtype
-        if src.kind == "param":
-            t = torch.randn(shape, device=device, dtype=dt) * (0.02 if len(shape) == 2 else 1.0)
-        else:
-            t = torch.randn(shape, device=device, dtype=dt)
-        args.append(t)
-    diff = [k for k, i in enumerate(block.inputs) if i.kind in ("carry", "param")]
-    gm = block.module(device)
-    gout = torch.randn(block.inputs[0].spec.shape, device=device, dtype=dtype)
+    call = prog.layers[1] if part == "block" else prog.layers[-1]
+    t = prog.templates[call.template]
+    vocab = model_config(name, **over).vocab_size
+    args = _inputs(t, call, device, vocab)
+    diff = [k for k, i in enumerate(t.inputs) if i.kind in ("carry", "param")]
+    gm = t.module(device)
+    with torch.no_grad():
+        gout = torch.randn_like(gm(*args)[0])
 
     def unfused():
         xs = [a.detach().requires_grad_(k in diff) for k, a in enumerate(args)]
         out = gm(*xs)[0]
         return torch.autograd.grad(out, [xs[k] for k in diff], gout)
 
-    t0 = time.perf_counter()
-    ct = compile_template(block, Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-")))
-    compile_s = time.perf_counter() - t0
-    joint = ct.module("joint", device)
+    variants = {"unfused": unfused}
+    compiled_t = {}
+    # mtc fused with its flash-attention kernels, and (blocks on CUDA) with torch's SDPA kernels
+    attn_modes = ["flash", "aten"] if part == "block" and device.type == "cuda" else ["flash"]
+    want = unfused()
+    rels = {}
+    for mode in attn_modes:
+        t0 = time.perf_counter()
+        ct = compile_template(t, Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-")), attention=mode)
+        compiled_t[mode] = (ct, time.perf_counter() - t0)
+        joint = ct.module("joint", device)
 
-    def fused():
-        with torch.no_grad():
-            return joint(*args, gout)
+        def fused(joint=joint):
+            with torch.no_grad():
+                return joint(*args, gout)
 
-    # correctness before speed: the fused gradients must match the unfused ones
-    want, got = unfused(), fused()[1:]
-    rel = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True))
-
-    variants = {"unfused": unfused, "mtc_fused": fused}
+        # correctness before speed: the fused gradients must match the unfused ones
+        got = fused()[1:]
+        vname = "mtc_fused" if mode == "flash" else "mtc_fused_sdpa"
+        rels[vname] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+                          for a, b in zip(got, want, strict=True))
+        variants[vname] = fused
+    del want
     if use_compile:
         cgm = torch.compile(gm)
 
@@ -128,12 +148,14 @@ def run(arch: str, smoke: bool, device: torch.device, seq: int, warmup: int, rep
             return torch.autograd.grad(cgm(*xs)[0], [xs[k] for k in diff], gout)
 
         variants["torch_compile"] = compiled
-    flops = layer_flops(block, seq)
-    rec: dict = {"arch": arch, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
-                 "max_rel_grad_diff_fused_vs_unfused": rel, "flops_fwd_bwd": flops,
+    flops = layer_flops(t, seq, attention=part == "block")
+    ct, compile_s = compiled_t["flash"]
+    rec: dict = {"arch": arch, "part": part, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
+                 "max_rel_grad_diff_vs_unfused": rels, "flops_fwd_bwd": flops,
                  # launches for forward + backward: the joint graph holds both (ATen ops unfused, kernels fused)
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
                              "torch_compile": None},
+                 "hand_tuned": ct.backward_report.hand_tuned,
                  "results": {}}
     for vname, fn in variants.items():
         ts = _time(fn, device, warmup, reps)
@@ -150,6 +172,8 @@ def main() -> None:
     """Parse, run each architecture, print a table, write JSON records."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", nargs="+", default=["llama", "qwen2", "gpt2"], choices=list(REAL))
+    ap.add_argument("--part", nargs="+", default=["block", "head"], choices=["block", "head"],
+                    help="block: one decoder layer; head: final norm + LM head + cross-entropy")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks, not speed")
     ap.add_argument("--seq", type=int, help="tokens (default 8192; 16 with --smoke)")
     ap.add_argument("--warmup", type=int)
@@ -161,15 +185,18 @@ def main() -> None:
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     seq = a.seq or (16 if a.smoke else 8192)
     warmup, reps = a.warmup or (1 if a.smoke else 3), a.reps or (3 if a.smoke else 10)
-    print(f"{'arch':6s} {'variant':14s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
-    for arch in a.arch:
-        rec = run(arch, a.smoke, device, seq, warmup, reps, not a.no_torch_compile)
+    print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
+    jobs = [(arch, part) for part in a.part for arch in a.arch]
+    for arch, part in jobs:
+        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile)
+        arch = f"{arch}/{part}"
         for v, r in rec["results"].items():
             peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] is not None else "      n/a"
-            print(f"{arch:6s} {v:14s} {r['median_ms']:10.2f} {r['tflops']:8.2f} {peak}")
+            print(f"{arch:12s} {v:15s} {r['median_ms']:10.2f} {r['tflops']:8.2f} {peak}")
         extra = f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x" if "fused_speedup_vs_torch_compile" in rec else ""
-        print(f"{arch:6s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
-              f"max rel grad diff {rec['max_rel_grad_diff_fused_vs_unfused']:.1e}")
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in rec["max_rel_grad_diff_vs_unfused"].items())
+        print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
+              f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
         print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
 
 

@@ -27,12 +27,27 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
     from mtc.config import TrainConfig, load_config
+    from mtc.errors import ConfigError
 
-    cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
+    plan_fields = None
+    if getattr(a, "plan", None):
+        from mtc.plan import load_plan_model
+
+        plan_fields = load_plan_model(a.plan)
+        cfg = TrainConfig(**plan_fields)
+    else:
+        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
     for field in ("steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "kernels"):
         val = getattr(a, field)
-        if val is not None:
-            setattr(cfg, field, val)
+        if val is None:
+            continue
+        if plan_fields is not None and field in plan_fields and val != plan_fields[field]:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(
+                f"plan {a.plan} was compiled for {field}={plan_fields[field]}, not {val}; drop {flag} or recompile "
+                f"with `mtc compile {plan_fields['model']} {flag} {val} -o {a.plan}`"
+            )
+        setattr(cfg, field, val)
     if a.lr is not None:
         cfg.optim.lr = a.lr
         cfg.optim.min_lr = min(cfg.optim.min_lr, a.lr)
@@ -48,7 +63,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
-    run = open_run(cfg, a.store, overwrite=a.overwrite)
+    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan)
     start = run[2].step
     if start >= cfg.steps:
         run[0].close()
@@ -112,7 +127,7 @@ def _cmd_trace(a: argparse.Namespace) -> int:
 def _cmd_compile(a: argparse.Namespace) -> int:
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
-    from mtc.plan import save_plan
+    from mtc.plan import save_plan, save_plan_model
     from mtc.runtime.trainer import build_model
     from mtc.tracer import trace
 
@@ -122,6 +137,7 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
     out = Path(a.output)
     save_plan(program, out)
+    save_plan_model(out, cfg.to_dict())
     compiled = compile_program(program, out / "kernels")
     print(write_report(program, compiled, out))
     print(f"plan and kernels written to {out}")
@@ -142,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="model preset (tiny, 125m, 1b, 8b, 13b, 70b)")
     src.add_argument("--config", help="a .json or .toml TrainConfig file")
+    src.add_argument("--plan", help="a plan directory from `mtc compile` (its program and kernels are used as compiled)")
     t.add_argument("--store", required=True, help="store directory (created, or resumed)")
     t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
     t.add_argument("--steps", type=int)

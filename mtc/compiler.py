@@ -164,14 +164,21 @@ def _devices_to_marker(graph: fx.Graph) -> None:
         n.kwargs = devices_to_marker(n.kwargs)
 
 
-def compile_template(t: Template, cache_dir: str | Path) -> CompiledTemplate:
-    """Lower, partition and fuse one template (kernels cached under ``cache_dir``)."""
+def compile_template(t: Template, cache_dir: str | Path, *, attention: str = "flash") -> CompiledTemplate:
+    """Lower, partition and fuse one template (kernels cached under ``cache_dir``).
+
+    ``attention``: "flash" runs mtc's Triton flash-attention kernels; "aten" keeps torch's SDPA
+    kernels (``mtc::attention``), for comparison.
+    """
+    if attention not in ("flash", "aten"):
+        raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
     cache = Path(cache_dir) / cache_key()
     fwd = forward_graph(t)
     joint, diff = joint_graph(t)
     for g in (fwd.graph, joint.graph):
         _devices_to_marker(g)
-        use_flash_attention(g)
+        if attention == "flash":
+            use_flash_attention(g)
     unfused_f = unfused_j = None
     if _swapped_linear_ce(fwd.graph):  # count what the head runs without the fused loss
         unfused_f = partition(forward_graph(t, hand_tuned=False).graph).aten_ops()

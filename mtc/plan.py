@@ -1,8 +1,10 @@
 """Plan directories: a traced Program written to disk and read back.
 
 Layout: ``program.json`` (templates, layer calls, parameter layout; see `mtc.graphs.serialize`),
-``constants.safetensors`` (values of non-trainable buffers, if the model has any). Compiled
-kernels will live beside them under ``kernels/``.
+``constants.safetensors`` (values of non-trainable buffers, if the model has any), and from
+`mtc compile`: ``model.json`` (the preset and shapes the program was traced for, so `mtc train
+--plan` can build the same run), ``kernels/`` (generated kernels by cache key) and
+``compile_report.json``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from mtc.errors import PlanError
 from mtc.graphs.program import Program
 from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
 
-__all__ = ["save_plan", "load_plan"]
+__all__ = ["save_plan", "load_plan", "save_plan_model", "load_plan_model", "PLAN_MODEL_FIELDS"]
 
 PROGRAM_FILE = "program.json"
 CONSTANTS_FILE = "constants.safetensors"
+MODEL_FILE = "model.json"
+# the TrainConfig fields a traced program depends on
+PLAN_MODEL_FIELDS = ("model", "model_overrides", "micro_batch_size", "seq_len", "compute_dtype")
 
 
 def save_plan(program: Program, path: str | Path) -> Path:
@@ -58,3 +63,28 @@ def load_plan(path: str | Path) -> Program:
             raise PlanError(f"plan {root} names constants but {CONSTANTS_FILE} is missing; re-trace the model")
         program.constant_values = load_file(str(cf))
     return program
+
+
+def save_plan_model(path: str | Path, fields: dict) -> None:
+    """Record in the plan directory which preset and shapes its program was traced for."""
+    missing = [k for k in PLAN_MODEL_FIELDS if k not in fields]
+    if missing:
+        raise PlanError(f"plan model record lacks {', '.join(missing)}")
+    Path(path, MODEL_FILE).write_text(json.dumps({k: fields[k] for k in PLAN_MODEL_FIELDS}, indent=1))
+
+
+def load_plan_model(path: str | Path) -> dict:
+    """The preset and shapes a plan was compiled for (see `save_plan_model`)."""
+    f = Path(path, MODEL_FILE)
+    if not Path(path, PROGRAM_FILE).is_file():
+        raise PlanError(f"{path} is not a plan directory (no {PROGRAM_FILE}); create one with `mtc compile`")
+    if not f.is_file():
+        raise PlanError(f"plan {path} has no {MODEL_FILE} (written by `mtc compile`); recompile it with `mtc compile MODEL -o {path}`")
+    try:
+        doc = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{f} is not valid JSON ({e}); recompile the plan") from None
+    missing = [k for k in PLAN_MODEL_FIELDS if k not in doc]
+    if missing:
+        raise PlanError(f"{f} lacks {', '.join(missing)}; recompile the plan")
+    return doc

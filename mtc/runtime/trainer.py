@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -99,12 +100,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def open_run(
-    cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False
+    cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
+    plan: str | Path | None = None,
 ) -> tuple[TensorStore, Program, CommitRecord]:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
 
-    A new run traces ``model`` (default: the preset of ``cfg``), saves the plan into the store
-    directory, writes the initial state and commits step 0.
+    A new run traces ``model`` (default: the preset of ``cfg``), or takes the program of the plan
+    directory ``plan`` (from `mtc compile`, whose generated kernels are copied along), saves the
+    plan into the store directory, writes the initial state and commits step 0. A resumed run
+    uses the plan saved in its store.
     """
     cfg.validate()
     path = Path(store_dir) if store_dir is not None else None
@@ -129,9 +133,11 @@ def open_run(
     store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
     try:
         model = model if model is not None else build_model(cfg)
-        program = trace(model, cfg.micro_batch_size, cfg.seq_len)
+        program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
         if path is not None:
             save_plan(program, path / "plan")
+            if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
+                shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
         init_state(program, store, dict(model.named_parameters()), compute_dtype=getattr(torch, cfg.compute_dtype))
         first = CommitRecord(
             step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(), time_unix=time.time()

@@ -84,3 +84,27 @@ def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert files
     assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")} == files, "cached kernels must not be rewritten"
+
+
+def test_cli_train_runs_a_compiled_plan(tmp_path, capsys):
+    """compile, then train that plan: its program is used and no kernel is generated again."""
+    import numpy as np
+
+    from mtc.data import write_token_file
+
+    plan = tmp_path / "plan"
+    assert main(["compile", "tiny", "-o", str(plan), "--seq-len", "16", "--micro-batch-size", "2"]) == 0
+    assert json.loads((plan / "model.json").read_text())["seq_len"] == 16
+    tok = write_token_file(tmp_path / "t.bin", np.arange(3000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
+    common = ["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "2"]
+    assert main([*common, "--seq-len", "32"]) == 2
+    assert "compiled for seq_len=16" in capsys.readouterr().err
+    kdir = next((plan / "kernels").iterdir())
+    made = {p.name for p in kdir.glob("*.py")}
+    assert main([*common, "--kernels", "fused"]) == 0
+    assert "loss" in capsys.readouterr().out
+    copied = tmp_path / "s" / "plan" / "kernels" / kdir.name
+    assert {p.name for p in copied.glob("*.py")} == made, "training a compiled plan must reuse its kernels"
+    assert json.loads((tmp_path / "s" / "plan" / "program.json").read_text()) == json.loads((plan / "program.json").read_text())
+    assert main(["train", "--plan", str(tmp_path / "nowhere"), "--store", str(tmp_path / "s2"), "--data", str(tok.path)]) == 2
+    assert "not a plan directory" in capsys.readouterr().err
