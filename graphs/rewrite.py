@@ -55,16 +55,21 @@ def _upcast_only(node: fx.Node) -> bool:
     return dtype == torch.float32
 
 
+def _real_users(n: fx.Node) -> list[fx.Node]:
+    """Users that consume the value (export adds metadata assertions that compute nothing)."""
+    return [u for u in n.users if u.target is not aten._assert_tensor_metadata.default]
+
+
 def _linear_behind(logits: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """Walk back from the loss's logits through single-use reshapes and an fp32 upcast to a linear."""
     chain: list[fx.Node] = []
     n = logits
     while n.op == "call_function" and (n.target in _PASS_THROUGH or _upcast_only(n)):
-        if len(n.users) != 1:
+        if len(_real_users(n)) != 1:
             return None
         chain.append(n)
         n = n.args[0]
-    if n.op != "call_function" or n.target is not aten.linear.default or len(n.users) != 1:
+    if n.op != "call_function" or n.target is not aten.linear.default or len(_real_users(n)) != 1:
         return None
     return n, chain
 
@@ -100,6 +105,8 @@ def use_linear_cross_entropy(gm: fx.GraphModule) -> int:
         fused.meta["val"] = _val(ce)
         ce.replace_all_uses_with(fused)
         for dead in (ce, *chain, lin):
+            for u in list(dead.users):  # metadata assertions on values that no longer exist
+                gm.graph.erase_node(u)
             gm.graph.erase_node(dead)
         swapped += 1
     if swapped:
