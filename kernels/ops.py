@@ -4,8 +4,8 @@
 templates. The tracer substitutes it for ``aten.scaled_dot_product_attention`` so that lowering a
 template to core ATen (make_fx, meta tensors) keeps attention as one anchor node, forward and
 backward, instead of decomposing it into a T x T softmax. The implementations here call torch's
-SDPA (bit-identical to eager); the compiled plan swaps in the flash-attention kernel on CUDA.
-The ops are registered without ``device_types`` so CPU tests can run them.
+SDPA (bit-identical to eager); compiled plans swap in the Triton flash-attention kernels
+(graphs/rewrite.py). The ops are registered without ``device_types`` so CPU tests can run them.
 """
 
 from __future__ import annotations
