@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from mtc.errors import KernelInputError
+from mtc.kernels.tuning import Tuner
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "flash_attention_ref"]
 
@@ -367,33 +369,45 @@ def _attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel. Query-block kernels ("fwd", "dq") need
-# BLOCK_M % BLOCK_N == 0 and "dkdv" BLOCK_N % BLOCK_M == 0, so the causal diagonal covers whole
-# blocks. CUDA entries were picked by compiling for sm_90 (Triton 3.9): at D = 128 no or few bytes
-# of register spill and at most 160 KB of shared memory; larger half tiles spill in dkdv, larger
-# fp32 tiles spill everywhere. They have not been timed on an H100 yet.
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the first one the default.
+# Query-block kernels ("fwd", "dq") need BLOCK_M % BLOCK_N == 0 and "dkdv" BLOCK_N % BLOCK_M == 0,
+# so the causal diagonal covers whole blocks. The first CUDA entries were picked by compiling for
+# sm_90 (Triton 3.9): at D = 128 no or few bytes of register spill and at most 160 KB of shared
+# memory; larger half tiles spill in dkdv, larger fp32 tiles spill everywhere. On CUDA the first
+# launch per shape times every candidate (kernels/tuning.py) and keeps the fastest.
 _TILES = {
-    "cuda_half": {"fwd": (128, 64, 8, 3), "dq": (128, 32, 8, 3), "dkdv": (32, 128, 8, 2)},
-    "cuda_fp32": {"fwd": (32, 32, 4, 2), "dq": (32, 32, 8, 2), "dkdv": (32, 32, 8, 2)},
+    "cuda_half": {
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)],
+        "dq": [(128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+        "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 2)],
+    },
+    "cuda_fp32": {
+        "fwd": [(32, 32, 4, 2), (64, 32, 4, 2)],
+        "dq": [(32, 32, 8, 2), (32, 32, 4, 2)],
+        "dkdv": [(32, 32, 8, 2), (32, 64, 8, 2)],
+    },
     # the interpreter runs one numpy op per tile op: small tiles, same shape ratios as on CUDA
-    "interpreter": {"fwd": (32, 16, 1, 1), "dq": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1)},
+    "interpreter": {"fwd": [(32, 16, 1, 1)], "dq": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)]},
 }
+_TUNER = Tuner("flash_attention")
 
 
-def _config(q: torch.Tensor, kernel: str) -> dict:
-    """Launch configuration of one kernel ("fwd", "dq" or "dkdv") for q's device and dtype.
+def _config(q: torch.Tensor, kernel: str, key: tuple, launch: Callable[[dict], None]) -> dict:
+    """Launch configuration of one kernel ("fwd", "dq" or "dkdv") for q's device and dtype: the
+    fastest candidate for this problem ``key``, timed with ``launch(config)`` on first use.
 
     HALF_DOT: fp16/bf16 on CUDA feed the tensor cores in their own dtype; otherwise operands are
     fp32 (3xTF32 on CUDA, exact in the interpreter, which computes bf16 wrongly).
     """
     if not q.is_cuda:
-        key = "interpreter"
+        tiles = "interpreter"
     else:
-        key = "cuda_fp32" if q.dtype == torch.float32 else "cuda_half"
-    block_m, block_n, num_warps, num_stages = _TILES[key][kernel]
-    return dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, HALF_DOT=key == "cuda_half", num_warps=num_warps, num_stages=num_stages
-    )
+        tiles = "cuda_fp32" if q.dtype == torch.float32 else "cuda_half"
+    configs = [
+        {"BLOCK_M": m, "BLOCK_N": n, "HALF_DOT": tiles == "cuda_half", "num_warps": w, "num_stages": st}
+        for m, n, w, st in _TILES[tiles][kernel]
+    ]
+    return _TUNER.choose((kernel, tiles, *key), configs, launch)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
@@ -448,14 +462,22 @@ def _flash_attn_fwd(
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    cfg = _config(q, "fwd")
-    _attn_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H, T, H // k.shape[1], scale * _LOG2E,
-        CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), **cfg,
-    )
+    def launch(cfg: dict) -> None:  # idempotent: timing candidates just rewrites o and lse
+        _attn_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            H, T, H // k.shape[1], scale * _LOG2E,
+            CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), **cfg,
+        )
+
+    launch(_config(q, "fwd", _tuning_key(q, k, causal), launch))
     return o, lse
+
+
+def _tuning_key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
+    """What the best tiles depend on: sizes, grouping, masking (strides rarely change in a run)."""
+    B, H, T, D = q.shape
+    return (B * H, k.shape[1] * B, T, D, bool(causal))
 
 
 def _flash_attn_bwd(
@@ -476,20 +498,26 @@ def _flash_attn_bwd(
     _attn_bwd_preprocess_kernel[(triton.cdiv(T, 64), B * H)](
         o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d, num_warps=4,
     )
-    cfg = _config(q, "dkdv")
-    _attn_bwd_dkdv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), B * H_KV)](
-        q, k, v, do, dk, dv, lse, delta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, H_KV, T, H // H_KV, scale * _LOG2E, scale,
-        CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=block_d, **cfg,
-    )
-    cfg = _config(q, "dq")
-    _attn_bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
-        q, k, v, do, dq, lse, delta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, T, H // H_KV, scale * _LOG2E, scale,
-        CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=block_d, **cfg,
-    )
+    key = _tuning_key(q, k, causal)
+
+    def launch_dkdv(cfg: dict) -> None:  # idempotent: writes dk, dv
+        _attn_bwd_dkdv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), B * H_KV)](
+            q, k, v, do, dk, dv, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            H, H_KV, T, H // H_KV, scale * _LOG2E, scale,
+            CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=block_d, **cfg,
+        )
+
+    def launch_dq(cfg: dict) -> None:  # idempotent: writes dq
+        _attn_bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            q, k, v, do, dq, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            H, T, H // H_KV, scale * _LOG2E, scale,
+            CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=block_d, **cfg,
+        )
+
+    launch_dkdv(_config(q, "dkdv", key, launch_dkdv))
+    launch_dq(_config(q, "dq", key, launch_dq))
     return dq, dk, dv
 
 

@@ -96,8 +96,35 @@ def test_half_tensor_core_path_in_interpreter(monkeypatch):
     """fp16 operands straight into tl.dot with P and dS rounded to fp16, the CUDA path for half
     inputs (the interpreter gets fp16 right, unlike bf16)."""
     config = fa._config
-    monkeypatch.setattr(fa, "_config", lambda q, kernel: {**config(q, kernel), "HALF_DOT": True})
+    monkeypatch.setattr(fa, "_config", lambda q, kernel, key, launch: {**config(q, kernel, key, launch), "HALF_DOT": True})
     _check(2, 4, 2, 33, 32, causal=True, dtype=torch.float16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the interpreter's tiles")
+def test_tuner_times_candidates_and_keeps_the_fastest(monkeypatch):
+    """Several tile candidates per kernel: each is launched and timed (a clock that says the last
+    is fastest, and a first candidate that fails to launch), the fastest is kept, results stay right."""
+    from mtc.kernels.tuning import Tuner
+
+    tiles = {"fwd": [(32, 16, 1, 1), (16, 16, 1, 1), (64, 32, 1, 1)], "dq": [(32, 16, 1, 1), (16, 16, 1, 1), (32, 32, 1, 1)],
+             "dkdv": [(16, 32, 1, 1), (16, 16, 1, 1), (32, 64, 1, 1)]}
+    calls = []
+
+    def clock(fn):
+        calls.append(fn)
+        if len(calls) % 3 == 1:
+            raise RuntimeError("out of shared memory")  # the first candidate of each kernel "fails"
+        fn()
+        return 10.0 - len(calls) % 3
+
+    monkeypatch.setitem(fa._TILES, "interpreter", tiles)
+    monkeypatch.setattr(fa, "_TUNER", Tuner("test", bench=clock))
+    _check(1, 4, 2, 37, 16, causal=True, dtype=torch.float32)
+    assert len(calls) == 9  # three kernels, three candidates each, timed once
+    best = {key[0]: (cfg["BLOCK_M"], cfg["BLOCK_N"]) for key, cfg in fa._TUNER.best.items()}
+    assert best == {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}  # 9.0 beats 10.0; the failure is skipped
+    _check(1, 4, 2, 37, 16, causal=True, dtype=torch.float32)
+    assert len(calls) == 9, "a known shape must not be timed again"
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
