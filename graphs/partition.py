@@ -10,8 +10,9 @@ Every call node is then classified:
 * ``anchor``: matmuls and attention (``mm``, ``addmm``, ``bmm``, SDPA and its backward): left to
   cuBLAS / hand-tuned kernels;
 * ``view``: metadata-only ops (view, permute, expand, slice, ...): no kernel, run as ATen;
-* ``fusible``: pointwise ops and last-dimension reductions (sum, mean, amax): grouped;
-* ``fallback``: anything else (cat, embedding, gather, ...): run as ATen, and reported.
+* ``fusible``: pointwise ops, last-dim cats, and sum/mean/amax over the last dim (row kernels) or
+  over every leading dim (column kernels: weight and bias gradients): grouped;
+* ``fallback``: anything else (other cats, embedding, gather, ...): run as ATen, and reported.
 
 A fusion group is a maximal connected set of fusible nodes that compute over one iteration
 shape (the shape of the group's largest output); groups never contain anchors or views, so
@@ -38,7 +39,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from mtc.graphs.program import Template, external_inputs
 from mtc.graphs.rewrite import use_linear_cross_entropy
 
-__all__ = ["FusionGroup", "Partition", "joint_graph", "forward_graph", "partition", "classify"]
+__all__ = [
+    "CAT", "Frame", "FusionGroup", "Partition", "arg_frames", "classify", "forward_graph", "is_column_reduction",
+    "joint_graph", "partition",
+]
 
 aten = torch.ops.aten
 
@@ -92,7 +96,9 @@ def classify(node: fx.Node) -> str:
         return "view"
     if t in POINTWISE and _tensor_out(node):
         return "fusible"
-    if t in REDUCTIONS and _last_dim_reduction(node):
+    if t in REDUCTIONS and (_last_dim_reduction(node) or is_column_reduction(node)):
+        return "fusible"
+    if t is CAT and _last_dim_cat(node):
         return "fusible"
     return "fallback"
 
@@ -107,17 +113,97 @@ def _tensor_out(node: fx.Node) -> bool:
 
 
 def _last_dim_reduction(node: fx.Node) -> bool:
-    src = node.args[0]
-    v = _val(src)
+    r = _reduced_dims(node)
+    return r is not None and r[1] == [r[0].dim() - 1]
+
+
+def _reduced_dims(node: fx.Node) -> tuple[torch.Tensor, list[int]] | None:
+    """(input value, sorted reduced dims) of a sum/mean/amax with an explicit dim list, else None."""
+    v = _val(node.args[0])
     if not isinstance(v, torch.Tensor) or v.dim() == 0:
-        return False
+        return None
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if dims is None:
+    if dims is None or (node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") is not None):
+        return None
+    return v, sorted(d % v.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
+def is_column_reduction(node: fx.Node) -> bool:
+    """A sum/mean/amax over every dim but the last (weight and bias gradients): (..., N) -> (N,)."""
+    if node.target not in REDUCTIONS:
         return False
-    dims = [d % v.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") is not None:
+    r = _reduced_dims(node)
+    return r is not None and r[0].dim() >= 2 and r[1] == list(range(r[0].dim() - 1))
+
+
+CAT = aten.cat.default
+Frame = tuple[int, int]  # (first column, width): the window of the iteration shape's last dim a value lives in
+
+
+def _last_dim_cat(node: fx.Node) -> bool:
+    """cat of same-rank, same-dtype float tensors along their last dim (RoPE's rotate_half)."""
+    v = _val(node)
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or v.dim() == 0:
         return False
-    return dims == [v.dim() - 1]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim % v.dim() != v.dim() - 1 or not isinstance(node.args[0], (list, tuple)):
+        return False
+    parts = [_val(a) for a in node.args[0]]
+    return all(isinstance(x, torch.Tensor) and x.dim() == v.dim() and x.dtype == v.dtype and x.shape[-1] > 0 for x in parts)
+
+
+def _width(node: fx.Node) -> int:
+    v = _val(node)
+    return int(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() else 1
+
+
+def arg_frames(node: fx.Node, frame: Frame, full: Frame) -> list[tuple[fx.Node, Frame]]:
+    """The frame each input of ``node`` is computed in when ``node`` is computed in ``frame``.
+
+    A cat's i-th input lives in the columns after the inputs before it; every other op reads its
+    inputs at the same columns. A value one column wide is the same at every column, so it is
+    always computed in the full frame (reductions' outputs, per-row scalars).
+    """
+    if node.target is CAT:
+        out, start = [], frame[0]
+        for a in node.args[0]:
+            out.append((a, full if _width(a) == 1 else (start, _width(a))))
+            start += _width(a)
+        return out
+    return [(a, full if _width(a) == 1 else frame) for a in node.all_input_nodes]
+
+
+def _frames(ms: list[fx.Node], shape: tuple[int, ...]) -> dict[fx.Node, set[Frame]]:
+    """Every frame each node of a group is computed in (``ms`` in topological order)."""
+    inside, full = set(ms), (0, shape[-1])
+    frames: dict[fx.Node, set[Frame]] = {m: set() for m in ms}
+    for m in reversed(ms):  # users before producers
+        if not m.users or any(u not in inside for u in m.users) or _width(m) == 1:
+            frames[m].add(full)  # group outputs are stored at the full width
+        for f in frames[m]:
+            for a, fa in arg_frames(m, f, full):
+                if a in inside:
+                    frames[a].add(fa)
+    return frames
+
+
+def _broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    return len(small) <= len(big) and all(y in (1, x) for x, y in zip(reversed(big), reversed(small)))
+
+
+def _shapes_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+    """Can every node be computed over ``shape`` (a cat's inputs over their column window of it)?"""
+    if not any(m.target is CAT for m in ms):
+        return all(_compatible(shape, _iter_shape([m])) for m in ms)
+    if not shape:
+        return False
+    for m, fs in _frames(ms, shape).items():
+        s = tuple(_val(m).shape)
+        if m.target in REDUCTIONS and fs != {(0, shape[-1])}:
+            return False  # reductions run over whole rows / columns only
+        if not all(_broadcasts(s, (*shape[:-1], w)) for _, w in fs):
+            return False
+    return True
 
 
 @dataclasses.dataclass(slots=True)
@@ -218,9 +304,9 @@ def partition(graph: fx.Graph) -> Partition:
             ga, gn = group_of[a], group_of[n]
             merged = members[ga] + members[gn]
             shape = _iter_shape(merged)
-            if not all(_compatible(shape, _iter_shape([m])) for m in merged):
+            if not _shapes_ok(merged, shape):
                 continue
-            if any(m.target in REDUCTIONS for m in merged) and not _row_ok(merged, shape):
+            if any(m.target in REDUCTIONS for m in merged) and not _reductions_ok(merged, shape):
                 continue
             if _creates_cycle(set(merged), order):
                 continue
@@ -245,19 +331,38 @@ def partition(graph: fx.Graph) -> Partition:
     )
 
 
+def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+    """A group reduces either rows (a row kernel) or columns (a column kernel), never both."""
+    column = [m for m in ms if m.target in REDUCTIONS and is_column_reduction(m)]
+    if not column:
+        return _row_ok(ms, shape)
+    if len(column) != sum(1 for m in ms if m.target in REDUCTIONS):
+        return False
+    return _column_ok(ms, column, shape)
+
+
+def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...]) -> bool:
+    """Column reductions read the whole iteration shape and end the group (their (N,) results are
+    complete only after the last row, so nothing in the same kernel may use them)."""
+    inside = set(ms)
+    return all(tuple(_val(c.args[0]).shape) == shape and not any(u in inside for u in c.users) for c in column)
+
+
 def _row_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
-    """With a reduction in the group, every node must be a full row (…, N) or a reduced row (…, 1)."""
+    """With a reduction in the group, every node must be a full row (…, N) or a reduced row (…, 1)
+    (or, upstream of a cat, a full row of its column window (…, W))."""
     if not shape:
         return False
     rows = shape[:-1]
+    widths = _frames(ms, shape) if any(m.target is CAT for m in ms) else {}
     for m in ms:
         s = tuple(_val(m).shape)
         if m.target in REDUCTIONS:
             keep = (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
             if not keep or s != (*rows, 1):
                 return False
-        elif s not in (shape, (*rows, 1)):  # full rows, or per-row scalars (e.g. rsqrt(mean + eps))
-            return False
+        elif s not in (shape, (*rows, 1), *((*rows, w) for _, w in widths.get(m, ()))):
+            return False  # not a full row, a per-row scalar (e.g. rsqrt(mean + eps)) or a cat's part
     return True
 
 

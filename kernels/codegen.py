@@ -1,12 +1,20 @@
 """Generate a Triton kernel for a fusion group, from the group's FX nodes.
 
-Two kernel shapes cover what `mtc.graphs.partition` groups:
+Three kernel shapes cover what `mtc.graphs.partition` groups:
 
 * ``pointwise``: one program per BLOCK elements of the iteration shape S; every input is read
   through its strides after broadcasting to S (so transposed or expanded inputs need no copy);
 * ``row``: groups with last-dimension reductions (norms, softmax pieces): one program per row of
   S, the row in one block of next_pow2(N) columns; a reduction yields a per-row scalar that later
-  nodes broadcast against full rows.
+  nodes broadcast against full rows;
+* ``column``: groups ending in reductions over every leading dim (weight and bias gradients):
+  programs on a (column blocks, row chunks) grid, each looping over [BLOCK_M, BLOCK] tiles of
+  its rows and accumulating in fp32; the pointwise producers of the reduced value are computed
+  in the same loop. Each chunk writes an fp32 partial per column and the launcher combines the
+  partials in a fixed order (deterministic, unlike atomics).
+
+A cat along the last dim is computed in place: its inputs are computed in their column windows
+of S (loads at shifted columns, masked to the window) and picked per column with ``tl.where``.
 
 Every value is computed in fp32 (loads are cast up, stores cast to the node's dtype); offsets are
 int64; every load and store is masked. The source is written to a file (Triton's JIT reads kernel
@@ -17,19 +25,21 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import math
 import operator
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.fx as fx
+from mtc.graphs.partition import CAT, REDUCTIONS, Frame, FusionGroup, arg_frames, is_column_reduction
+from torch import fx
 
 from mtc.errors import KernelInputError
-from mtc.graphs.partition import REDUCTIONS, FusionGroup
 
-__all__ = ["CodegenError", "generate_source", "FusedKernel", "compile_group", "MAX_ROW"]
+__all__ = ["MAX_ROW", "CodegenError", "FusedKernel", "compile_group", "generate_source"]
 
 aten = torch.ops.aten
 MAX_ROW = 16384  # widest row a row kernel holds in one block
@@ -130,89 +140,199 @@ def _dtype(n: fx.Node) -> torch.dtype:
     return n.meta["val"].dtype
 
 
+def _mode(group: FusionGroup) -> str:
+    """'pointwise', 'row' (last-dim reductions) or 'column' (reductions over all leading dims)."""
+    reds = [n for n in group.nodes if n.target in REDUCTIONS]
+    if not reds:
+        return "pointwise"
+    column = [n for n in reds if is_column_reduction(n)]
+    if not column:
+        return "row"
+    if len(column) != len(reds):
+        raise CodegenError(f"{group.name} mixes row and column reductions")
+    return "column"
+
+
+def _check_outputs(group: FusionGroup, mode: str) -> None:
+    S = group.shape
+    for o in group.outputs:
+        s = _shape(o)
+        if mode == "column" and o.target in REDUCTIONS:
+            if math.prod(s) != S[-1] or s[-1:] != S[-1:]:
+                raise CodegenError(f"column reduction {o.name} has shape {s}, not ({S[-1]},)")
+        elif s != S and not (mode == "row" and s == (*S[:-1], 1)):
+            raise CodegenError(f"output {o.name} has shape {s}, not the iteration shape {S}")
+        if _dtype(o) not in _TL_DTYPE:
+            raise CodegenError(f"output dtype {_dtype(o)}")
+    if mode == "column" and any(u in set(group.nodes) for n in group.nodes if n.target in REDUCTIONS for u in n.users):
+        raise CodegenError(f"{group.name}: a column reduction is used inside its own group")
+
+
+def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
+    """Index set-up: leading indices ``i0..i{R-2}``, columns ``cols`` and ``mask`` for each mode.
+
+    pointwise: flat 1-D blocks; row: one row per program, 1-D columns; column: a block of columns
+    and a chunk of CHUNK rows per program, in [BLOCK_M, BLOCK] tiles (the loop body follows, indented).
+    """
+    R, N = len(S), S[-1]
+    if mode == "pointwise":
+        L = ["pid = tl.program_id(0).to(tl.int64)", "offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < NUMEL",
+             "rem = offs"]
+        for d in reversed(range(R)):
+            L += [f"i{d} = rem % {S[d]}", f"rem = rem // {S[d]}"]
+        return L + [f"cols = i{R - 1}"]
+    if mode == "row":
+        L = ["row = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK)", f"mask = cols < {N}", "rem = row"]
+    else:
+        M = math.prod(S[:-1])
+        L = ["pid = tl.program_id(0).to(tl.int64)", "ccols = pid * BLOCK + tl.arange(0, BLOCK)", f"cmask = ccols < {N}",
+             "cols = ccols[None, :]", "%ACC%", "r_lo = tl.program_id(1) * CHUNK",
+             "for r0 in range(r_lo, r_lo + CHUNK, BLOCK_M):",
+             "    row = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]", f"    mask = (row < {M}) & cmask[None, :]",
+             "    rem = row"]
+    ind = "    " if mode == "column" else ""
+    for d in reversed(range(R - 1)):
+        L += [f"{ind}i{d} = rem % {S[d]}", f"{ind}rem = rem // {S[d]}"]
+    return L
+
+
+class _Emitter:
+    """Writes the kernel body: each (node, frame) once, its inputs first (see partition.arg_frames).
+
+    A frame (first column, width) is the window of the iteration shape's last dim a value is
+    computed in: everything at full width except the inputs of a cat, which are computed at the
+    columns they fill, from loads at shifted columns masked to the window.
+    """
+
+    def __init__(self, group: FusionGroup, mode: str) -> None:
+        self.group, self.mode, self.S = group, mode, group.shape
+        self.full: Frame = (0, group.shape[-1])
+        self.inputs = {n: i for i, n in enumerate(group.inputs)}
+        self.inside = set(group.nodes)
+        self.ind = "    " if mode == "column" else ""
+        self.body: list[str] = []
+        self.epilogue: list[str] = []
+        self.acc: list[str] = []
+        self.names: dict[tuple[fx.Node, Frame], str] = {}
+        self.masks: dict[Frame, str] = {self.full: "mask"}
+        self.scalar: set[fx.Node] = set()  # row mode: per-row values (reductions and what only they feed)
+
+    def line(self, text: str) -> None:
+        self.body.append(self.ind + text)
+
+    def mask(self, f: Frame) -> str:
+        if f not in self.masks:
+            self.masks[f] = f"fm{len(self.masks)}"
+            self.line(f"{self.masks[f]} = mask & (cols >= {f[0]}) & (cols < {f[0] + f[1]})")
+        return self.masks[f]
+
+    def val(self, n: fx.Node, f: Frame) -> str:
+        """Name of the value of ``n`` computed in frame ``f`` (emitting it on first use)."""
+        w = _shape(n)[-1] if _shape(n) else 1
+        if w == 1:
+            f = self.full  # one column: the same value at every column
+        elif w != f[1]:
+            raise CodegenError(f"{n.name} is {w} columns wide but computed in a window of {f[1]}")
+        if (n, f) not in self.names:
+            self.names[(n, f)] = self._load(n, f) if n in self.inputs else self._compute(n, f)
+        return self.names[(n, f)]
+
+    def _load(self, n: fx.Node, f: Frame) -> str:
+        i, R, S = self.inputs[n], len(self.S), self.S
+        var = f"x{i}" if f == self.full else f"x{i}_{f[0]}"
+        # masked lanes load 1.0, not 0: keeps rsqrt/log/div of padding finite (reductions mask them)
+        other = "0" if _dtype(n) in (torch.bool, torch.int64, torch.int32) else "1.0"
+        cast = "" if _dtype(n) == torch.bool else ".to(tl.float32)"
+        lead = [f"i{d} * s{i}_{d}" for d in range(R - 1)]
+        shp = _shape(n)
+        if self.mode == "row" and (not shp or shp[-1] == 1) and S[-1] != 1:
+            # a per-row input (…, 1): one scalar per row, so values computed from it stay per-row
+            self.line(f"{var} = tl.load(in{i} + ({' + '.join(lead) or '0'})){cast}")
+            self.scalar.add(n)
+            return var
+        col = f"cols * s{i}_{R - 1}" if f[0] == 0 else f"(cols - {f[0]}) * s{i}_{R - 1}"
+        self.line(f"{var} = tl.load(in{i} + ({' + '.join([*lead, col])}), mask={self.mask(f)}, other={other}){cast}")
+        return var
+
+    def _compute(self, n: fx.Node, f: Frame) -> str:
+        if n not in self.inside:
+            raise CodegenError(f"{n.name} is neither computed in nor passed to {self.group.name}")
+        frames = dict(arg_frames(n, f, self.full)) if n.target is not CAT else None
+        if n.target is CAT:
+            expr = self._cat(n, f)
+        elif n.target in REDUCTIONS:
+            return self._reduce(n, self.val(n.args[0], self.full))
+        else:
+            expr = _expr(n, lambda a: self.val(a, frames[a]) if isinstance(a, fx.Node) else _lit(a))
+        var = f"v{len(self.names)}"
+        self.line(f"{var} = {expr}")
+        # per-row if computed only from per-row values (a cat varies along the row by construction)
+        if n.target is not CAT and n.all_input_nodes and all(a in self.scalar for a in n.all_input_nodes):
+            self.scalar.add(n)
+        return var
+
+    def _cat(self, n: fx.Node, f: Frame) -> str:
+        """Column c of the cat is input j's value where c falls in input j's window."""
+        names = [self.val(a, fa) for a, fa in arg_frames(n, f, self.full)]
+        ends = list(itertools.accumulate((_shape(a)[-1] for a in n.args[0]), initial=f[0]))[1:]
+        expr = names[-1]
+        for name, end in zip(reversed(names[:-1]), reversed(ends[:-1])):
+            expr = f"tl.where(cols < {end}, {name}, {expr})"
+        return expr
+
+    def _reduce(self, n: fx.Node, src: str) -> str:
+        var = f"v{len(self.names)}"
+        is_max = n.target is aten.amax.default
+        neutral = "float('-inf')" if is_max else "0.0"
+        masked = f"tl.where(mask, {src}, {neutral})"
+        if self.mode == "row":
+            self.line(f"{var} = tl.{'max' if is_max else 'sum'}({masked}, axis=0)")
+            if n.target is aten.mean.dim:
+                self.line(f"{var} = {var} / {self.S[-1]}")
+            self.scalar.add(n)
+            return var
+        # column: accumulate this chunk's rows in fp32; the launcher combines chunks (and divides a mean)
+        init = "tl.full([BLOCK], float('-inf'), tl.float32)" if is_max else "tl.zeros([BLOCK], dtype=tl.float32)"
+        self.acc.append(f"{var} = {init}")
+        self.line(f"{var} = tl.maximum({var}, tl.max({masked}, axis=0))" if is_max else f"{var} += tl.sum({masked}, axis=0)")
+        return var
+
+
 def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     """(Triton source defining ``name``, mode) for ``group``; raises CodegenError if unsupported."""
     S = group.shape
     if not S:
         raise CodegenError("scalar groups are left to ATen")
-    mode = "row" if group.reduces else "pointwise"
-    rows_shape = S[:-1]
-    for o in group.outputs:
-        s = _shape(o)
-        if s != S and not (mode == "row" and s == (*rows_shape, 1)):
-            raise CodegenError(f"output {o.name} has shape {s}, not the iteration shape {S}")
-        if _dtype(o) not in _TL_DTYPE:
-            raise CodegenError(f"output dtype {_dtype(o)}")
+    mode = _mode(group)
+    _check_outputs(group, mode)
     if mode == "row" and S[-1] > MAX_ROW:
         raise CodegenError(f"row of {S[-1]} elements exceeds {MAX_ROW}")
     R = len(S)
     ins = [f"in{i}" for i in range(len(group.inputs))]
     outs = [f"out{i}" for i in range(len(group.outputs))]
     strides = [f"s{i}_{d}" for i in range(len(ins)) for d in range(R)]
-    L = ["import triton", "import triton.language as tl", "", "", "@triton.jit"]
-    L.append(f"def {name}({', '.join(ins + outs + strides)}, NUMEL, BLOCK: tl.constexpr):")
-    body: list[str] = []
-    if mode == "pointwise":
-        body += ["pid = tl.program_id(0).to(tl.int64)", "offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < NUMEL",
-                 "rem = offs"]
-        for d in reversed(range(R)):
-            body += [f"i{d} = rem % {S[d]}", f"rem = rem // {S[d]}"]
-        idx = {i: " + ".join(f"i{d} * s{i}_{d}" for d in range(R)) for i in range(len(ins))}
-        out_off = "offs"
-    else:
-        N = S[-1]
-        body += ["row = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK)", f"mask = cols < {N}", "rem = row"]
-        for d in reversed(range(R - 1)):
-            body += [f"i{d} = rem % {S[d]}", f"rem = rem // {S[d]}"]
-        idx = {
-            i: " + ".join([f"i{d} * s{i}_{d}" for d in range(R - 1)] + [f"cols * s{i}_{R - 1}"]) for i in range(len(ins))
-        }
-        out_off = f"row * {N} + cols"
-    names: dict[fx.Node, str] = {}
-    scalar: set[fx.Node] = set()  # per-row values (reductions, per-row inputs, and what only they feed)
-    for i, inp in enumerate(group.inputs):
-        names[inp] = f"x{i}"
-        # masked lanes load 1.0, not 0: keeps rsqrt/log/div of padding finite (reductions mask them)
-        other = "0" if _dtype(inp) in (torch.bool, torch.int64, torch.int32) else "1.0"
-        cast = "" if _dtype(inp) == torch.bool else ".to(tl.float32)"
-        shp = _shape(inp)
-        if mode == "row" and (not shp or shp[-1] == 1) and S[-1] != 1:
-            # a per-row input (…, 1): one scalar per row, so values computed from it stay per-row
-            row_idx = " + ".join([f"i{d} * s{i}_{d}" for d in range(R - 1)]) or "0"
-            body.append(f"x{i} = tl.load({ins[i]} + ({row_idx})){cast}")
-            scalar.add(inp)
-            continue
-        body.append(f"x{i} = tl.load({ins[i]} + ({idx[i]}), mask=mask, other={other}){cast}")
-
-    def v(a: Any) -> str:
-        return names[a] if isinstance(a, fx.Node) else _lit(a)
-
-    for k, n in enumerate(group.nodes):
-        var = f"v{k}"
-        if n.target in REDUCTIONS:
-            src = v(n.args[0])
-            if n.target is aten.amax.default:
-                body.append(f"{var} = tl.max(tl.where(mask, {src}, float('-inf')), axis=0)")
-            else:
-                body.append(f"{var} = tl.sum(tl.where(mask, {src}, 0.0), axis=0)")
-                if n.target is aten.mean.dim:
-                    body.append(f"{var} = {var} / {S[-1]}")
-            scalar.add(n)
-        else:
-            body.append(f"{var} = {_expr(n, v)}")
-            # per-row if computed only from per-row values (group inputs load as full rows)
-            if n.all_input_nodes and all(a in scalar for a in n.all_input_nodes):
-                scalar.add(n)
-        names[n] = var
+    consts = "CHUNK, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr" if mode == "column" else "BLOCK: tl.constexpr"
+    L = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
+         f"def {name}({', '.join(ins + outs + strides)}, NUMEL, {consts}):"]
+    em = _Emitter(group, mode)
+    out_off = {"pointwise": "offs", "row": f"row * {S[-1]} + cols", "column": f"row * {S[-1]} + cols"}[mode]
     for j, o in enumerate(group.outputs):
+        value = em.val(o, em.full)
         dt = _TL_DTYPE[_dtype(o)]
-        if mode == "row" and (o in scalar) != (_shape(o) != S):
+        if mode == "column" and o.target in REDUCTIONS:
+            em.epilogue.append(f"tl.store(out{j} + tl.program_id(1).to(tl.int64) * {S[-1]} + ccols, {value}, mask=cmask)")
+            continue
+        if mode == "row" and (o in em.scalar) != (_shape(o) != S):
             raise CodegenError(f"output {o.name}: per-row value and shape {_shape(o)} disagree")
-        if o in scalar and mode == "row":
-            body.append(f"tl.store({outs[j]} + row, ({names[o]}).to({dt}))")
+        if o in em.scalar and mode == "row":
+            em.line(f"tl.store(out{j} + row, ({value}).to({dt}))")
         else:
-            body.append(f"tl.store({outs[j]} + ({out_off}), ({names[o]}).to({dt}), mask=mask)")
-    L += ["    " + line for line in body]
+            em.line(f"tl.store(out{j} + ({out_off}), ({value}).to({dt}), mask=mask)")
+    head = _prologue(mode, S)
+    if "%ACC%" in head:
+        k = head.index("%ACC%")
+        head[k:k + 1] = em.acc
+    L += ["    " + line for line in head + em.body + em.epilogue]
     return "\n".join(L) + "\n", mode
 
 
@@ -224,6 +344,9 @@ class FusedKernel:
         self.shape = group.shape
         self.in_shapes = [_shape(i) for i in group.inputs]
         self.out_specs = [(_shape(o), _dtype(o)) for o in group.outputs]
+        # column mode: how each reduction output's per-chunk partials combine (None: stored directly)
+        self.combine = [str(o.target).split(".")[1] if mode == "column" and o.target in REDUCTIONS else None
+                        for o in group.outputs]
         self.__name__ = fn.__name__
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -235,7 +358,9 @@ class FusedKernel:
         for x, shp in zip(inputs, self.in_shapes, strict=True):
             if tuple(x.shape) != shp or x.device != dev:
                 raise KernelInputError(f"{self.__name__}: input of shape {tuple(x.shape)} on {x.device}, expected {shp} on {dev}")
-            strides += list(x.expand(S).stride()) if x.dim() else [0] * len(S)
+            strides += _strides(x, S)
+        if self.mode == "column":
+            return self._columns(inputs, strides)
         outs = [torch.empty(s, dtype=dt, device=dev) for s, dt in self.out_specs]
         numel = math.prod(S)
         if self.mode == "row":
@@ -247,6 +372,47 @@ class FusedKernel:
         ins = [x if x.dim() else x.reshape(1) for x in inputs]
         self.fn[grid](*ins, *outs, *strides, numel, BLOCK=block)
         return tuple(outs)
+
+    def _columns(self, inputs: tuple[torch.Tensor, ...], strides: list[int]) -> tuple[torch.Tensor, ...]:
+        """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here."""
+        S, dev = self.shape, inputs[0].device
+        N, M = S[-1], math.prod(S[:-1])
+        cuda = dev.type == "cuda"
+        # GPU: 128-column, 32-row tiles and enough chunks to fill the SMs; CPU interpreter: wide
+        # tiles and few programs (each step is one vectorised numpy op)
+        block = min(triton_next_pow2(N), 128 if cuda else 1024)
+        block_m = min(triton_next_pow2(M), 32 if cuda else 64)
+        target = 4 * _sm_count(dev) if cuda else 2
+        tiles = triton_cdiv(M, block_m)
+        split = max(1, min(tiles, target // triton_cdiv(N, block)))
+        chunk = triton_cdiv(tiles, split) * block_m
+        split = triton_cdiv(M, chunk)
+        outs = [torch.empty((split, N), dtype=torch.float32, device=dev) if c else torch.empty(s, dtype=dt, device=dev)
+                for (s, dt), c in zip(self.out_specs, self.combine, strict=True)]
+        ins = [x if x.dim() else x.reshape(1) for x in inputs]
+        self.fn[(triton_cdiv(N, block), split)](*ins, *outs, *strides, M * N, chunk, BLOCK=block, BLOCK_M=block_m)
+        done = []
+        for o, (s, dt), c in zip(outs, self.out_specs, self.combine, strict=True):
+            if c is not None:
+                o = o.amax(0) if c == "amax" else o.sum(0) / M if c == "mean" else o.sum(0)
+                o = o.to(dt).reshape(s)
+            done.append(o)
+        return tuple(done)
+
+
+def _sm_count(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _strides(x: torch.Tensor, S: tuple[int, ...]) -> list[int]:
+    """Strides of ``x`` broadcast to S's leading dims and its own width (a cat's input is narrower
+    than S); a broadcast (size-1) last dim gets stride 0."""
+    if x.dim() == 0:
+        return [0] * len(S)
+    st = list(x.expand(*S[:-1], x.shape[-1]).stride())
+    if x.shape[-1] == 1:
+        st[-1] = 0
+    return st
 
 
 def triton_next_pow2(n: int) -> int:

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtc.compiler import compile_template
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import write_token_file
 from mtc.models import build
 from mtc.runtime.state import read_params
 from mtc.runtime.trainer import train
 from mtc.tracer import LossModel, trace
+from tests.graphs.compiled import check_compiled, graph_targets
 from tests.graphs.test_trace import run_program
 from tests.reference import reference_train
 
@@ -63,51 +63,15 @@ def test_trace_and_compile_each_architecture(name, tmp_path):
     assert torch.equal(run_program(prog, dict(model.named_parameters()), ids, ids), LossModel(model)(ids, ids))
     # one compiled block, and the head: forward and every gradient against the ATen template
     params = dict(model.named_parameters())
-    block = _check_compiled(prog, params, prog.layers[1], tmp_path)
+    block = check_compiled(prog, params, prog.layers[1], tmp_path)
     assert block.forward_report.generated > 0 and block.forward_report.kernels < block.forward_report.aten_ops
     if name != "custom":  # causal attention runs the flash kernel, forward and backward
-        assert {"mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default"} <= _targets(block.joint_graph)
-    head = _check_compiled(prog, params, prog.layers[-1], tmp_path)
+        assert {"mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default"} <= graph_targets(block.joint_graph)
+    head = check_compiled(prog, params, prog.layers[-1], tmp_path)
     # the loss is the fused linear + cross-entropy: no full-vocabulary softmax anywhere
-    assert "mtc.linear_cross_entropy_fwd_bwd.default" in _targets(head.joint_graph)
-    assert "mtc.linear_cross_entropy_loss.default" in _targets(head.forward_graph)
-    assert not any("log_softmax" in t for t in _targets(head.joint_graph) | _targets(head.forward_graph))
-
-
-def _targets(graph: torch.fx.Graph) -> set[str]:
-    """Names of every op (and fused-kernel function) a compiled graph calls."""
-    return {str(n.target) for n in graph.nodes if n.op == "call_function"}
-
-
-def _check_compiled(prog, params, call, tmp_path):
-    """Compile ``call``'s template; its forward and joint graphs must match the ATen template."""
-    t = prog.templates[call.template]
-    ct = compile_template(t, tmp_path)
-    assert ct.backward_report.generated > 0
-    aux = [torch.randn(a.shape) for a in prog.aux]
-    args = []
-    for inp in t.inputs:
-        src = call.bindings[inp.name]
-        if src.kind == "param":
-            args.append(params[src.key].detach())
-        elif src.kind == "aux":
-            args.append(aux[src.index])
-        elif src.kind == "batch":
-            targets = torch.randint(0, 256, inp.spec.shape)
-            targets.view(-1)[1] = -100  # an ignored position
-            args.append(targets)
-        else:
-            args.append(torch.randn(inp.spec.shape))
-    ref = t.module("cpu")(*args)[0]
-    torch.testing.assert_close(ct.module("forward", "cpu")(*args)[0], ref, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(ref)
-    xs = [a.clone().requires_grad_(k in ct.diff) for k, a in enumerate(args)]
-    want = torch.autograd.grad(t.module("cpu")(*xs)[0], [xs[k] for k in ct.diff], g)
-    outs = ct.module("joint", "cpu")(*args, g)
-    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
-    for k, a, b in zip(ct.diff, outs[1:], want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{t.kind} grad of {t.inputs[k].role}: {m}")
-    return ct
+    assert "mtc.linear_cross_entropy_fwd_bwd.default" in graph_targets(head.joint_graph)
+    assert "mtc.linear_cross_entropy_loss.default" in graph_targets(head.forward_graph)
+    assert not any("log_softmax" in t for t in graph_targets(head.joint_graph) | graph_targets(head.forward_graph))
 
 
 def test_gpt2_parity_with_tied_embeddings(tmp_path):

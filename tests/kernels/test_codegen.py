@@ -115,3 +115,100 @@ def test_real_shape_llama_groups_bf16_on_gpu(tmp_path):
                 torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
             checked += 1
     assert checked > 20
+
+
+def _record(g: torch.fx.GraphModule, *args: torch.Tensor) -> dict:
+    """Every node's value when ``g`` runs on ``args`` (what a group's kernel would be fed)."""
+    vals = {}
+
+    class Rec(torch.fx.Interpreter):
+        def run_node(self, n):
+            vals[n] = super().run_node(n)
+            return vals[n]
+
+    Rec(g).run(*args)
+    return vals
+
+
+def _check_groups(f, *args: torch.Tensor, tmp_path) -> list[str]:
+    """Trace ``f`` to core ATen, compile every group and compare it with ATen on the same inputs;
+    returns the kernel modes."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    p = partition(g.graph)
+    assert not any(n.target is torch.ops.aten.cat.default for n in p.fallbacks), p.fallback_ops()
+    vals = _record(g, *args)
+    modes = []
+    for group in p.groups:
+        kern = compile_group(group, tmp_path)
+        got = kern(*[vals[i] for i in group.inputs])
+        for o, t in zip(group.outputs, got, strict=True):
+            torch.testing.assert_close(t, vals[o], rtol=1e-5, atol=1e-5, msg=lambda m: f"{group.name} ({kern.mode}): {m}")
+        modes.append(kern.mode)
+    return modes
+
+
+def test_rope_cat_is_one_pointwise_kernel(tmp_path):
+    # x*cos + rotate_half(x)*sin with a ragged split (12 + 7 columns) of a transposed input
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(1, 2)
+        return x * cos + torch.cat((-x[..., 7:], x[..., :7]), dim=-1) * sin
+
+    x, cos, sin = torch.randn(3, 5, 2, 19), torch.randn(5, 19), torch.randn(5, 19)
+    assert _check_groups(rope, x, cos, sin, tmp_path=tmp_path) == ["pointwise"]
+
+
+def test_cat_of_computed_parts_and_a_broadcast_column(tmp_path):
+    # parts computed in the kernel (as in Llama's RoPE), one of them a single broadcast column
+    def f(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([a * 2.0 - b[..., :5], b.exp(), c.sigmoid()], dim=-1)
+        return y * y + 1.0
+
+    a, b, c = torch.randn(7, 5), torch.randn(7, 19), torch.randn(7, 1)
+    assert _check_groups(f, a, b, c, tmp_path=tmp_path) == ["pointwise"]
+
+
+def test_cat_inside_a_row_kernel(tmp_path):
+    # an RMSNorm of a cat: the reduction runs over the whole cat row
+    def f(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([a.tanh(), b * 3.0], dim=-1)
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    a, b, w = torch.randn(2, 7, 12), torch.randn(2, 7, 7), torch.randn(19)
+    assert _check_groups(f, a, b, w, tmp_path=tmp_path) == ["row"]
+
+
+@pytest.mark.parametrize("rows,n", [(7, 19), (5 * 29, 19), (3, 1031)])
+def test_column_sum_with_fused_producer(rows, n, tmp_path):
+    # the RMSNorm weight gradient sum(g * xhat, [0, 1]): ragged row tiles and column blocks
+    def f(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (g * x.transpose(0, 1) * 0.5).sum([0, 1], keepdim=True)
+
+    g, x = torch.randn(rows, 1, n), torch.randn(1, rows, n)
+    assert _check_groups(f, g, x, tmp_path=tmp_path) == ["column"]
+
+
+def test_column_reductions_without_keepdim_and_extra_outputs(tmp_path):
+    # a bias gradient (M, N) -> (N,), a mean and an amax, all in one kernel that also stores h
+    def f(g: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = g * b
+        return h.sum(0), h.mean(0, keepdim=True), h.amax(0), torch.mm(h, b.reshape(19, 1))
+
+    g, b = torch.randn(21, 19), torch.randn(19)
+    assert _check_groups(f, g, b, tmp_path=tmp_path) == ["column"]
+
+
+def test_cat_that_cannot_be_fused_stays_on_aten():
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.graphs.partition import classify
+
+    def f(a: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([a, a], dim=0) * 2.0, torch.cat([i, i], dim=-1)  # not the last dim; integers
+
+    g = make_fx(f, decomposition_table=core_aten_decompositions())(torch.randn(3, 4), torch.ones(3, 2, dtype=torch.int64))
+    cats = [n for n in g.graph.nodes if n.target is torch.ops.aten.cat.default]
+    assert [classify(n) for n in cats] == ["fallback", "fallback"]

@@ -1,0 +1,43 @@
+"""Shared check for compiled templates: the fused graphs against the ATen template on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from mtc.compiler import compile_template
+
+
+def graph_targets(graph: torch.fx.Graph) -> set[str]:
+    """Names of every op (and fused-kernel function) a compiled graph calls."""
+    return {str(n.target) for n in graph.nodes if n.op == "call_function"}
+
+
+def check_compiled(prog, params, call, tmp_path):
+    """Compile ``call``'s template; its forward and joint graphs must match the ATen template."""
+    t = prog.templates[call.template]
+    ct = compile_template(t, tmp_path)
+    assert ct.backward_report.generated > 0
+    aux = [torch.randn(a.shape) for a in prog.aux]
+    args = []
+    for inp in t.inputs:
+        src = call.bindings[inp.name]
+        if src.kind == "param":
+            args.append(params[src.key].detach())
+        elif src.kind == "aux":
+            args.append(aux[src.index])
+        elif src.kind == "batch":
+            targets = torch.randint(0, 256, inp.spec.shape)
+            targets.view(-1)[1] = -100  # an ignored position
+            args.append(targets)
+        else:
+            args.append(torch.randn(inp.spec.shape))
+    ref = t.module("cpu")(*args)[0]
+    torch.testing.assert_close(ct.module("forward", "cpu")(*args)[0], ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    xs = [a.clone().requires_grad_(k in ct.diff) for k, a in enumerate(args)]
+    want = torch.autograd.grad(t.module("cpu")(*xs)[0], [xs[k] for k in ct.diff], g)
+    outs = ct.module("joint", "cpu")(*args, g)
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+    for k, a, b in zip(ct.diff, outs[1:], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{t.kind} grad of {t.inputs[k].role}: {m}")
+    return ct
