@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mtc.graphs.program import Template, external_inputs
-from mtc.graphs.rewrite import use_linear_cross_entropy
+from mtc.graphs.rewrite import use_grouped_kv, use_linear_cross_entropy
 
 __all__ = [
     "CAT", "Frame", "FusionGroup", "Partition", "arg_frames", "classify", "forward_graph", "is_column_reduction",
@@ -403,8 +403,9 @@ def _use_mtc_attention(node: fx.Node) -> None:
 
 
 def _lowerable(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
-    """The template on the meta device with SDPA swapped for mtc::attention and the head's
-    linear + cross-entropy for the fused kernel (graphs/rewrite.py).
+    """The template on the meta device with SDPA swapped for mtc::attention and, if
+    ``hand_tuned``, grouped KV heads left unrepeated and the head's linear + cross-entropy
+    swapped for the fused kernel (graphs/rewrite.py).
 
     Templates keep ATen SDPA so eager execution is bit-identical to the user's module; only the
     lowered graphs (what kernels are generated from) use the op that stays whole.
@@ -415,8 +416,9 @@ def _lowerable(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.target is aten.scaled_dot_product_attention.default:
             _use_mtc_attention(node)
-    if hand_tuned:  # the head's loss: logits are never materialised
-        use_linear_cross_entropy(gm)
+    if hand_tuned:
+        use_grouped_kv(gm)  # attention reads each KV head once, whatever the model repeated
+        use_linear_cross_entropy(gm)  # the head's loss: logits are never materialised
     gm.recompile()
     return gm
 

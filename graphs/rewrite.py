@@ -3,6 +3,10 @@
 * ``use_linear_cross_entropy`` (template level, before lowering): ``linear -> reshape/upcast ->
   cross_entropy`` becomes one call of the fused linear + cross-entropy, so the (N, V) logits are
   never materialised and the loss's gradient is computed in its forward;
+* ``use_grouped_kv`` (template level, after SDPA became ``mtc::attention``): K and V heads that
+  the model repeats for grouped-query attention (``repeat_interleave`` or HF's ``repeat_kv``
+  expand + reshape) go to attention unrepeated, so attention reads each KV head once and its
+  backward sums over the group inside the kernel instead of materialising repeated copies;
 * ``use_flash_attention`` (lowered graphs): ``mtc::attention`` and its backward become the Triton
   flash-attention forward and backward; the backward reuses the forward's output and logsumexp
   when the joint graph has both, so attention is not recomputed twice.
@@ -18,7 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["use_linear_cross_entropy", "use_flash_attention", "FLASH_MAX_HEAD_DIM"]
+__all__ = ["FLASH_MAX_HEAD_DIM", "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
 
 aten = torch.ops.aten
 FLASH_MAX_HEAD_DIM = 128  # kernels/flash_attention.py holds a (BLOCK, D) tile in registers
@@ -113,6 +117,77 @@ def use_linear_cross_entropy(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return swapped
+
+
+def _full_slice(n: fx.Node) -> bool:
+    """``x[:, ...]``-style slices that keep the whole dimension (HF's ``x[:, :, None]`` emits them)."""
+    if n.op != "call_function" or n.target is not aten.slice.Tensor:
+        return False
+    src, dim = _val(n.args[0]), (n.args[1] if len(n.args) > 1 else 0)
+    start = n.args[2] if len(n.args) > 2 else None
+    end = n.args[3] if len(n.args) > 3 else None
+    step = n.args[4] if len(n.args) > 4 else 1
+    return src is not None and start in (None, 0) and step == 1 and (end is None or end >= src.shape[dim])
+
+
+def _unrepeated(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(x, rep)`` if ``node`` is the 4-D ``x`` (B, Hkv, T, D) with every head repeated ``rep``
+    times in place along dim 1: ``repeat_interleave(x, rep, 1)``, or ``x[:, :, None]`` expanded to
+    (B, Hkv, rep, T, D) and reshaped to (B, Hkv * rep, T, D)."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.repeat_interleave.self_int:
+        x, rep = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        vx = _val(x)
+        if vx is not None and vx.dim() == 4 and dim in (1, -3) and isinstance(rep, int):
+            return x, rep
+        return None
+    if node.target not in _PASS_THROUGH:
+        return None
+    e = node.args[0]
+    while isinstance(e, fx.Node) and e.target in (aten.clone.default, aten.contiguous.default):
+        e = e.args[0]
+    if not isinstance(e, fx.Node) or e.target is not aten.expand.default:
+        return None
+    u = e.args[0]
+    if not isinstance(u, fx.Node) or u.target is not aten.unsqueeze.default or u.args[1] not in (2, -3):
+        return None
+    x = u.args[0]
+    while isinstance(x, fx.Node) and _full_slice(x):
+        x = x.args[0]
+    vx, ve, vn = _val(x), _val(e), _val(node)
+    if vx is None or ve is None or vn is None or vx.dim() != 4 or ve.dim() != 5:
+        return None
+    B, kv, T, D = vx.shape
+    rep = ve.shape[2]
+    if tuple(ve.shape) != (B, kv, rep, T, D) or tuple(vn.shape) != (B, kv * rep, T, D):
+        return None
+    return x, rep
+
+
+def use_grouped_kv(gm: fx.GraphModule) -> int:
+    """Feed ``mtc::attention`` the unrepeated K and V of grouped-query attention; returns how many
+    attention calls changed. Query head h reads KV head h // rep either way."""
+    changed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or str(n.target) != "mtc.attention.default":
+            continue
+        q, k, v, causal, scale = n.args
+        ks, vs = _unrepeated(k), _unrepeated(v)
+        vq = _val(q)
+        if ks is None or vs is None or vq is None or ks[1] != vs[1]:
+            continue
+        (xk, rep), (xv, _) = ks, vs
+        if _val(xk).shape[1] * rep != vq.shape[1] or _val(xk).shape != _val(xv).shape:
+            continue
+        n.args = (q, xk, xv, causal, scale)
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 def _flash_ok(q: fx.Node, k: fx.Node, v: fx.Node) -> bool:

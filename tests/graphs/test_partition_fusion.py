@@ -20,5 +20,5 @@ def test_block_fuses_cat_and_column_sums_and_matches_aten(name, tmp_path):
     for rep in (ct.forward_report, ct.backward_report):
         assert not any("cat" in op for op in rep.fallbacks), rep.fallbacks
         assert not rep.not_generated, rep.not_generated
-    # GPT-2's weight and bias gradients are all column sums; Llama keeps only GQA's head sums
-    assert ct.backward_report.fallbacks.get("aten.sum.dim_IntList", 0) == (0 if name == "gpt2-tiny" else 2)
+    # weight and bias gradients are column sums; Llama's grouped-KV sums happen inside flash attention
+    assert "aten.sum.dim_IntList" not in ct.backward_report.fallbacks, ct.backward_report.fallbacks

@@ -69,3 +69,66 @@ def test_logits_used_elsewhere_stay_unfused():
 
     gm, args = _graph(TwoUses())
     assert use_linear_cross_entropy(gm) == 0
+
+
+class GQABlock(nn.Module):
+    """Grouped-query attention whose K/V heads are repeated the Hugging Face way (``repeat_kv``:
+    ``x[:, :, None]`` expanded and reshaped) or with ``repeat_interleave``."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, hf_style=True) -> None:
+        super().__init__()
+        self.h, self.kv, self.hd, self.hf_style = heads, kv_heads, dim // heads, hf_style
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def _repeat(self, x):
+        rep = self.h // self.kv
+        if not self.hf_style:
+            return x.repeat_interleave(rep, dim=1)
+        B, kv, T, D = x.shape
+        return x[:, :, None, :, :].expand(B, kv, rep, T, D).reshape(B, kv * rep, T, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self._repeat(self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2))
+        v = self._repeat(self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class GQAModel(nn.Module):
+    def __init__(self, hf_style: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList(GQABlock(hf_style=hf_style) for _ in range(2))
+        self.out = nn.Linear(32, 256, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("hf_style", [True, False], ids=["expand_reshape", "repeat_interleave"])
+def test_repeated_kv_heads_reach_attention_unrepeated(hf_style, tmp_path):
+    """Flash attention gets the 2 KV heads themselves (no repeated copies, no group sums in the
+    backward), and the compiled block still matches the ATen template."""
+    from mtc.tracer import trace
+    from tests.graphs.compiled import check_compiled
+
+    torch.manual_seed(0)
+    model = GQAModel(hf_style)
+    prog = trace(model, 2, 8)
+    ct = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
+    for graph in (ct.forward_graph, ct.joint_graph):
+        calls = [n for n in graph.nodes if str(n.target).startswith("mtc.flash_attention")]
+        assert calls
+        for n in calls:
+            k = n.args[2] if "bwd" in str(n.target) else n.args[1]
+            assert k.meta["val"].shape[1] == 2, n.format_node()
+    assert "aten.sum.dim_IntList" not in ct.backward_report.fallbacks
+    assert not any("repeat_interleave" in op or "expand" in op for op in ct.forward_report.fallbacks)
