@@ -26,14 +26,14 @@ from pathlib import Path
 if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel import: the CPU smoke run needs the interpreter
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_record  # noqa: E402
+from common import write_record
 
-from mtc.compiler import compile_template  # noqa: E402
-from mtc.models import build, model_config  # noqa: E402
-from mtc.tracer import trace  # noqa: E402
+from mtc.compiler import compile_template
+from mtc.models import build, model_config
+from mtc.tracer import trace
 
 REAL = {
     "llama": ("8b", dict(n_layers=1)),

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, write_record  # noqa: E402
+from common import median, write_record
 
-from mtc.config import OptimConfig, TrainConfig  # noqa: E402
-from mtc.data import BatchSampler, write_token_file  # noqa: E402
-from mtc.runtime.schedule import lr_at  # noqa: E402
-from mtc.runtime.trainer import build_model, train  # noqa: E402
-from mtc.tracer import LossModel  # noqa: E402
+from mtc.config import OptimConfig, TrainConfig
+from mtc.data import BatchSampler, write_token_file
+from mtc.runtime.schedule import lr_at
+from mtc.runtime.trainer import build_model, train
+from mtc.tracer import LossModel
 
 
 def _sync(device: str) -> None:

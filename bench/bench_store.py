@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, write_record
-
 from mtc.store import TensorStore
 
 

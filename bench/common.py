@@ -43,7 +43,7 @@ def environment() -> dict[str, Any]:
         "triton": triton_v,
         "zarr": zarr_v,
         "git_sha": sha,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -30,14 +30,14 @@ import dataclasses
 import math
 import operator
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from mtc.graphs.program import Template, external_inputs
 from mtc.graphs.rewrite import use_grouped_kv, use_linear_cross_entropy
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = [
     "CAT", "Frame", "FusionGroup", "Partition", "arg_frames", "classify", "forward_graph", "is_column_reduction",
@@ -428,9 +428,7 @@ def _meta_inputs(t: Template) -> list[torch.Tensor]:
 
 
 def _decomps() -> dict[Any, Callable[..., Any]]:
-    from torch._decomp import core_aten_decompositions
-
-    from torch._decomp import get_decompositions
+    from torch._decomp import core_aten_decompositions, get_decompositions
 
     table = dict(core_aten_decompositions())
     # core ATen keeps layer norm whole; decompose it (and var_mean) into reductions the generator fuses

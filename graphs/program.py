@@ -16,25 +16,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 __all__ = [
-    "TensorSpec",
-    "TemplateInput",
-    "Template",
-    "Source",
+    "COMPUTE_DEVICE",
     "LayerCall",
     "ParamSpec",
     "Program",
-    "COMPUTE_DEVICE",
-    "dtype_name",
-    "dtype_from_name",
+    "Source",
+    "Template",
+    "TemplateInput",
+    "TensorSpec",
     "devices_to_marker",
-    "instantiate",
+    "dtype_from_name",
+    "dtype_name",
     "external_inputs",
+    "instantiate",
 ]
 
 InputKind = Literal["carry", "aux", "batch", "param", "const"]
@@ -67,7 +68,7 @@ class TensorSpec:
     dtype: str
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorSpec":
+    def of(cls, t: torch.Tensor) -> TensorSpec:
         """Spec of a (real, fake or meta) tensor."""
         return cls(tuple(int(s) for s in t.shape), dtype_name(t.dtype))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 __all__ = ["FLASH_MAX_HEAD_DIM", "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
 

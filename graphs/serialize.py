@@ -14,7 +14,6 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx as fx
 from mtc.graphs.program import (
     LayerCall,
     ParamSpec,
@@ -24,8 +23,9 @@ from mtc.graphs.program import (
     TemplateInput,
     TensorSpec,
 )
+from torch import fx
 
-__all__ = ["FORMAT_VERSION", "program_to_dict", "program_from_dict", "SerializeError"]
+__all__ = ["FORMAT_VERSION", "SerializeError", "program_from_dict", "program_to_dict"]
 
 FORMAT_VERSION = 1
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from mtc.kernels.tuning import Tuner
 
 from mtc.errors import KernelInputError
-from mtc.kernels.tuning import Tuner
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "flash_attention_ref"]
 
@@ -531,7 +531,7 @@ def _flash_attention_fwd_op(
 
 
 @_flash_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -544,7 +544,7 @@ def _flash_attention_bwd_op(
 
 
 @_flash_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale):  # noqa: ANN001, ANN202
+def _(do, q, k, v, o, lse, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -557,7 +557,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool = True, scale: float | None = None):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, causal: bool = True, scale: float | None = None):
         scale = _check_inputs(q, k, v, scale)
         o, lse = _flash_attention_fwd_op(q, k, v, bool(causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -565,7 +565,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx, do):  # noqa: ANN001, ANN205
+    def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _flash_attention_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None

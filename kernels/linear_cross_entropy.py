@@ -32,7 +32,7 @@ import triton.language as tl
 
 from mtc.errors import KernelInputError
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "chunk_rows_for", "LinearCrossEntropy"]
+__all__ = ["LinearCrossEntropy", "chunk_rows_for", "linear_cross_entropy", "linear_cross_entropy_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Kernels are interpreted iff this was set when they were defined (tests/conftest.py sets it).
@@ -200,7 +200,7 @@ def _loss_op(
 
 
 @_loss_op.register_fake
-def _(x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN202
+def _(x, weight, bias, targets, ignore_index, chunk_rows):
     return x.new_empty((), dtype=torch.float32)
 
 
@@ -212,7 +212,7 @@ def _fwd_bwd_op(
 
 
 @_fwd_bwd_op.register_fake
-def _(x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN202
+def _(x, weight, bias, targets, ignore_index, chunk_rows):
     db = x.new_empty((weight.shape[0],) if bias is not None else (0,))
     return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
@@ -221,7 +221,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Autograd wrapper: gradients are computed in the forward when any input needs one."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, ignore_index, chunk_rows):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, bias, targets, ignore_index, chunk_rows):
         if any(ctx.needs_input_grad[:3]):
             loss, dx, dw, db = torch.ops.mtc.linear_cross_entropy_fwd_bwd(x, weight, bias, targets, ignore_index, chunk_rows)
             ctx.save_for_backward(dx, dw, db)
@@ -231,7 +231,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         dx, dw, db = ctx.saved_tensors
         return dx * grad, dw * grad, (db * grad if ctx.has_bias else None), None, None, None
 

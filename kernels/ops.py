@@ -93,13 +93,13 @@ def _(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+def _setup(ctx, inputs, output) -> None:
     q, k, v, is_causal, scale = inputs
     ctx.save_for_backward(q, k, v)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
-def _backward(ctx, grad):  # noqa: ANN001
+def _backward(ctx, grad):
     q, k, v = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad, q, k, v, ctx.is_causal, ctx.scale)
     return dq, dk, dv, None, None

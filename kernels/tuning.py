@@ -10,7 +10,8 @@ path in Triton's interpreter with a substituted clock.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from mtc.errors import KernelInputError
 

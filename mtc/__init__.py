@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["trace", "train", "open_store", "load_plan", "save_plan", "TrainConfig", "OptimConfig", "load_config", "MTCError"]
+__all__ = ["MTCError", "OptimConfig", "TrainConfig", "load_config", "load_plan", "open_store", "save_plan", "trace", "train"]
 
 _WHERE = {
     "trace": "mtc.tracer",

@@ -56,10 +56,9 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
+    from mtc.data import TokenFile
     from mtc.progress import ProgressBar
     from mtc.runtime.trainer import open_run, train
-
-    from mtc.data import TokenFile
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
@@ -90,7 +89,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
             info = st.array_info(name)
             total += info.nbytes
             if a.arrays:
-                print(f"{name:32s} {str(info.dtype).removeprefix('torch.'):9s} {str(info.shape):16s} {info.nbytes / 2**20:9.2f} MiB")
+                print(f"{name:32s} {str(info.dtype).removeprefix('torch.'):9s} {info.shape!s:16s} {info.nbytes / 2**20:9.2f} MiB")
         print(f"store {a.store}: {len(st.array_names())} arrays, {total / 2**20:.1f} MiB")
         if last is None:
             print("no commit yet")

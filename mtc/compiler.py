@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_graph, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.rewrite import use_flash_attention
 from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
 
-__all__ = ["GraphReport", "CompiledTemplate", "compile_template", "compile_program", "cache_key", "format_report", "write_report"]
+__all__ = ["CompiledTemplate", "GraphReport", "cache_key", "compile_program", "compile_template", "format_report", "write_report"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

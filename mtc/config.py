@@ -84,7 +84,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """Build from a dict, rejecting unknown keys with the list of known ones."""
         d = dict(d)
         optim = d.pop("optim", {}) or {}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import ByteTokenizer, embedded_corpus_dir, prepare

@@ -8,15 +8,15 @@ it as one line and exits 2.
 from __future__ import annotations
 
 __all__ = [
-    "MTCError",
     "ConfigError",
     "DataError",
-    "TraceError",
-    "PlanError",
-    "StoreError",
-    "StoreCorruptionError",
-    "StoreLockedError",
     "KernelInputError",
+    "MTCError",
+    "PlanError",
+    "StoreCorruptionError",
+    "StoreError",
+    "StoreLockedError",
+    "TraceError",
 ]
 
 

@@ -19,7 +19,7 @@ from mtc.errors import PlanError
 from mtc.graphs.program import Program
 from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
 
-__all__ = ["save_plan", "load_plan", "save_plan_model", "load_plan_model", "PLAN_MODEL_FIELDS"]
+__all__ = ["PLAN_MODEL_FIELDS", "load_plan", "load_plan_model", "save_plan", "save_plan_model"]
 
 PROGRAM_FILE = "program.json"
 CONSTANTS_FILE = "constants.safetensors"

@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
 from mtc.errors import TraceError
@@ -37,7 +37,7 @@ from mtc.graphs.program import (
     external_inputs,
 )
 
-__all__ = ["trace", "find_blocks", "LossModel"]
+__all__ = ["LossModel", "find_blocks", "trace"]
 
 _WRAP = "model"  # attribute name of the user's model inside LossModel; stripped from keys
 

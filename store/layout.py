@@ -14,9 +14,9 @@ last commit points to.
 from __future__ import annotations
 
 import torch
+from mtc.store.tensor_store import TensorStore
 
 from mtc.errors import StoreError
-from mtc.store.tensor_store import TensorStore
 
 __all__ = ["GENERATIONS", "KINDS", "STATE_DTYPE", "create_layer_state", "layer_state_nbytes", "other_generation", "state_array_name"]
 

@@ -11,15 +11,15 @@ from mtc.data.tokens import TokenFile, TokenHeader, prepare, write_token_file
 from mtc.errors import DataError
 
 __all__ = [
+    "BatchSampler",
     "ByteTokenizer",
-    "Tokenizer",
-    "get_tokenizer",
     "TokenFile",
     "TokenHeader",
-    "write_token_file",
-    "prepare",
-    "BatchSampler",
+    "Tokenizer",
     "embedded_corpus_dir",
+    "get_tokenizer",
+    "prepare",
+    "write_token_file",
 ]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from mtc.errors import DataError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "get_tokenizer", "TOKENIZERS"]
+__all__ = ["TOKENIZERS", "ByteTokenizer", "Tokenizer", "get_tokenizer"]
 
 
 class Tokenizer(Protocol):

@@ -26,7 +26,7 @@ import numpy as np
 from mtc.data.tokenizer import get_tokenizer
 from mtc.errors import DataError
 
-__all__ = ["FORMAT", "VERSION", "TokenHeader", "TokenFile", "token_file_paths", "write_token_file", "prepare"]
+__all__ = ["FORMAT", "VERSION", "TokenFile", "TokenHeader", "prepare", "token_file_paths", "write_token_file"]
 
 FORMAT = "mtc-tokens"
 VERSION = 1
@@ -103,7 +103,7 @@ class TokenHeader:
 class TokenFile:
     """An opened, validated token file: ``.header``, read-only memory-mapped ``.tokens``, ``len()``."""
 
-    __slots__ = ("path", "header_path", "header", "tokens")
+    __slots__ = ("header", "header_path", "path", "tokens")
 
     def __init__(self, path: Path, header_path: Path, header: TokenHeader, tokens: np.ndarray) -> None:
         self.path = path

@@ -11,7 +11,7 @@ from mtc.models.gpt2 import GPT2, GPT2_PRESETS
 from mtc.models.llama import PRESETS as LLAMA_PRESETS
 from mtc.models.llama import Llama
 
-__all__ = ["preset_names", "model_config", "build"]
+__all__ = ["build", "model_config", "preset_names"]
 
 
 def preset_names() -> list[str]:

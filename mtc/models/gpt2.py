@@ -12,7 +12,7 @@ from torch import nn
 
 from mtc.errors import ConfigError
 
-__all__ = ["GPT2Config", "GPT2", "GPT2_PRESETS"]
+__all__ = ["GPT2", "GPT2_PRESETS", "GPT2Config"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 from mtc.errors import ConfigError
 
-__all__ = ["LlamaConfig", "Llama", "Block", "PRESETS", "preset"]
+__all__ = ["PRESETS", "Block", "Llama", "LlamaConfig", "preset"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-__all__ = ["Slot", "LayerBufferPool"]
+__all__ = ["LayerBufferPool", "Slot"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,8 +24,8 @@ class Slot:
     host: torch.Tensor
     device: torch.Tensor
     # CUDA only: set when the H2D copy into ``device`` has finished / compute has stopped reading it.
-    copied: "torch.cuda.Event | None" = None
-    released: "torch.cuda.Event | None" = None
+    copied: torch.cuda.Event | None = None
+    released: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:

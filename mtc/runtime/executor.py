@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,7 +32,7 @@ from mtc.store import TensorStore, state_array_name
 if TYPE_CHECKING:  # the compiler pulls in Triton; the unfused path must not need it
     from mtc.compiler import CompiledTemplate
 
-__all__ = ["StreamingExecutor", "GradSink", "LayerWeights"]
+__all__ = ["GradSink", "LayerWeights", "StreamingExecutor"]
 
 
 class GradSink(Protocol):
@@ -62,7 +63,7 @@ class _FetchPlan:
 class LayerWeights:
     """One layer call's parameters, as views into a buffer slot (weak-referenceable for tests)."""
 
-    __slots__ = ("slot", "tensors", "__weakref__")
+    __slots__ = ("__weakref__", "slot", "tensors")
 
     def __init__(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
         self.slot, self.tensors = slot, tensors

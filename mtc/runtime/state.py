@@ -9,7 +9,7 @@ from mtc.errors import StoreError
 from mtc.graphs.program import Program
 from mtc.store import TensorStore, create_layer_state, state_array_name
 
-__all__ = ["init_state", "flatten_layer", "read_params", "load_into_module"]
+__all__ = ["flatten_layer", "init_state", "load_into_module", "read_params"]
 
 
 def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor]) -> torch.Tensor:

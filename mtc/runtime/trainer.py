@@ -15,8 +15,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from mtc.runtime.state import init_state
 from mtc.store import CommitRecord, TensorStore
 from mtc.tracer import trace
 
-__all__ = ["StepRecord", "TrainResult", "build_model", "train", "open_run"]
+__all__ = ["StepRecord", "TrainResult", "build_model", "open_run", "train"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mtc.graphs.partition import classify, forward_graph, joint_graph, partition
+
 from mtc.models.llama import Llama, preset
 from mtc.tracer import trace
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from mtc.graphs.rewrite import use_linear_cross_entropy
+from torch import nn
 
 
 class Head(nn.Module):

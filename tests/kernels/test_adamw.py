@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtc.kernels.adamw import adamw_step_, adamw_step_ref
 
 from mtc.errors import KernelInputError
-from mtc.kernels.adamw import adamw_step_, adamw_step_ref
 
 HP = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

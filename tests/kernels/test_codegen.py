@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from mtc.graphs.partition import forward_graph, joint_graph, partition
 from mtc.kernels.codegen import CodegenError, compile_group
+from torch import nn
+
 from mtc.models.llama import Llama, preset
 from mtc.tracer import trace
 
@@ -67,8 +67,8 @@ def test_row_kernel_handles_ragged_rows_and_strided_inputs(tmp_path):
         x = x.transpose(0, 1)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
-    from torch.fx.experimental.proxy_tensor import make_fx
     from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     x, w = torch.randn(37, 3, 5), torch.randn(37)
     x = x.permute(1, 2, 0)  # (3, 5, 37) non-contiguous
@@ -201,10 +201,9 @@ def test_column_reductions_without_keepdim_and_extra_outputs(tmp_path):
 
 
 def test_cat_that_cannot_be_fused_stays_on_aten():
+    from mtc.graphs.partition import classify
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from mtc.graphs.partition import classify
 
     def f(a: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat([a, a], dim=0) * 2.0, torch.cat([i, i], dim=-1)  # not the last dim; integers

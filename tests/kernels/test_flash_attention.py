@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 
+import mtc.kernels.flash_attention as fa
 import pytest
 import torch
 import torch.nn.functional as F
-
-import mtc.kernels.flash_attention as fa
-from mtc.errors import KernelInputError
 from mtc.kernels.flash_attention import flash_attention, flash_attention_ref
+
+from mtc.errors import KernelInputError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -6,12 +6,12 @@ tests add bf16 at a Llama-sized head and check that the full logits are never al
 
 from __future__ import annotations
 
+import mtc.kernels.linear_cross_entropy as lce
 import pytest
 import torch
-
-import mtc.kernels.linear_cross_entropy as lce
-from mtc.errors import KernelInputError
 from mtc.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy, linear_cross_entropy_ref
+
+from mtc.errors import KernelInputError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

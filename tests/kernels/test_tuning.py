@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from mtc.kernels.tuning import Tuner
 
 from mtc.errors import KernelInputError
-from mtc.kernels.tuning import Tuner
 
 
 def test_fastest_wins_and_is_remembered():

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mtc.store import state_array_name
 
 from mtc.config import TrainConfig
 from mtc.data import write_token_file
 from mtc.runtime.trainer import train
-from mtc.store import state_array_name
 
 
 def test_bf16_compute_copy_tracks_master():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtc.store import KINDS, TensorStore, create_layer_state, layer_state_nbytes, other_generation, state_array_name
 
 from mtc.errors import StoreError
-from mtc.store import KINDS, TensorStore, create_layer_state, layer_state_nbytes, other_generation, state_array_name
 
 
 @pytest.fixture(params=["memory", "local"])

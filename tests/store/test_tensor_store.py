@@ -11,9 +11,9 @@ import threading
 
 import pytest
 import torch
+from mtc.store import SUPPORTED_DTYPES, CommitRecord, TensorStore
 
 from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
-from mtc.store import SUPPORTED_DTYPES, CommitRecord, TensorStore
 
 
 @pytest.fixture(params=["memory", "local"])
