@@ -438,6 +438,10 @@ def _decomps() -> dict[Any, Callable[..., Any]]:
     for op in list(table):
         if "scaled_dot_product" in str(op):
             del table[op]
+    # the embedding's backward is one scatter-add kernel in ATen; decomposed it becomes ~10 ops
+    # (masks, a zero fill, index_put) that no generated kernel covers
+    for op in (aten.embedding_dense_backward.default, aten.embedding_dense_backward.out):
+        table.pop(op, None)
     return table
 
 
