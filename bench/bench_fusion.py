@@ -148,13 +148,18 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
             return torch.autograd.grad(cgm(*xs)[0], [xs[k] for k in diff], gout)
 
         variants["torch_compile"] = compiled
+        from torch._inductor import metrics as inductor_metrics
+
+        inductor_metrics.reset()
+        compiled()  # compile now: count the kernels Inductor generates (cuBLAS / extern calls not included)
+        compile_kernels = inductor_metrics.generated_kernel_count
     flops = layer_flops(t, seq, attention=part == "block")
     ct, compile_s = compiled_t["flash"]
     rec: dict = {"arch": arch, "part": part, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
                  "max_rel_grad_diff_vs_unfused": rels, "flops_fwd_bwd": flops,
                  # launches for forward + backward: the joint graph holds both (ATen ops unfused, kernels fused)
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
-                             "torch_compile": None},
+                             "torch_compile_generated": compile_kernels if use_compile else None},
                  "hand_tuned": ct.backward_report.hand_tuned,
                  "results": {}}
     for vname, fn in variants.items():
