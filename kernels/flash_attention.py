@@ -571,7 +571,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-flash_attention = FlashAttentionFunction.apply
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v with grouped KV heads; see `FlashAttentionFunction`.
+    (A function, not ``FlashAttentionFunction.apply``: torch 2.11's apply takes no keywords.)"""
+    return FlashAttentionFunction.apply(q, k, v, causal, scale)
 
 
 def flash_attention_ref(
