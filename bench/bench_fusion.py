@@ -73,6 +73,25 @@ def _peak(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
+def _kernel_table(fn, top: int = 25) -> dict:
+    """CUDA time per kernel name over one call of ``fn`` (torch.profiler), largest first, and the
+    total: wall time minus the total is time the GPU sat idle (launch and Python overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:120], "calls": e.count, "ms": us / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
+
+
 def layer_flops(t, tokens: int, attention: bool) -> float:
     """Matmul (+ causal attention) FLOPs of one template, forward + backward (3x forward)."""
     mats = sum(math.prod(i.spec.shape) for i in t.inputs if i.kind == "param" and len(i.spec.shape) == 2)
@@ -96,7 +115,8 @@ def _inputs(t, call, device: torch.device, vocab: int) -> list[torch.Tensor]:
     return args
 
 
-def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool) -> dict:
+def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool,
+        profile: bool = False) -> dict:
     """Benchmark one architecture's block (or head: norm + LM head + loss); returns the record."""
     name, over = (SMOKE if smoke else REAL)[arch]
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -166,6 +186,18 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         ts = _time(fn, device, warmup, reps)
         med = statistics.median(ts)
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
+    if profile and device.type == "cuda":
+        rec["profile"] = {v: _kernel_table(variants[v]) for v in ("unfused", "mtc_fused")}
+    from mtc.kernels.flash_attention import tuning_choices
+
+    def short(v) -> str:
+        if isinstance(v, str):
+            return v
+        return "cudnn" if v.get("BACKEND") else f"{v['BLOCK_M']}x{v['BLOCK_N']} w{v['num_warps']} s{v['num_stages']}"
+
+    # what each attention launch ran (Triton tiles or cuDNN), for this part's shapes
+    rec["attention_choices"] = {k.split("/")[0]: short(v) for k, v in tuning_choices().items()
+                                if k.split("/")[-3] == str(seq)} if part == "block" else {}
     r = rec["results"]
     rec["fused_speedup_vs_unfused"] = r["unfused"]["median_ms"] / r["mtc_fused"]["median_ms"]
     if "torch_compile" in r:
@@ -184,6 +216,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--reps", type=int)
     ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="CUDA: print and record the top kernels of unfused and mtc fused")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if not a.smoke and device.type != "cuda":
@@ -193,15 +226,21 @@ def main() -> None:
     print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
     jobs = [(arch, part) for part in a.part for arch in a.arch]
     for arch, part in jobs:
-        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile)
+        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile)
         arch = f"{arch}/{part}"
         for v, r in rec["results"].items():
             peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] is not None else "      n/a"
             print(f"{arch:12s} {v:15s} {r['median_ms']:10.2f} {r['tflops']:8.2f} {peak}")
         extra = f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x" if "fused_speedup_vs_torch_compile" in rec else ""
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in rec["max_rel_grad_diff_vs_unfused"].items())
+        if rec["attention_choices"]:
+            print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
+        for v, prof in rec.get("profile", {}).items():
+            print(f"  {v}: GPU busy {prof['gpu_ms_total']:.2f} ms of {rec['results'][v]['median_ms']:.2f} ms; top kernels:")
+            for r in prof["top"]:
+                print(f"    {r['ms']:8.3f} ms  x{r['calls']:<4d} {r['kernel'][:100]}")
         print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
 
 

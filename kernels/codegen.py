@@ -366,11 +366,14 @@ class FusedKernel:
         if self.mode == "row":
             block = triton_next_pow2(S[-1])
             grid = (max(1, numel // S[-1]),)
+            # wide rows: more warps, so each thread holds a few dozen values and nothing spills
+            warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
         else:
             block = 1024 if dev.type == "cuda" else 256
             grid = (triton_cdiv(numel, block),)
+            warps = 4
         ins = [x if x.dim() else x.reshape(1) for x in inputs]
-        self.fn[grid](*ins, *outs, *strides, numel, BLOCK=block)
+        self.fn[grid](*ins, *outs, *strides, numel, BLOCK=block, num_warps=warps)
         return tuple(outs)
 
     def _columns(self, inputs: tuple[torch.Tensor, ...], strides: list[int]) -> tuple[torch.Tensor, ...]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from mtc.kernels import cudnn_attention
 from mtc.kernels.tuning import Tuner
 
 from mtc.errors import KernelInputError
@@ -392,22 +393,38 @@ _TILES = {
 _TUNER = Tuner("flash_attention")
 
 
-def _config(q: torch.Tensor, kernel: str, key: tuple, launch: Callable[[dict], None]) -> dict:
-    """Launch configuration of one kernel ("fwd", "dq" or "dkdv") for q's device and dtype: the
-    fastest candidate for this problem ``key``, timed with ``launch(config)`` on first use.
+def _tiles(q: torch.Tensor) -> str:
+    if not q.is_cuda:
+        return "interpreter"
+    return "cuda_fp32" if q.dtype == torch.float32 else "cuda_half"
+
+
+def _config_list(q: torch.Tensor, kernel: str) -> list[dict]:
+    """Candidate launch configurations of one kernel ("fwd", "dq" or "dkdv"), the default first.
 
     HALF_DOT: fp16/bf16 on CUDA feed the tensor cores in their own dtype; otherwise operands are
     fp32 (3xTF32 on CUDA, exact in the interpreter, which computes bf16 wrongly).
     """
-    if not q.is_cuda:
-        tiles = "interpreter"
-    else:
-        tiles = "cuda_fp32" if q.dtype == torch.float32 else "cuda_half"
-    configs = [
+    tiles = _tiles(q)
+    return [
         {"BLOCK_M": m, "BLOCK_N": n, "HALF_DOT": tiles == "cuda_half", "num_warps": w, "num_stages": st}
         for m, n, w, st in _TILES[tiles][kernel]
     ]
-    return _TUNER.choose((kernel, tiles, *key), configs, launch)
+
+
+def _config(q: torch.Tensor, kernel: str, key: tuple, launch: Callable[[dict], None], extra: tuple = ()) -> dict:
+    """The fastest of ``_config_list(q, kernel)`` (and ``extra`` candidates) for this problem
+    ``key``, timed with ``launch(config)`` on first use."""
+    return _TUNER.choose((kernel, _tiles(q), *key), _config_list(q, kernel) + list(extra), launch)
+
+
+def _cudnn_candidate(q: torch.Tensor) -> bool:
+    return not _INTERPRETED and cudnn_attention.usable(q)
+
+
+def tuning_choices() -> dict[str, object]:
+    """What the first launches chose per problem (tile configs, "cudnn" or "triton" backward), readable."""
+    return {"/".join(map(str, k)): v for k, v in _TUNER.best.items()}
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
@@ -463,6 +480,9 @@ def _flash_attn_fwd(
     if o.numel() == 0:
         return o, lse
     def launch(cfg: dict) -> None:  # idempotent: timing candidates just rewrites o and lse
+        if cfg.get("BACKEND") == "cudnn":
+            cudnn_attention.forward(q, k, v, causal, scale, o, lse)
+            return
         _attn_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
@@ -470,7 +490,18 @@ def _flash_attn_fwd(
             CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), **cfg,
         )
 
-    launch(_config(q, "fwd", _tuning_key(q, k, causal), launch))
+    key = _tuning_key(q, k, causal)
+    extra: tuple = ()
+    if _cudnn_candidate(q) and ("fwd", "cuda_half", *key) not in _TUNER.best:
+        # first call for this shape: cuDNN competes only if it computes what the Triton kernel does
+        launch(_config_list(q, "fwd")[0])
+        ours = (o.clone(), lse.clone())
+        try:
+            launch({"BACKEND": "cudnn"})
+            extra = ({"BACKEND": "cudnn"},) if cudnn_attention.agree("forward", ours, (o, lse)) else ()
+        except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
+            cudnn_attention.warn_unavailable("forward", e)
+    launch(_config(q, "fwd", key, launch, extra))
     return o, lse
 
 
@@ -495,9 +526,12 @@ def _flash_attn_bwd(
         return dq, dk.zero_(), dv.zero_()
     block_d = max(16, triton.next_power_of_2(D))
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    _attn_bwd_preprocess_kernel[(triton.cdiv(T, 64), B * H)](
-        o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d, num_warps=4,
-    )
+
+    def preprocess() -> None:
+        _attn_bwd_preprocess_kernel[(triton.cdiv(T, 64), B * H)](
+            o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d, num_warps=4,
+        )
+
     key = _tuning_key(q, k, causal)
 
     def launch_dkdv(cfg: dict) -> None:  # idempotent: writes dk, dv
@@ -516,8 +550,29 @@ def _flash_attn_bwd(
             CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=block_d, **cfg,
         )
 
-    launch_dkdv(_config(q, "dkdv", key, launch_dkdv))
-    launch_dq(_config(q, "dq", key, launch_dq))
+    def run(backend: str) -> None:  # idempotent: writes dq, dk, dv
+        if backend == "cudnn":
+            cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, dq, dk, dv)
+            return
+        preprocess()
+        launch_dkdv(_config(q, "dkdv", key, launch_dkdv))
+        launch_dq(_config(q, "dq", key, launch_dq))
+
+    bkey = ("bwd_backend", str(q.dtype), *key)
+    if bkey not in _TUNER.best:
+        # first call for this shape: tune the Triton tiles, then let cuDNN compete if it agrees
+        run("triton")
+        backends = ["triton"]
+        if _cudnn_candidate(q):
+            ours = (dq.clone(), dk.clone(), dv.clone())
+            try:
+                run("cudnn")
+                if cudnn_attention.agree("backward", ours, (dq, dk, dv)):
+                    backends.append("cudnn")
+            except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
+                cudnn_attention.warn_unavailable("backward", e)
+        _TUNER.choose(bkey, backends, run)
+    run(_TUNER.best[bkey])
     return dq, dk, dv
 
 

@@ -22,7 +22,16 @@ __all__ = ["attention", "attention_backward"]
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale [+ causal mask]) v for (B, H, T, D) tensors (k, v may have fewer heads)."""
     gqa = k.shape[1] != q.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    # contiguous, as the fake says: CUDA's SDPA backends return a (B, T, H, D)-strided view, and
+    # compiled graphs traced against the fake apply views that need the fake's layout
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa).contiguous()
+
+
+def _layout_of(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``torch.empty_like(ref)``'s strides (the fake's), copying only if they differ."""
+    if x.stride() == ref.stride() or x.numel() <= 1:
+        return x
+    return torch.empty_like(ref).copy_(x)
 
 
 @attention.register_fake
@@ -46,9 +55,18 @@ def attention_backward(
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
-        return dq, dk, dv
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return _flash_backward_cuda(grad, q, k, v, is_causal, scale, rep)
+    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        dq, dk, dv = _flash_backward_cuda(grad, q, k, v, is_causal, scale, rep)
+    else:
+        dq, dk, dv = _math_backward(grad, q, k, v, is_causal, scale, rep)
+    # the fake's layouts (empty_like of each input): graphs traced against it view them so
+    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v)
+
+
+def _math_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float, rep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 reference backward with the full (T, S) probability matrix, any device and dtype."""
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     qf, g = q.float(), grad.float()

@@ -23,9 +23,12 @@ def _random_like(node) -> torch.Tensor:
 
 def _run_aten(group, inputs):
     env = dict(zip(group.inputs, inputs, strict=True))
+    dev = inputs[0].device if inputs else torch.device("cpu")
     for n in group.nodes:
         args = torch.fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a])
+        # a model traced on the meta device bakes device=meta into factory and copy ops
+        kwargs = {k: dev if isinstance(v, torch.device) else v for k, v in kwargs.items()}
         env[n] = n.target(*args, **kwargs)
     return [env[o] for o in group.outputs]
 

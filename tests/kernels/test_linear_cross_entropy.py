@@ -81,7 +81,7 @@ def test_half_precision():
 
 
 def test_chunk_rows_for():
-    assert chunk_rows_for(8192, 128256, 4096) == 256  # 32 chunks: logits chunk about x's size
+    assert chunk_rows_for(8192, 128256, 4096) == 1024  # 8 chunks: logits chunk about 4x x's size
     assert chunk_rows_for(10, 50, 100) == 10
     assert chunk_rows_for(1, 10**6, 1) == 1
 
@@ -113,6 +113,25 @@ def test_errors(case, match):
         linear_cross_entropy(x, w, b, t)
 
 
+def test_logits_rows_are_aligned():
+    """An odd vocabulary gets a padded row stride (cuBLAS's aligned kernels), an even one none."""
+    like = torch.empty(0, dtype=torch.float16)
+    odd = lce._logits_buffer(5, 50257, like)
+    assert odd.shape == (5, 50257) and odd.stride() == (50304, 1)
+    assert lce._logits_buffer(5, 128256, like).stride() == (128256, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_chunked_weight_gradient_accumulates_in_fp32(dtype):
+    a, b = torch.randn(3, 6, 10, dtype=dtype), torch.randn(3, 10, 4, dtype=dtype)
+    acc = None
+    for i in range(3):
+        acc = lce._mm_acc(acc, a[i], b[i])
+    assert acc.dtype == torch.float32
+    want = sum((a[i].float() @ b[i].float()).to(dtype).float() for i in range(3))  # each product rounded once
+    torch.testing.assert_close(acc, want, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_llama_head_without_full_logits():
     """bf16 at a Llama-3 head (vocab 128256, hidden 4096, 4096 rows): matches the unfused loss and
@@ -131,6 +150,7 @@ def test_gpu_bf16_llama_head_without_full_logits():
     want = linear_cross_entropy_ref(rx, rw, None, t)
     rdx, rdw = torch.autograd.grad(want, (rx, rw))
     torch.testing.assert_close(loss, want, atol=2e-3, rtol=2e-3)
+    assert lce._fp32_out(x), "cuBLAS cannot accumulate dW in fp32 here: the head falls back to separate adds"
     for g, r in ((dx, rdx), (dw, rdw)):
         rel = (g.float() - r.float()).norm() / r.float().norm()
         assert rel < 2e-2, float(rel)
