@@ -116,7 +116,7 @@ def _inputs(t, call, device: torch.device, vocab: int) -> list[torch.Tensor]:
 
 
 def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool,
-        profile: bool = False) -> dict:
+        profile: bool = False, trace_dir: str | None = None) -> dict:
     """Benchmark one architecture's block (or head: norm + LM head + loss); returns the record."""
     name, over = (SMOKE if smoke else REAL)[arch]
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -188,6 +188,14 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
     if profile and device.type == "cuda":
         rec["profile"] = {v: _kernel_table(variants[v]) for v in ("unfused", "mtc_fused")}
+    if trace_dir and device.type == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            variants["mtc_fused"]()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(Path(trace_dir) / f"trace-{arch}-{part}.json"))
     from mtc.kernels.flash_attention import tuning_choices
 
     def short(v) -> str:
@@ -217,6 +225,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--no-torch-compile", action="store_true")
     ap.add_argument("--profile", action="store_true", help="CUDA: print and record the top kernels of unfused and mtc fused")
+    ap.add_argument("--trace", metavar="DIR", help="CUDA: write a chrome trace (CPU + GPU) of one mtc fused call to DIR")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if not a.smoke and device.type != "cuda":
@@ -226,7 +235,7 @@ def main() -> None:
     print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
     jobs = [(arch, part) for part in a.part for arch in a.arch]
     for arch, part in jobs:
-        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile)
+        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile, a.trace)
         arch = f"{arch}/{part}"
         for v, r in rec["results"].items():
             peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] is not None else "      n/a"

@@ -410,11 +410,12 @@ def _sm_count(dev: torch.device) -> int:
 def _strides(x: torch.Tensor, S: tuple[int, ...]) -> list[int]:
     """Strides of ``x`` broadcast to S's leading dims and its own width (a cat's input is narrower
     than S); a broadcast (size-1) last dim gets stride 0."""
-    if x.dim() == 0:
-        return [0] * len(S)
-    st = list(x.expand(*S[:-1], x.shape[-1]).stride())
-    if x.shape[-1] == 1:
-        st[-1] = 0
+    # plain Python on shape and stride tuples (no expand view): this runs for every input of
+    # every launch, and launches must stay cheap next to the GPU work they queue
+    st = [0] * len(S)
+    off = len(S) - x.dim()
+    for d, (n, s) in enumerate(zip(x.shape, x.stride(), strict=True)):
+        st[off + d] = 0 if n == 1 else s
     return st
 
 

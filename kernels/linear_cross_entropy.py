@@ -121,13 +121,22 @@ def _mm_acc(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch
     return torch.mm(a, b).float() if acc is None else acc.add_(torch.mm(a, b))
 
 
-def _logits_buffer(rows: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
-    """(rows, vocab) logits whose rows start 128-byte aligned: cuBLAS falls back to slow
-    unaligned kernels when the leading dimension is odd (GPT-2's 50257: 5x slower on an H100)."""
-    if vocab % 8 == 0:
-        return torch.empty(rows, vocab, dtype=like.dtype, device=like.device)
-    padded = -(-vocab // 64) * 64
-    return torch.empty(rows, padded, dtype=like.dtype, device=like.device)[:, :vocab]
+def _padded(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``weight`` (and ``bias``) with zero rows up to a multiple of 64 when the vocabulary is not a
+    multiple of 8: cuBLAS runs unaligned kernels on such a dimension (GPT-2's 50257: the three head
+    matmuls 5x slower on an H100). Padded logits columns are outside the CE rows' [0, V), their
+    gradient meets zero weight rows in dx, and their dW rows are dropped."""
+    V = weight.shape[0]
+    if V % 8 == 0:
+        return weight, bias
+    Vp = -(-V // 64) * 64
+    wp = weight.new_zeros(Vp, weight.shape[1])
+    wp[:V] = weight
+    bp = None
+    if bias is not None:
+        bp = bias.new_zeros(Vp)
+        bp[:V] = bias
+    return wp, bp
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> None:
@@ -204,38 +213,40 @@ def _forward(
     _check_targets(t, V, ignore_index)
     C = chunk_rows if chunk_rows > 0 else chunk_rows_for(N, V, H)
     n_valid = (t != ignore_index).sum().to(torch.float32)
-    wt = weight.t()
+    wp, bp = _padded(weight, bias)
+    wt = wp.t()
     row_losses = torch.empty(N, dtype=torch.float32, device=x.device)
     dx = torch.empty_like(x2) if with_grads else None
     one_chunk = C >= N
     # several chunks accumulate dW / db in fp32 (see _mm_acc); one chunk is one product, as unfused
     dw: torch.Tensor | None = None
     db = torch.zeros(V, dtype=torch.float32, device=x.device) if with_grads and bias is not None and not one_chunk else None
-    buf = _logits_buffer(min(C, N), V, x2)
+    buf = torch.empty(min(C, N), wp.shape[0], dtype=x2.dtype, device=x2.device)
     for lo in range(0, N, C):
         hi = min(lo + C, N)
         xc = x2[lo:hi]
-        logits = buf[: hi - lo]
-        if bias is not None:
-            torch.addmm(bias, xc, wt, out=logits)
+        full = buf[: hi - lo]  # (rows, padded V); the CE sees the first V columns
+        if bp is not None:
+            torch.addmm(bp, xc, wt, out=full)
         else:
-            torch.mm(xc, wt, out=logits)
+            torch.mm(xc, wt, out=full)
+        logits = full[:, :V]
         row_losses[lo:hi] = _rows_ce(logits, t[lo:hi], n_valid, ignore_index, with_grads)
         if with_grads:
-            torch.mm(logits, weight, out=dx[lo:hi])
+            torch.mm(full, wp, out=dx[lo:hi])
             if one_chunk:
-                dw = torch.mm(logits.t(), xc)
+                dw = torch.mm(full.t(), xc)
                 if bias is not None:
                     db = logits.sum(0)
             else:
-                dw = _mm_acc(dw, logits.t(), xc)
+                dw = _mm_acc(dw, full.t(), xc)
                 if db is not None:
                     db += logits.sum(0, dtype=torch.float32)
     loss = row_losses.sum() / n_valid
     if not with_grads:
         return (loss,)
     db_out = db.to(weight.dtype) if db is not None else x.new_empty(0)
-    return loss, dx.view(x.shape), dw.to(weight.dtype), db_out
+    return loss, dx.view(x.shape), dw[:V].to(weight.dtype), db_out
 
 
 # Custom ops: tracing (make_fx, export, torch.compile) keeps each one node with known output shapes.

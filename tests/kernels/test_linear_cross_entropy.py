@@ -113,12 +113,15 @@ def test_errors(case, match):
         linear_cross_entropy(x, w, b, t)
 
 
-def test_logits_rows_are_aligned():
-    """An odd vocabulary gets a padded row stride (cuBLAS's aligned kernels), an even one none."""
-    like = torch.empty(0, dtype=torch.float16)
-    odd = lce._logits_buffer(5, 50257, like)
-    assert odd.shape == (5, 50257) and odd.stride() == (50304, 1)
-    assert lce._logits_buffer(5, 128256, like).stride() == (128256, 1)
+def test_odd_vocabulary_is_padded_with_zero_rows():
+    """An odd vocabulary gets zero weight (and bias) rows up to a multiple of 64 (cuBLAS's aligned
+    kernels); a multiple of 8 is used as is. The fp32 tests above run odd vocabularies (50, 53, 33)."""
+    w, b = torch.randn(50257, 4), torch.randn(50257)
+    wp, bp = lce._padded(w, b)
+    assert wp.shape == (50304, 4) and bp.shape == (50304,)
+    assert torch.equal(wp[:50257], w) and not wp[50257:].any() and not bp[50257:].any()
+    w8 = torch.randn(128256, 2)
+    assert lce._padded(w8, None) == (w8, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
