@@ -62,6 +62,7 @@ _MTC_ANCHORS = (
     "mtc.attention.default", "mtc.attention_backward.default",
     "mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default",
     "mtc.linear_cross_entropy_loss.default", "mtc.linear_cross_entropy_fwd_bwd.default",
+    "mtc.linear_cross_entropy_fwd_bwd_scaled.default",
 )
 VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,

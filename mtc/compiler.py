@@ -21,7 +21,7 @@ from torch import fx
 
 from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_graph, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
-from mtc.graphs.rewrite import use_flash_attention
+from mtc.graphs.rewrite import fold_ce_grad_scale, use_flash_attention
 from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
 
 __all__ = ["CompiledTemplate", "GraphReport", "cache_key", "compile_program", "compile_template", "format_report", "write_report"]
@@ -179,6 +179,7 @@ def compile_template(t: Template, cache_dir: str | Path, *, attention: str = "fl
         _devices_to_marker(g)
         if attention == "flash":
             use_flash_attention(g)
+    fold_ce_grad_scale(joint.graph)
     # ATen ops are counted on the lowering without hand-tuned rewrites: what unfused execution runs
     unfused_f = partition(forward_graph(t, hand_tuned=False).graph).aten_ops()
     unfused_j = partition(joint_graph(t, hand_tuned=False)[0].graph).aten_ops()

@@ -69,7 +69,8 @@ def test_trace_and_compile_each_architecture(name, tmp_path):
         assert {"mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default"} <= graph_targets(block.joint_graph)
     head = check_compiled(prog, params, prog.layers[-1], tmp_path)
     # the loss is the fused linear + cross-entropy: no full-vocabulary softmax anywhere
-    assert "mtc.linear_cross_entropy_fwd_bwd.default" in graph_targets(head.joint_graph)
+    # the fused linear + cross-entropy, with the backward's grad scale folded into it
+    assert "mtc.linear_cross_entropy_fwd_bwd_scaled.default" in graph_targets(head.joint_graph)
     assert "mtc.linear_cross_entropy_loss.default" in graph_targets(head.forward_graph)
     assert not any("log_softmax" in t for t in graph_targets(head.joint_graph) | graph_targets(head.forward_graph))
 

@@ -131,3 +131,56 @@ def test_repeated_kv_heads_reach_attention_unrepeated(hf_style, tmp_path):
             assert k.meta["val"].shape[1] == 2, n.format_node()
     assert "aten.sum.dim_IntList" not in ct.backward_report.fallbacks
     assert not any("repeat_interleave" in op or "expand" in op for op in ct.forward_report.fallbacks)
+
+
+def _head_joint():
+    from mtc.graphs.partition import joint_graph
+    from mtc.models import build
+    from mtc.tracer import trace
+
+    with torch.device("meta"):
+        model = build("tiny", n_layers=1)
+    prog = trace(model, 1, 16)
+    call = prog.layers[-1]
+    t = prog.templates[call.template]
+    g, _ = joint_graph(t)
+    args = []
+    for inp in t.inputs:
+        if call.bindings[inp.name].kind == "batch":
+            targets = torch.randint(0, 256, inp.spec.shape)
+            targets.view(-1)[3] = -100
+            args.append(targets)
+        else:
+            args.append(torch.randn(inp.spec.shape) * (0.1 if len(inp.spec.shape) == 2 else 1.0))
+    return g, args
+
+
+@pytest.mark.parametrize("grad", [2.5, 0.0], ids=["scaled", "zero"])
+def test_ce_grad_scale_folds_into_the_fused_op(grad):
+    from mtc.graphs.program import instantiate
+    from mtc.graphs.rewrite import fold_ce_grad_scale
+
+    g, args = _head_joint()
+    g.graph.eliminate_dead_code()
+    gout = torch.tensor(grad)
+    want = instantiate(g.graph, "cpu")(*args, gout)
+    assert fold_ce_grad_scale(g.graph) == 1
+    targets = [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+    assert "mtc.linear_cross_entropy_fwd_bwd_scaled.default" in targets
+    assert "mtc.linear_cross_entropy_fwd_bwd.default" not in targets
+    # no pass over the (V, H) weight gradient is left
+    assert not any(n.target is torch.ops.aten.mul.Tensor and tuple(n.meta["val"].shape) == (256, 128) for n in g.graph.nodes)
+    got = instantiate(g.graph, "cpu")(*args, gout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ce_grad_used_unscaled_is_not_folded():
+    from mtc.graphs.rewrite import fold_ce_grad_scale
+
+    g, _ = _head_joint()
+    op = next(n for n in g.graph.nodes if str(n.target) == "mtc.linear_cross_entropy_fwd_bwd.default")
+    dw = next(u for u in op.users if u.args[1] == 2)
+    out = next(n for n in g.graph.nodes if n.op == "output")
+    out.args = ((*out.args[0], dw),)  # the raw dW escapes: folding the scale would change it
+    assert fold_ce_grad_scale(g.graph) == 0

@@ -81,7 +81,9 @@ def test_half_precision():
 
 
 def test_chunk_rows_for():
-    assert chunk_rows_for(8192, 128256, 4096) == 1024  # 8 chunks: logits chunk about 4x x's size
+    assert chunk_rows_for(8192, 128256, 4096) == 8192  # chunks would hold more (fp32 dW) than the logits
+    assert chunk_rows_for(65536, 128256, 4096) == 8192  # 8 chunks: logits chunk about 4x x's size
+    assert chunk_rows_for(8192, 50257, 1600) == 1024  # GPT-2: 8 chunks save memory
     assert chunk_rows_for(10, 50, 100) == 10
     assert chunk_rows_for(1, 10**6, 1) == 1
 
@@ -136,15 +138,17 @@ def test_chunked_weight_gradient_accumulates_in_fp32(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_llama_head_without_full_logits():
-    """bf16 at a Llama-3 head (vocab 128256, hidden 4096, 4096 rows): matches the unfused loss and
-    gradients, and allocates far less than the fp32 logits (2.1 GB) the unfused path needs."""
+@pytest.mark.parametrize("chunk_rows", [0, 512], ids=["auto", "chunks512"])
+def test_gpu_bf16_llama_head_below_unfused_memory(chunk_rows):
+    """bf16 at a Llama-3 head (vocab 128256, hidden 4096, 4096 rows), chosen chunking (one chunk
+    here) and 8 chunks (fp32 dW accumulation in cuBLAS): matches the unfused loss and gradients,
+    and allocates less than half the fp32 logits (2.1 GB) plus the gradients' share."""
     torch.manual_seed(0)
     x, w, b, t = _inputs(4096, 4096, 128256, dtype=torch.bfloat16, bias=False, ignored=100, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    loss = linear_cross_entropy(x, w, None, t)
+    loss = linear_cross_entropy(x, w, None, t, chunk_rows=chunk_rows)
     dx, dw = torch.autograd.grad(loss, (x, w))
     peak = torch.cuda.max_memory_allocated() - base
     logits_fp32 = 4096 * 128256 * 4
