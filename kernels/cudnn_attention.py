@@ -51,9 +51,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              lse: torch.Tensor, causal: bool, scale: float,
              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Write the gradients into ``dq, dk, dv`` (dk, dv summed over each KV head's query group)."""
-    B, H, T, D = q.shape
-    H_KV = k.shape[1]
-    rep = H // H_KV
+    T, H_KV = q.shape[2], k.shape[1]
+    rep = q.shape[1] // H_KV
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
     gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
         do.contiguous() if o.is_contiguous() else do, q, _expand(k, rep), _expand(v, rep), o,

@@ -492,7 +492,7 @@ def _flash_attn_fwd(
 
     key = _tuning_key(q, k, causal)
     extra: tuple = ()
-    if _cudnn_candidate(q) and ("fwd", "cuda_half", *key) not in _TUNER.best:
+    if _cudnn_candidate(q) and ("fwd", _tiles(q), *key) not in _TUNER.best:
         # first call for this shape: cuDNN competes only if it computes what the Triton kernel does
         launch(_config_list(q, "fwd")[0])
         ours = (o.clone(), lse.clone())
