@@ -25,7 +25,6 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0
-    update_on: str = "host"  # "host": torch ops on the CPU; "device": the fused AdamW kernel on the run's device
 
     def validate(self) -> None:
         """Raise ConfigError for values AdamW cannot use."""
@@ -35,8 +34,6 @@ class OptimConfig:
             raise ConfigError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.eps <= 0:
             raise ConfigError("warmup_steps and weight_decay must be >= 0 and eps > 0")
-        if self.update_on not in ("host", "device"):
-            raise ConfigError(f"update_on must be 'host' or 'device', got {self.update_on!r}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ConfigError(f"clip_norm must be positive or null (no clipping), got {self.clip_norm}")
 
@@ -53,9 +50,26 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     device: str = "cpu"
-    compute_dtype: str = "float32"
+    # "auto": bfloat16 on CUDA (fp32 master), float32 on the CPU (the parity contract)
+    compute_dtype: str = "auto"
+    allow_tf32: bool = True  # fp32 compute on CUDA runs matmuls in TF32 unless this is False
     io_threads: int = 4
     kernels: str = "auto"  # "fused" (generated Triton kernels), "unfused" (ATen templates), "auto": fused on CUDA
+    # Where each layer's fp32 state (master, m, v) lives: "auto" (from the budgets), "gpu", "ram",
+    # "disk", "stateless" (all in host RAM, nothing persistent on the GPU), or per-layer ranges
+    # such as "gpu:0-3,ram:4-19,disk:20-31" (layer 0 is the embed stage, the last is the head).
+    placement: str = "auto"
+    # Which `ram` layers the GPU updates (state streamed over PCIe): "auto" (cost model), "none",
+    # "all", or layer ranges such as "0-3,7".
+    gpu_update: str = "auto"
+    # Durability of the store: "full" (two generations of master, m, v: exact crash-safe resume),
+    # "weights" (two generations of master weights only: resume restarts Adam's moments), "none".
+    durability: str = "full"
+    commit_every: int = 1  # commit (write state behind, then the atomic record) every N steps
+    activation_budget_gb: float | None = None  # GPU bytes for layer-boundary activations; beyond: pinned host
+    ram_budget_gb: float | None = None  # host RAM for state (auto placement); None: available memory minus a margin
+    gpu_budget_gb: float | None = None  # GPU memory for resident state (auto placement); None: free memory minus workspace
+    optim_threads: int = 0  # CPU AdamW threads; 0: all cores
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
     def validate(self) -> None:
@@ -66,8 +80,12 @@ class TrainConfig:
         from mtc.models import model_config  # here, not at import: config must stay importable alone
 
         model_config(self.model, **self.model_overrides)  # unknown preset or field: ConfigError
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.durability not in ("full", "weights", "none"):
+            raise ConfigError(f"durability must be 'full', 'weights' or 'none', got {self.durability!r}")
+        if self.commit_every < 1:
+            raise ConfigError(f"commit_every must be >= 1, got {self.commit_every}")
         if self.kernels not in ("auto", "fused", "unfused"):
             raise ConfigError(f"kernels must be 'auto', 'fused' or 'unfused', got {self.kernels!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -78,6 +96,13 @@ class TrainConfig:
     def fused(self) -> bool:
         """Whether this run uses the compiled (fused) plan."""
         return self.kernels == "fused" or (self.kernels == "auto" and self.device.startswith("cuda"))
+
+    @property
+    def resolved_compute_dtype(self) -> str:
+        """The compute dtype this run uses: 'auto' is bfloat16 on CUDA and float32 on the CPU."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""

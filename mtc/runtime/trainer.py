@@ -72,7 +72,7 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.M
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = build(cfg.model, **cfg.model_overrides)
-    return model.to(getattr(torch, cfg.compute_dtype))
+    return model.to(getattr(torch, cfg.resolved_compute_dtype))
 
 
 def _rng_state() -> dict[str, str]:
@@ -138,7 +138,7 @@ def open_run(
             save_plan(program, path / "plan")
             if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
                 shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
-        init_state(program, store, dict(model.named_parameters()), compute_dtype=getattr(torch, cfg.compute_dtype))
+        init_state(program, store, dict(model.named_parameters()), compute_dtype=getattr(torch, cfg.resolved_compute_dtype))
         first = CommitRecord(
             step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(), time_unix=time.time()
         )
@@ -186,8 +186,8 @@ def train(
         device = torch.device(cfg.device)
         compiled = _compile(cfg, program, st)
         executor = StreamingExecutor(program, st, device=device, compiled=compiled)
-        opt = HostAdamW(program, st, cfg.optim, compute_dtype=getattr(torch, cfg.compute_dtype),
-                        kernel_device=device if cfg.optim.update_on == "device" else None)
+        opt = HostAdamW(program, st, cfg.optim, compute_dtype=getattr(torch, cfg.resolved_compute_dtype),
+                        kernel_device=device if cfg.gpu_update == "all" else None)
         step, gen, cursor = last.step, last.generation, last.data_cursor
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         losses: list[float] = []

@@ -170,8 +170,8 @@ def test_parity_compiled_plan(tokens):
 
 def test_parity_with_fused_adamw_kernel(tokens):
     # The GPU-side update option (the Triton AdamW kernel; interpreter here) keeps the contract.
-    cfg = parity_config(steps=4, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.1,
-                                                   clip_norm=0.5, update_on="device"))
+    cfg = parity_config(steps=4, gpu_update="all", optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2,
+                                                                     weight_decay=0.1, clip_norm=0.5))
     ref_losses, ref_weights = reference_train(cfg, tokens)
     res = train(cfg, None, tokens)
     try:
