@@ -28,7 +28,7 @@ from common import median, write_record
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler, write_token_file
 from mtc.runtime.schedule import lr_at
-from mtc.runtime.trainer import build_model, train
+from mtc.train import build_model, train
 from mtc.tracer import LossModel
 
 

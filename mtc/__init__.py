@@ -14,7 +14,7 @@ __all__ = ["MTCError", "OptimConfig", "TrainConfig", "load_config", "load_plan",
 
 _WHERE = {
     "trace": "mtc.tracer",
-    "train": "mtc.runtime.trainer",
+    "train": "mtc.train",
     "load_plan": "mtc.plan",
     "save_plan": "mtc.plan",
     "TrainConfig": "mtc.config",

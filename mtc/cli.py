@@ -58,20 +58,20 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
 def _cmd_train(a: argparse.Namespace) -> int:
     from mtc.data import TokenFile
     from mtc.progress import ProgressBar
-    from mtc.runtime.trainer import open_run, train
+    from mtc.train import open_run, train
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
     run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan)
-    start = run[2].step
+    start = run.start_step
     if start >= cfg.steps:
-        run[0].close()
+        run.store.close()
         print(f"store {a.store} is already at step {start} of {cfg.steps}; nothing to do")
         return 0
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
     bar = ProgressBar(cfg.steps, initial=start)
-    res = train(cfg, a.store, tokens, stop_after=a.stop_after, store=run,
+    res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
                 on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
     res.store.close()
     if res.losses:
@@ -111,7 +111,7 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.config import TrainConfig
     from mtc.plan import save_plan
-    from mtc.runtime.trainer import build_model
+    from mtc.train import build_model
     from mtc.tracer import trace
 
     cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
@@ -127,7 +127,7 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
     from mtc.plan import save_plan, save_plan_model
-    from mtc.runtime.trainer import build_model
+    from mtc.train import build_model
     from mtc.tracer import trace
 
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)

@@ -10,7 +10,7 @@ from mtc.config import OptimConfig, TrainConfig
 from mtc.data import ByteTokenizer, embedded_corpus_dir, prepare
 from mtc.generate import generate
 from mtc.runtime.state import load_into_module
-from mtc.runtime.trainer import StepRecord, build_model, train
+from mtc.train import StepRecord, build_model, train
 
 __all__ = ["DemoResult", "demo_config", "run_demo"]
 

@@ -7,7 +7,7 @@ import torch
 from mtc.config import TrainConfig
 from mtc.data import BatchSampler, TokenFile
 from mtc.runtime.schedule import lr_at
-from mtc.runtime.trainer import build_model
+from mtc.train import build_model
 from mtc.tracer import LossModel
 
 

@@ -1,9 +1,10 @@
-"""A bounded ring of layer weight buffers: staging on the host, compute copies on the device.
+"""Bounded rings of device buffers: layer weight slots and gradient slabs.
 
-The executor never holds more than ``slots`` layers' weights at once (two: the layer being
-computed and the one being prefetched). On CUDA a slot is a pinned host buffer plus a device
-buffer with events that order the copy stream against compute; on the CPU the host buffer is the
-compute buffer. The pool keeps byte counts so tests can check the bound instead of trusting it.
+The executor never holds more than ``slots`` layers' weights on the device at once (the layer
+being computed and the ones being prefetched), and never more than a few layers' fp32 gradient
+slabs. A buffer goes back to its ring with a `Marker` (weights: compute has finished reading it)
+or a `Transfer` (a gradient slab: its device-to-host copy), and the next user of that buffer waits
+on it on the device, never on the host. Byte counts let tests check the bound instead of trusting it.
 """
 
 from __future__ import annotations
@@ -13,32 +14,30 @@ import threading
 
 import torch
 
-__all__ = ["LayerBufferPool", "Slot"]
+from mtc.runtime.transfer import CopyEngine, Marker, Transfer
+
+__all__ = ["DeviceRing", "Slot"]
 
 
 @dataclasses.dataclass(eq=False)
 class Slot:
-    """One layer's worth of buffer space."""
+    """One layer's worth of device buffer space."""
 
     index: int
-    host: torch.Tensor
     device: torch.Tensor
-    # CUDA only: set when the H2D copy into ``device`` has finished / compute has stopped reading it.
-    copied: torch.cuda.Event | None = None
-    released: torch.cuda.Event | None = None
+    released: Marker | Transfer | None = None  # what a new user must wait for
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the compute copy (device side)."""
+        """Bytes of the buffer."""
         return self.device.numel() * self.device.element_size()
 
 
-class LayerBufferPool:
-    """``slots`` buffers of ``numel`` elements of ``dtype``; acquire/release with accounting."""
+class DeviceRing:
+    """``slots`` buffers of ``numel`` elements of ``dtype`` on ``device``, with accounting."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, slots: int = 2) -> None:
-        self.numel, self.dtype, self.device = max(1, numel), dtype, device
-        self.cuda = device.type == "cuda"
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, slots: int, name: str = "buffer") -> None:
+        self.numel, self.dtype, self.device, self.name = max(1, numel), dtype, device, name
         self._free: list[Slot] = []
         self._all: list[Slot] = []
         self._slots = slots
@@ -50,34 +49,38 @@ class LayerBufferPool:
         """Take a free slot (allocated on first use); error if all are held (a scheduling bug)."""
         with self._lock:
             if self._free:
-                slot = self._free.pop()
+                slot = self._free.pop(0)
             elif len(self._all) < self._slots:
-                slot = self._allocate(len(self._all))
+                slot = Slot(len(self._all), torch.empty(self.numel, dtype=self.dtype, device=self.device))
                 self._all.append(slot)
             else:
-                raise RuntimeError(f"all {self._slots} layer buffers are in use; the executor held a layer too long")
+                raise RuntimeError(f"all {self._slots} {self.name} slots are in use; the executor held one too long")
             self.bytes_in_use += slot.nbytes
             self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
             return slot
 
-    def release(self, slot: Slot) -> None:
-        """Give a slot back; on CUDA, later copies into it wait until compute is done with it."""
-        if self.cuda:
-            slot.released = torch.cuda.Event()
-            slot.released.record(torch.cuda.current_stream(self.device))
+    def release(self, slot: Slot, after: Marker | Transfer | None) -> None:
+        """Give a slot back; its next user waits for ``after`` first."""
+        slot.released = after
         with self._lock:
             self.bytes_in_use -= slot.nbytes
             self._free.append(slot)
 
+    def ready_for_copy(self, slot: Slot) -> Marker | None:
+        """What a copy into ``slot`` must wait for (as a copy's ``after``)."""
+        r = slot.released
+        if isinstance(r, Transfer):
+            r.wait()  # a previous copy out of this buffer: finished long ago in practice
+            return None
+        return r
+
+    def ready_for_compute(self, slot: Slot, engine: CopyEngine) -> None:
+        """Make compute wait until ``slot``'s previous use (a copy out of it) has finished."""
+        r = slot.released
+        if isinstance(r, Transfer):
+            engine.wait_on_compute(r)
+
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of all slots allocated so far (device side)."""
+        """Bytes of all slots allocated so far."""
         return sum(s.nbytes for s in self._all)
-
-    def _allocate(self, index: int) -> Slot:
-        if not self.cuda:
-            buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            return Slot(index, buf, buf)
-        host = torch.empty(self.numel, dtype=self.dtype, pin_memory=True)
-        dev = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        return Slot(index, host, dev)

@@ -1,54 +1,56 @@
-"""The streaming executor: runs a Program against a store, one layer's weights at a time.
+"""The streaming executor: runs one training step's forward and backward, layer-major.
 
-For each micro-batch the layers are visited in the order
+A step's micro-batches form one group, and each layer is visited once per direction for the whole
+group (weights cross PCIe twice per step, not twice per micro-batch):
 
-    embed, block 1..N (forward, no autograd; each block's input is kept),
-    head (forward + backward at once),
-    block N..1, embed (recompute forward with autograd, then backward).
+    embed, block 1..N-1 (forward, no autograd; each block's input is kept per micro-batch),
+    head (forward + backward at once, per micro-batch),
+    block N-1..1, embed (recompute + backward per micro-batch).
 
-Before a visit its weights are fetched from the store into a slot of a two-slot ring, and the
-fetch of the next visit runs on a background thread while the current one computes. Parameter
-gradients go to the optimizer as soon as a layer's backward returns; when a layer's gradient is
-complete (last micro-batch, last reader of tied weights) the optimizer is told so it can update
-it. Only the layer-boundary hidden states and the embed stage's auxiliary outputs stay alive
-between visits, so memory does not grow with depth beyond one hidden state per block.
+Before a visit its weights are copied from the layer's compute copy (pinned host, or resident on
+the GPU) into a slot of a device ring, on the host-to-device stream, while the previous layer
+computes; a fetch first waits for the layer's optimizer update of the previous step (updates run
+between steps, in forward order, so layer i's update overlaps the forward of layers < i).
+Gradients of each micro-batch are summed in fp32 into a flat per-layer slab on the device; when a
+layer's gradient is final (last micro-batch, last user of tied weights) its per-parameter norms are
+taken on the device and the slab is copied to the layer's pinned host buffer on the device-to-host
+stream (`gpu`-tier layers keep theirs on the device). Nothing in the layer loop synchronises the
+host with the GPU: the optimizer reads the loss and the global norm once per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from mtc.errors import PlanError
 from mtc.graphs.program import LayerCall, Program, Template
-from mtc.runtime.buffers import LayerBufferPool, Slot
-from mtc.store import TensorStore, state_array_name
+from mtc.runtime.activations import ActivationStore
+from mtc.runtime.buffers import DeviceRing, Slot
+from mtc.runtime.runners import AutogradRunner, LayerRunner
+from mtc.runtime.tiers import StateTiers
+from mtc.runtime.timeline import Timeline
+from mtc.runtime.transfer import CopyEngine, Transfer
 
-if TYPE_CHECKING:  # the compiler pulls in Triton; the unfused path must not need it
-    from mtc.compiler import CompiledTemplate
-
-__all__ = ["GradSink", "LayerWeights", "StreamingExecutor"]
+__all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
 
 
 class GradSink(Protocol):
-    """Where the executor sends gradients (the optimizer)."""
+    """Where the executor reports final gradients (the optimizer)."""
 
-    def add_grad(self, key: str, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient."""
-
-    def grads_final(self, layer: int) -> None:
-        """Owner layer ``layer`` will receive no more gradient this step."""
+    def grad_final(self, layer: int, norms: torch.Tensor) -> None:
+        """Owner ``layer``'s gradient is complete; ``norms``: its per-parameter norms (device)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Segment:
-    owner: int  # layer whose flat state holds the data
-    start: int  # element offset in the owner's flat array
+    owner: int  # layer whose state holds the data
+    start: int  # element offset in the owner's flat state
     numel: int
     slot_offset: int
 
@@ -56,56 +58,91 @@ class _Segment:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _FetchPlan:
     segments: tuple[_Segment, ...]
-    views: dict[str, tuple[int, tuple[int, ...]]]  # param key -> (slot offset, shape)
+    views: dict[str, tuple[int, tuple[int, ...]]]  # param key -> (offset in the buffer, shape)
     numel: int
+    resident: bool  # all weights are the layer's own, resident on the device: no copy
 
 
 class LayerWeights:
-    """One layer call's parameters, as views into a buffer slot (weak-referenceable for tests)."""
+    """One layer call's parameters as views (weak-referenceable, so tests can count live sets)."""
 
-    __slots__ = ("__weakref__", "slot", "tensors")
+    __slots__ = ("__weakref__", "slot", "tensors", "transfer")
 
-    def __init__(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
-        self.slot, self.tensors = slot, tensors
+    def __init__(self, slot: Slot | None, tensors: dict[str, torch.Tensor], transfer: Transfer | None) -> None:
+        self.slot, self.tensors, self.transfer = slot, tensors, transfer
+
+
+@dataclasses.dataclass(slots=True)
+class _Group:
+    """Per-step state of the micro-batch group (what flows between layer visits)."""
+
+    batches: list[dict[str, torch.Tensor]]
+    carry: list[torch.Tensor | None]
+    aux: list[list[torch.Tensor]]
+    grad_carry: list[torch.Tensor | None]
+    grad_aux: list[list[torch.Tensor | None]]
+    losses: list[torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step's forward + backward produced (device tensors: nothing was synchronised)."""
+
+    loss: torch.Tensor  # mean over the group's micro-batches of each micro-batch's mean loss
 
 
 class StreamingExecutor:
-    """Runs forward and backward of ``program`` with weights streamed from ``store``."""
+    """Runs forward and backward of ``program`` with weights streamed from ``tiers``."""
 
     def __init__(
         self,
         program: Program,
-        store: TensorStore,
+        tiers: StateTiers,
         *,
-        device: torch.device | str = "cpu",
+        device: torch.device,
+        engine: CopyEngine,
+        timeline: Timeline,
+        runners: dict[str, LayerRunner] | None = None,
+        activation_budget_bytes: int | None = None,
+        slots: int = 2,
         on_visit: Callable[[str, int], None] | None = None,
-        compiled: dict[str, CompiledTemplate] | None = None,
     ) -> None:
-        self.program, self.store = program, store
-        self.device = torch.device(device)
-        self.dtype = torch.float32 if program.meta.get("param_dtype", "float32") == "float32" else getattr(torch, program.meta["param_dtype"])
-        self.kind = "master" if self.dtype == torch.float32 else "compute"
-        self._plans = [self._fetch_plan(c) for c in program.layers]
-        self.pool = LayerBufferPool(max(p.numel for p in self._plans), self.dtype, self.device, slots=2)
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-fetch")
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._last_user = program.last_backward_user()
-        self._consts = {k: v.to(self.device) for k, v in program.constant_values.items()}
-        self._aux_needs_grad = _aux_param_dependence(program.template_of(0))
-        self.compiled = compiled
-        if compiled is not None:
-            missing = [t for t in program.templates if t not in compiled]
+        self.program, self.tiers, self.device = program, tiers, torch.device(device)
+        self.engine, self.timeline = engine, timeline
+        self._aux_needs_grad = aux_param_dependence(program.template_of(0))
+        if runners is None:
+            runners = {}
+            for call in program.layers:
+                if call.template not in runners:
+                    runners[call.template] = AutogradRunner(program.templates[call.template], call, self._aux_needs_grad)
+        else:
+            missing = [t for t in program.templates if t not in runners]
             if missing:
                 raise PlanError(f"the compiled plan lacks templates {missing}; recompile it (`mtc compile`)")
-            if any(self._aux_needs_grad):
+            if any(self._aux_needs_grad) and not all(isinstance(r, AutogradRunner) for r in runners.values()):
                 raise PlanError("compiled plans do not yet support embed outputs that depend on parameters; run --unfused")
+        self.runners = runners
+        self._plans = [self._fetch_plan(c) for c in program.layers]
+        ring_numel = max((p.numel for p in self._plans if not p.resident), default=1)
+        self.ring = DeviceRing(ring_numel, tiers.compute_dtype, self.device, slots=slots, name="weight")
+        # slabs: the layer accumulating, the previous one draining to the host, plus owners of tied
+        # weights whose accumulation spans other layers' visits
+        tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
+        n_open = 2 + len(tied)
+        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t != "gpu"), default=1)
+        self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
+        self.acts = ActivationStore(engine, activation_budget_bytes)
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-fetch")
+        self._last_user = program.last_backward_user()
+        self._consts = {k: v.to(self.device) for k, v in program.constant_values.items()}
         self.live_weights: weakref.WeakSet[LayerWeights] = weakref.WeakSet()
-        self.on_visit = on_visit  # test hook: called as (phase, layer) after each visit
-        self.generation = 0
-        for name, spec in program.batch.items():
+        self.on_visit = on_visit  # test hook: called as (phase, layer) after each layer's group visit
+        for name in program.batch:
             if name not in ("ids", "targets"):
                 raise PlanError(f"unexpected batch input {name!r} in the plan")
         self.batch_shape = program.batch["ids"].shape
+        self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
+        self._open_slots: dict[int, Slot] = {}
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -124,51 +161,51 @@ class StreamingExecutor:
                 segs.append(_Segment(p.layer, p.offset, p.numel, off))
                 views[key] = (off, p.spec.shape)
                 off += p.numel
-        return _FetchPlan(tuple(segs), views, off)
+        resident = self.tiers[call.index].tier == "gpu" and len(segs) <= 1
+        return _FetchPlan(tuple(segs), views, off, resident)
 
     def _start_fetch(self, layer: int) -> Future[LayerWeights]:
-        slot = self.pool.acquire()
-        return self._io.submit(self._fetch, layer, slot)
+        plan = self._plans[layer]
+        if plan.resident:  # views on the resident compute copy; updates are ordered on the compute stream
+            fut: Future[LayerWeights] = Future()
+            src = self.tiers[layer].compute
+            fut.set_result(LayerWeights(None, {k: src[o : o + _numel(s)].view(s) for k, (o, s) in plan.views.items()}, None))
+            return fut
+        slot = self.ring.acquire()
+        return self._fetcher.submit(self._fetch, layer, slot)
 
     def _fetch(self, layer: int, slot: Slot) -> LayerWeights:
         plan = self._plans[layer]
-        if slot.copied is not None:
-            slot.copied.synchronize()  # the previous H2D from this pinned buffer must be done
-        for s in plan.segments:
-            name = state_array_name(s.owner, self.kind, self.generation)
-            dst = slot.host[s.slot_offset : s.slot_offset + s.numel]
-            if s.start == 0 and s.numel == self.program.layer_numel(s.owner):
-                self.store.read_into(name, dst)
-            else:
-                self.store.read_rows_into(name, s.start, dst)
-        if self._copy_stream is not None:
-            with torch.cuda.stream(self._copy_stream):
-                if slot.released is not None:
-                    self._copy_stream.wait_event(slot.released)
-                slot.device[: plan.numel].copy_(slot.host[: plan.numel], non_blocking=True)
-                slot.copied = torch.cuda.Event()
-                slot.copied.record(self._copy_stream)
+        owners = {s.owner for s in plan.segments}
+        with self.timeline.span("fetch_wait", layer):
+            for o in owners:  # the weights must be this step's: wait for the owners' updates
+                upd = self.tiers[o].update
+                if upd is not None:
+                    upd.result()
+        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel], self.tiers[s.owner].compute[s.start : s.start + s.numel])
+                  for s in plan.segments]
+        tr = self.engine.h2d(copies, after=self.ring.ready_for_copy(slot), layer=layer)
+        for o in owners:
+            self.tiers[o].last_read = tr  # the owner's next update waits until this copy has read it
         tensors = {k: slot.device[o : o + _numel(shape)].view(shape) for k, (o, shape) in plan.views.items()}
-        return LayerWeights(slot, tensors)
+        return LayerWeights(slot, tensors, tr)
 
-    def _wait(self, fut: Future[LayerWeights]) -> LayerWeights:
-        w = fut.result()
-        if self._copy_stream is not None and w.slot.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(w.slot.copied)
+    def _wait(self, fut: Future[LayerWeights], layer: int) -> LayerWeights:
+        with self.timeline.span("weights_wait", layer):
+            w = fut.result()
+            if w.transfer is not None:
+                self.engine.wait_on_compute(w.transfer)
         self.live_weights.add(w)
         return w
 
+    def _release(self, w: LayerWeights) -> None:
+        if w.slot is not None:
+            self.ring.release(w.slot, self.engine.marker())
+
     # -- running --------------------------------------------------------------------------------
 
-    def _args(
-        self,
-        call: LayerCall,
-        tmpl: Template,
-        weights: dict[str, torch.Tensor],
-        batch: dict[str, torch.Tensor],
-        carry: torch.Tensor | None,
-        aux: list[torch.Tensor],
-    ) -> list[torch.Tensor]:
+    def _args(self, call: LayerCall, tmpl: Template, weights: dict[str, torch.Tensor], g: _Group, mb: int,
+              carry: torch.Tensor | None) -> list[torch.Tensor]:
         args = []
         for inp in tmpl.inputs:
             src = call.bindings[inp.name]
@@ -177,153 +214,161 @@ class StreamingExecutor:
             elif src.kind == "carry":
                 args.append(carry)
             elif src.kind == "aux":
-                args.append(aux[src.index])
+                args.append(g.aux[mb][src.index])
             elif src.kind == "batch":
-                args.append(batch[src.key])
+                args.append(g.batches[mb][src.key])
             else:
                 args.append(self._consts[src.key])
         return args
 
-    def run(
-        self,
-        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-        sink: GradSink,
-        generation: int,
-    ) -> list[float]:
-        """Forward + backward over ``microbatches``; returns each micro-batch's mean loss.
+    def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: GradSink) -> StepOutput:
+        """Forward + backward over the group ``microbatches``; final gradients go to ``sink``.
 
-        Weights are read from state generation ``generation``. The loss gradient of each
-        micro-batch is scaled by 1 / len(microbatches), as ``(loss / n).backward()`` would.
+        The loss gradient of each micro-batch is scaled by 1 / len(microbatches), as
+        ``(loss / n).backward()`` per micro-batch would.
         """
-        self.generation = generation
-        prog = self.program
-        L = prog.n_layers
-        n_mb = len(microbatches)
-        visits = [(mb, phase, layer) for mb in range(n_mb) for phase, layer in _visit_order(L)]
-        losses: list[float] = []
-        fut = self._start_fetch(visits[0][2])
-        state: dict[str, object] = {}
+        L, n = self.program.n_layers, len(microbatches)
+        for ids, targets in microbatches:
+            if tuple(ids.shape) != self.batch_shape or tuple(targets.shape) != self.batch_shape:
+                raise PlanError(f"micro-batch shape {tuple(ids.shape)} does not match the plan's {self.batch_shape}; "
+                                "re-trace the model for this batch size and sequence length")
+        g = _Group(
+            batches=[{"ids": i.to(self.device, non_blocking=True), "targets": t.to(self.device, non_blocking=True)}
+                     for i, t in microbatches],
+            carry=[None] * n, aux=[[] for _ in range(n)], grad_carry=[None] * n,
+            grad_aux=[[None] * len(self._aux_needs_grad) for _ in range(n)], losses=[],
+        )
+        visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
+        scale = torch.tensor(1.0 / n, dtype=torch.float32, device=self.device)
+        fut: Future[LayerWeights] | None = self._start_fetch(visits[0][1])
         try:
-            for k, (mb, phase, layer) in enumerate(visits):
-                w = self._wait(fut)
-                fut = self._start_fetch(visits[k + 1][2]) if k + 1 < len(visits) else None
-                if phase == "fwd" and layer == 0:
-                    ids, targets = microbatches[mb]
-                    if tuple(ids.shape) != self.batch_shape or tuple(targets.shape) != self.batch_shape:
-                        raise PlanError(
-                            f"micro-batch shape {tuple(ids.shape)} does not match the plan's {self.batch_shape}; "
-                            "re-trace the model for this batch size and sequence length"
-                        )
-                    state = {"batch": {"ids": ids.to(self.device), "targets": targets.to(self.device)}, "saved": {}}
-                last_mb = mb == n_mb - 1
-                loss = self._visit(phase, layer, w, state, sink, 1.0 / n_mb)
-                if loss is not None:
-                    losses.append(loss)
-                if phase != "fwd":
-                    for owner, user in self._last_user.items():
-                        if user == layer and last_mb:
-                            sink.grads_final(owner)
-                self.pool.release(w.slot)
+            for k, (phase, layer) in enumerate(visits):
+                w = self._wait(fut, layer)
+                fut = self._start_fetch(visits[k + 1][1]) if k + 1 < len(visits) else None
+                if phase == "fwd":
+                    self._forward(layer, w, g)
+                else:
+                    if phase == "bwd" and layer > 0:  # bring the next layer's offloaded inputs back early
+                        for mb in range(n):
+                            self.acts.prefetch((layer - 1, mb))
+                    self._backward(layer, w, g, scale, sink)
+                self._release(w)
                 del w
                 if self.on_visit is not None:
                     self.on_visit(phase, layer)
-        finally:
-            if fut is not None:  # an error mid-step: let the in-flight fetch finish, free its slot
+        except BaseException:
+            if fut is not None:  # let the in-flight fetch finish and free its slot
                 try:
-                    self.pool.release(fut.result().slot)
+                    w = fut.result()
+                    if w.transfer is not None:
+                        w.transfer.wait()
+                    self._release(w)
                 except Exception:
                     pass
-        return losses
+            self.acts.clear()
+            for layer in list(self._open):
+                self._close_slab(layer, None)
+            raise
+        return StepOutput(loss=torch.stack(g.losses).mean() if len(g.losses) > 1 else g.losses[0])
 
-    def _visit(self, phase: str, layer: int, w: LayerWeights, st: dict, sink: GradSink, scale: float) -> float | None:
-        prog = self.program
-        call = prog.layers[layer]
-        tmpl = prog.templates[call.template]
-        gm = tmpl.module(self.device) if self.compiled is None else self.compiled[tmpl.id].module("forward", self.device)
-        batch, saved = st["batch"], st["saved"]
-        head = layer == prog.n_layers - 1
-        if phase != "fwd" and self.compiled is not None:
-            return self._visit_compiled(layer, w, st, sink, scale)
-        if phase == "fwd":
-            with torch.no_grad():
-                if layer == 0:
-                    out = gm(*self._args(call, tmpl, w.tensors, batch, None, []))
-                    st["carry"], st["aux"] = out[0], list(out[1:])
-                else:
-                    saved[layer] = st["carry"]
-                    st["carry"] = gm(*self._args(call, tmpl, w.tensors, batch, st["carry"], st["aux"]))[0]
-            return None
-        # backward visits: run the layer with autograd, then take gradients
-        params = {k: t.detach().requires_grad_() for k, t in w.tensors.items()}
-        aux = [a.detach().requires_grad_(need) for a, need in zip(st["aux"], self._aux_needs_grad)]
-        if layer == 0:
-            out = gm(*self._args(call, tmpl, params, batch, None, aux))
-            outs = [out[0]] + [o for o, need in zip(out[1:], self._aux_needs_grad) if need]
-            grads_out = [st.pop("grad_carry")] + [g for g, need in zip(st["grad_aux"], self._aux_needs_grad) if need]
-            inputs: list[torch.Tensor] = list(params.values())
-        else:
-            carry_in = (st["carry"] if head else saved.pop(layer)).detach().requires_grad_()
-            out = gm(*self._args(call, tmpl, params, batch, carry_in, aux))
-            outs = [out[0]]
-            grads_out = [torch.tensor(scale, dtype=out[0].dtype, device=self.device)] if head else [st.pop("grad_carry")]
-            inputs = [carry_in, *params.values(), *[a for a in aux if a.requires_grad]]
-        grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
-        if layer != 0:
-            st["grad_carry"] = grads[0]
-            pg = grads[1 : 1 + len(params)]
-            ag = grads[1 + len(params) :]
-            if head:
-                st["grad_aux"] = [torch.zeros_like(a) if need else None for a, need in zip(st["aux"], self._aux_needs_grad)]
-                st.pop("carry")
-            gi = iter(ag)
-            for j, need in enumerate(self._aux_needs_grad):
-                if need:
-                    g = next(gi)
-                    if g is not None:
-                        st["grad_aux"][j] += g
-        else:
-            pg = grads
-        for key, g in zip(params, pg):
-            if g is not None:
-                sink.add_grad(key, g)
-            else:
-                sink.add_grad(key, torch.zeros(self.program.params[key].spec.shape))
-        return float(out[0].detach()) if head else None
-
-    def _visit_compiled(self, layer: int, w: LayerWeights, st: dict, sink: GradSink, scale: float) -> float | None:
-        """Backward visit with the compiled joint graph: recompute + gradients in one call."""
-        prog = self.program
-        call = prog.layers[layer]
-        tmpl = prog.templates[call.template]
-        ct = self.compiled[tmpl.id]
-        head = layer == prog.n_layers - 1
-        if layer == 0:
-            carry_in, gout = None, st.pop("grad_carry")
-        elif head:
-            carry_in, gout = st.pop("carry"), torch.tensor(scale, dtype=torch.float32, device=self.device)
-        else:
-            carry_in, gout = st["saved"].pop(layer), st.pop("grad_carry")
-        args = self._args(call, tmpl, w.tensors, st["batch"], carry_in, st["aux"])
+    def _forward(self, layer: int, w: LayerWeights, g: _Group) -> None:
+        call = self.program.layers[layer]
+        tmpl = self.program.templates[call.template]
+        fwd = self.runners[call.template].forward(self.device)
         with torch.no_grad():
-            res = ct.module("joint", self.device)(*args, gout)
-        n_out = 1 + tmpl.n_aux_out
-        for k, g in zip(ct.diff, res[n_out:], strict=True):
-            inp = tmpl.inputs[k]
-            if inp.kind == "carry":
-                st["grad_carry"] = g
+            for mb in range(len(g.batches)):
+                with self.timeline.span("compute", layer, mb):
+                    if layer == 0:
+                        out = fwd(*self._args(call, tmpl, w.tensors, g, mb, None))
+                        g.carry[mb], g.aux[mb] = out[0], list(out[1:])
+                    else:
+                        self.acts.put((layer, mb), g.carry[mb])
+                        g.carry[mb] = fwd(*self._args(call, tmpl, w.tensors, g, mb, g.carry[mb]))[0]
+
+    def _backward(self, layer: int, w: LayerWeights, g: _Group, scale: torch.Tensor, sink: GradSink) -> None:
+        prog = self.program
+        call = prog.layers[layer]
+        tmpl = prog.templates[call.template]
+        runner = self.runners[call.template]
+        joint = runner.joint(self.device)
+        head = layer == prog.n_layers - 1
+        for mb in range(len(g.batches)):
+            with self.timeline.span("compute", layer, mb):
+                if layer == 0:
+                    carry_in = None
+                    gouts = [g.grad_carry[mb]] + [
+                        ga if ga is not None else torch.zeros_like(g.aux[mb][j])  # no block took its gradient
+                        for j, (ga, need) in enumerate(zip(g.grad_aux[mb], self._aux_needs_grad)) if need
+                    ]
+                elif head:
+                    carry_in, gouts = g.carry[mb], [scale]
+                    g.carry[mb] = None
+                else:
+                    carry_in, gouts = self.acts.take((layer, mb)), [g.grad_carry[mb]]
+                res = joint(*self._args(call, tmpl, w.tensors, g, mb, carry_in), *gouts)
+                if head:
+                    g.losses.append(res[0].detach().float())
+                for k, grad in zip(runner.diff, res[runner.n_out :], strict=True):
+                    src = call.bindings[tmpl.inputs[k].name]
+                    if src.kind == "carry":
+                        g.grad_carry[mb] = grad
+                    elif src.kind == "aux":
+                        if grad is not None:
+                            prev = g.grad_aux[mb][src.index]
+                            g.grad_aux[mb][src.index] = grad if prev is None else prev + grad
+                    elif grad is not None:
+                        p = prog.params[src.key]
+                        self._accumulator(p.layer)[p.offset : p.offset + p.numel].add_(grad.reshape(-1))
+                    else:
+                        self._accumulator(prog.params[src.key].layer)  # unused parameter: its gradient is zero
+            if layer == 0:
+                g.grad_carry[mb] = None
+                g.grad_aux[mb] = [None] * len(self._aux_needs_grad)
+        for owner, user in self._last_user.items():
+            if user == layer:
+                self._finalise(owner, sink)
+
+    def _accumulator(self, owner: int) -> torch.Tensor:
+        acc = self._open.get(owner)
+        if acc is None:
+            st = self.tiers[owner]
+            if st.tier == "gpu":
+                acc = st.grad
             else:
-                key = call.bindings[inp.name].key
-                sink.add_grad(key, g if g is not None else torch.zeros(prog.params[key].spec.shape))
-        return float(res[0]) if head else None
+                slot = self.slabs.acquire()
+                self.slabs.ready_for_compute(slot, self.engine)  # its previous copy out has finished
+                self._open_slots[owner] = slot
+                acc = slot.device[: st.numel]
+            acc.zero_()
+            self._open[owner] = acc
+        return acc
+
+    def _finalise(self, owner: int, sink: GradSink) -> None:
+        """The owner's gradient is complete: norms on the device, then the copy to its host buffer."""
+        st = self.tiers[owner]
+        if not st.numel:
+            return
+        acc = self._accumulator(owner)
+        with self.timeline.span("grad_norms", owner):
+            views = [acc[p.offset : p.offset + p.numel] for p in self.program.layer_params(owner)]
+            if self.device.type == "cuda":
+                norms = torch.stack(torch._foreach_norm(views))
+            else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
+                norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
+        if st.tier != "gpu":
+            st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
+        self._close_slab(owner, st.grad_ready)
+        sink.grad_final(owner, norms)
+
+    def _close_slab(self, owner: int, transfer: Transfer | None) -> None:
+        self._open.pop(owner, None)
+        slot = self._open_slots.pop(owner, None)
+        if slot is not None:
+            self.slabs.release(slot, transfer if transfer is not None else self.engine.marker())
 
     def close(self) -> None:
         """Stop the fetch thread."""
-        self._io.shutdown(wait=True)
-
-
-def _visit_order(n_layers: int) -> list[tuple[str, int]]:
-    fwd = [("fwd", i) for i in range(n_layers - 1)]
-    return fwd + [("head", n_layers - 1)] + [("bwd", i) for i in range(n_layers - 2, -1, -1)]
+        self._fetcher.shutdown(wait=True)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -333,7 +378,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _aux_param_dependence(embed: Template) -> list[bool]:
+def aux_param_dependence(embed: Template) -> list[bool]:
     """For each aux output of the embed template: does it depend on a parameter input?"""
     params = {n for n in embed.graph.nodes if n.op == "placeholder" and n.name in set(embed.input_names("param"))}
     out_node = next(n for n in embed.graph.nodes if n.op == "output")

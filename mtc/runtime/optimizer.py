@@ -1,168 +1,314 @@
-"""AdamW on the host over each layer's flat fp32 master weights and moments, in the store.
+"""Exact AdamW over the tiers' flat fp32 state, overlapped with the GPU, with global-norm clipping.
 
-Gradients arrive per parameter while backward runs (`add_grad`) and are summed into one fp32
-accumulator per owner layer. When a layer's gradient is final (`grads_final`) its norm is taken at
-once; without clipping its update is handed to a worker thread right away, so the update of layer
-i overlaps the backward of layer i-1. With global-norm clipping the update must wait for the last
-layer's norm, so updates run in `finish_step` (a later engine moves them to just before the
-layer's next fetch). The math is torch.optim.AdamW's single-tensor path op for op, so an fp32 run
-matches it to rounding.
+Clipping needs the norm of the whole step's gradient, known only when the embed layer's backward
+ends. So updates do not run during backward: `finish_step` reads the loss and the global norm (the
+one host synchronisation of a step), then hands every layer's update out in forward order, and
+returns at once. The next step's forward fetches layer i only once layer i's update is done, so
+the update of layer i runs while the GPU computes layers < i: the optimizer is never a serial phase
+and clipping stays exact. Per layer, by tier:
 
-Each step reads generation ``g`` of master/m/v and writes generation ``1 - g``: the state committed
-at the previous step is never overwritten, which is what makes a commit crash-safe.
+- ``gpu``: the Triton AdamW kernel, enqueued on the compute stream (ordered before the next forward).
+- ``ram``: the host AdamW on all cores (chunks over a thread pool), writing the new compute copy in
+  the same pass; or, for the layers ``gpu_update`` names, on the GPU: state and gradient stream
+  over PCIe through pinned buffers on the copy streams, the kernel runs, the state streams back.
+- ``disk``: read master, m, v of the current generation from the store, update on the host, write
+  them to the other generation.
+
+A step whose loss or gradient norm is not finite updates nothing (its batches are consumed and
+it counts as a step); `StepStats.skipped` says so. Write-behind: on a commit step each layer's new
+state is written to the store right after its update, into the generation that the previous
+commit made stale, and the commit record follows once every layer is on disk; the next update of
+a layer waits for its write. The AdamW math is `mtc.kernels.adamw`'s (one implementation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from mtc.config import OptimConfig
 from mtc.graphs.program import Program
+from mtc.runtime.tiers import StateTiers, state_kinds
+from mtc.runtime.timeline import Timeline
+from mtc.runtime.transfer import CopyEngine, Marker
 from mtc.store import TensorStore, state_array_name
 
-__all__ = ["HostAdamW", "StepStats"]
+__all__ = ["StepStats", "StreamingAdamW"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepStats:
     """What one optimizer step did."""
 
+    loss: float
     lr: float
     grad_norm: float
     clip_coef: float
+    skipped: bool
 
 
-class HostAdamW:
-    """AdamW over the flat per-layer state of ``program`` held in ``store``."""
+def _done() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
+
+
+class StreamingAdamW:
+    """AdamW for every layer of ``program``, over the state in ``tiers``."""
 
     def __init__(
         self,
         program: Program,
-        store: TensorStore,
+        tiers: StateTiers,
         cfg: OptimConfig,
         *,
-        compute_dtype: torch.dtype | None = None,
-        workers: int = 1,
-        kernel_device: torch.device | None = None,
+        engine: CopyEngine,
+        timeline: Timeline,
+        threads: int = 0,
+        gpu_update: set[int] | None = None,
+        store: TensorStore | None = None,
+        durability: str = "full",
     ) -> None:
-        self.program, self.store, self.cfg = program, store, cfg
-        self.compute_dtype = compute_dtype if compute_dtype not in (None, torch.float32) else None
-        self._numel = {i: program.layer_numel(i) for i in range(program.n_layers)}
-        self._decay = {i: program.layer_decay_numel(i) for i in range(program.n_layers)}
-        self._acc: dict[int, torch.Tensor] = {}
-        self._sq: dict[int, bool] = {}
-        self._norms: dict[str, torch.Tensor] = {}
-        self._pending: list[int] = []
-        self._futures: list[Future[None]] = []
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-adamw")
-        self._lock = threading.Lock()
+        self.program, self.tiers, self.cfg = program, tiers, cfg
+        self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
+        self.device = tiers.device
+        self.gpu_update = {i for i in (gpu_update or set()) if tiers[i].tier == "ram" and tiers[i].numel}
+        self.threads = threads if threads > 0 else (os.cpu_count() or 1)
+        # one dispatcher per engine keeps updates in forward order; chunks fan out over `_chunks`
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-adamw")
+        self._gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-gpu-adamw")
+        self._chunks = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="mtc-adamw-chunk")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")
+        self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None
-        # Where the fused AdamW kernel runs (None: torch ops on the host). On CUDA this is the
-        # GPU-side update option: the layer's state crosses PCIe, the update is one kernel pass.
-        self.kernel_device = kernel_device
+        self._scratch: list[torch.Tensor] | None = None  # GPU-side update of ram layers: device buffers
+        self._disk_scratch = threading.local()
+        self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.commit_future: Future[None] = _done()  # the last commit record's write
+        self.disk_generation = 0  # generation disk-tier layers read this step
 
-    def begin_step(self, step: int, lr: float, read_gen: int, write_gen: int) -> None:
-        """Start optimizer step ``step`` (0-based): reads generation read_gen, writes write_gen."""
+    # -- the step -------------------------------------------------------------------------------
+
+    def begin_step(self, step: int, lr: float) -> None:
+        """Start optimizer step ``step`` (0-based) with learning rate ``lr``."""
         if self._step is not None:
             raise RuntimeError("begin_step called twice without finish_step")
-        self._step, self._lr, self._rgen, self._wgen = step, lr, read_gen, write_gen
-        self._acc.clear()
-        self._sq.clear()
+        self._step, self._lr = step, lr
         self._norms.clear()
-        self._pending.clear()
-        self._futures.clear()
 
-    def add_grad(self, key: str, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient (any device) into its owner layer's accumulator."""
-        p = self.program.params[key]
-        acc = self._acc.get(p.layer)
-        if acc is None:
-            acc = self._acc[p.layer] = torch.zeros(self._numel[p.layer], dtype=torch.float32)
-        acc[p.offset : p.offset + p.numel].add_(grad.detach().reshape(-1).to("cpu", torch.float32))
+    def grad_final(self, layer: int, norms: torch.Tensor) -> None:
+        """The executor's report: ``layer``'s gradient is complete, with these per-parameter norms."""
+        self._norms[layer] = norms
 
-    def grads_final(self, layer: int) -> None:
-        """Layer ``layer``'s gradient is complete for this step: take its norm, maybe update now."""
-        if self._numel[layer] == 0:
-            return
-        acc = self._acc.get(layer)
-        if acc is None:
-            raise RuntimeError(f"layer {layer} declared final but received no gradient")
-        # Per-parameter norms, as clip_grad_norm_ takes them, so the global norm rounds the same.
-        for p in self.program.layer_params(layer):
-            self._norms[p.key] = torch.linalg.vector_norm(acc[p.offset : p.offset + p.numel])
-        self._sq[layer] = True
-        if self.cfg.clip_norm is None:
-            self._futures.append(self._pool.submit(self._update, layer, None))
-        else:
-            self._pending.append(layer)
+    def finish_step(
+        self,
+        loss: torch.Tensor,
+        *,
+        commit: Callable[[int], None] | None = None,
+        write_generation: int | None = None,
+    ) -> StepStats:
+        """Read loss and global norm (one sync), start every update, and return without waiting.
 
-    def finish_step(self) -> StepStats:
-        """Finish the step: clip, run the remaining updates, wait until all are written."""
-        owners = [i for i in range(self.program.n_layers) if self._numel[i]]
-        missing = [i for i in owners if i not in self._sq]
+        With ``commit`` set this is a commit step: every layer's new state is written into
+        ``write_generation`` after its update, then ``commit(write_generation)`` runs on the
+        commit thread once all are on disk.
+        """
+        owners = [i for i in range(self.program.n_layers) if self.tiers[i].numel]
+        missing = [i for i in owners if i not in self._norms]
         if missing:
             raise RuntimeError(f"layers {missing} never received final gradients this step")
-        # torch.nn.utils.clip_grad_norm_: the norm of the per-tensor norms, coef clamped at 1.
-        total = torch.linalg.vector_norm(torch.stack([self._norms[k] for k in self.program.params]))
-        coef = torch.tensor(1.0)
-        if self.cfg.clip_norm is not None:
-            coef = torch.clamp(self.cfg.clip_norm / (total + 1e-6), max=1.0)
-            for layer in self._pending:
-                self._futures.append(self._pool.submit(self._update, layer, coef))
-        for f in self._futures:
-            f.result()
-        stats = StepStats(lr=self._lr, grad_norm=float(total), clip_coef=float(coef))
-        self._step = None
-        self._acc.clear()
+        # torch.nn.utils.clip_grad_norm_: the norm of the per-tensor norms, coef clamped at 1
+        total = torch.linalg.vector_norm(torch.cat([self._norms[i] for i in owners]))
+        clip = self.cfg.clip_norm
+        coef_dev = torch.clamp(clip / (total + 1e-6), max=1.0) if clip is not None else torch.ones((), device=total.device)
+        host = torch.stack([loss.float().to(total.device), total, coef_dev]).cpu()  # the step's one sync
+        loss_f, total_f = float(host[0]), float(host[1])
+        coef = host[2] if clip is not None else None  # a 0-dim fp32 tensor, as clip_grad_norm_ multiplies by
+        self._step, step = None, self._step
+        skipped = not (math.isfinite(loss_f) and math.isfinite(total_f))
+        stats = StepStats(loss=loss_f, lr=self._lr, grad_norm=total_f, clip_coef=float(host[2]), skipped=skipped)
+        if skipped:
+            for s in self.tiers.layers:
+                s.update = _done()
+            return stats
+        writes: list[Future[None]] = []
+        prev_commit = self.commit_future
+        w_gen = write_generation
+        r_disk, w_disk = self.disk_generation, 1 - self.disk_generation
+        for i in range(self.program.n_layers):
+            s = self.tiers[i]
+            if not s.numel:
+                s.update = _done()
+                continue
+            hp = dict(lr=self._lr, step=step + 1, decay_numel=s.decay_numel)
+            deps = (s.write, s.grad_ready, s.last_read)  # captured now: the fields are reassigned below
+            if s.tier == "gpu":
+                self._update_on_device(i, coef, hp)
+                s.update = _done()
+                if commit is not None and state_kinds("gpu", self.durability):
+                    staged = self.engine.d2h(list(zip(self.tiers.staging_for(i), (s.master, s.m, s.v))),
+                                             after=self.engine.marker(), layer=i, stage="stage_out")
+                    s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
+                    s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit)
+                    writes.append(s.write)
+            elif i in self.gpu_update:
+                s.update = self._gpu.submit(self._update_streamed, i, coef, hp, deps)
+            else:
+                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit)
+            if s.tier == "disk":
+                writes.append(s.update)
+            elif s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
+                s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit)
+                writes.append(s.write)
+        if any(s.tier == "disk" for s in self.tiers.layers):
+            self.disk_generation = w_disk
+        if commit is not None:
+            self.commit_future = self._writer.submit(self._commit_when_written, writes, commit, w_gen)
         return stats
 
-    def _update(self, layer: int, coef: torch.Tensor | None) -> None:
-        cfg, step = self.cfg, self._step + 1  # bias correction counts from 1
-        names = {k: state_array_name(layer, k, self._rgen) for k in ("master", "m", "v")}
-        param, exp_avg, exp_avg_sq = (self.store.read(names[k]) for k in ("master", "m", "v"))
-        grad = self._acc[layer]
-        if self.kernel_device is not None:
-            self._update_with_kernel(layer, param, exp_avg, exp_avg_sq, grad, coef, step)
-            return
-        if coef is not None:
-            grad.mul_(coef)
-        lr = self._lr
-        nd = self._decay[layer]
-        if nd:
-            param[:nd].mul_(1 - lr * cfg.weight_decay)
-        exp_avg.lerp_(grad, 1 - cfg.beta1)
-        exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
-        bias_correction1 = 1 - cfg.beta1**step
-        bias_correction2 = 1 - cfg.beta2**step
-        step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(cfg.eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
-        # Plain writes: each already fans out over the store's I/O threads chunk by chunk.
-        w = self._wgen
-        self.store.write(state_array_name(layer, "master", w), param)
-        self.store.write(state_array_name(layer, "m", w), exp_avg)
-        self.store.write(state_array_name(layer, "v", w), exp_avg_sq)
-        if self.compute_dtype is not None:
-            self.store.write(state_array_name(layer, "compute", w), param.to(self.compute_dtype))
+    def wait(self) -> None:
+        """Block until every update, write and commit started so far has finished (re-raising errors)."""
+        for s in self.tiers.layers:
+            for f in (s.update, s.write):
+                if f is not None:
+                    f.result()
+        self.commit_future.result()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def _update_with_kernel(self, layer: int, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                            grad: torch.Tensor, coef: torch.Tensor | None, step: int) -> None:
-        from mtc.kernels.adamw import adamw_step_  # Triton: only imported when this option is used
+    # -- updates --------------------------------------------------------------------------------
 
-        cfg, dev = self.cfg, self.kernel_device
-        p, m, v, g = (t.to(dev) for t in (param, exp_avg, exp_avg_sq, grad))
-        copy = torch.empty(p.shape, dtype=self.compute_dtype, device=dev) if self.compute_dtype is not None else None
-        adamw_step_(p, g, m, v, lr=self._lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    step=step, decay_numel=self._decay[layer], grad_scale=float(coef) if coef is not None else 1.0,
-                    compute_copy=copy)
-        w = self._wgen
-        for kind, t in (("master", p), ("m", m), ("v", v)) + ((("compute", copy),) if copy is not None else ()):
-            self.store.write(state_array_name(layer, kind, w), t.cpu())
+    def _hyper(self) -> dict[str, float]:
+        c = self.cfg
+        return dict(beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
+
+    def _update_host(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, r_gen: int, w_gen: int,
+                     prev_commit: Future[None]) -> None:
+        s = self.tiers[i]
+        _wait_all(self.timeline, i, deps)  # state on its way to disk, gradient in flight, H2D still reading
+        with self.timeline.span("update", i):
+            if s.tier == "disk":
+                master, m, v = self._disk_buffers(s.numel)
+                for name, buf in zip(("master", "m", "v"), (master, m, v)):
+                    self.store.read_into(state_array_name(i, name, r_gen), buf)
+            else:
+                master, m, v = s.master, s.m, s.v
+            compute_out = None if s.compute is master else s.compute
+            _host_adamw(master, s.grad, m, v, coef=coef, compute_out=compute_out, pool=self._chunks, **hp, **self._hyper())
+        if s.tier == "disk":
+            prev_commit.result()  # never overwrite the generation the last durable commit names
+            with self.timeline.span("write_behind", i):
+                futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
+                for f in futs:
+                    f.result()
+
+    def _disk_buffers(self, n: int) -> list[torch.Tensor]:
+        bufs = getattr(self._disk_scratch, "bufs", None)
+        if bufs is None or bufs[0].numel() < n:
+            numel = max(self.tiers[j].numel for j in range(self.program.n_layers) if self.tiers[j].tier == "disk")
+            bufs = self._disk_scratch.bufs = [torch.empty(numel, dtype=torch.float32) for _ in range(3)]
+        return [b[:n] for b in bufs]
+
+    def _update_on_device(self, i: int, coef: torch.Tensor | None, hp: dict) -> None:
+        s = self.tiers[i]
+        if s.last_read is not None:  # a staging copy of the last commit still reads the state
+            self.engine.wait_on_compute(s.last_read)
+            s.last_read = None
+        with self.timeline.span("update_gpu", i):
+            _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
+                          **hp, **self._hyper())
+
+    def _update_streamed(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple) -> None:
+        """A ram layer updated on the GPU: state + gradient over PCIe, kernel, state back."""
+        s = self.tiers[i]
+        _wait_all(self.timeline, i, deps)
+        with self.timeline.span("update_streamed", i):
+            if self._scratch is None:
+                n = max(self.tiers[j].numel for j in self.gpu_update)
+                self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
+                self._scratch.append(torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device))
+            p, m, v, g, c = (t[: s.numel] for t in self._scratch)
+            cast = s.compute is not s.master
+            tr_in = self.engine.h2d([(p, s.master), (m, s.m), (v, s.v), (g, s.grad)], layer=i, stage="opt_h2d")
+            if self._opt_stream is not None:
+                self._opt_stream.wait_event(tr_in.event)
+                with torch.cuda.stream(self._opt_stream):
+                    _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
+                    ev = torch.cuda.Event()
+                    ev.record(self._opt_stream)
+                after = Marker(ev)
+            else:
+                tr_in.wait()
+                _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
+                after = None
+            back = [(s.master, p), (s.m, m), (s.v, v)] + ([(s.compute, c)] if cast else [])
+            self.engine.d2h(back, after=after, layer=i, stage="opt_d2h").wait()
+
+    # -- write-behind and commits ---------------------------------------------------------------
+
+    def _write_after_update(self, i: int, update: Future[None], gen: int, prev_commit: Future[None]) -> None:
+        update.result()
+        prev_commit.result()
+        with self.timeline.span("write_behind", i):
+            for f in self.tiers.write_arrays(self.store, i, gen, self.durability):
+                f.result()
+
+    def _write_staged(self, i: int, staged: object, gen: int, prev_commit: Future[None]) -> None:
+        staged.wait()
+        prev_commit.result()
+        with self.timeline.span("write_behind", i):
+            for f in self.tiers.write_arrays(self.store, i, gen, self.durability):
+                f.result()
+
+    def _commit_when_written(self, writes: list[Future[None]], commit: Callable[[int], None], gen: int) -> None:
+        for f in writes:
+            f.result()
+        with self.timeline.span("commit"):
+            commit(gen)
 
     def close(self) -> None:
-        """Stop the worker threads."""
-        self._pool.shutdown(wait=True)
+        """Stop the worker threads (after finishing what was started)."""
+        for pool in (self._cpu, self._gpu, self._writer, self._chunks):
+            pool.shutdown(wait=True)
+
+
+def _wait_all(timeline: Timeline, layer: int, deps: tuple) -> None:
+    with timeline.span("update_wait", layer):
+        for dep in deps:
+            if isinstance(dep, Future):
+                dep.result()
+            elif dep is not None:
+                dep.wait()
+
+
+def _host_adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                coef: torch.Tensor | None, compute_out: torch.Tensor | None, pool: ThreadPoolExecutor, **hp: float) -> None:
+    """Host AdamW over flat fp32 state, chunked over ``pool`` (elementwise: chunking keeps the bits)."""
+    from mtc.runtime.host_adamw import adamw_flat_
+
+    adamw_flat_(param, grad, exp_avg, exp_avg_sq, grad_scale=coef, compute_out=compute_out, pool=pool, **hp)
+
+
+def _device_adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                  coef: torch.Tensor | None, compute_out: torch.Tensor | None, **hp: float) -> None:
+    """The fused Triton AdamW (CUDA, or the interpreter on the CPU); the host math otherwise."""
+    if param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        from mtc.runtime.host_adamw import adamw_flat_
+
+        adamw_flat_(param, grad, exp_avg, exp_avg_sq, grad_scale=coef, compute_out=compute_out, pool=None, **hp)
+        return
+    from mtc.kernels.adamw import adamw_step_
+
+    # Triton's interpreter casts to bf16 wrongly (NOTES.md): on the CPU the copy is made by torch
+    in_kernel = compute_out if param.device.type == "cuda" else None
+    # the clip coefficient is already on the host (read with the norm): pass its fp32 value
+    adamw_step_(param, grad, exp_avg, exp_avg_sq, grad_scale=float(coef) if coef is not None else 1.0,
+                compute_copy=in_kernel, **hp)
+    if compute_out is not None and in_kernel is None:
+        compute_out.copy_(param)

@@ -13,7 +13,7 @@ from mtc.config import OptimConfig, TrainConfig
 from mtc.data import write_token_file
 from mtc.models import build
 from mtc.runtime.state import read_params
-from mtc.runtime.trainer import train
+from mtc.train import train
 from mtc.tracer import LossModel, trace
 from tests.graphs.compiled import check_compiled, graph_targets
 from tests.graphs.test_trace import run_program

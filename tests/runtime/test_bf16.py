@@ -6,28 +6,33 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
-from mtc.store import state_array_name
 
 from mtc.config import TrainConfig
 from mtc.data import write_token_file
-from mtc.runtime.trainer import train
+from mtc.runtime.state import read_params
+from mtc.train import train
 
 
-def test_bf16_compute_copy_tracks_master():
+@pytest.mark.parametrize("placement", ["ram", "disk", "gpu:0-1,ram:2,disk:3"])
+def test_bf16_compute_copy_tracks_master(placement):
     tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
-    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=16, compute_dtype="bfloat16", model_overrides={"n_layers": 2})
+    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=16, compute_dtype="bfloat16", placement=placement,
+                      model_overrides={"n_layers": 2})
     tf = write_token_file(Path(tempfile.mkdtemp()) / "t.bin", tokens, vocab_size=256, tokenizer="byte")
     res = train(cfg, None, tf)
     try:
         assert all(np.isfinite(res.losses))
-        g = res.generation
-        for layer in range(res.program.n_layers):
-            master = res.store.read(state_array_name(layer, "master", g))
-            compute = res.store.read(state_array_name(layer, "compute", g))
-            assert master.dtype == torch.float32 and compute.dtype == torch.bfloat16
-            assert torch.equal(compute, master.to(torch.bfloat16))
-            before = res.store.read(state_array_name(layer, "master", 1 - g))
-            assert not torch.equal(master, before), "the step must have updated the master weights"
+        committed = read_params(res.program, res.store, res.generation)
+        before = read_params(res.program, res.store, 1 - res.generation)
+        for layer, s in enumerate(res.tiers.layers):
+            assert s.compute.dtype == torch.bfloat16
+            keys = [p.key for p in res.program.layer_params(layer)]
+            flat = torch.cat([committed[k].reshape(-1) for k in keys])
+            assert torch.equal(s.compute, flat.to(torch.bfloat16)), f"layer {layer}: compute copy is not the master's rounding"
+            if s.master is not None:
+                assert torch.equal(s.master, flat)
+            assert not all(torch.equal(committed[k], before[k]) for k in keys), "the step must have updated the weights"
     finally:
         res.store.close()

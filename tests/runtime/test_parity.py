@@ -17,7 +17,7 @@ from mtc.store import TensorStore
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import TokenFile, write_token_file
 from mtc.runtime.state import read_params
-from mtc.runtime.trainer import train
+from mtc.train import train
 from tests.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,184 @@
+"""Placement: which tier holds each layer's state, which `ram` layers the GPU updates, and what
+the run needs of each memory (checked before anything is written).
+
+Bytes per parameter of a layer, by tier (c = compute-dtype bytes: 2 for bf16; in fp32 the master
+is the compute copy):
+
+| tier | GPU (persistent) | host RAM | disk (two generations, by durability) |
+|---|---|---|---|
+| gpu  | 16 + (c if c != 4) | 0 (+12 pinned staging at commits) | full 24, weights 8, none 0 |
+| ram  | 0 | 12 + 4 (pinned gradient) + (c if c != 4) | full 24, weights 8, none 0 |
+| disk | 0 | 4 (pinned gradient) + c | 24 always (it is the tier) |
+
+The GPU besides: a ring of weight slots (2 x the largest streamed layer, compute dtype), gradient
+slabs (2-3 x the largest layer, fp32), the boundary activations within their budget and the
+working memory of one layer's recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from mtc.errors import ConfigError
+from mtc.graphs.program import Program
+
+__all__ = [
+    "auto_placement",
+    "available_host_bytes",
+    "choose_gpu_update",
+    "disk_bytes_needed",
+    "host_bytes_needed",
+    "resolve_gpu_update",
+    "resolve_placement",
+]
+
+_FP32 = 4
+
+
+def _ranges(text: str, n_layers: int, what: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split("+") if "+" in text else [text]:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise ConfigError(f"{what}: cannot read layer range {part!r}; write ranges like 0-3 or 7")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi or hi >= n_layers:
+            raise ConfigError(f"{what}: layer range {part!r} is outside 0-{n_layers - 1} (the model has {n_layers} layers)")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
+    """One tier per layer from a placement string ("ram", "stateless", "gpu:0-3,ram:4-9", ...)."""
+    spec = spec.strip()
+    if spec in ("ram", "stateless"):
+        return ["ram"] * n_layers
+    if spec in ("gpu", "disk"):
+        return [spec] * n_layers
+    if spec == "auto":
+        if auto is None:
+            raise ConfigError("placement 'auto' needs the machine's budgets")
+        return auto
+    tiers: list[str | None] = [None] * n_layers
+    for item in spec.split(","):
+        tier, _, rng = item.partition(":")
+        tier = tier.strip()
+        if tier not in ("gpu", "ram", "disk") or not rng:
+            raise ConfigError(f"placement item {item!r}: write tier:layers with tier gpu, ram or disk, e.g. 'gpu:0-3,ram:4-19'")
+        for i in _ranges(rng.replace(" ", ""), n_layers, f"placement {spec!r}"):
+            if tiers[i] is not None:
+                raise ConfigError(f"placement {spec!r} places layer {i} twice ({tiers[i]} and {tier})")
+            tiers[i] = tier
+    missing = [i for i, t in enumerate(tiers) if t is None]
+    if missing:
+        raise ConfigError(f"placement {spec!r} leaves layers {missing} unplaced; every layer 0-{n_layers - 1} needs a tier")
+    return [t for t in tiers if t is not None]
+
+
+def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
+                       cpu_params_per_s: float = 2.7e9, pcie_bytes_per_s: float = 50e9) -> set[int]:
+    """The `ram` layers the GPU updates: named ranges, "all", "none", or "auto" (cost model)."""
+    ram = [i for i, t in enumerate(placement) if t == "ram"]
+    spec = spec.strip()
+    if spec == "none":
+        return set()
+    if spec == "all":
+        return set(ram)
+    if spec == "auto":
+        return choose_gpu_update(placement, numels, cpu_params_per_s, pcie_bytes_per_s) if device_is_cuda else set()
+    chosen = set()
+    for part in spec.split(","):
+        chosen.update(_ranges(part, len(placement), f"gpu_update {spec!r}"))
+    not_ram = sorted(i for i in chosen if placement[i] != "ram")
+    if not_ram:
+        raise ConfigError(f"gpu_update names layers {not_ram}, which are not placed in ram ({[placement[i] for i in not_ram]}); "
+                          "only ram layers stream their state to the GPU for the update")
+    return chosen
+
+
+def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s: float, pcie_bytes_per_s: float) -> set[int]:
+    """Balance CPU and GPU update time: the GPU takes a fraction f of the ram parameters.
+
+    The CPU needs 1/r_cpu s per parameter; the GPU path moves p, m, v, g in (16 B) and p, m, v and
+    the compute copy out (14 B) per parameter over the copy streams, ~16/bw s when both directions
+    overlap. Both finish together when f = (1/r_cpu) / (1/r_cpu + 16/bw). Layers are taken
+    interleaved over the depth so both engines move along the next forward's order together.
+    """
+    ram = [i for i, t in enumerate(placement) if t == "ram" and numels[i]]
+    total = sum(numels[i] for i in ram)
+    if not total:
+        return set()
+    t_cpu, t_gpu = 1 / cpu_params_per_s, 16 / pcie_bytes_per_s
+    target = total * t_cpu / (t_cpu + t_gpu)
+    chosen: set[int] = set()
+    got = 0.0
+    for i in ram:  # take a layer whenever the running share would fall behind the target fraction
+        if got + numels[i] / 2 <= target * (sum(numels[j] for j in ram if j <= i) / total):
+            chosen.add(i)
+            got += numels[i]
+    return chosen
+
+
+def _c(compute_bytes: int) -> int:
+    return 0 if compute_bytes == _FP32 else compute_bytes
+
+
+def host_bytes_needed(placement: list[str], numels: list[int], compute_bytes: int) -> int:
+    """Host RAM for the state tiers (see the table in this module's docstring)."""
+    per = {"gpu": 0, "ram": 16 + _c(compute_bytes), "disk": 4 + compute_bytes}
+    return sum(per[t] * n for t, n in zip(placement, numels, strict=True))
+
+
+def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int) -> int:
+    """GPU memory held by `gpu`-tier layers."""
+    return sum((16 + _c(compute_bytes)) * n for t, n in zip(placement, numels, strict=True) if t == "gpu")
+
+
+def disk_bytes_needed(placement: list[str], numels: list[int], durability: str) -> int:
+    """Store bytes for both generations of the state the durability mode keeps."""
+    per_mode = {"full": 24, "weights": 8, "none": 0}[durability]
+    return sum((24 if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int) -> list[str]:
+    """Fill the GPU first (fastest: no PCIe for state, updates in HBM), then RAM, then disk.
+
+    Layers go to the GPU from the last backward-visited end (the embed stage and the first blocks
+    are updated first in the next forward, so resident updates there shorten the critical path).
+    """
+    placement = ["disk"] * len(numels)
+    g_left, r_left = gpu_bytes, ram_bytes
+    for i, n in enumerate(numels):
+        need_gpu = (16 + _c(compute_bytes)) * n
+        need_ram = (16 + _c(compute_bytes)) * n
+        if need_gpu <= g_left:
+            placement[i], g_left = "gpu", g_left - need_gpu
+        elif need_ram <= r_left:
+            placement[i], r_left = "ram", r_left - need_ram
+        else:
+            r_left -= (4 + compute_bytes) * n
+    return placement
+
+
+def describe(placement: list[str], program: Program | None = None) -> str:
+    """A short text such as 'gpu:0-3,ram:4-19' for logs and records."""
+    parts, start = [], 0
+    for i in range(1, len(placement) + 1):
+        if i == len(placement) or placement[i] != placement[start]:
+            rng = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            parts.append(f"{placement[start]}:{rng}")
+            start = i
+    return ",".join(parts)

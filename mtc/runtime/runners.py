@@ -1,0 +1,98 @@
+"""How the executor runs a layer template: one interface for compiled and unfused templates.
+
+A runner gives two callables per device:
+
+- ``forward(*args) -> outputs`` (no autograd),
+- ``joint(*args, *grad_outputs) -> (*outputs, *grads)``: the layer recomputed and differentiated
+  in one call, with gradients for the template inputs listed in ``diff``, in that order.
+
+Compiled templates (`mtc.compiler.CompiledTemplate`: generated kernels, joint graph from the
+compiler) already have this shape; `AutogradRunner` gives it to an unfused ATen template through
+``torch.autograd.grad``. The executor therefore has one backward path for both, and never imports
+the compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from mtc.graphs.program import LayerCall, Template
+
+__all__ = ["AutogradRunner", "CompiledRunner", "LayerRunner"]
+
+
+class LayerRunner(Protocol):
+    """What the executor needs of a template."""
+
+    diff: list[int]  # template input indices whose gradients `joint` returns, in order
+    n_out: int  # outputs before the gradients in `joint`'s result
+
+    def forward(self, device: torch.device) -> Callable[..., Any]:
+        """The forward callable on ``device``."""
+
+    def joint(self, device: torch.device) -> Callable[..., Any]:
+        """The recompute + backward callable on ``device``."""
+
+
+class CompiledRunner:
+    """Adapts a compiled template (anything with ``module(which, device)`` and ``diff``)."""
+
+    def __init__(self, compiled: Any, template: Template) -> None:
+        self.compiled, self.diff, self.n_out = compiled, list(compiled.diff), 1 + template.n_aux_out
+
+    def forward(self, device: torch.device) -> Callable[..., Any]:
+        """The compiled forward graph."""
+        return self.compiled.module("forward", device)
+
+    def joint(self, device: torch.device) -> Callable[..., Any]:
+        """The compiled joint graph."""
+        return self.compiled.module("joint", device)
+
+
+class AutogradRunner:
+    """An unfused template: forward as traced, joint through ``torch.autograd.grad``.
+
+    ``aux_needs_grad[j]`` says whether the embed stage's aux output j depends on a parameter (then
+    blocks take its gradient and the embed stage receives it as an extra grad output).
+    """
+
+    def __init__(self, template: Template, call: LayerCall, aux_needs_grad: list[bool]) -> None:
+        self.template = template
+        self.embed = template.kind == "embed"
+        self.n_out = 1 + template.n_aux_out
+        self.diff = []
+        for k, inp in enumerate(template.inputs):
+            src = call.bindings[inp.name]
+            if src.kind in ("param", "carry") or (src.kind == "aux" and not self.embed and aux_needs_grad[src.index]):
+                self.diff.append(k)
+        # which outputs get a grad output: the carried state, plus aux outputs that depend on params
+        self._grad_outs = [0] + ([1 + j for j, need in enumerate(aux_needs_grad) if need] if self.embed else [])
+        self._joints: dict[str, Callable[..., Any]] = {}
+
+    def forward(self, device: torch.device) -> Callable[..., Any]:
+        """The traced ATen template."""
+        return self.template.module(device)
+
+    def joint(self, device: torch.device) -> Callable[..., Any]:
+        """Recompute with autograd and return outputs then gradients of the ``diff`` inputs."""
+        key = str(device)
+        fn = self._joints.get(key)
+        if fn is None:
+            gm, n_in, diff, outs_idx = self.template.module(device), len(self.template.inputs), self.diff, self._grad_outs
+
+            def fn(*a: torch.Tensor) -> tuple[Any, ...]:
+                args, gouts = list(a[:n_in]), list(a[n_in:])
+                with torch.enable_grad():
+                    for k in diff:
+                        args[k] = args[k].detach().requires_grad_()
+                    out = gm(*args)
+                    outs = [out[i] for i in outs_idx]
+                    gouts = [go.to(o.dtype) if go.dtype != o.dtype else go for go, o in zip(gouts, outs, strict=True)]
+                    grads = torch.autograd.grad(outs, [args[k] for k in diff], gouts, allow_unused=True)
+                return (*[o.detach() for o in out], *grads)
+
+            self._joints[key] = fn
+        return fn

@@ -1,0 +1,178 @@
+"""Where each layer's fp32 state lives, and the buffers the engine keeps per layer.
+
+A layer's state is its flat fp32 master weights, Adam m and v (one 1-D tensor each, in the
+program's flat-parameter order). The placement puts every layer in one tier:
+
+- ``gpu``: master, m, v and a gradient buffer resident in GPU memory; the GPU updates them.
+- ``ram``: master, m, v in host RAM; the compute-dtype copy (bf16, or the master itself in fp32)
+  in pinned memory, ready to cross PCIe; the gradient arrives in a pinned host buffer; the CPU
+  updates the layer (or the GPU, streaming the state, when the cost model picks it).
+- ``disk``: master, m, v in the store, read for the update and written straight back into the
+  other generation; the compute copy and the gradient buffer stay in pinned RAM.
+
+Nothing here knows about streams or steps: the executor and the optimizer own the schedule and use
+the per-layer handles (`LayerState.update`, `.write`, `.last_read`) to order themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+
+import torch
+
+from mtc.errors import StoreError
+from mtc.graphs.program import Program
+from mtc.runtime.transfer import Transfer
+from mtc.store import STATE_DTYPE, TensorStore, state_array_name
+
+__all__ = ["TIERS", "LayerState", "StateTiers", "state_kinds"]
+
+TIERS = ("gpu", "ram", "disk")
+
+
+def state_kinds(tier: str, durability: str) -> tuple[str, ...]:
+    """Which state arrays of a layer the store holds (both generations) for this tier and mode."""
+    if tier == "disk" or durability == "full":
+        return ("master", "m", "v")
+    if durability == "weights":
+        return ("master",)
+    return ()
+
+
+@dataclasses.dataclass(eq=False)
+class LayerState:
+    """One layer's state and buffers, and the handles that order work on them."""
+
+    layer: int
+    tier: str
+    numel: int
+    decay_numel: int
+    master: torch.Tensor | None  # None on disk
+    m: torch.Tensor | None
+    v: torch.Tensor | None
+    compute: torch.Tensor  # what the GPU reads: the compute-dtype copy (may alias master)
+    grad: torch.Tensor  # the step's final fp32 gradient (host pinned, or on the GPU for `gpu`)
+    last_read: Transfer | None = None  # the last copy that read `compute` (an update waits for it)
+    grad_ready: Transfer | None = None  # the gradient's device-to-host copy
+    update: Future[None] | None = None  # this step's update (the next fetch waits for it)
+    write: Future[None] | None = None  # write-behind in flight (the next update waits for it)
+    staging: list[torch.Tensor] | None = None  # gpu tier: pinned host copies for write-behind
+
+
+class StateTiers:
+    """Every layer's `LayerState`, allocated once for the run (no allocation per step)."""
+
+    def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype) -> None:
+        if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
+            raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
+        self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
+        self.cuda = device.type == "cuda"
+        self.layers: list[LayerState] = []
+        for i, tier in enumerate(placement):
+            n = program.layer_numel(i)
+            self.layers.append(self._allocate(i, tier, n, program.layer_decay_numel(i)))
+
+    def _host(self, n: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        # pin only on CUDA: without it `pin_memory=True` raises (NOTES.md)
+        return torch.zeros(n, dtype=dtype, pin_memory=pinned and self.cuda)
+
+    def _allocate(self, i: int, tier: str, n: int, nd: int) -> LayerState:
+        fp32_compute = self.compute_dtype == STATE_DTYPE
+        if tier == "gpu":
+            master = torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
+            m, v = torch.zeros_like(master), torch.zeros_like(master)
+            compute = master if fp32_compute else torch.zeros(n, dtype=self.compute_dtype, device=self.device)
+            grad = torch.zeros_like(master)
+            return LayerState(i, tier, n, nd, master, m, v, compute, grad)
+        if tier == "ram":
+            # the master itself is the PCIe source in fp32 compute, so it is the pinned buffer then
+            master = self._host(n, STATE_DTYPE, pinned=fp32_compute)
+            m, v = self._host(n, STATE_DTYPE, pinned=False), self._host(n, STATE_DTYPE, pinned=False)
+            compute = master if fp32_compute else self._host(n, self.compute_dtype, pinned=True)
+            return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
+        compute = self._host(n, self.compute_dtype, pinned=True)
+        return LayerState(i, tier, n, nd, None, None, None, compute, self._host(n, STATE_DTYPE, pinned=True))
+
+    def __getitem__(self, layer: int) -> LayerState:
+        return self.layers[layer]
+
+    def tier_numel(self) -> dict[str, int]:
+        """Parameters per tier."""
+        out = dict.fromkeys(TIERS, 0)
+        for s in self.layers:
+            out[s.tier] += s.numel
+        return out
+
+    # -- filling the state ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def set_layer(self, layer: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+        """Set a RAM/GPU layer's master (and moments; zeros when None) and refresh its compute copy."""
+        s = self.layers[layer]
+        if s.tier == "disk":
+            s.compute.copy_(master)
+            return
+        s.master.copy_(master)
+        for dst, src in ((s.m, m), (s.v, v)):
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src)
+        if s.compute is not s.master:
+            s.compute.copy_(s.master)
+
+    def create_arrays(self, store: TensorStore, durability: str) -> None:
+        """Create both generations of the arrays this placement and durability keep on disk."""
+        for s in self.layers:
+            if not s.numel:
+                continue
+            for kind in state_kinds(s.tier, durability):
+                for g in (0, 1):
+                    name = state_array_name(s.layer, kind, g)
+                    if store.has_array(name):
+                        info = store.array_info(name)
+                        if info.shape != (s.numel,) or info.dtype != STATE_DTYPE:
+                            raise StoreError(f"array {name} holds {info.shape} {info.dtype}, the plan needs ({s.numel},) float32")
+                    else:
+                        store.create_array(name, (s.numel,), STATE_DTYPE)
+
+    def load(self, store: TensorStore, generation: int, durability: str) -> None:
+        """Read the committed generation into RAM/GPU (and disk layers' compute copies)."""
+        for s in self.layers:
+            if not s.numel:
+                continue
+            kinds = state_kinds(s.tier, durability)
+            if "master" not in kinds:
+                raise StoreError(f"layer {s.layer}'s weights are not in the store (durability {durability!r}); "
+                                 "a run with durability 'none' cannot be resumed: start it over with --overwrite")
+            vals = {k: store.read(state_array_name(s.layer, k, generation)) for k in kinds}
+            self.set_layer(s.layer, vals["master"], vals.get("m"), vals.get("v"))
+
+    def write_arrays(self, store: TensorStore, layer: int, generation: int, durability: str) -> list[Future[None]]:
+        """Start writing a RAM/GPU layer's state into ``generation`` (the caller keeps it unchanged until done)."""
+        s = self.layers[layer]
+        if s.tier == "disk" or not s.numel:
+            return []  # disk layers are written by their update
+        kinds = state_kinds(s.tier, durability)
+        src = {"master": s.master, "m": s.m, "v": s.v}
+        if s.tier == "gpu":
+            assert s.staging is not None, "gpu-tier state must be staged to the host before write-behind"
+            src = dict(zip(("master", "m", "v"), s.staging, strict=True))
+        return [store.write_async(state_array_name(layer, k, generation), src[k]) for k in kinds]
+
+    def staging_for(self, layer: int) -> list[torch.Tensor]:
+        """Pinned host buffers for a gpu-tier layer's write-behind (allocated at its first commit)."""
+        s = self.layers[layer]
+        if s.staging is None:
+            s.staging = [self._host(s.numel, STATE_DTYPE, pinned=True) for _ in range(3)]
+        return s.staging
+
+    def host_bytes(self) -> int:
+        """Host RAM held by the tiers (state, compute copies, gradient buffers, staging)."""
+        total = 0
+        for s in self.layers:
+            for t in (s.master, s.m, s.v, s.compute, s.grad, *(s.staging or [])):
+                if t is not None and t.device.type == "cpu" and (t is not s.compute or s.compute is not s.master):
+                    total += t.numel() * t.element_size()
+        return total

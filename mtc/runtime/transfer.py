@@ -1,0 +1,129 @@
+"""Copies between host and device on their own streams, ordered by events, never by host syncs.
+
+On CUDA there are three streams: compute (the current stream), host-to-device and device-to-host.
+A copy waits for a `Marker` (an event recorded on the compute stream: "compute has finished
+reading/writing this buffer") and returns a `Transfer` (an event recorded after the copy) that the
+compute stream or a host thread can wait on. On the CPU the same interface runs each direction's
+copies on its own thread, so the schedule, its overlaps and its buffer-reuse rules are exercised
+by the CPU tests with real concurrency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from mtc.runtime.timeline import Timeline
+
+__all__ = ["CopyEngine", "Marker", "Transfer"]
+
+
+class Marker:
+    """A point in the compute stream's work (CUDA: a recorded event; CPU: already reached)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+
+class Transfer:
+    """A copy in flight: wait for it from the host, or make the compute stream wait for it."""
+
+    __slots__ = ("event", "future", "nbytes")
+
+    def __init__(self, *, event: torch.cuda.Event | None = None, future: Future[None] | None = None, nbytes: int = 0) -> None:
+        self.event, self.future, self.nbytes = event, future, nbytes
+
+    def done(self) -> bool:
+        """Whether the copy has finished (non-blocking)."""
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block this host thread until the copy has finished."""
+        if self.future is not None:
+            self.future.result()
+        elif self.event is not None:
+            self.event.synchronize()
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` (CUDA) wait for the copy without blocking the host; on the CPU, block."""
+        if self.event is not None and stream is not None:
+            stream.wait_event(self.event)
+        else:
+            self.wait()
+
+
+Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) pairs
+
+
+class CopyEngine:
+    """Host<->device copies for one device: CUDA streams and events, or threads on the CPU."""
+
+    def __init__(self, device: torch.device, timeline: Timeline) -> None:
+        self.device, self.timeline = device, timeline
+        self.cuda = device.type == "cuda"
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        if self.cuda:
+            self.compute_stream = torch.cuda.current_stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        else:
+            self.compute_stream = self.h2d_stream = self.d2h_stream = None
+            self._threads = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtc-{d}") for d in ("h2d", "d2h")}
+
+    def marker(self) -> Marker:
+        """A marker at the current end of the compute stream's work."""
+        if not self.cuda:
+            return Marker(None)
+        ev = torch.cuda.Event()
+        ev.record(self.compute_stream)
+        return Marker(ev)
+
+    def h2d(self, copies: Copies, *, after: Marker | None = None, layer: int = -1, stage: str = "h2d") -> Transfer:
+        """Copy host -> device (or host -> host slot on the CPU) once ``after`` is reached."""
+        return self._copy("h2d", copies, after, layer, stage)
+
+    def d2h(self, copies: Copies, *, after: Marker | None = None, layer: int = -1, stage: str = "d2h") -> Transfer:
+        """Copy device -> host once ``after`` is reached (e.g. the gradient slab is final)."""
+        return self._copy("d2h", copies, after, layer, stage)
+
+    def _copy(self, direction: str, copies: Copies, after: Marker | None, layer: int, stage: str) -> Transfer:
+        nbytes = sum(s.numel() * s.element_size() for _, s in copies)
+        if direction == "h2d":
+            self.h2d_bytes += nbytes
+        else:
+            self.d2h_bytes += nbytes
+        if self.cuda:
+            stream = self.h2d_stream if direction == "h2d" else self.d2h_stream
+            with self.timeline.span(stage, layer), torch.cuda.stream(stream):
+                if after is not None and after.event is not None:
+                    stream.wait_event(after.event)
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            return Transfer(event=ev, nbytes=nbytes)
+        step = self.timeline.step
+
+        def run() -> None:
+            with self.timeline.span(stage, layer, step=step):
+                for dst, src in copies:
+                    dst.copy_(src)
+
+        return Transfer(future=self._threads[direction].submit(run), nbytes=nbytes)
+
+    def wait_on_compute(self, transfer: Transfer) -> None:
+        """Make the compute stream wait for ``transfer`` (the host blocks only on the CPU)."""
+        transfer.wait_stream(self.compute_stream)
+
+    def close(self) -> None:
+        """Stop the CPU copy threads (CUDA streams need no shutdown)."""
+        if not self.cuda:
+            for t in self._threads.values():
+                t.shutdown(wait=True)

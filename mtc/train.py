@@ -1,0 +1,502 @@
+"""The training loop: trace (or load the plan), check the machine, open the store, stream steps.
+
+A store directory is the whole run: ``plan/`` (the traced Program), the state arrays, the commit
+record and ``logs/`` (resolved config, metrics). The state lives in the placement's tiers (GPU,
+host RAM, disk) while the run goes; every ``commit_every`` steps (and at the end) it is written
+behind into the store's other generation and an atomic commit record follows, off the critical
+path. Opening a store with a commit resumes there: same plan, state, data cursor and RNG state,
+so a run stopped (or killed) after a commit continues exactly as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtc.config import TrainConfig
+from mtc.data import BatchSampler, TokenFile
+from mtc.errors import ConfigError, DataError, MTCError, StoreError
+from mtc.graphs.program import Program
+from mtc.models import build, model_config
+from mtc.plan import load_plan, save_plan
+from mtc.runtime import placement as pl
+from mtc.runtime.executor import StreamingExecutor
+from mtc.runtime.optimizer import StepStats, StreamingAdamW
+from mtc.runtime.runners import CompiledRunner, LayerRunner
+from mtc.runtime.schedule import lr_at
+from mtc.runtime.state import flatten_layer
+from mtc.runtime.tiers import StateTiers, state_kinds
+from mtc.runtime.timeline import Timeline
+from mtc.runtime.transfer import CopyEngine
+from mtc.store import CommitRecord, TensorStore, state_array_name
+from mtc.tracer import trace
+
+__all__ = ["Run", "StepRecord", "TrainResult", "TrainingError", "build_model", "open_run", "train"]
+
+
+class TrainingError(MTCError):
+    """Training cannot go on (e.g. too many consecutive steps with a non-finite loss)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Metrics of one optimizer step (``step`` counts completed steps, from 1)."""
+
+    step: int
+    total_steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    tokens: int
+    tokens_per_s: float
+    skipped: bool
+    committed: bool
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """An opened run: its store, program, the commit it starts from, and the initial weights."""
+
+    store: TensorStore
+    program: Program
+    last: CommitRecord | None  # None: a new run (step 0 not committed yet, or durability 'none')
+    params: dict[str, torch.Tensor] | None  # a new run's initial parameters (None when resuming)
+
+    @property
+    def start_step(self) -> int:
+        """The step training continues from."""
+        return self.last.step if self.last is not None else 0
+
+
+@dataclasses.dataclass(slots=True)
+class TrainResult:
+    """What a call to `train` did."""
+
+    start_step: int
+    end_step: int
+    losses: list[float]
+    wall_s: float
+    store: TensorStore
+    program: Program
+    generation: int
+    placement: list[str]
+    gpu_update: set[int]
+    timeline: Timeline
+    records: list[StepRecord]
+    host_state_bytes: int
+    tiers: StateTiers
+    compiled: dict | None = None
+
+
+def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
+    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only)."""
+    mcfg = model_config(cfg.model, **cfg.model_overrides)
+    if cfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = build(cfg.model, **cfg.model_overrides)
+    return model.to(getattr(torch, cfg.resolved_compute_dtype))
+
+
+def _rng_state() -> dict[str, str]:
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def _set_rng_state(state: dict[str, str]) -> None:
+    if "torch" in state:
+        raw = base64.b64decode(state["torch"])
+        torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+# fields that change how a run executes but not what it computes: free to differ on resume
+_EXECUTION_FIELDS = ("io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
+                     "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
+                     "allow_tf32")
+
+
+def _comparable(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in _EXECUTION_FIELDS}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "model_overrides":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# -- placement and the fit check ---------------------------------------------------------------
+
+
+def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[int]]:
+    """Each layer's tier and the `ram` layers the GPU updates, from the config and the machine."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    auto = None
+    if cfg.placement.strip() == "auto":
+        if cfg.device == "cpu":
+            auto = ["ram"] * program.n_layers
+        else:
+            gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
+            ram = cfg.ram_budget_gb * 2**30 if cfg.ram_budget_gb is not None else int(pl.available_host_bytes() * 0.85)
+            auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram))
+    placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"))
+    return placement, gpu_update
+
+
+def _gpu_free(cfg: TrainConfig) -> int:
+    if not torch.cuda.is_available():
+        return 0
+    free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+    return free
+
+
+def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
+    """GPU memory besides resident state: weight ring, gradient slabs, activations, one layer's work."""
+    largest = max(program.layer_numel(i) for i in range(program.n_layers))
+    hidden = cfg.micro_batch_size * cfg.seq_len * _hidden_size(program) * cbytes
+    acts = cfg.activation_budget_gb * 2**30 if cfg.activation_budget_gb is not None else cfg.grad_accum * program.n_layers * hidden
+    vocab = max(program.params[k].spec.shape[0] for k in program.layers[-1].param_keys())
+    head = cfg.micro_batch_size * cfg.seq_len * vocab * 4
+    return int(2 * largest * cbytes + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * 2**30)
+
+
+def _hidden_size(program: Program) -> int:
+    return max((p.spec.shape[-1] for p in program.params.values() if len(p.spec.shape) == 2), default=1)
+
+
+def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool) -> None:
+    """Refuse, before anything is written, a run this machine cannot hold: one line with the numbers."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    gib = 2**30
+    if store_dir is not None and new_run:
+        need = pl.disk_bytes_needed(placement, numels, cfg.durability)
+        probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
+        free = shutil.disk_usage(probe).free
+        if need > free:
+            alts = ", ".join(f"{m}: {pl.disk_bytes_needed(placement, numels, m) / gib:.1f} GiB" for m in ("full", "weights", "none"))
+            raise ConfigError(
+                f"durability {cfg.durability!r} needs {need / gib:.1f} GiB of disk for two state generations, "
+                f"{probe} has {free / gib:.1f} GiB free; choose --durability with what fits ({alts}), "
+                "free disk space, or use another store directory"
+            )
+    host_need = pl.host_bytes_needed(placement, numels, cbytes)
+    host_have = cfg.ram_budget_gb * gib if cfg.ram_budget_gb is not None else pl.available_host_bytes()
+    if host_need > host_have:
+        raise ConfigError(
+            f"placement {pl.describe(placement)} needs {host_need / gib:.1f} GiB of host RAM for state, "
+            f"{'the budget is' if cfg.ram_budget_gb is not None else 'this machine has'} {host_have / gib:.1f} GiB; "
+            "put layers on disk (--placement 'ram:0-9,disk:10-31') or raise --ram-budget-gb"
+        )
+    if cfg.device.startswith("cuda") and torch.cuda.is_available():
+        need = pl.gpu_state_bytes(placement, numels, cbytes) + _gpu_workspace(cfg, program, cbytes)
+        _, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+        if need > total:
+            raise ConfigError(
+                f"placement {pl.describe(placement)} needs about {need / gib:.1f} GiB of GPU memory "
+                f"(resident state plus one layer's workspace), the GPU has {total / gib:.1f} GiB; "
+                "place fewer layers on the GPU, lower micro_batch_size, or set --activation-budget-gb"
+            )
+
+
+# -- opening a run -----------------------------------------------------------------------------
+
+
+def open_run(
+    cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
+    plan: str | Path | None = None,
+) -> Run:
+    """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
+
+    A new run traces ``model`` (default: the preset of ``cfg``) or takes the program of the plan
+    directory ``plan`` (from `mtc compile`, whose generated kernels are copied along), checks that
+    the machine can hold it, then creates the store and saves the plan. Its initial state is
+    written and committed as step 0 by `train` (from RAM, in the chosen durability mode). A resumed
+    run uses the plan saved in its store.
+    """
+    cfg.validate()
+    path = Path(store_dir) if store_dir is not None else None
+    if path is not None and (path / "commit.json").exists() and not overwrite:
+        store = TensorStore.open(path, io_threads=cfg.io_threads)
+        try:
+            last = store.last_commit()
+            if last is None:
+                raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
+            saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
+            if saved != now:
+                diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+                raise ConfigError(
+                    f"store {path} was created with a different config (differs in: {', '.join(diff)}); "
+                    "resume with the same config, or use a new store directory"
+                )
+            program = load_plan(path / "plan")
+        except BaseException:
+            store.close()
+            raise
+        return Run(store, program, last, None)
+    model = model if model is not None else build_model(cfg)
+    program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    placement, _ = plan_placement(cfg, program)
+    preflight(cfg, program, placement, path, new_run=True)
+    store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
+    try:
+        if path is not None:
+            save_plan(program, path / "plan")
+            if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
+                shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
+    except BaseException:
+        store.close()
+        raise
+    return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()})
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+class _Loader:
+    """Samples the next step's micro-batches on its own thread while the current step runs."""
+
+    def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool) -> None:
+        self.sampler, self.n, self.pin = sampler, grad_accum, pin
+        self._q: queue.Queue = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(start,), name="mtc-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self, cursor: int) -> None:
+        while not self._stop.is_set():
+            try:
+                mbs = [self.sampler.batch(cursor + j) for j in range(self.n)]
+                if self.pin:
+                    mbs = [(i.pin_memory(), t.pin_memory()) for i, t in mbs]
+                item: object = mbs
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            cursor += self.n
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches."""
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def train(
+    cfg: TrainConfig,
+    store_dir: str | Path | None,
+    data: str | Path | TokenFile,
+    *,
+    model: nn.Module | None = None,
+    stop_after: int | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    overwrite: bool = False,
+    run: Run | None = None,
+    timeline: Timeline | None = None,
+) -> TrainResult:
+    """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
+
+    ``on_step`` is called after every step (the CLI draws its progress bar there). The returned
+    store is open; close it (or read the weights from it) when done.
+    """
+    t0 = time.perf_counter()
+    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
+    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite)
+    st, program = run.store, run.program
+    timeline = timeline if timeline is not None else Timeline()
+    device = torch.device(cfg.device)
+    cdtype = getattr(torch, cfg.resolved_compute_dtype)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    parts: list = []
+    try:
+        if tokens.header.vocab_size > _model_vocab(program):
+            raise DataError(
+                f"token file vocabulary ({tokens.header.vocab_size}) is larger than the model's ({_model_vocab(program)}); "
+                "prepare the data with the model's tokenizer"
+            )
+        if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
+        placement, gpu_update = plan_placement(cfg, program)
+        tiers = StateTiers(program, placement, device, cdtype)
+        durable = cfg.durability != "none"
+        tiers.create_arrays(st, cfg.durability)
+        if run.last is None:  # a new run: initial state from the model, committed as step 0
+            _init_state(st, tiers, program, run.params, cfg.durability)
+            last = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
+                                time_unix=time.time())
+            if durable:
+                st.commit(last)
+        else:
+            last = run.last
+            tiers.load(st, last.generation, last.config.get("durability", "full"))
+        run.params = None  # the tiers hold the state now
+        metrics = None
+        if st.path is not None:
+            logs = st.path / "logs"
+            logs.mkdir(exist_ok=True)
+            resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
+                            resolved_compute_dtype=cfg.resolved_compute_dtype)
+            (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))
+            metrics = open(logs / "metrics.jsonl", "a")
+            parts.append(metrics)
+        _set_rng_state(last.rng_state)
+        sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        compiled = _compile(cfg, program, st)
+        runners: dict[str, LayerRunner] | None = None
+        if compiled is not None:
+            runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
+        engine = CopyEngine(device, timeline)
+        parts.append(engine)
+        budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
+        executor = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners,
+                                     activation_budget_bytes=budget)
+        parts.append(executor)
+        opt = StreamingAdamW(program, tiers, cfg.optim, engine=engine, timeline=timeline, threads=cfg.optim_threads,
+                             gpu_update=gpu_update, store=st, durability=cfg.durability)
+        parts.append(opt)
+        opt.disk_generation = last.generation
+        step, committed_gen, cursor = last.step, last.generation, last.data_cursor
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
+        loader = _Loader(sampler, cfg.grad_accum, cursor, pin=device.type == "cuda")
+        parts.append(loader)
+        losses: list[float] = []
+        records: list[StepRecord] = []
+        bad_run = 0
+        max_bad = getattr(cfg, "max_nonfinite_steps", 3)
+        while step < end:
+            ts = time.perf_counter()
+            timeline.step = step
+            lr = lr_at(step, cfg.steps, cfg.optim)
+            opt.begin_step(step, lr)
+            mbs = loader.next()
+            out = executor.run_step(mbs, opt)
+            next_step, next_cursor = step + 1, cursor + cfg.grad_accum
+            commit_now = durable and (next_step % every == 0 or next_step == end)
+            commit_fn = None
+            if commit_now:
+                commit_fn = _committer(st, next_step, next_cursor, cfg)
+            stats: StepStats = opt.finish_step(out.loss, commit=commit_fn, write_generation=1 - committed_gen)
+            if commit_now:
+                committed_gen = 1 - committed_gen
+            step, cursor = next_step, next_cursor
+            bad_run = bad_run + 1 if stats.skipped else 0
+            tokens_n = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
+            secs = time.perf_counter() - ts
+            rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
+                             seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
+                             committed=commit_now)
+            losses.append(stats.loss)
+            records.append(rec)
+            if metrics is not None:
+                metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+                metrics.flush()
+            if on_step is not None:
+                on_step(rec)
+            if bad_run >= max_bad:
+                opt.wait()
+                raise TrainingError(
+                    f"{bad_run} consecutive steps had a non-finite loss or gradient norm (last: loss {stats.loss}, "
+                    f"norm {stats.grad_norm}) and were skipped; lower the learning rate (--lr) or check the data"
+                )
+        opt.wait()
+        host_bytes = tiers.host_bytes()
+    except BaseException:
+        for p in reversed(parts):
+            try:
+                p.close()
+            except Exception:
+                pass
+        st.close()
+        raise
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    for p in reversed(parts):
+        p.close()
+    return TrainResult(
+        start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
+        generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
+        host_state_bytes=host_bytes, tiers=tiers, compiled=compiled,
+    )
+
+
+def _init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dict[str, torch.Tensor] | None,
+                durability: str) -> None:
+    """Fill the tiers from the initial parameters and write generation 0 of what the store keeps
+    (disk-tier layers always: the store is their tier), one layer at a time."""
+    assert params is not None, "a new run carries its initial parameters"
+    for s in tiers.layers:
+        if not s.numel:
+            continue
+        flat = flatten_layer(program, s.layer, params)
+        tiers.set_layer(s.layer, flat)
+        futs = []
+        for k in state_kinds(s.tier, durability):
+            futs.append(st.write_async(state_array_name(s.layer, k, 0), flat if k == "master" else torch.zeros_like(flat)))
+        for f in futs:
+            f.result()
+
+
+def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig) -> Callable[[int], None]:
+    rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
+    config = cfg.to_dict()
+
+    def commit(gen: int) -> None:
+        st.commit(CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state=rng, config=config,
+                               time_unix=time.time()))
+
+    return commit
+
+
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
+    if not cfg.fused:
+        return None
+    if cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "fused kernels on the CPU run in Triton's interpreter, which must be enabled before start: "
+            "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
+        )
+    from mtc.compiler import compile_program
+
+    cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+    return compile_program(program, cache)
+
+
+def _model_vocab(program: Program) -> int:
+    """Vocabulary size, read off the loss stage's logits width (the head's last weight dim 0)."""
+    head = program.layers[-1]
+    widths = [program.params[k].spec.shape[0] for k in head.param_keys() if len(program.params[k].spec.shape) == 2]
+    return max(widths) if widths else 0
