@@ -43,7 +43,7 @@ from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.tracer import trace
 
-__all__ = ["Run", "StepRecord", "TrainResult", "TrainingError", "build_model", "open_run", "train"]
+__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
 
 
 class TrainingError(MTCError):
@@ -325,11 +325,13 @@ def train(
     overwrite: bool = False,
     run: Run | None = None,
     timeline: Timeline | None = None,
+    serialize: bool = False,
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
     ``on_step`` is called after every step (the CLI draws its progress bar there). The returned
-    store is open; close it (or read the weights from it) when done.
+    store is open; close it (or read the weights from it) when done. ``serialize`` waits for
+    every copy and kernel as it is issued (the race tests' reference schedule).
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
@@ -377,15 +379,9 @@ def train(
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
-        engine = CopyEngine(device, timeline)
-        parts.append(engine)
-        budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
-        executor = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners,
-                                     activation_budget_bytes=budget)
-        parts.append(executor)
-        opt = StreamingAdamW(program, tiers, cfg.optim, engine=engine, timeline=timeline, threads=cfg.optim_threads,
-                             gpu_update=gpu_update, store=st, durability=cfg.durability)
-        parts.append(opt)
+        eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
+        parts.extend([eng.copies, eng.executor, eng.optimizer])
+        executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -450,6 +446,35 @@ def train(
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled,
     )
+
+
+@dataclasses.dataclass(slots=True)
+class Engine:
+    """The parts that run steps: copies, executor, optimizer (close in that reverse order)."""
+
+    copies: CopyEngine
+    executor: StreamingExecutor
+    optimizer: StreamingAdamW
+
+    def close(self) -> None:
+        """Stop every worker thread."""
+        self.optimizer.close()
+        self.executor.close()
+        self.copies.close()
+
+
+def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_update: set[int], store: TensorStore,
+                 timeline: Timeline, *, runners: dict[str, LayerRunner] | None = None, serialize: bool = False,
+                 on_visit: Callable[[str, int], None] | None = None) -> Engine:
+    """Wire the copy engine, executor and optimizer of a run over ``tiers``."""
+    device = torch.device(cfg.device)
+    copies = CopyEngine(device, timeline, serialize=serialize)
+    budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
+    executor = StreamingExecutor(program, tiers, device=device, engine=copies, timeline=timeline, runners=runners,
+                                 activation_budget_bytes=budget, on_visit=on_visit)
+    opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
+                         gpu_update=gpu_update, store=store, durability=cfg.durability)
+    return Engine(copies, executor, opt)
 
 
 def _init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dict[str, torch.Tensor] | None,

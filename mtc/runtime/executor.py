@@ -143,6 +143,7 @@ class StreamingExecutor:
         self.batch_shape = program.batch["ids"].shape
         self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
         self._open_slots: dict[int, Slot] = {}
+        self._scales: dict[int, torch.Tensor] = {}
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -239,7 +240,9 @@ class StreamingExecutor:
             grad_aux=[[None] * len(self._aux_needs_grad) for _ in range(n)], losses=[],
         )
         visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
-        scale = torch.tensor(1.0 / n, dtype=torch.float32, device=self.device)
+        scale = self._scales.get(n)
+        if scale is None:  # made once per group size: a scalar H2D would synchronise every step
+            scale = self._scales[n] = torch.tensor(1.0 / n, dtype=torch.float32, device=self.device)
         fut: Future[LayerWeights] | None = self._start_fetch(visits[0][1])
         try:
             for k, (phase, layer) in enumerate(visits):
@@ -254,6 +257,7 @@ class StreamingExecutor:
                     self._backward(layer, w, g, scale, sink)
                 self._release(w)
                 del w
+                self.engine.sync()
                 if self.on_visit is not None:
                     self.on_visit(phase, layer)
         except BaseException:

@@ -155,21 +155,23 @@ class StreamingAdamW:
                     staged = self.engine.d2h(list(zip(self.tiers.staging_for(i), (s.master, s.m, s.v))),
                                              after=self.engine.marker(), layer=i, stage="stage_out")
                     s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
-                    s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit)
+                    s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
             elif i in self.gpu_update:
-                s.update = self._gpu.submit(self._update_streamed, i, coef, hp, deps)
+                s.update = self._gpu.submit(self._update_streamed, i, coef, hp, deps, step)
             else:
-                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit)
+                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit, step)
             if s.tier == "disk":
                 writes.append(s.update)
             elif s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
-                s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit)
+                s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
-            self.commit_future = self._writer.submit(self._commit_when_written, writes, commit, w_gen)
+            self.commit_future = self._writer.submit(self._commit_when_written, writes, commit, w_gen, step)
+        if self.engine.serialize:  # the reference schedule: nothing overlaps the next step
+            self.wait()
         return stats
 
     def wait(self) -> None:
@@ -189,10 +191,10 @@ class StreamingAdamW:
         return dict(beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
 
     def _update_host(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, r_gen: int, w_gen: int,
-                     prev_commit: Future[None]) -> None:
+                     prev_commit: Future[None], tstep: int) -> None:
         s = self.tiers[i]
-        _wait_all(self.timeline, i, deps)  # state on its way to disk, gradient in flight, H2D still reading
-        with self.timeline.span("update", i):
+        _wait_all(self.timeline, i, deps, tstep)  # state on its way to disk, gradient in flight, H2D still reading
+        with self.timeline.span("update", i, step=tstep):
             if s.tier == "disk":
                 master, m, v = self._disk_buffers(s.numel)
                 for name, buf in zip(("master", "m", "v"), (master, m, v)):
@@ -203,7 +205,7 @@ class StreamingAdamW:
             _host_adamw(master, s.grad, m, v, coef=coef, compute_out=compute_out, pool=self._chunks, **hp, **self._hyper())
         if s.tier == "disk":
             prev_commit.result()  # never overwrite the generation the last durable commit names
-            with self.timeline.span("write_behind", i):
+            with self.timeline.span("write_behind", i, step=tstep):
                 futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
                 for f in futs:
                     f.result()
@@ -224,11 +226,11 @@ class StreamingAdamW:
             _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
                           **hp, **self._hyper())
 
-    def _update_streamed(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple) -> None:
+    def _update_streamed(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, tstep: int) -> None:
         """A ram layer updated on the GPU: state + gradient over PCIe, kernel, state back."""
         s = self.tiers[i]
-        _wait_all(self.timeline, i, deps)
-        with self.timeline.span("update_streamed", i):
+        _wait_all(self.timeline, i, deps, tstep)
+        with self.timeline.span("update_streamed", i, step=tstep):
             if self._scratch is None:
                 n = max(self.tiers[j].numel for j in self.gpu_update)
                 self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
@@ -252,24 +254,24 @@ class StreamingAdamW:
 
     # -- write-behind and commits ---------------------------------------------------------------
 
-    def _write_after_update(self, i: int, update: Future[None], gen: int, prev_commit: Future[None]) -> None:
+    def _write_after_update(self, i: int, update: Future[None], gen: int, prev_commit: Future[None], tstep: int) -> None:
         update.result()
         prev_commit.result()
-        with self.timeline.span("write_behind", i):
+        with self.timeline.span("write_behind", i, step=tstep):
             for f in self.tiers.write_arrays(self.store, i, gen, self.durability):
                 f.result()
 
-    def _write_staged(self, i: int, staged: object, gen: int, prev_commit: Future[None]) -> None:
+    def _write_staged(self, i: int, staged: object, gen: int, prev_commit: Future[None], tstep: int) -> None:
         staged.wait()
         prev_commit.result()
-        with self.timeline.span("write_behind", i):
+        with self.timeline.span("write_behind", i, step=tstep):
             for f in self.tiers.write_arrays(self.store, i, gen, self.durability):
                 f.result()
 
-    def _commit_when_written(self, writes: list[Future[None]], commit: Callable[[int], None], gen: int) -> None:
+    def _commit_when_written(self, writes: list[Future[None]], commit: Callable[[int], None], gen: int, tstep: int) -> None:
         for f in writes:
             f.result()
-        with self.timeline.span("commit"):
+        with self.timeline.span("commit", step=tstep):
             commit(gen)
 
     def close(self) -> None:
@@ -278,8 +280,8 @@ class StreamingAdamW:
             pool.shutdown(wait=True)
 
 
-def _wait_all(timeline: Timeline, layer: int, deps: tuple) -> None:
-    with timeline.span("update_wait", layer):
+def _wait_all(timeline: Timeline, layer: int, deps: tuple, step: int) -> None:
+    with timeline.span("update_wait", layer, step=step):
         for dep in deps:
             if isinstance(dep, Future):
                 dep.result()

@@ -64,8 +64,11 @@ Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) pairs
 class CopyEngine:
     """Host<->device copies for one device: CUDA streams and events, or threads on the CPU."""
 
-    def __init__(self, device: torch.device, timeline: Timeline) -> None:
+    def __init__(self, device: torch.device, timeline: Timeline, *, serialize: bool = False) -> None:
         self.device, self.timeline = device, timeline
+        # serialize: every copy completes (and the device idles) before the call returns; the
+        # reference schedule that the race tests compare the overlapped one with
+        self.serialize = serialize
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0
         self.d2h_bytes = 0
@@ -108,6 +111,8 @@ class CopyEngine:
                     dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
+            if self.serialize:
+                torch.cuda.synchronize(self.device)
             return Transfer(event=ev, nbytes=nbytes)
         step = self.timeline.step
 
@@ -116,7 +121,15 @@ class CopyEngine:
                 for dst, src in copies:
                     dst.copy_(src)
 
-        return Transfer(future=self._threads[direction].submit(run), nbytes=nbytes)
+        fut = self._threads[direction].submit(run)
+        if self.serialize:
+            fut.result()
+        return Transfer(future=fut, nbytes=nbytes)
+
+    def sync(self) -> None:
+        """In a serialized schedule, wait for the device to finish everything issued so far."""
+        if self.serialize and self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def wait_on_compute(self, transfer: Transfer) -> None:
         """Make the compute stream wait for ``transfer`` (the host blocks only on the CPU)."""

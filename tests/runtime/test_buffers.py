@@ -10,49 +10,52 @@ import torch
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler
-from mtc.runtime.executor import StreamingExecutor
-from mtc.runtime.optimizer import HostAdamW
-from mtc.runtime.trainer import open_run
+from mtc.runtime.tiers import StateTiers
+from mtc.runtime.timeline import Timeline
+from mtc.train import build_engine, open_run, plan_placement
 
 
-def _measure(n_layers: int, device: str = "cpu") -> dict[str, float]:
+def _measure(n_layers: int, device: str = "cpu", **kw: object) -> dict[str, float]:
     cfg = TrainConfig(model="tiny", model_overrides={"n_layers": n_layers}, steps=1, micro_batch_size=2, seq_len=16,
-                      grad_accum=2, device=device, optim=OptimConfig(warmup_steps=1))
-    store, program, last = open_run(cfg, None)
-    largest = max(program.layer_numel(i) for i in range(program.n_layers)) * 4
+                      grad_accum=2, device=device, optim=OptimConfig(warmup_steps=1), durability="none", **kw)
+    run = open_run(cfg, None)
+    program = run.program
+    placement, gpu_update = plan_placement(cfg, program)
+    tiers = StateTiers(program, placement, torch.device(device), getattr(torch, cfg.resolved_compute_dtype))
+    largest = max(program.layer_numel(i) for i in range(program.n_layers)) * tiers.compute_dtype.itemsize
     seen = {"max_live_sets": 0, "max_in_use": 0, "visits": 0}
-
-    ex: StreamingExecutor
 
     def on_visit(phase: str, layer: int) -> None:
         gc.collect()
         seen["visits"] += 1
-        seen["max_live_sets"] = max(seen["max_live_sets"], len(ex.live_weights))
-        seen["max_in_use"] = max(seen["max_in_use"], ex.pool.bytes_in_use)
+        seen["max_live_sets"] = max(seen["max_live_sets"], len(eng.executor.live_weights))
+        seen["max_in_use"] = max(seen["max_in_use"], eng.executor.ring.bytes_in_use)
 
-    ex = StreamingExecutor(program, store, device=device, on_visit=on_visit)
-    opt = HostAdamW(program, store, cfg.optim)
+    eng = build_engine(cfg, program, tiers, gpu_update, run.store, Timeline(), on_visit=on_visit)
     tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint16)
     sampler = BatchSampler(tokens, batch_size=2, seq_len=16, seed=0)
-    opt.begin_step(0, 1e-3, 0, 1)
     if device != "cpu":
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    ex.run([sampler.batch(0), sampler.batch(1)], opt, 0)
-    opt.finish_step()
+    eng.optimizer.begin_step(0, 1e-3)
+    out = eng.executor.run_step([sampler.batch(0), sampler.batch(1)], eng.optimizer)
+    eng.optimizer.finish_step(out.loss)
+    eng.optimizer.wait()
     if device != "cpu":
         seen["gpu_peak"] = torch.cuda.max_memory_allocated() - base
-    seen.update(peak=ex.pool.peak_bytes_in_use, allocated=ex.pool.allocated_bytes, largest=largest, layers=program.n_layers)
-    ex.close()
-    opt.close()
-    store.close()
+    ring = eng.executor.ring
+    seen.update(peak=ring.peak_bytes_in_use, allocated=ring.allocated_bytes, largest=largest, layers=program.n_layers,
+                slabs=eng.executor.slabs.allocated_bytes, acts=eng.executor.acts.peak_device_bytes)
+    eng.close()
+    run.store.close()
     return seen
 
 
 @pytest.mark.parametrize("n_layers", [2, 8])
 def test_at_most_two_layers_of_weights(n_layers):
     s = _measure(n_layers)
-    assert s["visits"] == 2 * (2 * s["layers"] - 1)  # two micro-batches: fwd, head, bwd visits
+    assert s["visits"] == 2 * s["layers"] - 1  # layer-major: one visit per layer and direction for the group
     assert s["peak"] <= 2 * s["largest"], s
     assert s["allocated"] <= 2 * s["largest"], s
     # the weights handed to templates do not outlive their visit (plus the prefetched one)
@@ -63,9 +66,21 @@ def test_buffer_memory_does_not_grow_with_depth():
     shallow, deep = _measure(2), _measure(8)
     assert deep["allocated"] == shallow["allocated"]
     assert deep["peak"] == shallow["peak"]
+    assert deep["slabs"] == shallow["slabs"]
+
+
+def test_activation_budget_bounds_device_activations():
+    hidden = 2 * 16 * 64 * 4  # micro-batch x seq x dim x fp32 bytes of one boundary activation
+    s = _measure(8, activation_budget_gb=3 * hidden / 2**30)
+    assert s["acts"] <= 3 * hidden, s
+    free = _measure(8)
+    assert free["acts"] > 3 * hidden  # without a budget all of them stay on the device
 
 
 @pytest.mark.gpu
-def test_gpu_peak_memory_flat_in_depth():
-    shallow, deep = _measure(4, "cuda"), _measure(8, "cuda")
-    assert deep["gpu_peak"] <= 1.10 * shallow["gpu_peak"], (shallow, deep)
+@pytest.mark.parametrize("budget", [None, 2**-10])
+def test_gpu_peak_memory_flat_in_depth(budget):
+    shallow = _measure(4, "cuda", compute_dtype="float32", placement="stateless", activation_budget_gb=budget)
+    deep = _measure(8, "cuda", compute_dtype="float32", placement="stateless", activation_budget_gb=budget)
+    if budget is not None:
+        assert deep["gpu_peak"] <= 1.10 * shallow["gpu_peak"], (shallow, deep)

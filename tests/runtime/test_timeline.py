@@ -1,0 +1,72 @@
+"""The schedule, asserted on the timeline that the production code records (CPU, real threads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc.store import TensorStore
+from mtc.train import train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
+
+
+@pytest.fixture(scope="module")
+def run(tokens, tmp_path_factory):
+    # four blocks: six program layers; a local store so write-behind and commits really hit a disk
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, optim_threads=1)
+    res = train(cfg, tmp_path_factory.mktemp("run") / "s", tokens)
+    yield res
+    res.store.close()
+
+
+def test_next_layers_copy_starts_before_this_layers_compute_ends(run):
+    tl, L = run.timeline, run.program.n_layers
+    for step in range(1, 4):
+        copies = {s.layer: s for s in tl.spans("h2d", step=step)}  # first copy of each layer: its forward fetch
+        for layer in range(L - 2):
+            computes = [s for s in tl.spans("compute", step=step) if s.layer == layer]
+            assert copies[layer + 1].start < computes[-1].end, f"step {step}: layer {layer + 1}'s fetch waited for compute"
+
+
+def test_updates_run_while_the_next_forward_computes(run):
+    tl, L = run.timeline, run.program.n_layers
+    for step in range(0, 3):
+        last_update = max(s.end for s in tl.spans("update", step=step))
+        first_compute = min(s.start for s in tl.spans("compute", step=step + 1))
+        assert first_compute < last_update, f"step {step + 1} waited for the whole optimizer step"
+        # and each layer's forward starts only after that layer's update
+        for layer in range(L - 1):
+            upd = next(s for s in tl.spans("update", step=step) if s.layer == layer)
+            fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
+            assert fwd.start >= upd.end, f"layer {layer} computed with stale weights"
+
+
+def test_update_waits_for_its_gradient_copy(run):
+    tl = run.timeline
+    for step in range(4):
+        for d2h in tl.spans("grad_d2h", step=step):
+            upd = next(s for s in tl.spans("update", step=step) if s.layer == d2h.layer)
+            assert upd.start >= d2h.end
+
+
+def test_commit_follows_every_write_and_runs_off_the_training_thread(run):
+    tl = run.timeline
+    for step in range(4):
+        writes, commits = tl.spans("write_behind", step=step), tl.spans("commit", step=step)
+        assert writes and len(commits) == 1
+        assert commits[0].start >= max(w.end for w in writes)
+        assert all(not s.thread.startswith("MainThread") for s in writes + commits)
+
+
+def test_no_visit_reads_the_disk_with_all_state_in_ram(tokens, tmp_path, monkeypatch):
+    reads = []
+    for name in ("read", "read_into", "read_rows_into"):
+        orig = getattr(TensorStore, name)
+        monkeypatch.setattr(TensorStore, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    res = train(small_config(steps=3), tmp_path / "s", tokens)
+    res.store.close()
+    assert reads == [], f"the store was read during training: {reads}"
