@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,8 +26,27 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+# TrainConfig fields a user sets per run, as `mtc train` flags (--micro-batch-size, --lr, ...); the
+# help text, accepted values and defaults come from the schema in mtc.config.
+_TRAIN_FLAGS = (
+    "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
+    "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
+    "optim_threads", "io_threads", "max_nonfinite_steps",
+    "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+)
+_COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
+
+
+def _flag(path: str) -> str:
+    return "--" + path.rpartition(".")[2].replace("_", "-")
+
+
+def _dest(path: str) -> str:
+    return path.rpartition(".")[2]
+
+
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
-    from mtc.config import TrainConfig, load_config
+    from mtc.config import TrainConfig, check_device, load_config, parse_field, set_field
     from mtc.errors import ConfigError
 
     plan_fields = None
@@ -37,21 +57,28 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
         cfg = TrainConfig(**plan_fields)
     else:
         cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
-    for field in ("steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "kernels"):
-        val = getattr(a, field)
-        if val is None:
-            continue
-        if plan_fields is not None and field in plan_fields and val != plan_fields[field]:
-            flag = "--" + field.replace("_", "-")
+    given = {}
+    for path in _TRAIN_FLAGS:
+        raw = getattr(a, _dest(path))
+        if raw is not None:
+            given[path] = parse_field(path, raw, flag=_flag(path))
+    for path, val in given.items():
+        if plan_fields is not None and path in plan_fields and val != plan_fields[path]:
+            flag = _flag(path)
             raise ConfigError(
-                f"plan {a.plan} was compiled for {field}={plan_fields[field]}, not {val}; drop {flag} or recompile "
-                f"with `mtc compile {plan_fields['model']} {flag} {val} -o {a.plan}`"
+                f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
+                f"with `mtc compile {plan_fields['model']} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
             )
-        setattr(cfg, field, val)
-    if a.lr is not None:
-        cfg.optim.lr = a.lr
-        cfg.optim.min_lr = min(cfg.optim.min_lr, a.lr)
+        set_field(cfg, path, val)
+    if "optim.lr" in given and "optim.min_lr" not in given:
+        cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip min_lr <= lr
+    if a.stop_after is not None and a.stop_after < 1:
+        raise ConfigError(
+            f"--stop-after: expected a step number >= 1 (stop once that step is committed), got {a.stop_after}; "
+            "omit it to train to --steps"
+        )
     cfg.validate()
+    check_device(cfg)
     return cfg
 
 
@@ -145,6 +172,9 @@ def _cmd_compile(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
+    from mtc.config import field_help, field_metavar
+    from mtc.models import preset_names
+
     p = argparse.ArgumentParser(prog="mtc", description="Train language models larger than GPU memory, streamed from a store.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -153,24 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dir", default="runs/demo", help="work directory (default: runs/demo)")
     d.set_defaults(fn=_cmd_demo)
 
-    t = sub.add_parser("train", help="train a preset or a config file, resuming from the store if it has a commit")
+    t = sub.add_parser("train", help="train a preset or a config file, resuming from the store if it has a commit",
+                       description="Flags override the config file (or the preset's defaults); every value is checked "
+                       "like a config file's.")
     src = t.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="model preset (tiny, 125m, 1b, 8b, 13b, 70b)")
+    src.add_argument("--preset", help=f"model preset, one of: {', '.join(preset_names())}")
     src.add_argument("--config", help="a .json or .toml TrainConfig file")
     src.add_argument("--plan", help="a plan directory from `mtc compile` (its program and kernels are used as compiled)")
     t.add_argument("--store", required=True, help="store directory (created, or resumed)")
     t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--micro-batch-size", type=int)
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--grad-accum", type=int)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--device")
-    t.add_argument("--lr", type=float)
-    t.add_argument("--kernels", choices=["auto", "fused", "unfused"], help="fused (generated kernels) or unfused (ATen "
-                   "templates); auto = fused on CUDA. Fused on the CPU needs TRITON_INTERPRET=1")
+    for path in _TRAIN_FLAGS:
+        if path == "allow_tf32":
+            t.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))
+        else:
+            # Values stay text here: the schema parses and checks them, so a bad value is one line.
+            t.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     t.add_argument("--unfused", action="store_const", const="unfused", dest="kernels", help="same as --kernels unfused")
-    t.add_argument("--stop-after", type=int, help="stop once this many steps are committed (resume later)")
+    t.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="stop once this step is committed (resume later); >= 1 (default: train to --steps)")
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
     t.set_defaults(fn=_cmd_train)
 
@@ -203,17 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        try:
+            return args.fn(args)
+        except MTCError as e:
+            print(f"mtc: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("mtc: interrupted; the store keeps its last committed step", file=sys.stderr)
+            return 130
+    finally:
+        # Flush here, not at interpreter exit, so a reader that closed the pipe surfaces in main.
+        sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run a subcommand; an MTCError prints one line and exits 2."""
-    args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
-    except MTCError as e:
-        print(f"mtc: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("mtc: interrupted; the store keeps its last committed step", file=sys.stderr)
-        return 130
+        return _run(argv)
+    except BrokenPipeError:
+        # `mtc inspect ... | head` closed our stdout. Python's docs (signal module, "Note on SIGPIPE"):
+        # point stdout at devnull so the final flush at exit cannot raise again, and exit 1.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout has no file descriptor (captured in tests): nothing to flush
+            pass
+        return 1
 
 
 if __name__ == "__main__":

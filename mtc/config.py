@@ -1,96 +1,243 @@
-"""Run configuration: nested dataclasses, loadable from JSON or TOML, dumped as JSON with every run."""
+"""Run configuration: nested dataclasses, loadable from JSON or TOML, dumped as JSON with every run.
+
+Every field is checked by `mtc.schema` from its type annotation and its `Rule` (ranges, choices,
+syntax), so a TOML file, a JSON file, a command-line flag and Python code meet the same rules and
+the same messages. The layer-spec parsers (`parse_placement`, `parse_layer_set`) resolve the
+placement strings once the engine knows the model's layer count; `check_device` asks torch
+whether the device exists (kept out of `validate` so a CUDA config can be built on a CPU machine).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from mtc.errors import ConfigError
+from mtc.schema import Rule, check_dataclass, check_value, describe, field, field_types, parse_text, unwrap_optional
 
-__all__ = ["OptimConfig", "TrainConfig", "load_config"]
+__all__ = [
+    "OptimConfig",
+    "TrainConfig",
+    "check_device",
+    "field_help",
+    "field_metavar",
+    "load_config",
+    "parse_field",
+    "parse_layer_set",
+    "parse_placement",
+    "set_field",
+]
 
+TIERS = ("gpu", "ram", "disk")
+_PLACEMENT_WORDS = ("auto", *TIERS, "stateless")
+_LAYER_SET_WORDS = ("auto", "none", "all")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_CUDA_INDEX = re.compile(r"cuda:(\d+)")
+
+
+# ---- layer specs: "0-3,7" and "gpu:0-3,ram:4-19,disk:20-31" ----
+
+def _ranges(text: str) -> list[tuple[int, int]]:
+    """Inclusive (lo, hi) pairs of "0-3,7"; ValueError with the reason when malformed."""
+    out = []
+    for item in text.split(","):
+        m = _RANGE.fullmatch(item.strip())
+        if m is None:
+            raise ValueError(f"{item.strip()!r} is not a layer number or range such as '4' or '0-3'")
+        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if hi < lo:
+            raise ValueError(f"range {item.strip()!r} runs backwards; write it as '{hi}-{lo}'")
+        out.append((lo, hi))
+    return out
+
+
+def _tier_ranges(spec: str) -> list[tuple[str, int, int]]:
+    """(tier, lo, hi) for each item of "gpu:0-3,ram:4-19"; ValueError naming a bad tier or an overlap."""
+    out: list[tuple[str, int, int]] = []
+    for item in spec.split(","):
+        tier, sep, rng = item.strip().partition(":")
+        if not sep or tier not in TIERS:
+            raise ValueError(f"{item.strip()!r} is not tier:ranges with a tier in {', '.join(TIERS)}, e.g. 'ram:4-19'")
+        for lo, hi in _ranges(rng):
+            for t2, lo2, hi2 in out:
+                if lo <= hi2 and lo2 <= hi:  # a layer in two tiers would be stored twice
+                    layer = max(lo, lo2)
+                    raise ValueError(f"layer {layer} is in both {t2}:{lo2}-{hi2} and {tier}:{lo}-{hi}; give each layer one tier")
+            out.append((tier, lo, hi))
+    return out
+
+
+def _compact(layers: list[int]) -> str:
+    """'4-5, 9' for [4, 5, 9]."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _check_n_layers(n_layers: int) -> None:
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ConfigError(f"n_layers must be an integer >= 1, got {n_layers!r} ({type(n_layers).__name__})")
+
+
+def _beyond(name: str, spec: str, hi: int, n_layers: int) -> ConfigError:
+    return ConfigError(
+        f"config field {name}: layer {hi} is beyond the model's last layer {n_layers - 1} (it has {n_layers} layers, "
+        f"0 the embed stage and {n_layers - 1} the head), got {spec!r}; use layers 0-{n_layers - 1}"
+    )
+
+
+def parse_placement(spec: str, n_layers: int) -> list[str]:
+    """One placement per layer (0 = embed stage, n_layers - 1 = head) for a `TrainConfig.placement` string.
+
+    A single word ("auto", "gpu", "ram", "disk", "stateless") applies to every layer ("auto" is left
+    for the engine to resolve from the budgets). Ranges such as "gpu:0-3,ram:4-19,disk:20-31" must
+    cover every layer exactly once: ConfigError names uncovered, overlapping or out-of-range layers.
+    """
+    _check_n_layers(n_layers)
+    spec = check_value("placement", spec, str, _PLACEMENT_RULE)
+    if spec in _PLACEMENT_WORDS:
+        return [spec] * n_layers
+    tiers: list[str | None] = [None] * n_layers
+    for tier, lo, hi in _tier_ranges(spec):
+        if hi >= n_layers:
+            raise _beyond("placement", spec, hi, n_layers)
+        tiers[lo:hi + 1] = [tier] * (hi - lo + 1)
+    missing = [i for i, t in enumerate(tiers) if t is None]
+    if missing:
+        raise ConfigError(
+            f"config field placement: {'layer' if len(missing) == 1 else 'layers'} {_compact(missing)} "
+            f"{'has' if len(missing) == 1 else 'have'} no tier (the model has {n_layers} layers, "
+            f"0-{n_layers - 1}), got {spec!r}; give every layer one of {', '.join(TIERS)}, e.g. 'gpu:0-1,ram:2-{n_layers - 1}'"
+        )
+    return [t for t in tiers if t is not None]
+
+
+def parse_layer_set(spec: str, n_layers: int) -> set[int] | None:
+    """The layers a `TrainConfig.gpu_update` string names: None for "auto" (the engine's cost model
+    decides), the empty set for "none", every layer for "all", else the layers of ranges like "0-3,7"."""
+    _check_n_layers(n_layers)
+    spec = check_value("gpu_update", spec, str, _GPU_UPDATE_RULE)
+    if spec == "auto":
+        return None
+    if spec in ("none", "all"):
+        return set(range(n_layers)) if spec == "all" else set()
+    out: set[int] = set()
+    for lo, hi in _ranges(spec):
+        if hi >= n_layers:
+            raise _beyond("gpu_update", spec, hi, n_layers)
+        out.update(range(lo, hi + 1))
+    return out
+
+
+def _cuda_index(device: str) -> None:
+    if not _CUDA_INDEX.fullmatch(device):
+        raise ValueError("a device is 'cpu', 'cuda' or 'cuda:N'")
+
+
+_PLACEMENT_RULE = Rule(choices=_PLACEMENT_WORDS, syntax=_tier_ranges, syntax_doc="tier:ranges such as 'gpu:0-3,ram:4-19,disk:20-31'")
+_GPU_UPDATE_RULE = Rule(choices=_LAYER_SET_WORDS, syntax=_ranges, syntax_doc="layer ranges such as '0-3,7'")
+
+
+# ---- the configs ----
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimConfig:
     """AdamW with decoupled weight decay, global-norm clipping, linear warmup then cosine decay."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float | None = 1.0
+    lr: float = field(3e-3, gt=0, help="peak learning rate")
+    min_lr: float = field(3e-4, ge=0, help="learning rate at the end of the cosine decay (at most lr)")
+    warmup_steps: int = field(10, ge=0, help="steps of linear warmup to lr")
+    weight_decay: float = field(0.1, ge=0, help="AdamW decoupled weight decay")
+    beta1: float = field(0.9, ge=0, lt=1, help="AdamW beta1")
+    beta2: float = field(0.95, ge=0, lt=1, help="AdamW beta2")
+    eps: float = field(1e-8, gt=0, help="AdamW epsilon")
+    clip_norm: float | None = field(1.0, gt=0, help="clip the global gradient norm to this; none: no clipping")
 
     def validate(self) -> None:
-        """Raise ConfigError for values AdamW cannot use."""
-        if not (self.lr > 0 and self.min_lr >= 0 and self.min_lr <= self.lr):
-            raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.eps <= 0:
-            raise ConfigError("warmup_steps and weight_decay must be >= 0 and eps > 0")
-        if self.clip_norm is not None and self.clip_norm <= 0:
-            raise ConfigError(f"clip_norm must be positive or null (no clipping), got {self.clip_norm}")
+        """Raise ConfigError for values AdamW cannot use (fields named optim.*)."""
+        check_dataclass(self, prefix="optim.")
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"config field optim.min_lr: expected at most optim.lr ({self.lr:g}), got {self.min_lr!r} (float); "
+                "lower min_lr or raise lr"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides the store directory and the data file."""
 
-    model: str = "tiny"
-    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    steps: int = 200
-    micro_batch_size: int = 16
-    seq_len: int = 128
-    grad_accum: int = 1
-    seed: int = 0
-    device: str = "cpu"
+    model: str = field("tiny", help="model preset")
+    model_overrides: dict[str, Any] = field(default_factory=dict, help="preset fields to replace, e.g. n_layers = 2")
+    steps: int = field(200, ge=1, help="optimizer steps to train to")
+    micro_batch_size: int = field(16, ge=1, help="sequences per micro-batch")
+    seq_len: int = field(128, ge=1, help="tokens per sequence")
+    grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
+    # >= 0: the data sampler keys numpy's SeedSequence with it
+    seed: int = field(0, ge=0, help="seed of the initial weights and the data order")
+    device: str = field("cpu", choices=("cpu", "cuda"), syntax=_cuda_index, syntax_doc="'cuda:N'", help="device to compute on")
     # "auto": bfloat16 on CUDA (fp32 master), float32 on the CPU (the parity contract)
-    compute_dtype: str = "auto"
-    allow_tf32: bool = True  # fp32 compute on CUDA runs matmuls in TF32 unless this is False
-    io_threads: int = 4
-    kernels: str = "auto"  # "fused" (generated Triton kernels), "unfused" (ATen templates), "auto": fused on CUDA
-    # Where each layer's fp32 state (master, m, v) lives: "auto" (from the budgets), "gpu", "ram",
-    # "disk", "stateless" (all in host RAM, nothing persistent on the GPU), or per-layer ranges
-    # such as "gpu:0-3,ram:4-19,disk:20-31" (layer 0 is the embed stage, the last is the head).
-    placement: str = "auto"
-    # Which `ram` layers the GPU updates (state streamed over PCIe): "auto" (cost model), "none",
-    # "all", or layer ranges such as "0-3,7".
-    gpu_update: str = "auto"
-    # Durability of the store: "full" (two generations of master, m, v: exact crash-safe resume),
-    # "weights" (two generations of master weights only: resume restarts Adam's moments), "none".
-    durability: str = "full"
-    commit_every: int = 1  # commit (write state behind, then the atomic record) every N steps
-    activation_budget_gb: float | None = None  # GPU bytes for layer-boundary activations; beyond: pinned host
-    ram_budget_gb: float | None = None  # host RAM for state (auto placement); None: available memory minus a margin
-    gpu_budget_gb: float | None = None  # GPU memory for resident state (auto placement); None: free memory minus workspace
-    optim_threads: int = 0  # CPU AdamW threads; 0: all cores
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    compute_dtype: str = field("auto", choices=("auto", "float32", "bfloat16"),
+                               help="dtype of the forward and backward; auto: bfloat16 on CUDA, float32 on the CPU")
+    allow_tf32: bool = field(True, help="let fp32 matmuls on CUDA run in TF32")
+    io_threads: int = field(4, ge=1, help="threads reading and writing the store")
+    kernels: str = field("auto", choices=("auto", "fused", "unfused"),
+                         help="fused (generated Triton kernels; on the CPU only with TRITON_INTERPRET=1) or "
+                         "unfused (ATen templates); auto: fused on CUDA")
+    # Layer 0 is the embed stage, the last is the head; "stateless" keeps all state in host RAM
+    # and nothing persistent on the GPU.
+    placement: str = field("auto", rule=_PLACEMENT_RULE,
+                           help="where each layer's fp32 state (master, m, v) lives; auto: from the budgets")
+    gpu_update: str = field("auto", rule=_GPU_UPDATE_RULE,
+                            help="which ram layers the GPU updates (state streamed over PCIe); auto: by the cost model")
+    # "full": two generations of master, m, v (exact crash-safe resume); "weights": two generations
+    # of master weights only (resume restarts Adam's moments); "none".
+    durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")
+    commit_every: int = field(1, ge=1, help="commit (write state behind, then the atomic record) every N steps")
+    activation_budget_gb: float | None = field(None, gt=0,
+                                               help="GPU GB for layer-boundary activations (beyond: pinned host); none: no limit")
+    ram_budget_gb: float | None = field(None, gt=0, help="host RAM GB for state (auto placement); none: available memory minus a margin")
+    gpu_budget_gb: float | None = field(None, gt=0, help="GPU GB for resident state (auto placement); none: free memory minus workspace")
+    optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
+    # A step whose loss or grad norm is not finite is skipped; this many in a row stop the run.
+    max_nonfinite_steps: int = field(3, ge=1, help="stop with an error after this many consecutive non-finite steps")
+    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer settings")
 
     def validate(self) -> None:
-        """Raise ConfigError for inconsistent settings."""
-        for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "io_threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from mtc.models import model_config  # here, not at import: config must stay importable alone
+        """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""
+        check_dataclass(self)
+        from mtc.models import model_config, preset_names  # here, not at import: config must stay importable alone
 
-        model_config(self.model, **self.model_overrides)  # unknown preset or field: ConfigError
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.compute_dtype!r}")
-        if self.durability not in ("full", "weights", "none"):
-            raise ConfigError(f"durability must be 'full', 'weights' or 'none', got {self.durability!r}")
-        if self.commit_every < 1:
-            raise ConfigError(f"commit_every must be >= 1, got {self.commit_every}")
-        if self.kernels not in ("auto", "fused", "unfused"):
-            raise ConfigError(f"kernels must be 'auto', 'fused' or 'unfused', got {self.kernels!r}")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        self.optim.validate()
+        if self.model not in preset_names():
+            raise ConfigError(
+                f"config field model: unknown preset {self.model!r}; known presets: {', '.join(preset_names())}"
+            )
+        base = model_config(self.model)
+        types_ = field_types(type(base))
+        for key, value in self.model_overrides.items():
+            if key not in types_:
+                raise ConfigError(
+                    f"config field model_overrides.{key}: preset {self.model!r} ({type(base).__name__}) has no field "
+                    f"{key!r}; fields are: {', '.join(types_)}"
+                )
+            tp = types_[key][0]
+            # Every numeric field of the model configs is a size or a scale: positive.
+            rule = Rule(ge=1) if tp is int else Rule(gt=0) if tp is float else Rule()
+            self.model_overrides[key] = check_value(f"model_overrides.{key}", value, tp, rule)
+        mcfg = model_config(self.model, **self.model_overrides)  # cross-field checks: ConfigError
+        if self.seq_len > mcfg.max_seq_len:
+            raise ConfigError(
+                f"config field seq_len: expected at most the max_seq_len {mcfg.max_seq_len} of preset {self.model!r}, "
+                f"got {self.seq_len}; shorten --seq-len or raise model_overrides.max_seq_len"
+            )
 
     @property
     def fused(self) -> bool:
@@ -110,9 +257,15 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """Build from a dict, rejecting unknown keys with the list of known ones."""
+        """Build and validate from a dict, rejecting unknown keys with the list of known ones."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config must be a table of fields, got {type(d).__name__}; see `mtc train --help` for the fields")
         d = dict(d)
-        optim = d.pop("optim", {}) or {}
+        optim = d.pop("optim", None)
+        if optim is None:
+            optim = {}
+        if not isinstance(optim, dict):
+            raise ConfigError(f"config field optim: expected a table of OptimConfig fields, got {optim!r} ({type(optim).__name__})")
         _check_keys(cls, d, "")
         _check_keys(OptimConfig, optim, "optim.")
         cfg = cls(**d, optim=OptimConfig(**optim))
@@ -128,7 +281,7 @@ def _check_keys(cls: type, d: dict[str, Any], prefix: str) -> None:
 
 
 def load_config(path: str | Path) -> TrainConfig:
-    """Read a TrainConfig from a .json or .toml file."""
+    """Read and validate a TrainConfig from a .json or .toml file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
@@ -142,3 +295,77 @@ def load_config(path: str | Path) -> TrainConfig:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"config file {p} does not parse: {e}") from None
     return TrainConfig.from_dict(d)
+
+
+# ---- single fields by dotted name (the CLI's flags) ----
+
+def _lookup(path: str) -> tuple[Any, Rule, Any]:
+    """(type, Rule, default) of field ``path`` ("steps", "optim.lr")."""
+    cls: type = TrainConfig
+    *outer, name = path.split(".")
+    for part in outer:
+        cls = field_types(cls)[part][0]
+    tp, rule = field_types(cls)[name]
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return tp, rule, default
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def field_help(path: str) -> str:
+    """Help text of field ``path``: what it does, what it accepts, and its default."""
+    tp, rule, default = _lookup(path)
+    return f"{rule.help}; {describe(tp, rule)} (default: {_show(default)})"
+
+
+def field_metavar(path: str) -> str:
+    """A short name for a flag's value: N, X, {a,b,c} or SPEC, with |none when it may be none."""
+    tp, rule, _ = _lookup(path)
+    inner, nullable = unwrap_optional(tp)
+    if inner is int or inner is float:
+        name = "N" if inner is int else "X"
+    elif rule.choices and rule.syntax is None:
+        name = "{" + ",".join(rule.choices) + "}"
+    else:
+        name = "SPEC"
+    return name + ("|none" if nullable else "")
+
+
+def parse_field(path: str, text: str | bool, *, flag: str | None = None) -> Any:
+    """The value of field ``path`` given as command-line text (or a bool from an on/off flag), checked.
+
+    ConfigError names the field (and ``flag``), the value received and what is expected.
+    """
+    tp, rule, _ = _lookup(path)
+    label = f"{path} ({flag})" if flag else path
+    if isinstance(text, bool):
+        return check_value(label, text, tp, rule)
+    return parse_text(label, text, tp, rule)
+
+
+def set_field(cfg: TrainConfig, path: str, value: Any) -> None:
+    """Set field ``path`` ("steps", "optim.lr") of ``cfg``; call `validate` afterwards."""
+    *outer, name = path.split(".")
+    obj: Any = cfg
+    for part in outer:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """Raise ConfigError when ``cfg.device`` names a CUDA device this machine does not have."""
+    if not cfg.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {cfg.device}: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
+        )
+    m = _CUDA_INDEX.fullmatch(cfg.device)
+    n = torch.cuda.device_count()
+    if m is not None and int(m[1]) >= n:
+        raise ConfigError(f"--device {cfg.device}: this machine has {n} CUDA device(s), cuda:0-cuda:{n - 1}; use --device cuda:0")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtc.data.batches import BatchSampler
+from mtc.data.batches import BatchSampler, check_fits
 from mtc.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
-from mtc.data.tokens import TokenFile, TokenHeader, prepare, write_token_file
+from mtc.data.tokens import TokenFile, TokenHeader, check_data_identity, prepare, write_token_file
 from mtc.errors import DataError
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "TokenFile",
     "TokenHeader",
     "Tokenizer",
+    "check_data_identity",
+    "check_fits",
     "embedded_corpus_dir",
     "get_tokenizer",
     "prepare",

@@ -13,10 +13,22 @@ import torch
 from mtc.data.tokens import TokenFile
 from mtc.errors import DataError
 
-__all__ = ["SPLITS", "BatchSampler"]
+__all__ = ["SPLITS", "BatchSampler", "check_fits"]
 
 # The id is part of the RNG key, so train and val draw unrelated offsets for the same cursor.
 SPLITS = {"train": 0, "val": 1}
+
+
+def check_fits(tokens: TokenFile | np.ndarray, seq_len: int) -> None:
+    """Raise DataError when ``tokens`` hold less than one sequence of ``seq_len`` plus its last target."""
+    n = len(tokens)
+    need = seq_len + 1
+    if n < need:
+        where = f"token file {tokens.path}" if isinstance(tokens, TokenFile) else "the token array"
+        raise DataError(
+            f"{where} has {n:,} tokens but seq_len={seq_len} needs at least {need:,} (one sequence plus its last "
+            "target); use more text or a shorter --seq-len"
+        )
 
 
 class BatchSampler:

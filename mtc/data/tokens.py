@@ -5,7 +5,11 @@
 reading it. ``<name>.json`` says how to read it::
 
     {"format": "mtc-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
-     "tokenizer": "byte", "n_tokens": 12345}
+     "tokenizer": "byte", "n_tokens": 12345, "max_token_id": 255, "sha256": "9f86d0..."}
+
+``max_token_id`` and ``sha256`` (of the .bin's bytes) let a run check the data against the model's
+vocabulary and notice when a resumed run's data changed, without reading the tokens; headers written
+before they existed (or by other tools) lack them and are still read.
 
 Both files are written to a temporary name and renamed into place, the .bin first, so a reader never
 sees a half-written file; `TokenFile.open` checks the header against the .bin's size.
@@ -14,7 +18,9 @@ sees a half-written file; `TokenFile.open` checks the header against the .bin's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import re
 import os
 import tempfile
 from collections.abc import Callable
@@ -26,13 +32,25 @@ import numpy as np
 from mtc.data.tokenizer import get_tokenizer
 from mtc.errors import DataError
 
-__all__ = ["FORMAT", "VERSION", "TokenFile", "TokenHeader", "prepare", "token_file_paths", "write_token_file"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "TokenFile",
+    "TokenHeader",
+    "check_data_identity",
+    "prepare",
+    "token_file_paths",
+    "write_token_file",
+]
 
 FORMAT = "mtc-tokens"
 VERSION = 1
 # Explicit little-endian dtypes: the .bin must read the same on any host.
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _MAX_VOCAB = 2**32
+_HASH_BLOCK = 1 << 24  # 16 MiB: hashing and writing stream through blocks, never a whole copy
+_SAMPLE = 1 << 20  # a file without a content hash is identified by its first and last MiB
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def token_file_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -53,6 +71,8 @@ class TokenHeader:
     n_tokens: int
     format: str = FORMAT
     version: int = VERSION
+    max_token_id: int | None = None  # None: not recorded (older header) or no tokens
+    sha256: str | None = None  # of the .bin's bytes; None: not recorded
 
     @property
     def itemsize(self) -> int:
@@ -60,11 +80,16 @@ class TokenHeader:
         return _DTYPES[self.dtype].itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object written to disk, in a fixed key order."""
-        return {
+        """The JSON object written to disk, in a fixed key order (optional fields only when recorded)."""
+        d: dict[str, Any] = {
             "format": self.format, "version": self.version, "dtype": self.dtype,
             "vocab_size": self.vocab_size, "tokenizer": self.tokenizer, "n_tokens": self.n_tokens,
         }
+        if self.max_token_id is not None:
+            d["max_token_id"] = self.max_token_id
+        if self.sha256 is not None:
+            d["sha256"] = self.sha256
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str = "header") -> TokenHeader:
@@ -97,19 +122,25 @@ class TokenHeader:
         tokenizer = d.get("tokenizer")
         if not isinstance(tokenizer, str) or not tokenizer:
             raise DataError(f"{where}: tokenizer must be a non-empty string, got {tokenizer!r}; {fix}")
-        return cls(dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=n_tokens)
+        max_id = _int("max_token_id", 0, vocab_size - 1) if d.get("max_token_id") is not None else None
+        sha = d.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise DataError(f"{where}: sha256 must be 64 lowercase hex digits, got {sha!r}; {fix}")
+        return cls(dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=n_tokens,
+                   max_token_id=max_id, sha256=sha)
 
 
 class TokenFile:
     """An opened, validated token file: ``.header``, read-only memory-mapped ``.tokens``, ``len()``."""
 
-    __slots__ = ("header", "header_path", "path", "tokens")
+    __slots__ = ("_max_id", "header", "header_path", "path", "tokens")
 
     def __init__(self, path: Path, header_path: Path, header: TokenHeader, tokens: np.ndarray) -> None:
         self.path = path
         self.header_path = header_path
         self.header = header
         self.tokens = tokens
+        self._max_id: int | None = header.max_token_id
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TokenFile:
@@ -148,6 +179,48 @@ class TokenFile:
 
     def __len__(self) -> int:
         return self.header.n_tokens
+
+    def max_token_id(self) -> int | None:
+        """The largest token id: from the header, else one vectorised scan (remembered); None if empty."""
+        if self._max_id is None and len(self):
+            self._max_id = int(self.tokens.max())
+        return self._max_id
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise DataError when the file is empty or holds a token id a model of ``vocab_size`` ids cannot embed."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise DataError(f"vocab_size must be an integer >= 1, got {vocab_size!r} ({type(vocab_size).__name__})")
+        if len(self) == 0:
+            raise DataError(f"token file {self.path} is empty (0 tokens); prepare it from a non-empty text with `mtc prepare`")
+        top = self.max_token_id()
+        if top is not None and top >= vocab_size:
+            raise DataError(
+                f"token file {self.path} holds token id {top:,} (tokenizer {self.header.tokenizer!r}, vocab_size "
+                f"{self.header.vocab_size:,}) but the model embeds only {vocab_size:,} ids (0-{vocab_size - 1:,}); "
+                f"prepare the data with the model's tokenizer, or give the model vocab_size >= {top + 1:,} "
+                "(model_overrides.vocab_size)"
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies this data for a resumed run: path, size in bytes, header and a hash.
+
+        ``hash_kind`` is "content" when the header records the sha256 of all token bytes, else
+        "sample": the sha256 of the first and last MiB and the size (a file from an older mtc or
+        another tool; re-run `mtc prepare` to give it a content hash).
+        """
+        size = self.path.stat().st_size
+        if self.header.sha256 is not None:
+            digest, kind = self.header.sha256, "content"
+        else:
+            h = hashlib.sha256()
+            with open(self.path, "rb") as f:
+                h.update(f.read(_SAMPLE))
+                f.seek(max(0, size - _SAMPLE))
+                h.update(f.read(_SAMPLE))
+            h.update(str(size).encode())
+            digest, kind = h.hexdigest(), "sample"
+        return {"path": str(self.path.resolve()), "size_bytes": size, "header": self.header.to_dict(),
+                "hash": digest, "hash_kind": kind}
 
     def __repr__(self) -> str:
         h = self.header
@@ -191,13 +264,22 @@ def write_token_file(
                 "pass the tokenizer's vocab_size, or check the tokenizer's output"
             )
     dtype_name = "uint16" if vocab_size <= 2**16 else "uint32"
-    data = arr.astype(_DTYPES[dtype_name], copy=False)
-    header = TokenHeader(dtype=dtype_name, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=int(data.size))
+    data = np.ascontiguousarray(arr.astype(_DTYPES[dtype_name], copy=False))
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     # Drop a stale header first: if we die before the new one lands, open() reports a missing
     # header instead of pairing the new .bin with the old header.
     json_path.unlink(missing_ok=True)
-    _atomic_write(bin_path, lambda f: f.write(np.ascontiguousarray(data).tobytes()))
+    digest = hashlib.sha256()
+
+    def write_and_hash(f: BinaryIO) -> None:
+        raw = memoryview(data).cast("B")
+        for i in range(0, len(raw), _HASH_BLOCK):
+            f.write(raw[i:i + _HASH_BLOCK])
+            digest.update(raw[i:i + _HASH_BLOCK])
+
+    _atomic_write(bin_path, write_and_hash)
+    header = TokenHeader(dtype=dtype_name, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=int(data.size),
+                         max_token_id=int(data.max()) if data.size else None, sha256=digest.hexdigest())
     text = json.dumps(header.to_dict(), indent=1) + "\n"
     _atomic_write(json_path, lambda f: f.write(text.encode("utf-8")))
     return TokenFile.open(bin_path)
@@ -238,3 +320,29 @@ def prepare(text_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
         raise DataError(f"{text_path} contains no text; nothing to tokenize")
     return write_token_file(out_path, tokens, vocab_size=tok.vocab_size, tokenizer=tok.name)
 
+
+
+# Header fields that say what the tokens are; max_token_id and sha256 are compared through the hash.
+_IDENTITY_HEADER_KEYS = ("dtype", "vocab_size", "tokenizer", "n_tokens")
+
+
+def check_data_identity(saved: dict[str, Any] | None, now: dict[str, Any], allow_change: bool) -> None:
+    """Raise DataError when a resumed run's data (``now``, from `TokenFile.identity`) differs from ``saved``.
+
+    ``saved`` None (a run that recorded no identity) or ``allow_change`` skip the check. A moved
+    file with the same contents passes; the hashes are compared when both are of the same kind.
+    """
+    if saved is None or allow_change:
+        return
+    diff = []
+    if saved.get("size_bytes") != now.get("size_bytes"):
+        diff.append(f"size {saved.get('size_bytes')} -> {now.get('size_bytes')} bytes")
+    sh, nh = saved.get("header") or {}, now.get("header") or {}
+    diff += [f"{k} {sh.get(k)!r} -> {nh.get(k)!r}" for k in _IDENTITY_HEADER_KEYS if sh.get(k) != nh.get(k)]
+    if saved.get("hash_kind") == now.get("hash_kind") and saved.get("hash") != now.get("hash"):
+        diff.append(f"{now.get('hash_kind')} sha256 {str(saved.get('hash'))[:12]}... -> {str(now.get('hash'))[:12]}...")
+    if diff:
+        raise DataError(
+            f"the data {now.get('path')} is not the data this run was trained on ({saved.get('path')}): differs in "
+            f"{'; '.join(diff)}; resume with the original data, or pass --allow-change data to continue on new data"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_prepare_round_trip(tmp_path: Path) -> None:
     assert tf.header.to_dict() == {
         "format": "mtc-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
         "tokenizer": "byte", "n_tokens": len(tf),
+        "max_token_id": max(text.encode("utf-8")), "sha256": hashlib.sha256(tf.path.read_bytes()).hexdigest(),
     }
     assert ByteTokenizer().decode(tf.tokens) == text
     assert (tmp_path / "out.bin").stat().st_size == 2 * len(tf)

@@ -1,0 +1,195 @@
+"""The typed config schema: every bad value is one ConfigError naming the field and the value."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mtc.cli import _train_config, build_parser, main
+from mtc.config import OptimConfig, TrainConfig, check_device, load_config, parse_layer_set, parse_placement
+from mtc.errors import ConfigError
+from mtc.models import preset_names
+
+# (TOML text, field named in the message, value as the message shows it)
+BAD_TOML = [
+    ('[optim]\nlr = "abc"', "optim.lr", "'abc' (str)"),
+    ('steps = "3"', "steps", "'3' (str)"),
+    ("steps = 2.5", "steps", "2.5 (float)"),
+    ("micro_batch_size = true", "micro_batch_size", "True (bool)"),
+    ('[model_overrides]\nn_layers = "2"', "model_overrides.n_layers", "'2' (str)"),
+    ("[model_overrides]\nn_heads = 0", "model_overrides.n_heads", "0 (int)"),
+    ("[model_overrides]\nnope = 1", "model_overrides.nope", "'nope'"),
+    ("[optim]\nlr = inf", "optim.lr", "inf (float)"),
+    ("[optim]\nclip_norm = nan", "optim.clip_norm", "nan (float)"),
+    ("[optim]\nbeta2 = 1.0", "optim.beta2", "1.0 (float)"),
+    ("[optim]\nmin_lr = 0.1", "optim.min_lr", "0.1"),
+    ("[optim]\nwarmup_steps = -1", "optim.warmup_steps", "-1 (int)"),
+    ("seed = -1", "seed", "-1 (int)"),
+    ("ram_budget_gb = 0", "ram_budget_gb", "0.0 (float)"),
+    ("gpu_budget_gb = -inf", "gpu_budget_gb", "-inf (float)"),
+    ("commit_every = 0", "commit_every", "0 (int)"),
+    ("optim_threads = -1", "optim_threads", "-1 (int)"),
+    ("io_threads = 0", "io_threads", "0 (int)"),
+    ("max_nonfinite_steps = 0", "max_nonfinite_steps", "0 (int)"),
+    ('compute_dtype = "fp16"', "compute_dtype", "'fp16' (str)"),
+    ('durability = "some"', "durability", "'some' (str)"),
+    ('device = "gpu"', "device", "'gpu' (str)"),
+    ("allow_tf32 = 1", "allow_tf32", "1 (int)"),
+    ('placement = "gpu:0-3,ram:3-4"', "placement", "'gpu:0-3,ram:3-4' (str)"),
+    ('placement = "fast:0-3"', "placement", "'fast:0-3' (str)"),
+    ('placement = "gpu:3-1"', "placement", "'gpu:3-1' (str)"),
+    ('gpu_update = "0-x"', "gpu_update", "'0-x' (str)"),
+    ("seq_len = 1000", "seq_len", "1000"),
+    ('model = "nosuch"', "model", "'nosuch'"),
+    ("optim = 3", "optim", "3 (int)"),
+]
+
+
+@pytest.mark.parametrize(("toml", "field", "shown"), BAD_TOML, ids=[b[0] for b in BAD_TOML])
+def test_bad_toml_value_names_field_and_value(tmp_path, toml, field, shown):
+    (tmp_path / "c.toml").write_text(toml + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "c.toml")
+    msg = str(e.value)
+    assert f"config field {field}" in msg and shown in msg and "\n" not in msg, msg
+
+
+def test_unknown_key_lists_known_ones():
+    with pytest.raises(ConfigError, match=r"optim\.lrr; known: .*lr"):
+        TrainConfig.from_dict({"optim": {"lrr": 1.0}})
+
+
+def test_float_field_takes_int_and_none_where_optional(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"optim": {"lr": 1, "min_lr": 0, "clip_norm": None}, "ram_budget_gb": 8}))
+    cfg = load_config(tmp_path / "c.json")
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float and cfg.optim.clip_norm is None
+    assert type(cfg.ram_budget_gb) is float
+
+
+@pytest.mark.parametrize("cfg", [
+    TrainConfig(),
+    TrainConfig(steps=7, model="gpt2-tiny", model_overrides={"n_layers": 2, "norm_eps": 1e-6}, device="cuda:1",
+                placement="gpu:0-1,ram:2-3,disk:4", gpu_update="0-1,4", durability="weights", commit_every=5,
+                ram_budget_gb=12.5, max_nonfinite_steps=1, allow_tf32=False, optim=OptimConfig(clip_norm=None, lr=1e-3)),
+    TrainConfig(placement="stateless", gpu_update="none", compute_dtype="bfloat16", kernels="unfused"),
+], ids=["default", "everything", "words"])
+def test_valid_configs_round_trip(tmp_path, cfg):
+    cfg.validate()
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_config(tmp_path / "c.json") == cfg
+
+
+def test_parse_placement():
+    assert parse_placement("gpu:0-1,ram:2-3,disk:4", 5) == ["gpu", "gpu", "ram", "ram", "disk"]
+    assert parse_placement("ram:2-3, gpu:0-1 ,ram:4", 5) == ["gpu", "gpu", "ram", "ram", "ram"]
+    assert parse_placement("stateless", 3) == ["stateless"] * 3 and parse_placement("auto", 2) == ["auto"] * 2
+    with pytest.raises(ConfigError, match=r"layers 2-3, 6 have no tier.*'gpu:0-1,ram:4-5'"):
+        parse_placement("gpu:0-1,ram:4-5", 7)
+    with pytest.raises(ConfigError, match=r"layer 9 is beyond the model's last layer 5"):
+        parse_placement("gpu:0-1,ram:2-9", 6)
+    with pytest.raises(ConfigError, match=r"layer 3 is in both gpu:0-3 and ram:3-5"):
+        parse_placement("gpu:0-3,ram:3-5", 6)
+    with pytest.raises(ConfigError, match=r"config field placement: .*got 'gpu,ram' \(str\); 'gpu' is not tier:ranges"):
+        parse_placement("gpu,ram", 6)
+
+
+def test_parse_layer_set():
+    assert parse_layer_set("auto", 4) is None
+    assert parse_layer_set("none", 4) == set() and parse_layer_set("all", 3) == {0, 1, 2}
+    assert parse_layer_set("0-1,3", 4) == {0, 1, 3}
+    with pytest.raises(ConfigError, match=r"config field gpu_update: layer 4 is beyond .*got '3-4'"):
+        parse_layer_set("3-4", 4)
+    with pytest.raises(ConfigError, match=r"gpu_update: .*'some' \(str\)"):
+        parse_layer_set("some", 4)
+
+
+def test_check_device(monkeypatch):
+    cfg = TrainConfig(device="cuda")
+    cfg.validate()  # a CUDA config is valid on any machine; only check_device asks torch
+    check_device(TrainConfig(device="cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--device cuda: this machine has no CUDA device .*use --device cpu$"):
+        check_device(cfg)
+
+
+def _train(tmp_path, *flags):
+    return ["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(tmp_path / "none.bin"), *flags]
+
+
+@pytest.mark.parametrize(("flags", "shown"), [
+    (["--lr", "inf"], "config field optim.lr (--lr): expected a finite number > 0, got inf (float)"),
+    (["--lr", "abc"], "optim.lr (--lr): expected a finite number > 0, got 'abc'"),
+    (["--steps", "2.5"], "steps (--steps): expected an integer >= 1, got '2.5'"),
+    (["--micro-batch-size", "0"], "micro_batch_size (--micro-batch-size): expected an integer >= 1, got 0"),
+    (["--clip-norm", "-1"], "optim.clip_norm (--clip-norm): expected a finite number > 0 or none, got -1.0"),
+    (["--ram-budget-gb", "nan"], "ram_budget_gb (--ram-budget-gb): expected a finite number > 0 or none, got nan"),
+    (["--stop-after", "0"], "--stop-after: expected a step number >= 1"),
+    (["--stop-after", "-3"], "got -3"),
+    (["--placement", "gpu:0-3,ram:2-4"], "layer 2 is in both gpu:0-3 and ram:2-4"),
+    (["--placement", "gpus"], "placement (--placement): expected one of 'auto', 'gpu'"),
+    (["--gpu-update", "1-"], "gpu_update (--gpu-update)"),
+    (["--kernels", "fast"], "kernels (--kernels): expected one of 'auto', 'fused', 'unfused', got 'fast'"),
+    (["--min-lr", "1"], "optim.min_lr: expected at most optim.lr"),
+    (["--seq-len", "4096"], "seq_len: expected at most the max_seq_len 256"),
+])
+def test_cli_bad_flag_is_one_line_exit_2(tmp_path, capsys, flags, shown):
+    assert main(_train(tmp_path, *flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtc: error: ") and err.count("\n") == 1 and shown in err, err
+    assert not (tmp_path / "s").exists()
+
+
+def test_cli_device_cuda_without_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(_train(tmp_path, "--device", "cuda")) == 2
+    assert capsys.readouterr().err == (
+        "mtc: error: --device cuda: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu\n"
+    )
+
+
+def test_cli_flags_reach_the_config(tmp_path):
+    a = build_parser().parse_args(_train(
+        tmp_path, "--lr", "1e-4", "--clip-norm", "none", "--no-allow-tf32", "--placement", "gpu:0-1,ram:2-5",
+        "--gpu-update", "2-3", "--commit-every", "4", "--ram-budget-gb", "32", "--max-nonfinite-steps", "5",
+        "--warmup-steps", "0", "--weight-decay", "0", "--durability", "weights", "--compute-dtype", "float32",
+    ))
+    cfg = _train_config(a)
+    assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == 1e-4, "a lower --lr alone lowers min_lr with it"
+    assert cfg.optim.clip_norm is None and cfg.allow_tf32 is False and cfg.placement == "gpu:0-1,ram:2-5"
+    assert (cfg.gpu_update, cfg.commit_every, cfg.ram_budget_gb, cfg.max_nonfinite_steps) == ("2-3", 4, 32.0, 5)
+    assert (cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.durability, cfg.compute_dtype) == (0, 0.0, "weights", "float32")
+
+
+def test_cli_flags_override_config_file(tmp_path):
+    (tmp_path / "c.toml").write_text('steps = 9\nplacement = "ram"\n[optim]\nlr = 0.01\n')
+    a = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--store", "s", "--data", "d",
+                                   "--steps", "3"])
+    cfg = _train_config(a)
+    assert (cfg.steps, cfg.placement, cfg.optim.lr) == (3, "ram", 0.01)
+
+
+def test_train_help_lists_presets_and_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name in preset_names():
+        assert name in out
+    for text in ("--compute-dtype", "--no-allow-tf32", "--clip-norm X|none", "(default: 1.0)", "(default: 200)",
+                 "--max-nonfinite-steps", "(default: 3)", "--gpu-update", "--io-threads", "(default: full)"):
+        assert text in out, text
+
+
+def test_closed_stdout_exits_quietly(tmp_path):
+    """`mtc ... | head`: the reader is gone before mtc prints; exit 1 without a BrokenPipeError traceback."""
+    (tmp_path / "t.txt").write_text("a few words\n")
+    cmd = [sys.executable, "-m", "mtc", "prepare", str(tmp_path / "t.txt"), "-o", str(tmp_path / "t.bin")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and err == "", err
