@@ -89,7 +89,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
-    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan)
+    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens)
     start = run.start_step
     if start >= cfg.steps:
         run.store.close()

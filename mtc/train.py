@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mtc.config import TrainConfig
-from mtc.data import BatchSampler, TokenFile
-from mtc.errors import ConfigError, DataError, MTCError, StoreError
+from mtc.config import TrainConfig, check_device
+from mtc.data import BatchSampler, TokenFile, check_fits
+from mtc.errors import ConfigError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.models import build, model_config
 from mtc.plan import load_plan, save_plan
@@ -129,7 +129,10 @@ _EXECUTION_FIELDS = ("io_threads", "kernels", "placement", "gpu_update", "optim_
 
 
 def _comparable(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k not in _EXECUTION_FIELDS}
+    """The fields that must agree on resume; fields added since the store was made take their defaults."""
+    defaults = TrainConfig().to_dict()
+    full = {**defaults, **d, "optim": {**defaults["optim"], **(d.get("optim") or {})}}
+    return {k: v for k, v in full.items() if k not in _EXECUTION_FIELDS and k in defaults}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -223,7 +226,7 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
 
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
-    plan: str | Path | None = None,
+    plan: str | Path | None = None, data: TokenFile | None = None,
 ) -> Run:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
 
@@ -231,9 +234,13 @@ def open_run(
     directory ``plan`` (from `mtc compile`, whose generated kernels are copied along), checks that
     the machine can hold it, then creates the store and saves the plan. Its initial state is
     written and committed as step 0 by `train` (from RAM, in the chosen durability mode). A resumed
-    run uses the plan saved in its store.
+    run uses the plan saved in its store. With ``data``, the token file is checked against the
+    model's vocabulary and the sequence length first. Every check runs before anything is written.
     """
     cfg.validate()
+    check_device(cfg)
+    if data is not None:
+        check_fits(data, cfg.seq_len)
     path = Path(store_dir) if store_dir is not None else None
     if path is not None and (path / "commit.json").exists() and not overwrite:
         store = TensorStore.open(path, io_threads=cfg.io_threads)
@@ -249,12 +256,16 @@ def open_run(
                     "resume with the same config, or use a new store directory"
                 )
             program = load_plan(path / "plan")
+            if data is not None:
+                data.check_vocab(_model_vocab(program))
         except BaseException:
             store.close()
             raise
         return Run(store, program, last, None)
     model = model if model is not None else build_model(cfg)
     program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    if data is not None:
+        data.check_vocab(_model_vocab(program))
     placement, _ = plan_placement(cfg, program)
     preflight(cfg, program, placement, path, new_run=True)
     store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
@@ -335,7 +346,7 @@ def train(
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
-    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite)
+    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens)
     st, program = run.store, run.program
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)
@@ -343,11 +354,6 @@ def train(
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     parts: list = []
     try:
-        if tokens.header.vocab_size > _model_vocab(program):
-            raise DataError(
-                f"token file vocabulary ({tokens.header.vocab_size}) is larger than the model's ({_model_vocab(program)}); "
-                "prepare the data with the model's tokenizer"
-            )
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)

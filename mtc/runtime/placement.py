@@ -18,8 +18,8 @@ working memory of one layer's recompute.
 from __future__ import annotations
 
 import os
-import re
 
+from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 
@@ -36,60 +36,24 @@ __all__ = [
 _FP32 = 4
 
 
-def _ranges(text: str, n_layers: int, what: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split("+") if "+" in text else [text]:
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if not m:
-            raise ConfigError(f"{what}: cannot read layer range {part!r}; write ranges like 0-3 or 7")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if lo > hi or hi >= n_layers:
-            raise ConfigError(f"{what}: layer range {part!r} is outside 0-{n_layers - 1} (the model has {n_layers} layers)")
-        out.extend(range(lo, hi + 1))
-    return out
-
-
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
     """One tier per layer from a placement string ("ram", "stateless", "gpu:0-3,ram:4-9", ...)."""
-    spec = spec.strip()
-    if spec in ("ram", "stateless"):
-        return ["ram"] * n_layers
-    if spec in ("gpu", "disk"):
-        return [spec] * n_layers
-    if spec == "auto":
+    tiers = parse_placement(spec, n_layers)
+    if tiers and tiers[0] == "auto":
         if auto is None:
             raise ConfigError("placement 'auto' needs the machine's budgets")
         return auto
-    tiers: list[str | None] = [None] * n_layers
-    for item in spec.split(","):
-        tier, _, rng = item.partition(":")
-        tier = tier.strip()
-        if tier not in ("gpu", "ram", "disk") or not rng:
-            raise ConfigError(f"placement item {item!r}: write tier:layers with tier gpu, ram or disk, e.g. 'gpu:0-3,ram:4-19'")
-        for i in _ranges(rng.replace(" ", ""), n_layers, f"placement {spec!r}"):
-            if tiers[i] is not None:
-                raise ConfigError(f"placement {spec!r} places layer {i} twice ({tiers[i]} and {tier})")
-            tiers[i] = tier
-    missing = [i for i, t in enumerate(tiers) if t is None]
-    if missing:
-        raise ConfigError(f"placement {spec!r} leaves layers {missing} unplaced; every layer 0-{n_layers - 1} needs a tier")
-    return [t for t in tiers if t is not None]
+    return ["ram" if t == "stateless" else t for t in tiers]
 
 
 def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
                        cpu_params_per_s: float = 2.7e9, pcie_bytes_per_s: float = 50e9) -> set[int]:
-    """The `ram` layers the GPU updates: named ranges, "all", "none", or "auto" (cost model)."""
-    ram = [i for i, t in enumerate(placement) if t == "ram"]
-    spec = spec.strip()
-    if spec == "none":
-        return set()
-    if spec == "all":
-        return set(ram)
-    if spec == "auto":
+    """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto" (cost model)."""
+    chosen = parse_layer_set(spec, len(placement))
+    if chosen is None:
         return choose_gpu_update(placement, numels, cpu_params_per_s, pcie_bytes_per_s) if device_is_cuda else set()
-    chosen = set()
-    for part in spec.split(","):
-        chosen.update(_ranges(part, len(placement), f"gpu_update {spec!r}"))
+    if spec.strip() == "all":
+        return {i for i in chosen if placement[i] == "ram"}
     not_ram = sorted(i for i in chosen if placement[i] != "ram")
     if not_ram:
         raise ConfigError(f"gpu_update names layers {not_ram}, which are not placed in ram ({[placement[i] for i in not_ram]}); "

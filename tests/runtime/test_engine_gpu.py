@@ -1,0 +1,105 @@
+"""The CUDA path: no host sync inside the layer loop, no races, bf16 training that tracks torch AMP."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mtc.config import OptimConfig
+from mtc.data import BatchSampler
+from mtc.runtime.schedule import lr_at
+from mtc.runtime.state import read_params
+from mtc.runtime.tiers import StateTiers
+from mtc.runtime.timeline import Timeline
+from mtc.tracer import LossModel
+from mtc.train import build_engine, build_model, open_run, plan_placement, train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
+
+
+def test_no_host_sync_inside_the_layer_loop(tokens):
+    cfg = small_config(device="cuda", kernels="unfused", placement="gpu:0,ram:1-2,disk:3", durability="none",
+                       activation_budget_gb=1e-9)
+    run = open_run(cfg, None)
+    placement, gpu_update = plan_placement(cfg, run.program)
+    tiers = StateTiers(run.program, placement, torch.device("cuda"), torch.bfloat16)
+    from mtc.runtime.state import flatten_layer
+
+    for i in range(run.program.n_layers):
+        tiers.set_layer(i, flatten_layer(run.program, i, run.params))
+    eng = build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline())
+    sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
+    mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
+    for step in range(3):
+        eng.optimizer.begin_step(step, 1e-3)
+        if step == 2:  # warm: allocations and lazy set-up are done
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = eng.executor.run_step(mbs, eng.optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        eng.optimizer.finish_step(out.loss)
+    eng.optimizer.wait()
+    eng.close()
+    run.store.close()
+
+
+@pytest.mark.parametrize("mode", [dict(placement="ram", gpu_update="none"), dict(placement="gpu:0-1,ram:2,disk:3", gpu_update="2"),
+                                  dict(placement="stateless", gpu_update="all", activation_budget_gb=1e-9)])
+def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode):
+    cfg = small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels="unfused", **mode)
+    a = train(cfg, None, tokens)
+    b = train(cfg, None, tokens, serialize=True)
+    try:
+        assert a.losses == b.losses
+        wa, wb = read_params(a.program, a.store, a.generation), read_params(b.program, b.store, b.generation)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    finally:
+        a.store.close()
+        b.store.close()
+
+
+def test_bf16_loss_curve_tracks_torch_amp(tokens):
+    steps = 200
+    cfg = small_config(steps=steps, device="cuda", compute_dtype="bfloat16", durability="none", kernels="unfused",
+                       model_overrides={"n_layers": 4}, micro_batch_size=8, seq_len=64, grad_accum=1,
+                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=10, weight_decay=0.1, clip_norm=1.0))
+    res = train(cfg, None, tokens)
+    res.store.close()
+    # GPU-resident torch: fp32 weights, bf16 autocast, fused AdamW on the GPU, same data and schedule
+    model = build_model(dataclass_replace(cfg, compute_dtype="float32")).cuda()
+    lm = LossModel(model)
+    params = dict(model.named_parameters())
+    o = cfg.optim
+    opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+    sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    ref = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, o)
+        ids, tg = (t.cuda() for t in sampler.batch(step))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm(ids, tg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.append(loss.item())
+    got, ref = np.array(res.losses), np.array(ref)
+    assert got[-1] < got[0] - 1.0, "the bf16 run must train"
+    assert abs(got[-50:].mean() - ref[-50:].mean()) < 0.05 * ref[-50:].mean(), (got[-50:].mean(), ref[-50:].mean())
+
+
+def dataclass_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
