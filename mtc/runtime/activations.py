@@ -56,7 +56,8 @@ class ActivationStore:
         self._keep.pop(key, None)
         host = self._host[key]
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.engine.device)
-        self._back[key] = (dev, self.engine.h2d([(dev, host)], layer=key[0], stage="act_in"))
+        # `dev` may reuse memory that kernels queued on the compute stream still read: copy after them
+        self._back[key] = (dev, self.engine.h2d([(dev, host)], after=self.engine.marker(), layer=key[0], stage="act_in"))
 
     def take(self, key: Key) -> torch.Tensor:
         """Remove and return the activation, on the device (waits for its copy back if needed)."""

@@ -45,6 +45,16 @@ class DeviceRing:
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
 
+    def preallocate(self) -> None:
+        """Allocate every slot now. On CUDA this must happen before any compute: a block the caching
+        allocator hands out later may still be in use by kernels queued on the compute stream, and
+        the copy streams would write into it unordered."""
+        with self._lock:
+            while len(self._all) < self._slots:
+                slot = Slot(len(self._all), torch.empty(self.numel, dtype=self.dtype, device=self.device))
+                self._all.append(slot)
+                self._free.append(slot)
+
     def acquire(self) -> Slot:
         """Take a free slot (allocated on first use); error if all are held (a scheduling bug)."""
         with self._lock:

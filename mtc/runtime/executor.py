@@ -131,6 +131,9 @@ class StreamingExecutor:
         n_open = 2 + len(tied)
         slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t != "gpu"), default=1)
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
+        if self.device.type == "cuda":
+            self.ring.preallocate()
+            self.slabs.preallocate()
         self.acts = ActivationStore(engine, activation_budget_bytes)
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-fetch")
         self._last_user = program.last_backward_user()
@@ -185,7 +188,11 @@ class StreamingExecutor:
                     upd.result()
         copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel], self.tiers[s.owner].compute[s.start : s.start + s.numel])
                   for s in plan.segments]
-        tr = self.engine.h2d(copies, after=self.ring.ready_for_copy(slot), layer=layer)
+        after = self.ring.ready_for_copy(slot)
+        if any(self.tiers[o].tier == "gpu" for o in owners):
+            # a resident owner is updated on the compute stream: copy only after what is queued there
+            after = self.engine.marker()
+        tr = self.engine.h2d(copies, after=after, layer=layer)
         for o in owners:
             self.tiers[o].last_read = tr  # the owner's next update waits until this copy has read it
         tensors = {k: slot.device[o : o + _numel(shape)].view(shape) for k, (o, shape) in plan.views.items()}

@@ -36,7 +36,7 @@ from mtc.config import OptimConfig
 from mtc.graphs.program import Program
 from mtc.runtime.tiers import StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
-from mtc.runtime.transfer import CopyEngine, Marker
+from mtc.runtime.transfer import CopyEngine, Marker, Transfer
 from mtc.store import TensorStore, state_array_name
 
 __all__ = ["StepStats", "StreamingAdamW"]
@@ -87,9 +87,14 @@ class StreamingAdamW:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")
         self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None
-        self._scratch: list[torch.Tensor] | None = None  # GPU-side update of ram layers: device buffers
+        self._scratch: list[list[torch.Tensor]] = []  # GPU-side update of ram layers: two sets of device buffers
         self._disk_scratch = threading.local()
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
+            n = max(self.tiers[j].numel for j in self.gpu_update)
+            self._scratch = [[torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
+                             + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)] for _ in range(2)]
+        self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
         self.commit_future: Future[None] = _done()  # the last commit record's write
         self.disk_generation = 0  # generation disk-tier layers read this step
 
@@ -141,6 +146,7 @@ class StreamingAdamW:
         prev_commit = self.commit_future
         w_gen = write_generation
         r_disk, w_disk = self.disk_generation, 1 - self.disk_generation
+        streamed: list[tuple[int, Future[None], dict, tuple]] = []
         for i in range(self.program.n_layers):
             s = self.tiers[i]
             if not s.numel:
@@ -158,7 +164,8 @@ class StreamingAdamW:
                     s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
             elif i in self.gpu_update:
-                s.update = self._gpu.submit(self._update_streamed, i, coef, hp, deps, step)
+                s.update = Future()
+                streamed.append((i, s.update, hp, deps))
             else:
                 s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit, step)
             if s.tier == "disk":
@@ -166,6 +173,8 @@ class StreamingAdamW:
             elif s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
                 s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
+        if streamed:
+            self._gpu.submit(self._update_streamed, streamed, coef, step)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
@@ -226,31 +235,47 @@ class StreamingAdamW:
             _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
                           **hp, **self._hyper())
 
-    def _update_streamed(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, tstep: int) -> None:
-        """A ram layer updated on the GPU: state + gradient over PCIe, kernel, state back."""
-        s = self.tiers[i]
-        _wait_all(self.timeline, i, deps, tstep)
-        with self.timeline.span("update_streamed", i, step=tstep):
-            if self._scratch is None:
-                n = max(self.tiers[j].numel for j in self.gpu_update)
-                self._scratch = [torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
-                self._scratch.append(torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device))
-            p, m, v, g, c = (t[: s.numel] for t in self._scratch)
-            cast = s.compute is not s.master
-            tr_in = self.engine.h2d([(p, s.master), (m, s.m), (v, s.v), (g, s.grad)], layer=i, stage="opt_h2d")
-            if self._opt_stream is not None:
-                self._opt_stream.wait_event(tr_in.event)
-                with torch.cuda.stream(self._opt_stream):
-                    _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
-                    ev = torch.cuda.Event()
-                    ev.record(self._opt_stream)
-                after = Marker(ev)
-            else:
-                tr_in.wait()
-                _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
-                after = None
-            back = [(s.master, p), (s.m, m), (s.v, v)] + ([(s.compute, c)] if cast else [])
-            self.engine.d2h(back, after=after, layer=i, stage="opt_d2h").wait()
+    def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int) -> None:
+        """Ram layers updated on the GPU, pipelined over two scratch sets: layer j's state crosses
+        PCIe in while layer j-1's kernel runs and its state crosses back (each direction on its
+        own stream); a layer's future completes once its state is back in host memory."""
+        pending: list[tuple[Future[None], Transfer]] = []
+        try:
+            for j, (i, fut, hp, deps) in enumerate(jobs):
+                s = self.tiers[i]
+                _wait_all(self.timeline, i, deps, tstep)
+                with self.timeline.span("update_streamed", i, step=tstep):
+                    p, m, v, g, c = (t[: s.numel] for t in self._scratch[j % 2])
+                    cast = s.compute is not s.master
+                    tr_in = self.engine.h2d([(p, s.master), (m, s.m), (v, s.v), (g, s.grad)], after=self._scratch_free[j % 2],
+                                            layer=i, stage="opt_h2d")
+                    if self._opt_stream is not None:
+                        self._opt_stream.wait_event(tr_in.event)
+                        with torch.cuda.stream(self._opt_stream):
+                            _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
+                            ev = torch.cuda.Event()
+                            ev.record(self._opt_stream)
+                        after: Marker | None = Marker(ev)
+                    else:
+                        tr_in.wait()
+                        _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
+                        after = None
+                    back = [(s.master, p), (s.m, m), (s.v, v)] + ([(s.compute, c)] if cast else [])
+                    tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h")
+                    self._scratch_free[j % 2] = tr_out
+                pending.append((fut, tr_out))
+                while len(pending) > 1:  # keep one layer in flight behind the one just issued
+                    done, tr = pending.pop(0)
+                    tr.wait()
+                    done.set_result(None)
+            for done, tr in pending:
+                tr.wait()
+                done.set_result(None)
+        except BaseException as e:
+            for _, fut, _, _ in jobs:
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
 
     # -- write-behind and commits ---------------------------------------------------------------
 

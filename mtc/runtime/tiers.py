@@ -63,11 +63,13 @@ class LayerState:
 class StateTiers:
     """Every layer's `LayerState`, allocated once for the run (no allocation per step)."""
 
-    def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
+                 streamed: set[int] | None = None) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
+        self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
@@ -87,8 +89,9 @@ class StateTiers:
             return LayerState(i, tier, n, nd, master, m, v, compute, grad)
         if tier == "ram":
             # the master itself is the PCIe source in fp32 compute, so it is the pinned buffer then
-            master = self._host(n, STATE_DTYPE, pinned=fp32_compute)
-            m, v = self._host(n, STATE_DTYPE, pinned=False), self._host(n, STATE_DTYPE, pinned=False)
+            streamed = i in self.streamed
+            master = self._host(n, STATE_DTYPE, pinned=fp32_compute or streamed)
+            m, v = self._host(n, STATE_DTYPE, pinned=streamed), self._host(n, STATE_DTYPE, pinned=streamed)
             compute = master if fp32_compute else self._host(n, self.compute_dtype, pinned=True)
             return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
         compute = self._host(n, self.compute_dtype, pinned=True)

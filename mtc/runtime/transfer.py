@@ -88,15 +88,15 @@ class CopyEngine:
         ev.record(self.compute_stream)
         return Marker(ev)
 
-    def h2d(self, copies: Copies, *, after: Marker | None = None, layer: int = -1, stage: str = "h2d") -> Transfer:
+    def h2d(self, copies: Copies, *, after: Marker | Transfer | None = None, layer: int = -1, stage: str = "h2d") -> Transfer:
         """Copy host -> device (or host -> host slot on the CPU) once ``after`` is reached."""
         return self._copy("h2d", copies, after, layer, stage)
 
-    def d2h(self, copies: Copies, *, after: Marker | None = None, layer: int = -1, stage: str = "d2h") -> Transfer:
+    def d2h(self, copies: Copies, *, after: Marker | Transfer | None = None, layer: int = -1, stage: str = "d2h") -> Transfer:
         """Copy device -> host once ``after`` is reached (e.g. the gradient slab is final)."""
         return self._copy("d2h", copies, after, layer, stage)
 
-    def _copy(self, direction: str, copies: Copies, after: Marker | None, layer: int, stage: str) -> Transfer:
+    def _copy(self, direction: str, copies: Copies, after: Marker | Transfer | None, layer: int, stage: str) -> Transfer:
         nbytes = sum(s.numel() * s.element_size() for _, s in copies)
         if direction == "h2d":
             self.h2d_bytes += nbytes
@@ -117,6 +117,8 @@ class CopyEngine:
         step = self.timeline.step
 
         def run() -> None:
+            if isinstance(after, Transfer):  # a copy in the other direction must finish first
+                after.wait()
             with self.timeline.span(stage, layer, step=step):
                 for dst, src in copies:
                     dst.copy_(src)

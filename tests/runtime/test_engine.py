@@ -34,6 +34,7 @@ MODES = [
     dict(placement="disk"),  # state read from and written to the store every step
     dict(placement="gpu:0,ram:1-2,disk:3"),
     dict(placement="ram", gpu_update="1-2"),  # ram state streamed to the device for the update
+    dict(placement="stateless", gpu_update="all", commit_every=2),  # four layers through two scratch sets
     dict(placement="ram", commit_every=4),
     dict(placement="ram", activation_budget_gb=1e-9),  # every boundary activation offloaded
 ]
