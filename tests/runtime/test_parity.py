@@ -118,12 +118,14 @@ def test_resume_parity_new_process(tokens, reference, tmp_path):
         assert_weights_close(read_params(program, st, last.generation), ref_weights)
 
 
-def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path):
-    # The state committed at step k is never overwritten by step k+1 (two generations), so a run
-    # killed at any moment resumes from its last commit and ends where an unbroken run ends.
+@pytest.mark.parametrize("extra", [{}, {"commit_every": 3, "gpu_update": "1-2"}], ids=["every-step", "every-3-gpu-update"])
+def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path, extra):
+    # The state committed at step k is never overwritten before a later commit is durable (two
+    # generations), so a run killed at any moment resumes from its last commit and ends where an
+    # unbroken run ends, also when commits are several steps apart and the state lives in RAM.
     ref_losses, ref_weights = reference
     cfg_file = tmp_path / "run.json"
-    cfg_file.write_text(json.dumps(parity_config().to_dict()))
+    cfg_file.write_text(json.dumps(parity_config(**extra).to_dict()))
     store = tmp_path / "store"
     args = ["train", "--config", str(cfg_file), "--store", str(store), "--data", str(tokens.path)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -147,7 +149,9 @@ def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path):
     with TensorStore.open(store) as st:
         last = st.last_commit()
         assert last.step == 20
-        assert_weights_close(read_params(load_plan(store / "plan"), st, last.generation), ref_weights)
+        # the Triton AdamW of the GPU-side update rounds differently from torch's op-by-op math
+        atol = 1e-5 if "gpu_update" in extra else 1e-6
+        assert_weights_close(read_params(load_plan(store / "plan"), st, last.generation), ref_weights, atol=atol)
 
 
 def test_parity_compiled_plan(tokens):
