@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,12 +100,44 @@ def _cmd_train(a: argparse.Namespace) -> int:
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
     bar = ProgressBar(cfg.steps, initial=start)
-    res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
+    try:
+        res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
+                    on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr, tok_s=r.tokens_per_s))
+    except (KeyboardInterrupt, _Terminated) as e:
+        bar.close()
+        code = 143 if isinstance(e, _Terminated) else 130
+        what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        print(f"mtc: {what}; {_last_commit_text(a.store)}", file=sys.stderr)
+        return code
+    except BaseException:
+        bar.close()
+        raise
+    bar.close()
     res.store.close()
     if res.losses:
         print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so the run stops the way Ctrl-C stops it."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _last_commit_text(store_dir: str) -> str:
+    """What the store holds now, read back from disk (so the message is true, whatever happened)."""
+    from mtc.train import last_committed_step
+
+    try:
+        step = last_committed_step(store_dir)
+    except Exception as e:  # the message must not hide the interruption behind a second error
+        return f"the store's last commit could not be read ({e})"
+    if step is None:
+        return f"store {store_dir} has no commit yet: the same command starts the run over"
+    return f"store {store_dir} keeps its last commit, step {step}: the same command resumes from there"
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
@@ -234,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(argv: list[str] | None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = build_parser().parse_args(argv)
         try:
@@ -242,8 +278,11 @@ def _run(argv: list[str] | None) -> int:
             print(f"mtc: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print("mtc: interrupted; the store keeps its last committed step", file=sys.stderr)
+            print("mtc: interrupted", file=sys.stderr)
             return 130
+        except _Terminated:
+            print("mtc: terminated (SIGTERM)", file=sys.stderr)
+            return 143
     finally:
         # Flush here, not at interpreter exit, so a reader that closed the pipe surfaces in main.
         sys.stdout.flush()

@@ -280,6 +280,17 @@ def open_run(
     return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()})
 
 
+def last_committed_step(store_dir: str | Path) -> int | None:
+    """The step of a store directory's last commit (None: no commit), read without taking its lock."""
+    f = Path(store_dir) / "commit.json"
+    if not f.is_file():
+        return None
+    try:
+        return int(json.loads(f.read_text())["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreError(f"commit record {f} is malformed ({e}); see `mtc verify` and `mtc repair`") from None
+
+
 # -- the loop ----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,41 @@
+"""Ctrl-C and SIGTERM stop `mtc train` with the right exit code and a true word about the last commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_signal_stops_with_exit_code_and_names_the_last_commit(tmp_path, sig, code, word):
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=400, commit_every=2).to_dict()))
+    store = tmp_path / "s"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "mtc", "train", "--config", str(cfg), "--store", str(store),
+                             "--data", str(tokens.path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((store / "commit.json").exists() and
+                                          json.loads((store / "commit.json").read_text())["step"] >= 2):
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    last = json.loads((store / "commit.json").read_text())["step"]
+    assert 2 <= last < 400
+    lines = [ln for ln in err.splitlines() if ln.startswith("mtc:")]
+    assert len(lines) == 1 and word in lines[0] and f"step {last}:" in lines[0], err
+    assert "Traceback" not in err
