@@ -141,23 +141,56 @@ def _last_commit_text(store_dir: str) -> str:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from mtc.store import TensorStore
+    from mtc.store import TensorStore, verify
 
-    with TensorStore.open(a.store) as st:
-        last = st.last_commit()
+    # read-only: no lock, so it works while a training run holds the store
+    with TensorStore.open(a.store, read_only=True) as st:
+        report = verify(st, check_chunks=a.verify)
+        damaged = {p.array for p in report.problems if p.array is not None and p.chunk is None}
+        names = st.array_names()
         total = 0
-        for name in st.array_names():
+        for name in names:
+            if name in damaged:
+                continue  # its problem is printed below
             info = st.array_info(name)
             total += info.nbytes
             if a.arrays:
                 print(f"{name:32s} {str(info.dtype).removeprefix('torch.'):9s} {info.shape!s:16s} {info.nbytes / 2**20:9.2f} MiB")
-        print(f"store {a.store}: {len(st.array_names())} arrays, {total / 2**20:.1f} MiB")
-        if last is None:
-            print("no commit yet")
-        else:
+        print(f"store {a.store}: {len(names)} arrays, {total / 2**20:.1f} MiB")
+        try:
+            last = st.last_commit()
+        except MTCError:
+            last = None  # a missing or garbled commit.json: one of the problems below
+        if last is not None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.time_unix))
             print(f"last commit: step {last.step} of {last.config.get('steps')}, generation {last.generation}, "
-                  f"data cursor {last.data_cursor}, at {when}, model {last.config.get('model')}")
+                  f"durability {last.durability}, data cursor {last.data_cursor}, at {when}, model {last.config.get('model')}")
+    if a.verify:
+        print("\n".join(report.lines()))
+    else:
+        for p in report.problems:
+            print(f"damaged: {p}")
+        if not report.ok:
+            print(f"{len(report.problems)} problem(s); `mtc verify {a.store}` checks every chunk, "
+                  f"`mtc repair {a.store}` restores commit.json")
+    return 0 if report.ok else 1
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from mtc.store import TensorStore, verify
+
+    with TensorStore.open(a.store, read_only=True) as st:
+        report = verify(st)
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def _cmd_repair(a: argparse.Namespace) -> int:
+    from mtc.store import TensorStore, repair
+
+    with TensorStore.open(a.store) as st:  # takes the lock: no run may commit meanwhile
+        done = repair(st)
+    print("\n".join(done.actions))
     return 0
 
 
@@ -238,10 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
     t.set_defaults(fn=_cmd_train)
 
-    i = sub.add_parser("inspect", help="list a store's arrays and its last commit")
+    i = sub.add_parser("inspect", help="list a store's arrays, its last commit and any damage (read-only; exit 1 if damaged)")
     i.add_argument("store")
     i.add_argument("--arrays", action="store_true", help="list every array")
+    i.add_argument("--verify", action="store_true", help="also check every chunk of the committed state (as `mtc verify`)")
     i.set_defaults(fn=_cmd_inspect)
+
+    v = sub.add_parser("verify", help="check a store's metadata, commit files and committed chunks (read-only; exit 1 if damaged)")
+    v.add_argument("store")
+    v.set_defaults(fn=_cmd_verify)
+
+    r = sub.add_parser("repair", help="restore a missing or garbled commit.json from the store's commit history")
+    r.add_argument("store")
+    r.set_defaults(fn=_cmd_repair)
 
     pr = sub.add_parser("prepare", help="tokenize a text file (or a directory of .txt) into a token file")
     pr.add_argument("text")

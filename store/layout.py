@@ -18,12 +18,22 @@ from mtc.store.tensor_store import TensorStore
 
 from mtc.errors import StoreError
 
-__all__ = ["GENERATIONS", "KINDS", "STATE_DTYPE", "create_layer_state", "layer_state_nbytes", "other_generation", "state_array_name"]
+__all__ = [
+    "GENERATIONS",
+    "KINDS",
+    "LAYOUT_ATTR",
+    "STATE_DTYPE",
+    "create_layer_state",
+    "layer_state_nbytes",
+    "other_generation",
+    "state_array_name",
+]
 
 KINDS: tuple[str, ...] = ("master", "m", "v", "compute")
 GENERATIONS: tuple[int, ...] = (0, 1)
 STATE_DTYPE = torch.float32  # master, m and v: authoritative state is never stored below fp32
 _FP32_KINDS = ("master", "m", "v")
+LAYOUT_ATTR = "mtc_layers"  # root attribute: {"numels": [per layer], "compute_dtype": name or None}
 
 
 def state_array_name(layer: int, kind: str, generation: int) -> str:
@@ -49,8 +59,12 @@ def create_layer_state(store: TensorStore, layer_numels: list[int], *, compute_d
 
     ``layer_numels[i]`` is layer i's total parameter count; a layer with 0 (it owns no parameter,
     e.g. only tied weights) gets no arrays. Safe to call again on a store that has them.
+    The layout is recorded in the store's ``mtc_layers`` attribute, so `mtc.store.verify` can
+    tell a missing array from one that never existed.
     """
     _check_numels(layer_numels)
+    cdt = str(compute_dtype).removeprefix("torch.") if compute_dtype is not None else None
+    store.set_attribute(LAYOUT_ATTR, {"numels": list(layer_numels), "compute_dtype": cdt})
     for layer, n in enumerate(layer_numels):
         if n == 0:
             continue

@@ -14,25 +14,27 @@ has no bfloat16. This class closes those gaps:
   the array's attributes (``mtc_dtype``);
 * reads go straight into a caller's preallocated (e.g. pinned) buffer, one task per chunk;
 * a commit record is written atomically (temp file, fsync, rename, fsync dir), and an exclusive
-  ``flock`` keeps a second run (or a second handle) off the same store directory.
+  ``flock`` keeps a second run (or a second handle) off the same store directory; a read-only
+  handle takes no lock, so `mtc inspect` works beside a running trainer;
+* a directory becomes a store only at its first commit (the set-up marker, see
+  `mtc.store.directory`): a run killed during set-up leaves a directory that ``create``
+  re-initialises, never a store that looks resumable.
 
 Layout of a store directory: ``zarr.json`` (root group, attribute ``mtc_store: 1``), the arrays,
-``.lock``, ``commit.json`` (the last commit) and ``commits.jsonl`` (their history). Other
-directories (the runtime's ``plan/`` and ``logs/``) may live beside them.
+``.lock``, ``commit.json`` (the last commit) and ``commits.jsonl`` (their history), and before the
+first commit ``setup.json`` (the marker). Other directories (the runtime's ``plan/`` and
+``logs/``) may live beside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import json
 import operator
-import os
 import re
 import shutil
 import threading
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -50,17 +52,39 @@ try:  # public since zarr 3.1; the private path is the fallback for older 3.x
 except ImportError:  # pragma: no cover
     from zarr.core.buffer import default_buffer_prototype
 
-from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
+from mtc.store.directory import (
+    COMMIT_FILE,
+    COMMIT_TMP,
+    DURABILITY_MODES,
+    HISTORY_FILE,
+    LOCK_FILE,
+    MARKER_FILE,
+    CommitRecord,
+    append_history,
+    check_creatable,
+    commit_path,
+    dir_state,
+    fsync_path,
+    lock_store,
+    os_error_message,
+    parse_node,
+    read_commit_file,
+    read_history,
+    replace_commit_file,
+    scan_nodes,
+    unlock_store,
+    write_commit,
+    write_marker,
+)
 
-__all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore"]
+from mtc.errors import StoreCorruptionError, StoreError
+
+__all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore"]  # CommitRecord: from mtc.store.directory
 
 _MARKER = "mtc_store"
 _FORMAT = 1
 _CHUNK_BYTES = 16 * 2**20  # 16 MiB chunks read faster than 4 MiB ones (NOTES.md)
-_LOCK_FILE = ".lock"
-_COMMIT_FILE = "commit.json"
-_HISTORY_FILE = "commits.jsonl"
-_RESERVED = {_LOCK_FILE, _COMMIT_FILE, _HISTORY_FILE, _COMMIT_FILE + ".tmp", "zarr.json"}
+_RESERVED = {LOCK_FILE, COMMIT_FILE, HISTORY_FILE, COMMIT_TMP, MARKER_FILE, "zarr.json"}
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 # torch dtype -> (numpy storage dtype, name recorded in the array's attributes)
@@ -104,52 +128,6 @@ class ArrayInfo:
         return -(-self.shape[0] // self.chunk_rows)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CommitRecord:
-    """What a step commit records: enough to resume exactly.
-
-    ``generation`` is the state generation (see `mtc.store.layout`) that holds the weights after
-    ``step``; ``data_cursor`` is the position in the token stream; ``rng_state`` maps a generator
-    name to its serialised state.
-    """
-
-    step: int
-    generation: int
-    data_cursor: int
-    rng_state: dict[str, str]
-    config: dict[str, Any]
-    time_unix: float
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> str:
-        """The record as one line of JSON."""
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> CommitRecord:
-        """Parse `to_json` output; raises ValueError or TypeError naming the first bad field."""
-        d = json.loads(text)
-        if not isinstance(d, dict):
-            raise TypeError(f"a commit record is a JSON object, got {type(d).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(d) - fields):
-            raise ValueError(f"unknown fields {unknown}")
-        if missing := sorted(fields - set(d) - {"extra"}):
-            raise ValueError(f"missing fields {missing}")
-        for key in ("step", "generation", "data_cursor"):
-            if not isinstance(d[key], int) or isinstance(d[key], bool):
-                raise TypeError(f"{key} must be an integer, got {d[key]!r}")
-        if not isinstance(d["time_unix"], (int, float)) or isinstance(d["time_unix"], bool):
-            raise TypeError(f"time_unix must be a number, got {d['time_unix']!r}")
-        rng = d["rng_state"]
-        if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rng.items()):
-            raise TypeError("rng_state must map names to strings")
-        for key in ("config", "extra"):
-            if not isinstance(d.get(key, {}), dict):
-                raise TypeError(f"{key} must be a JSON object")
-        return cls(**d)
-
-
 class TensorStore:
     """A directory (or in-memory) zarr v3 store of named tensors plus step commits.
 
@@ -157,13 +135,18 @@ class TensorStore:
     waits for pending asynchronous I/O and releases the directory's lock.
     """
 
-    def __init__(self, zstore: Any, path: Path | None, io_threads: int, lock_fd: int | None, mem: dict[str, Any] | None) -> None:
+    def __init__(
+        self, zstore: Any, path: Path | None, io_threads: int, lock_fd: int | None, mem: dict[str, Any] | None,
+        *, read_only: bool = False, uncommitted: bool = False,
+    ) -> None:
         """Internal: use `create` or `open`."""
         self._zstore = zstore
         self._path = path
         self._lock_fd = lock_fd
         self._mem = mem  # the MemoryStore's dict, to tell a missing chunk from a written one
-        self._root = zarr.open_group(store=zstore, mode="a")
+        self._read_only = read_only
+        self._uncommitted = uncommitted  # the set-up marker is there: the first commit renames it
+        self._root = zarr.open_group(store=zstore, mode="r" if read_only else "a")
         self._tls = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="mtc-store-io", initializer=self._mark_worker)
         self._arrays: dict[str, zarr.Array] = {}
@@ -178,10 +161,12 @@ class TensorStore:
 
     @classmethod
     def create(cls, path: str | Path | None, *, io_threads: int = 4, overwrite: bool = False) -> TensorStore:
-        """Create a new store in directory ``path`` (None: in memory, for tests).
+        """Create a new, uncommitted store in directory ``path`` (None: in memory, for tests).
 
-        Refuses a non-empty directory unless ``overwrite``; even then it only empties a directory
-        that is an mtc store, so a mistyped path cannot wipe unrelated files.
+        The directory becomes a store at its first `commit`. A directory holding an uncommitted
+        mtc store (a run that stopped during set-up) is re-initialised; any other non-empty
+        directory is refused unless ``overwrite``, and even then only an mtc store is emptied, so
+        a mistyped path cannot wipe unrelated files.
         """
         _check_threads(io_threads)
         if path is None:
@@ -192,49 +177,67 @@ class TensorStore:
         p = Path(path)
         if p.exists() and not p.is_dir():
             raise StoreError(f"cannot create a store at {p}: it is a file, not a directory; pick a directory path")
-        content = sorted(c.name for c in p.iterdir() if c.name != _LOCK_FILE) if p.exists() else []
-        if content and not overwrite:
-            shown = ", ".join(content[:5]) + (", ..." if len(content) > 5 else "")
-            raise StoreError(
-                f"cannot create a store at {p}: the directory is not empty ({shown}); "
-                "use a new or empty directory, or pass overwrite=True (`--overwrite`) to replace a store there"
-            )
-        if content and not _is_mtc_store(p):
-            raise StoreError(
-                f"refusing to overwrite {p}: it is not empty and not an mtc store ({', '.join(content[:5])}); "
-                "remove its contents yourself or use another directory"
-            )
-        p.mkdir(parents=True, exist_ok=True)
-        fd = _lock(p)  # before deleting anything: never wipe a store another run is using
+        check_creatable(p, overwrite)
         try:
-            for child in p.iterdir():
-                # the lock file stays: unlinking it would let a third process lock a new inode
-                if child.name != _LOCK_FILE:
-                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            zs = LocalStore(str(p))
-            # mode "a", not "w": "w" clears the directory, which would delete the lock file we hold
-            zarr.open_group(store=zs, mode="a").attrs[_MARKER] = _FORMAT
-            st = cls(zs, p, io_threads, fd, None)
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create store directory {p}: {os_error_message(e)} (or pick another directory)") from e
+        fd = lock_store(p)  # before deleting anything: never wipe a store another run is using
+        try:
+            check_creatable(p, overwrite)  # again, under the lock: another run may have committed meanwhile
+            try:
+                # the marker first: from here on an interruption leaves an uncommitted store, which
+                # the next `create` re-initialises, never a store that looks committed but is half gone
+                write_marker(p)
+                for f in (COMMIT_FILE, HISTORY_FILE):
+                    (p / f).unlink(missing_ok=True)
+                fsync_path(p, directory=True)
+                for child in p.iterdir():
+                    # the lock file stays: unlinking it would let a third process lock a new inode
+                    if child.name not in (LOCK_FILE, MARKER_FILE):
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                zs = LocalStore(str(p))
+                # mode "a", not "w": "w" clears the directory, which would delete the lock file we hold
+                zarr.open_group(store=zs, mode="a").attrs[_MARKER] = _FORMAT
+            except OSError as e:
+                raise StoreError(f"cannot set up a store in {p}: {os_error_message(e)}") from e
+            st = cls(zs, p, io_threads, fd, None, uncommitted=True)
         except BaseException:
-            _unlock(fd)
+            unlock_store(fd)
             raise
         st._unsynced.update({p / "zarr.json", p})
         st._sync_metadata()
         return st
 
     @classmethod
-    def open(cls, path: str | Path, *, io_threads: int = 4) -> TensorStore:
-        """Open an existing store directory, taking its lock."""
+    def open(cls, path: str | Path, *, io_threads: int = 4, read_only: bool = False) -> TensorStore:
+        """Open a committed store directory, taking its lock (``read_only``: no lock, no writes).
+
+        A read-only handle creates and changes nothing on disk, so it works on a read-only
+        directory and beside a run that holds the store.
+        """
         _check_threads(io_threads)
         p = Path(path)
         how = f"create one with TensorStore.create({str(p)!r}) (or `mtc train --store {p} ...`)"
         if not p.is_dir():
             raise StoreError(f"no store at {p}: the directory does not exist; {how}")
-        if not (p / "zarr.json").is_file():
+        if not (p / "zarr.json").is_file() and not (p / MARKER_FILE).is_file():
             raise StoreError(f"{p} is not an mtc store (it has no zarr.json); {how}")
-        fd = _lock(p)
+        fd = None if read_only else lock_store(p)
         try:
-            zs = LocalStore(str(p))
+            state = dir_state(p)
+            if state == "uncommitted":
+                raise StoreError(
+                    f"store {p} has no commit yet: the run that created it stopped during set-up (or is still setting it up); "
+                    f"run the same `mtc train ... --store {p}` command again: it starts the store over"
+                )
+            if state != "committed":
+                raise StoreError(
+                    f"store {p} has no commit record (no {COMMIT_FILE}, no {HISTORY_FILE}, no set-up marker): an older mtc "
+                    "stopped during its set-up, or its commit files were deleted; start over with `mtc train ... --overwrite`, "
+                    "or restore the store from a copy"
+                )
+            zs = LocalStore(str(p), read_only=read_only)
             try:
                 fmt = zarr.open_group(store=zs, mode="r").attrs.get(_MARKER)
             except Exception as e:  # unreadable root metadata
@@ -245,9 +248,12 @@ class TensorStore:
                 raise StoreError(f"{p} is a zarr group but not an mtc store (no '{_MARKER}' attribute); {how}")
             if fmt != _FORMAT:
                 raise StoreError(f"{p} is an mtc store of format {fmt!r}; this mtc reads format {_FORMAT}: use a matching mtc version")
-            return cls(zs, p, io_threads, fd, None)
+            if not read_only and (p / MARKER_FILE).exists():
+                (p / MARKER_FILE).unlink()  # left by an overwrite that stopped before it removed commit.json
+            return cls(zs, p, io_threads, fd, None, read_only=read_only)
         except BaseException:
-            _unlock(fd)
+            if fd is not None:
+                unlock_store(fd)
             raise
 
     def close(self) -> None:
@@ -260,7 +266,7 @@ class TensorStore:
             self._sync_metadata()
         finally:
             if self._lock_fd is not None:
-                _unlock(self._lock_fd)
+                unlock_store(self._lock_fd)
                 self._lock_fd = None
 
     def __enter__(self) -> Self:
@@ -278,6 +284,11 @@ class TensorStore:
         return self._path
 
     @property
+    def read_only(self) -> bool:
+        """True for a handle opened with ``read_only=True`` (no lock, no writes)."""
+        return self._read_only
+
+    @property
     def is_memory(self) -> bool:
         """True for an in-memory store."""
         return self._path is None
@@ -290,7 +301,7 @@ class TensorStore:
         Creating an existing name again is a no-op when shape and dtype (and ``chunk_rows``, if
         given) match, and an error otherwise.
         """
-        self._check_open()
+        self._check_writable()
         _check_name(name)
         if dtype not in _DTYPES:
             raise StoreError(f"array {name!r}: dtype {dtype} is not supported; use one of {', '.join(n for _d, n in _DTYPES.values())}")
@@ -350,14 +361,52 @@ class TensorStore:
         return self._open_array(name) is not None
 
     def array_names(self) -> list[str]:
-        """All array names (paths such as ``layers/0003/master/g1``), sorted."""
+        """All array names (paths such as ``layers/0003/master/g1``), sorted.
+
+        Found from the metadata files themselves, not through zarr, so a node whose ``zarr.json``
+        is garbled is left out here (and reported by `metadata_problems`) instead of failing.
+        """
         self._check_open()
-        with warnings.catch_warnings():
-            # the lock, commit records, plan/ and logs/ live beside the arrays and zarr warns
-            # about each ("Object at ... is not recognized as a component of a Zarr hierarchy")
-            warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
-            with self._meta_lock:
-                return sorted(k for k, v in self._root.members(max_depth=None) if isinstance(v, zarr.Array))
+        return sorted(name for name, doc in self._scan_nodes().items() if isinstance(doc, dict) and doc.get("node_type") == "array")
+
+    def metadata_problems(self) -> list[tuple[str, str]]:
+        """``(node name, what is wrong)`` for each node whose metadata does not parse or is not an mtc array's."""
+        self._check_open()
+        out = []
+        for name, doc in sorted(self._scan_nodes().items()):
+            label = name or "<root group>"
+            if isinstance(doc, str):
+                out.append((label, f"metadata {self._meta_file(name)} does not parse ({doc})"))
+            elif doc.get("node_type") not in ("array", "group"):
+                out.append((label, f"metadata {self._meta_file(name)} has node_type {doc.get('node_type')!r}, not 'array' or 'group'"))
+            elif doc.get("node_type") == "array":
+                try:
+                    arr = self._load_array(name)  # as on disk now: a long-lived handle caches what it opened
+                    if arr is None:
+                        raise StoreCorruptionError("zarr does not open it as an array")
+                    self._info(name, arr)
+                except StoreCorruptionError as e:
+                    out.append((label, f"metadata {self._meta_file(name)} is damaged: {e}"))
+        return out
+
+    def attributes(self) -> dict[str, Any]:
+        """The store's root attributes (e.g. ``mtc_layers``, written by `create_layer_state`)."""
+        self._check_open()
+        return dict(self._root.attrs)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """Set one JSON-serialisable root attribute; durable at the next commit or close."""
+        self._check_writable()
+        if key == _MARKER:
+            raise StoreError(f"root attribute {_MARKER!r} is mtc's format marker; pick another key")
+        try:
+            json.dumps(value)
+        except TypeError as e:
+            raise StoreError(f"root attribute {key!r} is not JSON-serialisable: {e}") from e
+        with self._meta_lock:
+            self._root.attrs[key] = value
+            if self._path is not None:
+                self._unsynced.update({self._path / "zarr.json", self._path})
 
     def array_info(self, name: str) -> ArrayInfo:
         """Shape, dtype, chunk rows and byte size of array ``name``."""
@@ -375,6 +424,28 @@ class TensorStore:
         if self._path is None:
             return None
         return self._local_chunk_path(name, chunk_index, len(info.shape))
+
+    def check_array(self, name: str) -> list[tuple[int, str]]:
+        """``(chunk, what is wrong)`` for every chunk of ``name`` that is missing or fails its CRC32C.
+
+        Reads and decodes every chunk on the I/O threads (one chunk-sized scratch buffer per
+        thread at a time), exactly as a read would, and collects the failures instead of raising.
+        """
+        info = self.array_info(name)
+        arr = self._array(name)
+        bad: list[tuple[int, str]] = []
+        lock = threading.Lock()
+        np_dt = _DTYPES[info.dtype][0]
+
+        def one(c: int, lo: int, hi: int) -> None:
+            fault = self._decode_chunk(arr, info, c, lo, hi, np.empty((hi - lo, *info.shape[1:]), dtype=np_dt))
+            if fault is not None:
+                with lock:
+                    bad.append((c, fault[1].strip()))
+
+        jobs = [functools.partial(one, c, lo, hi) for c, lo, hi in _chunk_spans(0, info.shape[0], info.chunk_rows)]
+        self._wait(self._run(jobs))
+        return sorted(bad)
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -401,7 +472,7 @@ class TensorStore:
         self._wait(self._write_rows(info, start_row, tensor, whole=False))
 
     def _write_rows(self, info: ArrayInfo, start_row: int, tensor: torch.Tensor, *, whole: bool) -> Future[None]:
-        self._check_open()
+        self._check_writable()
         name = info.name
         if not isinstance(tensor, torch.Tensor):
             raise StoreError(f"write to array {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -491,22 +562,30 @@ class TensorStore:
         return self._run(jobs)
 
     def _read_chunk(self, arr: zarr.Array, info: ArrayInfo, c: int, lo: int, hi: int, dst: np.ndarray) -> None:
+        fault = self._decode_chunk(arr, info, c, lo, hi, dst)
+        if fault is not None:
+            kind, what = fault
+            fix = "the store is damaged: restore it from a copy, or re-import the weights into a new store"
+            raise kind(f"array {info.name!r} chunk {c} {what}" + (f"; {fix}" if kind is StoreCorruptionError else ""))
+
+    def _decode_chunk(
+        self, arr: zarr.Array, info: ArrayInfo, c: int, lo: int, hi: int, dst: np.ndarray
+    ) -> tuple[type[StoreError], str] | None:
+        """Decode chunk ``c`` (rows [lo, hi)) into ``dst``; on failure (error type, what went wrong)."""
         name = info.name
         ndim = len(info.shape)
         where = f" ({self._local_chunk_path(name, c, ndim)})" if self._path is not None else ""
-        fix = "the store is damaged: restore it from a copy, or re-import the weights into a new store"
         if not self._chunk_exists(name, c, ndim):
             # zarr < 3.2 would quietly return the fill value (zeros): silent loss of state
-            raise StoreCorruptionError(f"array {name!r} chunk {c} is missing{where}; {fix}")
+            return StoreCorruptionError, f"is missing{where}"
         try:
             # decode straight into the caller's memory (no temporary array per chunk)
             arr.get_basic_selection(slice(lo, hi), out=default_buffer_prototype().nd_buffer.from_numpy_array(dst))
         except OSError as e:  # the disk failed us, not (necessarily) the data
-            raise StoreError(f"reading array {name!r} chunk {c}{where} failed: {e}") from e
-        except Exception as e:  # "Stored and computed checksum do not match", a short chunk, ...
-            raise StoreCorruptionError(
-                f"array {name!r} chunk {c}{where} failed its CRC32C checksum or could not be decoded ({e}); {fix}"
-            ) from e
+            return StoreError, f"could not be read{where}: {e}"
+        except Exception as e:  # noqa: BLE001 -- "Stored and computed checksum do not match", a short chunk, ...
+            return StoreCorruptionError, f"failed its CRC32C checksum or could not be decoded{where}: {e}"
+        return None
 
     # -- commits --------------------------------------------------------------------------------
 
@@ -514,37 +593,60 @@ class TensorStore:
         """Make ``record`` the store's last commit (atomically, durably) and append it to the history.
 
         Array metadata created since the last commit is made durable first, so a commit never
-        refers to arrays a crash could lose.
+        refers to arrays a crash could lose. The first commit turns the directory into a store
+        (see `mtc.store.directory`). A failed write (no space, read-only file system) raises
+        StoreError and leaves the previous commit as it was.
         """
-        self._check_open()
+        self._check_writable()
         if not isinstance(record, CommitRecord):
             raise StoreError(f"commit takes a CommitRecord, got {type(record).__name__}")
+        if record.durability not in DURABILITY_MODES:
+            raise StoreError(
+                f"commit record for step {record.step} has durability {record.durability!r}; use one of {', '.join(DURABILITY_MODES)}"
+            )
         try:
-            text = record.to_json()
+            record.to_json()
         except TypeError as e:
             raise StoreError(f"commit record for step {record.step} is not JSON-serialisable: {e}") from e
         if self._path is None:
             self._commit = record
             self._history.append(record)
             return
-        self._sync_metadata()
-        tmp, final = self._path / (_COMMIT_FILE + ".tmp"), self._path / _COMMIT_FILE
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)  # atomic: readers see the old record or the new one, never half
-        hist = self._path / _HISTORY_FILE
-        with open(hist, "a+b") as f:
-            # a crash mid-append leaves a torn line without "\n": end it so the next record is whole
-            torn = False
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                torn = f.read(1) != b"\n"
-            f.write((b"\n" if torn else b"") + text.encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(self._path, directory=True)  # the rename and a new history file
+        previous = None if self._uncommitted else self._last_commit_or_none()
+        try:
+            self._sync_metadata()
+        except OSError as e:
+            raise StoreError(
+                f"fsync of new array metadata in {self._path} failed before the commit of step {record.step}: "
+                f"{os_error_message(e)}; the last commit is unchanged"
+            ) from e
+        try:
+            write_commit(self._path, record, first=self._uncommitted, previous=previous)
+        except StoreError:
+            # a failure after the rename (the directory fsync) leaves the new commit in place: ask the disk
+            self._commit_loaded = False
+            self._uncommitted = dir_state(self._path) == "uncommitted"
+            raise
+        self._uncommitted = False
+        self._commit, self._commit_loaded = record, True
+
+    def restore_commit(self, record: CommitRecord, *, append_to_history: bool = False) -> None:
+        """Rewrite ``commit.json`` as ``record`` without a new history line (for `mtc.store.verify.repair`).
+
+        ``append_to_history``: also append it to ``commits.jsonl`` (when the history lost it).
+        """
+        self._check_writable()
+        if self._path is None:
+            raise StoreError("restore_commit is for store directories; an in-memory store has no commit files")
+        replace_commit_file(self._path, record)
+        if append_to_history:
+            try:
+                append_history(self._path, record)
+            except OSError as e:
+                raise StoreError(
+                    f"{commit_path(self._path)} was restored, but appending it to {self._path / HISTORY_FILE} failed: "
+                    f"{os_error_message(e)}"
+                ) from e
         self._commit, self._commit_loaded = record, True
 
     def last_commit(self) -> CommitRecord | None:
@@ -552,33 +654,38 @@ class TensorStore:
         self._check_open()
         if not self._commit_loaded:
             assert self._path is not None
-            f = self._path / _COMMIT_FILE
-            if f.is_file():
-                try:
-                    self._commit = CommitRecord.from_json(f.read_text())
-                except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
-                    raise StoreCorruptionError(
-                        f"commit record {f} is malformed ({e}); the store's last commit cannot be read: "
-                        f"restore the store from a copy, or start a new run with --overwrite"
-                    ) from None
+            f = commit_path(self._path)
+            try:
+                self._commit = read_commit_file(self._path)
+            except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+                raise StoreCorruptionError(
+                    f"commit record {f} is malformed ({e}); the store's last commit cannot be read: "
+                    f"`mtc repair {self._path}` restores it from {HISTORY_FILE}"
+                ) from None
+            except OSError as e:
+                raise StoreError(f"reading commit record {f} failed: {os_error_message(e)}") from e
+            if self._commit is None and not self._uncommitted:
+                raise StoreCorruptionError(
+                    f"commit record {f} is missing; `mtc repair {self._path}` restores it from {HISTORY_FILE}"
+                )
             self._commit_loaded = True
         return self._commit
 
     def commit_history(self) -> list[CommitRecord]:
-        """Every commit so far, oldest first (for `mtc inspect`; `last_commit` is authoritative)."""
+        """Every commit so far, oldest first (for `mtc inspect`; `last_commit` is authoritative).
+
+        Lines torn by a crash mid-append are skipped.
+        """
         self._check_open()
         if self._path is None:
             return list(self._history)
-        f = self._path / _HISTORY_FILE
-        if not f.is_file():
-            return []
-        out = []
-        for line in f.read_text(errors="replace").splitlines():
-            try:
-                out.append(CommitRecord.from_json(line))
-            except (ValueError, TypeError):
-                continue  # a line torn by a crash mid-append; the history is informational
-        return out
+        return [h.record for h in read_history(self._path) if h.record is not None]
+
+    def _last_commit_or_none(self) -> CommitRecord | None:
+        try:
+            return self.last_commit()
+        except StoreError:
+            return None  # damaged: the error message then speaks of "the last commit" without a step
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -589,6 +696,14 @@ class TensorStore:
         if self._closed:
             raise StoreError(f"store {self._where()} is closed; open it again with TensorStore.open")
 
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._read_only:
+            raise StoreError(
+                f"store {self._where()} was opened read-only; open it with TensorStore.open({str(self._path)!r}) "
+                "(not read_only) to write or commit"
+            )
+
     def _open_array(self, name: str) -> zarr.Array | None:
         """The array ``name`` (cached), or None if there is none."""
         arr = self._arrays.get(name)
@@ -597,19 +712,25 @@ class TensorStore:
         with self._meta_lock:
             if name in self._arrays:
                 return self._arrays[name]
-            try:
-                # zarr < 3.2 ignores open_array(config=...), so the runtime config is applied here
-                arr = zarr.open_array(store=self._zstore, path=name, mode="r+").with_config(_ARRAY_CONFIG)
-            except (FileNotFoundError, KeyError, NodeNotFoundError):
-                return None
-            except NodeTypeValidationError:
-                return None  # a group of that name, not an array
-            except Exception as e:
-                raise StoreCorruptionError(
-                    f"metadata of array {name!r} in store {self._where()} cannot be read ({e}); restore the store from a copy"
-                ) from e
-            self._arrays[name] = arr
+            arr = self._load_array(name)
+            if arr is not None:
+                self._arrays[name] = arr
             return arr
+
+    def _load_array(self, name: str) -> zarr.Array | None:
+        """Array ``name`` as its metadata is on disk now (not cached), or None if there is none."""
+        try:
+            # zarr < 3.2 ignores open_array(config=...), so the runtime config is applied here
+            mode = "r" if self._read_only else "r+"
+            return zarr.open_array(store=self._zstore, path=name, mode=mode).with_config(_ARRAY_CONFIG)
+        except (FileNotFoundError, KeyError, NodeNotFoundError):
+            return None
+        except NodeTypeValidationError:
+            return None  # a group of that name, not an array
+        except Exception as e:
+            raise StoreCorruptionError(
+                f"metadata of array {name!r} in store {self._where()} cannot be read ({e}); restore the store from a copy"
+            ) from e
 
     def _array(self, name: str) -> zarr.Array:
         self._check_open()
@@ -630,6 +751,26 @@ class TensorStore:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return ArrayInfo(name, shape, dtype, int(arr.chunks[0]), nbytes)
 
+    def _scan_nodes(self) -> dict[str, dict[str, Any] | str]:
+        """Every zarr node's parsed ``zarr.json`` by node name ("" is the root), or why it does not parse.
+
+        Read from the files (or the memory store's dict) instead of through zarr, which stops at
+        the first unreadable node.
+        """
+        if self._mem is None:
+            assert self._path is not None
+            return scan_nodes(self._path)
+        return {
+            key[: -len("zarr.json")].rstrip("/"): parse_node(buf.to_bytes)
+            for key, buf in list(self._mem.items())
+            if key == "zarr.json" or key.endswith("/zarr.json")
+        }
+
+    def _meta_file(self, name: str) -> str:
+        if self._path is None:
+            return f"{name}/zarr.json" if name else "zarr.json"
+        return str(self._path.joinpath(*name.split("/"), "zarr.json") if name else self._path / "zarr.json")
+
     @staticmethod
     def _chunk_key(name: str, c: int, ndim: int) -> str:
         return "/".join([name, "c", str(c), *(["0"] * (ndim - 1))])
@@ -647,9 +788,15 @@ class TensorStore:
         """fsync metadata files and directories created since the last call (deepest first)."""
         with self._meta_lock:
             pending, self._unsynced = self._unsynced, set()
-        for p in sorted(pending, key=lambda q: len(q.parts), reverse=True):
-            if p.exists():
-                _fsync(p, directory=p.is_dir())
+        todo = sorted(pending, key=lambda q: len(q.parts), reverse=True)
+        for i, p in enumerate(todo):
+            try:
+                if p.exists():
+                    _fsync(p, directory=p.is_dir())
+            except BaseException:
+                with self._meta_lock:  # still not durable: the next commit or close tries again
+                    self._unsynced.update(todo[i:])
+                raise
 
     def _mark_worker(self) -> None:
         self._tls.worker = True
@@ -749,49 +896,4 @@ def _check_name(name: str) -> None:
         )
 
 
-def _is_mtc_store(p: Path) -> bool:
-    try:
-        return json.loads((p / "zarr.json").read_text()).get("attributes", {}).get(_MARKER) is not None
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _lock(path: Path) -> int:
-    """Take the exclusive lock of store ``path``; return the lock file's descriptor."""
-    # O_CLOEXEC: a subprocess the trainer starts must not inherit (and so keep) the lock
-    fd = os.open(path / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        # flock locks belong to the open file description, so a second handle in this same
-        # process conflicts too, as it should (two handles would interleave writes)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        who = f"this process (pid {holder}) through another open handle" if holder == str(os.getpid()) else f"pid {holder}"
-        raise StoreLockedError(
-            f"store {path} is locked by {who}; stop the other run (or close the other handle), or use another store directory"
-        ) from None
-    except OSError as e:
-        os.close(fd)
-        raise StoreError(f"cannot lock store {path} ({e}); put the store on a local filesystem that supports flock") from e
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _unlock(fd: int) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _fsync(path: Path | str, *, directory: bool = False) -> None:
-    """fsync a file or directory by path (fsync through a read-only descriptor is enough on Linux)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync = fsync_path

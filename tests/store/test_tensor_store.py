@@ -136,6 +136,7 @@ def test_close_waits_for_pending_writes(tmp_path):
     st.create_array("x", (4096,), torch.float32, chunk_rows=128)
     src = torch.randn(4096)
     fut = st.write_async("x", src)
+    st.commit(_record(1))  # a store opens only once committed
     st.close()
     assert fut.done() and fut.exception() is None
     with TensorStore.open(tmp_path / "s") as st:
@@ -207,6 +208,7 @@ def test_zero_chunks_are_written_also_after_reopen(tmp_path):
         st.create_array("z", (40,), torch.float32, chunk_rows=16)
         st.write("z", torch.zeros(40))
         assert all(st.chunk_path("z", c).is_file() for c in range(3))
+        st.commit(_record(1))
     with TensorStore.open(tmp_path / "s") as st:
         # zarr ignores open_array(config=...) in 3.1 and would delete a chunk overwritten with zeros
         st.write("z", torch.ones(40))
@@ -289,6 +291,7 @@ def test_second_handle_and_second_process_are_refused(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True, timeout=120, check=False)
     assert out.stdout.startswith("StoreLockedError"), out.stdout + out.stderr
     assert f"pid {os.getpid()}" in out.stdout and "another store directory" in out.stdout
+    st.commit(_record(1))
     st.close()
     st.close()  # idempotent
     with TensorStore.open(tmp_path / "s") as again:  # the lock is released
@@ -323,6 +326,7 @@ def test_overwrite_replaces_a_store(tmp_path):
     with TensorStore.create(tmp_path / "s", overwrite=True) as st:
         assert st.array_names() == [] and st.last_commit() is None
         assert (tmp_path / "s" / ".lock").read_text().strip() == str(os.getpid())
+        st.commit(_record(2))
     with TensorStore.open(tmp_path / "s") as st:
         assert st.array_names() == []
 
@@ -331,6 +335,7 @@ def test_reopen_keeps_arrays_and_ignores_other_files(tmp_path):
     with TensorStore.create(tmp_path / "s") as st:
         st.create_array("layers/0000/master/g0", (5,), torch.float32)
         st.write("layers/0000/master/g0", torch.arange(5.0))
+        st.commit(_record(1))
     (tmp_path / "s" / "plan").mkdir()  # the runtime keeps its plan and logs beside the arrays
     (tmp_path / "s" / "plan" / "manifest.json").write_text("{}")
     with TensorStore.open(tmp_path / "s") as st:

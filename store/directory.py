@@ -1,0 +1,466 @@
+"""A store directory's own files: the lock, the set-up marker and the commit records.
+
+This module decides when a directory is a store, who may write it, and how a commit reaches
+the disk; `mtc.store.tensor_store` holds the arrays. A store directory holds ``.lock`` (the
+writer's ``flock``), ``commit.json`` (the last commit: the one a resume starts from) and
+``commits.jsonl`` (every commit, oldest first). A directory becomes a store only at its first
+commit; until then it carries the set-up marker ``setup.json``:
+
+* `TensorStore.create` writes the marker (and fsyncs it) before it makes anything else, and
+  before it removes the commit files of a store it overwrites;
+* the first commit writes its record *into the marker* and renames the marker to ``commit.json``.
+  That one rename is the moment the directory becomes a store: no state is copied, and a crash
+  at any point leaves either the marker (an uncommitted store, which ``create`` re-initialises
+  and ``open`` refuses) or ``commit.json`` (a committed store);
+* later commits write ``commit.json.tmp`` and rename it over ``commit.json``.
+
+Write order of a commit: the new record file (marker or tmp; fsync), then the history line
+(fsync), then the rename, then an fsync of the directory. So the history's last record is never
+older than ``commit.json``; a crash between the append and the rename leaves the history one
+record ahead (a commit that never completed: ``commit.json`` stays authoritative). When a write
+fails (ENOSPC, EROFS, EIO) the history is truncated back and the temp file removed, so the
+previous commit stays exactly as it was.
+
+State of a directory (`dir_state`):
+
+| files                                          | state         |
+|------------------------------------------------|---------------|
+| marker, no ``commit.json``                     | uncommitted   |
+| ``commit.json`` (a leftover marker is ignored) | committed     |
+| ``commits.jsonl`` only                         | committed (``commit.json`` lost: `mtc repair`) |
+| an mtc ``zarr.json`` and none of the above     | no-commit (set up by an older mtc, or commit files lost) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from mtc.errors import StoreError, StoreLockedError
+
+__all__ = [
+    "COMMIT_FILE",
+    "DURABILITY_MODES",
+    "HISTORY_FILE",
+    "LOCK_FILE",
+    "MARKER_FILE",
+    "RUNTIME_DIRS",
+    "CommitRecord",
+    "DirState",
+    "HistoryLine",
+    "check_creatable",
+    "dir_state",
+    "lock_store",
+    "read_commit_file",
+    "read_history",
+    "unlock_store",
+    "write_commit",
+    "write_marker",
+]
+
+LOCK_FILE = ".lock"
+COMMIT_FILE = "commit.json"
+COMMIT_TMP = COMMIT_FILE + ".tmp"
+HISTORY_FILE = "commits.jsonl"
+MARKER_FILE = "setup.json"
+DURABILITY_MODES: tuple[str, ...] = ("full", "weights", "none")
+# Made inside a store directory during set-up by the runtime (`trainer.open_run`), so `create`
+# may remove them when it re-initialises an uncommitted store; anything else there is not ours.
+RUNTIME_DIRS: tuple[str, ...] = ("plan", "logs")
+_ZARR_TEMP = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # LocalStore's temp file of a metadata write
+
+DirState = Literal["absent", "empty", "uncommitted", "committed", "no-commit", "foreign"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """What a step commit records: enough to resume exactly.
+
+    ``generation`` is the state generation (see `mtc.store.layout`) that holds the weights after
+    ``step``; ``data_cursor`` is the position in the token stream; ``rng_state`` maps a generator
+    name to its serialised state. ``durability`` says which arrays of that generation are on disk
+    (``full``: master, m and v; ``weights``: master only; ``none``: nothing written after set-up),
+    and so what `mtc.store.verify` requires. ``meta`` holds free-form fields of the engine (data
+    identity, history of allowed changes). Records written before these two fields existed load
+    as ``durability="full"``, ``meta={}``.
+    """
+
+    step: int
+    generation: int
+    data_cursor: int
+    rng_state: dict[str, str]
+    config: dict[str, Any]
+    time_unix: float
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    durability: str = "full"
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The record as one line of JSON."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CommitRecord:
+        """Parse `to_json` output; raises ValueError or TypeError naming the first bad field."""
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise TypeError(f"a commit record is a JSON object, got {type(d).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - fields):
+            raise ValueError(f"unknown fields {unknown}")
+        if missing := sorted(fields - set(d) - {"extra", "durability", "meta"}):
+            raise ValueError(f"missing fields {missing}")
+        for key in ("step", "generation", "data_cursor"):
+            if not isinstance(d[key], int) or isinstance(d[key], bool):
+                raise TypeError(f"{key} must be an integer, got {d[key]!r}")
+        if not isinstance(d["time_unix"], (int, float)) or isinstance(d["time_unix"], bool):
+            raise TypeError(f"time_unix must be a number, got {d['time_unix']!r}")
+        rng = d["rng_state"]
+        if not isinstance(rng, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rng.items()):
+            raise TypeError("rng_state must map names to strings")
+        for key in ("config", "extra", "meta"):
+            if not isinstance(d.get(key, {}), dict):
+                raise TypeError(f"{key} must be a JSON object")
+        if d.get("durability", "full") not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {d['durability']!r}")
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HistoryLine:
+    """One line of ``commits.jsonl``: its record, or why it does not parse (a torn append)."""
+
+    line_no: int
+    record: CommitRecord | None
+    error: str | None = None
+
+
+def dir_state(p: Path) -> DirState:
+    """What directory ``p`` is, by its commit files and marker (see the table in the module docstring)."""
+    if not p.is_dir():
+        return "absent"
+    names = {c.name for c in p.iterdir()}
+    if not names - {LOCK_FILE}:
+        return "empty"
+    if COMMIT_FILE in names:
+        return "committed"
+    if MARKER_FILE in names:
+        return "uncommitted"
+    if HISTORY_FILE in names:
+        return "committed"
+    return "no-commit" if is_mtc_root(p) else "foreign"
+
+
+def is_mtc_root(p: Path) -> bool:
+    """Whether ``p/zarr.json`` is the root group metadata of an mtc store."""
+    try:
+        return json.loads((p / "zarr.json").read_text()).get("attributes", {}).get("mtc_store") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def commit_path(p: Path) -> Path:
+    """The ``commit.json`` of store directory ``p``."""
+    return p / COMMIT_FILE
+
+
+def read_commit_file(p: Path) -> CommitRecord | None:
+    """The record in ``p/commit.json``; None if there is none; ValueError/TypeError if it is garbled."""
+    f = p / COMMIT_FILE
+    try:
+        text = f.read_text()
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text ({e})") from None
+    return CommitRecord.from_json(text)
+
+
+def read_history(p: Path) -> list[HistoryLine]:
+    """Every line of ``p/commits.jsonl``, parsed or with its error; [] when there is no history."""
+    try:
+        text = (p / HISTORY_FILE).read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(HistoryLine(i, CommitRecord.from_json(line)))
+        except (ValueError, TypeError) as e:
+            out.append(HistoryLine(i, None, str(e)))
+    return out
+
+
+def write_marker(p: Path) -> None:
+    """Write the set-up marker (durably): from now on ``p`` is an uncommitted store until the first commit."""
+    text = json.dumps({"mtc_store_setup": 1, "pid": os.getpid()}) + "\n"
+    _write_synced(p / MARKER_FILE, text)
+    fsync_path(p, directory=True)
+
+
+def write_commit(p: Path, record: CommitRecord, *, first: bool, previous: CommitRecord | None) -> None:
+    """Commit ``record`` in directory ``p`` (see the module docstring for the order of writes).
+
+    ``first``: the store is uncommitted and the marker becomes ``commit.json``. ``previous`` is
+    the last commit, named in the error message when a write fails.
+    """
+    text = record.to_json() + "\n"
+    tmp, final, hist = p / (MARKER_FILE if first else COMMIT_TMP), p / COMMIT_FILE, p / HISTORY_FILE
+    try:
+        hist_size = hist.stat().st_size
+    except FileNotFoundError:
+        hist_size = None
+    except OSError as e:
+        raise commit_error(e, hist, record, previous, first=first) from e
+    try:
+        _write_synced(tmp, text)
+    except OSError as e:
+        if not first:  # the marker itself must stay: without it the directory would look damaged
+            _unlink_quietly(tmp)
+        raise commit_error(e, tmp, record, previous, first=first) from e
+    try:
+        append_history(p, record)
+    except OSError as e:
+        _truncate_quietly(hist, hist_size)
+        if not first:
+            _unlink_quietly(tmp)
+        raise commit_error(e, hist, record, previous, first=first) from e
+    try:
+        os.replace(tmp, final)  # atomic: readers see the old record or the new one, never half
+    except OSError as e:
+        _truncate_quietly(hist, hist_size)
+        if not first:
+            _unlink_quietly(tmp)
+        raise commit_error(e, final, record, previous, first=first) from e
+    try:
+        fsync_path(p, directory=True)  # the rename and a new history file
+    except OSError as e:
+        # too late to undo: the new commit is in place, only its durability is in doubt
+        raise StoreError(
+            f"commit of step {record.step} was written to {final}, but the fsync of directory {p} failed ({e}); "
+            "it may not survive a power loss: check the disk, then `mtc verify` the store"
+        ) from e
+
+
+def append_history(p: Path, record: CommitRecord) -> None:
+    """Append ``record`` to ``p/commits.jsonl`` and fsync it; raises OSError."""
+    with open(p / HISTORY_FILE, "a+b") as f:
+        # a crash mid-append leaves a torn line without "\n": end it so the next record is whole
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + record.to_json().encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_commit_file(p: Path, record: CommitRecord) -> None:
+    """Atomically rewrite ``p/commit.json`` as ``record`` (no history line): for `repair`."""
+    tmp = p / COMMIT_TMP
+    try:
+        _write_synced(tmp, record.to_json() + "\n")
+        os.replace(tmp, p / COMMIT_FILE)
+        fsync_path(p, directory=True)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise StoreError(f"writing {p / COMMIT_FILE} failed ({os_error_reason(e)}); nothing was changed: {_fix(e)}") from e
+
+
+def commit_error(e: OSError, file: Path, record: CommitRecord, previous: CommitRecord | None, *, first: bool) -> StoreError:
+    """One clear StoreError for an OSError while committing ``record``."""
+    if first:
+        kept = "the store stays uncommitted: the same `mtc train` command starts it over"
+    elif previous is None:
+        kept = "the last commit is unchanged"
+    else:
+        kept = f"the last commit (step {previous.step}) is intact"
+    return StoreError(f"{os_error_reason(e)} writing {file} (commit of step {record.step}); {kept}; {_fix(e)}")
+
+
+def os_error_message(e: OSError) -> str:
+    """The cause of ``e`` in words, with how to fix it."""
+    return f"{os_error_reason(e)}; {_fix(e)}"
+
+
+def os_error_reason(e: OSError) -> str:
+    """The cause of ``e`` in a few words ("no space left on device")."""
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    if e.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    if e.errno == errno.EROFS:
+        return "read-only file system"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return f"I/O error ({e.strerror or e})"
+
+
+def _fix(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on that file system, then resume with the same command"
+    if e.errno == errno.EROFS:
+        return "remount the file system read-write (or copy the store elsewhere), then resume"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "fix the permissions of the store directory, then resume"
+    return "check the disk (dmesg), then resume with the same command"
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_path(path: Path | str, *, directory: bool = False) -> None:
+    """fsync a file or directory by path (fsync through a read-only descriptor is enough on Linux)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # best effort: a leftover temp file is ignored by readers and replaced by the next commit
+
+
+def _truncate_quietly(path: Path, size: int | None) -> None:
+    """Undo a failed append: cut the history back to ``size`` bytes (None: it did not exist)."""
+    try:
+        if size is None:
+            path.unlink(missing_ok=True)
+        else:
+            os.truncate(path, size)
+    except OSError:
+        pass  # best effort: readers skip a torn last line, and the next append ends it first
+
+
+def check_creatable(p: Path, overwrite: bool) -> None:
+    """Raise StoreError unless `TensorStore.create` may (re-)initialise directory ``p``."""
+    state = dir_state(p)
+    if state in ("absent", "empty"):
+        return
+    if state == "uncommitted":
+        if foreign := _not_ours(p):
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise StoreError(
+                f"cannot re-initialise the uncommitted store {p}: it also holds {shown}, which mtc did not make; "
+                "move those away, or use another directory"
+            )
+        return  # a set-up that never reached its first commit: start it over
+    content = sorted(c.name for c in p.iterdir() if c.name != LOCK_FILE)
+    shown = ", ".join(content[:5]) + (", ..." if len(content) > 5 else "")
+    if not overwrite:
+        if state == "committed":
+            lost = "" if (p / COMMIT_FILE).exists() else f" (its {COMMIT_FILE} is missing: `mtc repair {p}` restores it)"
+            raise StoreError(
+                f"cannot create a store at {p}: it already holds a committed mtc store{lost}; resume it with the same "
+                "`mtc train` command, or pass overwrite=True (`--overwrite`) to replace it"
+            )
+        raise StoreError(
+            f"cannot create a store at {p}: the directory is not empty ({shown}); "
+            "use a new or empty directory, or pass overwrite=True (`--overwrite`) to replace a store there"
+        )
+    if not is_mtc_root(p):
+        raise StoreError(
+            f"refusing to overwrite {p}: it is not empty and not an mtc store ({shown}); "
+            "remove its contents yourself or use another directory"
+        )
+
+
+def _not_ours(p: Path) -> list[str]:
+    """Top-level entries of uncommitted store ``p`` that mtc did not make (sorted)."""
+    ours = {LOCK_FILE, MARKER_FILE, COMMIT_TMP, HISTORY_FILE, "zarr.json", *RUNTIME_DIRS}
+    out = []
+    for c in p.iterdir():
+        if c.name in ours or _ZARR_TEMP.fullmatch(c.name):
+            continue
+        if c.is_dir() and not c.is_symlink() and (c / "zarr.json").is_file():
+            continue  # a zarr node: the arrays (layers/...) made by `create_array`
+        out.append(c.name)
+    return sorted(out)
+
+
+def lock_store(path: Path) -> int:
+    """Take the exclusive lock of store ``path``; return the lock file's descriptor."""
+    # O_CLOEXEC: a subprocess the trainer starts must not inherit (and so keep) the lock
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise StoreError(f"cannot open the lock file {path / LOCK_FILE}: {os_error_message(e)}") from e
+        raise StoreError(
+            f"cannot lock store {path}: {os_error_reason(e)} on {path / LOCK_FILE}; "
+            f"to only read the store, open it read-only (`mtc inspect {path}`, TensorStore.open(path, read_only=True)); "
+            "to write it, fix the permissions (or copy the store to a writable place)"
+        ) from e
+    try:
+        # flock locks belong to the open file description, so a second handle in this same
+        # process conflicts too, as it should (two handles would interleave writes)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        who = f"this process (pid {holder}) through another open handle" if holder == str(os.getpid()) else f"pid {holder}"
+        raise StoreLockedError(
+            f"store {path} is locked by {who}; stop the other run (or close the other handle), or use another store directory"
+        ) from None
+    except OSError as e:
+        os.close(fd)
+        raise StoreError(f"cannot lock store {path} ({e}); put the store on a local filesystem that supports flock") from e
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_store(fd: int) -> None:
+    """Release the lock `lock_store` took and close its descriptor."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def scan_nodes(root: Path) -> dict[str, dict[str, Any] | str]:
+    """Each zarr node's parsed ``zarr.json`` under ``root``, by node name ("" is the root), or why it does not parse.
+
+    Chunk directories (below an array, or below a node that does not parse) and the runtime's
+    directories are not entered, so the walk costs one step per node, not one per chunk.
+    """
+    out: dict[str, dict[str, Any] | str] = {}
+    for d, dirs, files in os.walk(root):
+        rel = Path(d).relative_to(root).as_posix()
+        rel = "" if rel == "." else rel
+        if rel == "":
+            dirs[:] = [x for x in dirs if x not in RUNTIME_DIRS]
+        if "zarr.json" not in files:
+            continue
+        doc = out[rel] = parse_node((Path(d) / "zarr.json").read_bytes)
+        if not (isinstance(doc, dict) and doc.get("node_type") == "group"):
+            dirs[:] = []
+    return out
+
+
+def parse_node(read: Callable[[], bytes]) -> dict[str, Any] | str:
+    """A node's metadata document, or why it cannot be read or parsed."""
+    try:
+        doc = json.loads(read())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return str(e) or type(e).__name__
+    return doc if isinstance(doc, dict) else f"a JSON {type(doc).__name__}, not an object"

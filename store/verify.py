@@ -1,0 +1,294 @@
+"""Check a store's integrity (`verify`) and restore a lost or garbled ``commit.json`` (`repair`).
+
+What `verify` checks:
+
+* every node's metadata (``zarr.json``) parses, and every array's is an mtc array's;
+* the state of the committed generation that the commit's durability mode says is on disk
+  (`REQUIRED_KINDS`: ``full`` needs master, m and v; ``weights`` master; ``none`` nothing) exists,
+  has the shape recorded by `create_layer_state`, and every one of its chunks is present and
+  passes its CRC32C;
+* ``commit.json`` parses and agrees with the last record of ``commits.jsonl``.
+
+A missing chunk is always damage. The store writes every chunk, all-zero ones (fresh Adam
+moments) included (``write_empty_chunks=True``, see `mtc.store.tensor_store`), so no chunk is
+ever "deliberately unwritten" and an absent chunk file cannot be a fill-value chunk: no
+written-chunk manifest is needed, and `verify` reports exactly the chunks a resume would fail to
+read. The other generation is not checked: it is the one the running step writes behind.
+
+`repair` rewrites ``commit.json`` from the newest record of ``commits.jsonl`` whose arrays verify,
+skipping a record whose generation a later record rewrote, or whose chunk files are newer than
+the next commit (a later step's write-behind had begun overwriting them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from mtc.store.directory import COMMIT_FILE, HISTORY_FILE, CommitRecord, HistoryLine, read_commit_file, read_history
+from mtc.store.layout import KINDS, LAYOUT_ATTR, state_array_name
+from mtc.store.tensor_store import TensorStore
+
+from mtc.errors import StoreError
+
+__all__ = ["REQUIRED_KINDS", "Problem", "RepairReport", "VerifyReport", "repair", "verify"]
+
+# which state kinds of the committed generation each durability mode guarantees are on disk
+REQUIRED_KINDS: dict[str, tuple[str, ...]] = {"full": ("master", "m", "v"), "weights": ("master",), "none": ()}
+_STATE_NAME = re.compile(r"layers/(\d{4,})/(" + "|".join(KINDS) + r")/g([01])")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """One piece of damage: in an array (and chunk), or in a commit file (``array`` None)."""
+
+    where: str
+    message: str
+    array: str | None = None
+    chunk: int | None = None
+
+    def __str__(self) -> str:
+        loc = self.where if self.array is None else f"array {self.array}" + (f" chunk {self.chunk}" if self.chunk is not None else "")
+        return f"{loc}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `verify` found: ``problems`` (damage) and ``notes`` (harmless, e.g. a torn history line)."""
+
+    store: str
+    record: CommitRecord | None  # the commit whose generation was checked
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+    arrays_checked: int
+    chunks_checked: int
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is damaged."""
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """The report as printable lines: a summary, one line per problem and note, and what to do."""
+        r = self.record
+        head = f"store {self.store}: " + (
+            f"step {r.step}, generation {r.generation}, durability {r.durability}" if r is not None else "no readable commit"
+        )
+        out = [f"{head}; checked {self.arrays_checked} arrays, {self.chunks_checked} chunks"]
+        out += [f"damaged: {p}" for p in self.problems]
+        out += [f"note: {n}" for n in self.notes]
+        if self.ok:
+            out.append("healthy")
+            return out
+        fixes = []
+        if any(p.where in (COMMIT_FILE, HISTORY_FILE) for p in self.problems):
+            fixes.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
+        if any(p.array is not None for p in self.problems):
+            fixes.append("damaged arrays cannot be repaired: restore the store from a copy, or start over with `mtc train ... --overwrite`")
+        out.append(f"{len(self.problems)} problem(s); " + "; ".join(fixes))
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RepairReport:
+    """What `repair` did, in words, and the record it restored as ``commit.json`` (None: none needed)."""
+
+    actions: tuple[str, ...]
+    restored: CommitRecord | None
+
+
+def verify(store: TensorStore, *, check_chunks: bool = True) -> VerifyReport:
+    """Check ``store`` (see the module docstring); ``check_chunks=False`` skips reading the chunks.
+
+    Works on a read-only handle, beside a run that holds the store.
+    """
+    problems: list[Problem] = []
+    notes: list[str] = []
+    bad_nodes = dict(store.metadata_problems())
+    if store.path is None:
+        record = store.last_commit()
+    else:
+        record = _check_commit_files(store.path, problems, notes)
+    arrays = chunks = 0
+    if record is not None:
+        found, arrays, chunks = _check_record(store, record, check_chunks=check_chunks, bad_nodes=bad_nodes)
+        problems += found
+        if store.path is not None:
+            try:
+                now = read_commit_file(store.path)
+            except (ValueError, TypeError, OSError):
+                now = None
+            if now is not None and now != record:
+                # a run holding the store committed meanwhile; its new generation was not checked
+                notes.append(
+                    f"the store was committed again while it was checked (now step {now.step}); this report is about step {record.step}"
+                )
+    reported = {p.array for p in problems}
+    problems += [Problem(name, msg, array=name) for name, msg in bad_nodes.items() if name not in reported]
+    return VerifyReport(str(store.path or "<memory>"), record, tuple(problems), tuple(notes), arrays, chunks)
+
+
+def repair(store: TensorStore) -> RepairReport:
+    """Restore a missing or garbled ``commit.json`` of ``store`` (opened for writing) from ``commits.jsonl``.
+
+    Picks the newest intact history record whose arrays verify; raises StoreError when there is
+    none. When ``commit.json`` is intact it only appends it to a history that lacks it.
+    """
+    p = store.path
+    if p is None:
+        raise StoreError("repair works on store directories; an in-memory store has no commit files")
+    if store.read_only:
+        raise StoreError(f"store {p} was opened read-only; repair needs TensorStore.open({str(p)!r}) (it takes the lock)")
+    history = [h for h in read_history(p) if h.record is not None]
+    try:
+        current = read_commit_file(p)
+        damage = "missing" if current is None else ""
+    except (ValueError, TypeError) as e:
+        current, damage = None, f"garbled ({e})"
+    except OSError as e:
+        current, damage = None, f"unreadable ({e})"
+    if current is not None:
+        return _reconcile_history(store, current, history)
+    actions: list[str] = []
+    bad_nodes = dict(store.metadata_problems())
+    for i in range(len(history) - 1, -1, -1):
+        line, rec = history[i].line_no, history[i].record
+        assert rec is not None
+        later = [h.record for h in history[i + 1 :] if h.record is not None and h.record.step > rec.step]
+        if any(r.generation == rec.generation for r in later):
+            newer = next(r for r in later if r.generation == rec.generation)
+            actions.append(
+                f"skipped step {rec.step} ({HISTORY_FILE} line {line}): its generation {rec.generation} was rewritten by step {newer.step}"
+            )
+            continue
+        successor = min(later, key=lambda r: r.step, default=None)
+        found, _a, _c = _check_record(
+            store, rec, check_chunks=True, bad_nodes=bad_nodes, not_after=successor.time_unix if successor is not None else None
+        )
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {found[0]}{more}")
+            continue
+        store.restore_commit(rec)
+        actions.append(
+            f"{COMMIT_FILE} was {damage}: restored it from {HISTORY_FILE} line {line}: step {rec.step}, "
+            f"generation {rec.generation}, durability {rec.durability}"
+        )
+        return RepairReport(tuple(actions), rec)
+    why = "; ".join(actions) if actions else f"{HISTORY_FILE} has no intact record"
+    raise StoreError(
+        f"cannot repair store {p}: {COMMIT_FILE} is {damage} and no record in {HISTORY_FILE} has intact state ({why}); "
+        "restore the store from a copy, or start over with `mtc train ... --overwrite`"
+    )
+
+
+def _reconcile_history(store: TensorStore, current: CommitRecord, history: list[HistoryLine]) -> RepairReport:
+    """``commit.json`` is intact: append it to the history if the history lost it; else nothing."""
+    records = [h.record for h in history if h.record is not None]
+    if current in records[-2:]:
+        return RepairReport((f"{COMMIT_FILE} is intact (step {current.step}); nothing to repair",), None)
+    if not records or current.step > records[-1].step:
+        store.restore_commit(current, append_to_history=True)
+        return RepairReport((f"{COMMIT_FILE} is intact (step {current.step}); appended it to {HISTORY_FILE}, which lacked it",), None)
+    what = (
+        f"{COMMIT_FILE} is intact (step {current.step}) but {HISTORY_FILE} ends at step {records[-1].step}; "
+        f"left both as they are ({COMMIT_FILE} is the authoritative one)"
+    )
+    return RepairReport((what,), None)
+
+
+def _check_commit_files(p: Path, problems: list[Problem], notes: list[str]) -> CommitRecord | None:
+    """Check commit.json and commits.jsonl; return the record whose arrays to check (None: none readable)."""
+    history = read_history(p)
+    for h in history:
+        if h.record is None:
+            notes.append(f"{HISTORY_FILE} line {h.line_no} is torn or garbled ({h.error}); it is skipped")
+    records = [h.record for h in history if h.record is not None]
+    try:
+        current = read_commit_file(p)
+        if current is None:
+            problems.append(Problem(COMMIT_FILE, f"{p / COMMIT_FILE} is missing"))
+    except (ValueError, TypeError, OSError) as e:
+        current = None
+        problems.append(Problem(COMMIT_FILE, f"{p / COMMIT_FILE} does not parse ({e})"))
+    if current is None:
+        if records:
+            notes.append(f"checked the arrays of the last record of {HISTORY_FILE} (step {records[-1].step}) instead")
+            return records[-1]
+        return None
+    if not records:
+        problems.append(Problem(HISTORY_FILE, f"{p / HISTORY_FILE} has no intact record; {COMMIT_FILE} (step {current.step}) is not in it"))
+    elif records[-1] == current:
+        pass
+    elif len(records) >= 2 and records[-2] == current and records[-1].step > current.step:
+        notes.append(
+            f"the last record of {HISTORY_FILE} (step {records[-1].step}) never became {COMMIT_FILE}: that commit was "
+            f"interrupted; {COMMIT_FILE} (step {current.step}) is the one a resume uses"
+        )
+    else:
+        last = records[-1]
+        problems.append(
+            Problem(
+                COMMIT_FILE,
+                f"{COMMIT_FILE} (step {current.step}, generation {current.generation}) disagrees with the last record of "
+                f"{HISTORY_FILE} (step {last.step}, generation {last.generation})",
+            )
+        )
+    return current
+
+
+def _check_record(
+    store: TensorStore, record: CommitRecord, *, check_chunks: bool, bad_nodes: dict[str, str], not_after: float | None = None
+) -> tuple[list[Problem], int, int]:
+    """Problems of the arrays ``record`` needs; and how many arrays and chunks were checked.
+
+    ``bad_nodes`` maps a node whose metadata is damaged to its problem. ``not_after``: a chunk
+    file modified after this time (unix seconds) is a problem too: it was written for a later
+    step than ``record``.
+    """
+    required = REQUIRED_KINDS.get(record.durability)
+    if required is None:
+        return [Problem(COMMIT_FILE, f"unknown durability mode {record.durability!r}")], 0, 0
+    g = record.generation
+    names = set(store.array_names())
+    layout = store.attributes().get(LAYOUT_ATTR)
+    expect: dict[int, int | None]
+    if isinstance(layout, dict) and isinstance(layout.get("numels"), list):
+        expect = {i: n for i, n in enumerate(layout["numels"]) if isinstance(n, int) and n > 0}
+    else:  # a store from before the layout was recorded: the layers that have any state array
+        expect = {int(m.group(1)): None for n in names if (m := _STATE_NAME.fullmatch(n))}
+    problems: list[Problem] = []
+    arrays = chunks = 0
+    for layer in sorted(expect):
+        for kind in required:
+            name = state_array_name(layer, kind, g)
+            if name in bad_nodes:
+                problems.append(Problem(name, bad_nodes[name], array=name))
+                continue
+            if name not in names:
+                problems.append(
+                    Problem(name, f"is missing (durability {record.durability!r} of step {record.step} needs it)", array=name)
+                )
+                continue
+            info = store.array_info(name)
+            arrays += 1
+            if expect[layer] is not None and info.shape != (expect[layer],):
+                problems.append(Problem(name, f"has shape {info.shape}, the layout records ({expect[layer]},)", array=name))
+                continue
+            if not check_chunks:
+                continue
+            chunks += info.n_chunks
+            problems += [Problem(name, msg, array=name, chunk=c) for c, msg in store.check_array(name)]
+            if not_after is not None and store.path is not None:
+                for c in range(info.n_chunks):
+                    path = store.chunk_path(name, c)
+                    try:
+                        newer = path is not None and path.stat().st_mtime > not_after
+                    except FileNotFoundError:
+                        continue  # reported as missing by check_array
+                    if newer:
+                        what = f"chunk file {path} was written after the next commit: it holds a later step"
+                        problems.append(Problem(name, what, array=name, chunk=c))
+                        break
+    return problems, arrays, chunks

@@ -1,0 +1,357 @@
+"""Store creation through the set-up marker, read-only handles, and commits that fail to write."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from mtc.store import CommitRecord, TensorStore, verify
+from mtc.store import directory as directory_mod
+from mtc.store.directory import dir_state
+
+from mtc.errors import StoreError, StoreLockedError
+from tests.store.runs import make_run, record, snapshot
+
+# -- commit records ---------------------------------------------------------------------------
+
+
+def test_commit_record_durability_and_meta_and_old_records():
+    rec = record(3, 1, "weights")
+    assert CommitRecord.from_json(rec.to_json()) == rec and rec.meta == {"data": "corpus.bin"}
+    old = {k: v for k, v in json.loads(rec.to_json()).items() if k not in ("durability", "meta", "extra")}
+    back = CommitRecord.from_json(json.dumps(old))  # written before these fields existed
+    assert (back.durability, back.meta, back.extra) == ("full", {}, {})
+    with pytest.raises(ValueError, match="durability"):
+        CommitRecord.from_json(json.dumps({**old, "durability": "most"}))
+    with pytest.raises(TypeError, match="meta"):
+        CommitRecord.from_json(json.dumps({**old, "meta": [1]}))
+    with TensorStore.create(None) as st, pytest.raises(StoreError, match="durability 'most'; use one of full, weights, none"):
+        st.commit(dataclasses.replace(rec, durability="most"))
+
+
+# -- the set-up marker ------------------------------------------------------------------------
+
+
+def test_first_commit_renames_the_marker(tmp_path):
+    p = tmp_path / "s"
+    st = TensorStore.create(p)
+    assert dir_state(p) == "uncommitted" and (p / "setup.json").is_file() and not (p / "commit.json").exists()
+    first = record(0, 0)
+    st.commit(first)
+    assert dir_state(p) == "committed" and not (p / "setup.json").exists()
+    assert CommitRecord.from_json((p / "commit.json").read_text()) == first
+    assert [r.step for r in st.commit_history()] == [0]
+    st.commit(record(1, 1))
+    assert not (p / "setup.json").exists() and not (p / "commit.json.tmp").exists()
+    st.close()
+    with TensorStore.open(p) as st:
+        assert st.last_commit().step == 1
+
+
+def test_open_refuses_an_uncommitted_store(tmp_path):
+    p = tmp_path / "s"
+    with TensorStore.create(p) as st:
+        st.create_array("layers/0000/master/g0", (4,), torch.float32)
+        st.write("layers/0000/master/g0", torch.ones(4))
+        # closed (or killed) before the first commit
+    for ro in (False, True):
+        with pytest.raises(StoreError, match=r"has no commit yet.*run the same `mtc train \.\.\. --store .*` command again"):
+            TensorStore.open(p, read_only=ro)
+
+
+def test_create_reinitialises_an_uncommitted_store(tmp_path):
+    p = tmp_path / "s"
+    with TensorStore.create(p) as st:
+        st.create_array("layers/0000/master/g0", (4,), torch.float32)
+        st.write("layers/0000/master/g0", torch.ones(4))
+    # what the runtime and an interrupted first commit leave behind
+    (p / "plan").mkdir()
+    (p / "plan" / "program.json").write_text("{}")
+    (p / "logs").mkdir()
+    (p / "commits.jsonl").write_text(record(0, 0).to_json() + "\n")  # appended, but the marker was never renamed
+    (p / "zarr.0123456789abcdef0123456789abcdef.partial").write_text("x")  # zarr's temp file of a metadata write
+    with TensorStore.create(p) as st:  # no overwrite needed: it never was a store
+        assert st.array_names() == [] and st.last_commit() is None
+        assert sorted(c.name for c in p.iterdir()) == [".lock", "setup.json", "zarr.json"]
+        st.commit(record(0, 0))
+    with TensorStore.open(p) as st:
+        assert [r.step for r in st.commit_history()] == [0]
+
+
+def test_create_refuses_foreign_files_in_an_uncommitted_store(tmp_path):
+    p = tmp_path / "s"
+    TensorStore.create(p).close()
+    (p / "notes.txt").write_text("mine")
+    (p / "data").mkdir()
+    with pytest.raises(StoreError, match=r"cannot re-initialise the uncommitted store .*data, notes.txt, which mtc did not make"):
+        TensorStore.create(p)
+    assert (p / "notes.txt").read_text() == "mine" and (p / "setup.json").exists()
+
+
+def test_interrupted_setups_leave_a_reinitialisable_directory(tmp_path):
+    # killed right after the marker was written: no zarr.json yet
+    p = tmp_path / "a"
+    p.mkdir()
+    (p / ".lock").write_text("")
+    (p / "setup.json").write_text('{"mtc_store_setup": 1}')
+    with pytest.raises(StoreError, match="has no commit yet"):
+        TensorStore.open(p)
+    TensorStore.create(p).close()
+    # killed while the first commit was writing its record into the marker: still uncommitted
+    q = tmp_path / "b"
+    TensorStore.create(q).close()
+    (q / "setup.json").write_text('{"step": 0, "gen')
+    assert dir_state(q) == "uncommitted"
+    TensorStore.create(q).close()
+
+
+def test_interrupted_overwrite_keeps_a_whole_store_or_none(tmp_path):
+    p = tmp_path / "s"
+    make_run(p).close()
+    # overwrite killed after writing the marker, before removing commit.json: still the old store
+    (p / "setup.json").write_text('{"mtc_store_setup": 1}')
+    assert dir_state(p) == "committed"
+    with TensorStore.open(p, read_only=True) as st:
+        assert st.last_commit().step == 1
+    with TensorStore.open(p) as st:  # a writer tidies the leftover marker
+        assert st.last_commit().step == 1
+    assert not (p / "setup.json").exists()
+    # killed after removing commit.json: an uncommitted store, which create starts over
+    (p / "setup.json").write_text('{"mtc_store_setup": 1}')
+    (p / "commit.json").unlink()
+    assert dir_state(p) == "uncommitted"
+    with TensorStore.create(p) as st:
+        assert st.array_names() == []
+
+
+def test_create_refuses_a_committed_store_and_names_repair(tmp_path):
+    p = tmp_path / "s"
+    make_run(p).close()
+    with pytest.raises(StoreError, match="already holds a committed mtc store; resume it"):
+        TensorStore.create(p)
+    (p / "commit.json").unlink()
+    with pytest.raises(StoreError, match=r"commit.json is missing: `mtc repair .*` restores it"):
+        TensorStore.create(p)
+    with TensorStore.create(p, overwrite=True) as st:
+        assert st.array_names() == [] and dir_state(p) == "uncommitted"
+
+
+def test_store_of_an_older_mtc_without_marker_or_commit(tmp_path):
+    p = tmp_path / "s"
+    TensorStore.create(p).close()
+    (p / "setup.json").unlink()  # what an older mtc left when it stopped during set-up
+    assert dir_state(p) == "no-commit"
+    with pytest.raises(StoreError, match=r"no commit record.*--overwrite"):
+        TensorStore.open(p)
+    with pytest.raises(StoreError, match="not empty"):
+        TensorStore.create(p)
+    TensorStore.create(p, overwrite=True).close()
+
+
+# -- read-only handles ------------------------------------------------------------------------
+
+
+def test_read_only_open_beside_a_writer_takes_no_lock_and_changes_nothing(tmp_path):
+    p = tmp_path / "s"
+    writer = make_run(p)  # holds the lock
+    before = snapshot(p)
+    with TensorStore.open(p, read_only=True) as ro:
+        assert ro.read_only and ro.last_commit().step == 1
+        assert ro.read("layers/0000/master/g1").shape == (40,)
+        assert verify(ro).ok
+        for write in (
+            lambda: ro.write("layers/0000/master/g1", torch.zeros(40)),
+            lambda: ro.write_rows("layers/0000/master/g1", 0, torch.zeros(2)),
+            lambda: ro.create_array("x", (3,), torch.float32),
+            lambda: ro.commit(record(2, 0)),
+            lambda: ro.set_attribute("k", 1),
+        ):
+            with pytest.raises(StoreError, match="opened read-only"):
+                write()
+        with TensorStore.open(p, read_only=True) as ro2:  # any number of readers
+            assert ro2.last_commit().step == 1
+    assert snapshot(p) == before  # no file created or modified, .lock content (the writer's pid) included
+    with pytest.raises(StoreLockedError):
+        TensorStore.open(p)  # the writer still holds its lock
+    writer.commit(record(2, 0))  # and still works
+    writer.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("capsh") is None, reason="needs root and capsh to drop CAP_DAC_OVERRIDE")
+def test_read_only_directory_as_a_user_sees_it(tmp_path):
+    p = tmp_path / "s"
+    make_run(p).close()
+    for q in [p, *p.rglob("*")]:
+        q.chmod(0o555 if q.is_dir() else 0o444)
+    os.chmod(tmp_path, 0o555)  # a new store beside it cannot be made either
+    code = textwrap.dedent(f"""
+        from mtc.store import TensorStore, verify
+        p = {str(p)!r}
+        with TensorStore.open(p, read_only=True) as st:
+            print("read", st.last_commit().step, st.read("layers/0002/master/g1").shape[0], verify(st).ok)
+        for f in (lambda: TensorStore.open(p), lambda: TensorStore.create({str(tmp_path / "new")!r})):
+            try:
+                f()
+            except Exception as e:
+                print(type(e).__name__, e)
+    """)
+    # root ignores file modes; without CAP_DAC_OVERRIDE it is held to them, like any user
+    cmd = ["capsh", "--drop=cap_dac_override,cap_dac_read_search,cap_fowner", "--", "-c", f'exec "{sys.executable}" -c "$0"', code]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        os.chmod(tmp_path, 0o755)
+        for q in [p, *p.rglob("*")]:
+            q.chmod(0o755 if q.is_dir() else 0o644)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "read 1 24 True", out.stdout + out.stderr
+    assert lines[1].startswith("StoreError cannot lock store") and "permission denied" in lines[1] and "read-only" in lines[1]
+    assert lines[2].startswith("StoreError cannot create store directory") and "permission denied" in lines[2]
+
+
+def test_permission_errors_are_store_errors(tmp_path, monkeypatch):
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("pathlib.Path.mkdir", denied)
+    with pytest.raises(StoreError, match=r"cannot create store directory .*: permission denied"):
+        TensorStore.create(tmp_path / "new")
+
+
+# -- failed commits ---------------------------------------------------------------------------
+
+
+class _Faults:
+    """Raise OSError(code) at the n-th call of one file operation in the commit code."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, op: str, n: int, code: int = errno.ENOSPC) -> None:
+        self.op, self.n, self.code, self.fired = op, n, code, False
+        real_open, real_fsync, real_replace = builtins.open, os.fsync, os.replace
+
+        def fault(op: str) -> None:
+            if op == self.op and not self.fired:
+                if self.n == 0:
+                    self.fired = True
+                    raise OSError(self.code, os.strerror(self.code))
+                self.n -= 1
+
+        class File:
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, data):
+                fault("write")
+                return self.f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+        def fake_open(*a, **k):
+            fault("open")
+            return File(real_open(*a, **k))
+
+        def fake_fsync(fd):
+            fault("fsync")
+            return real_fsync(fd)
+
+        def fake_replace(a, b):
+            fault("replace")
+            return real_replace(a, b)
+
+        monkeypatch.setattr(directory_mod, "open", fake_open, raising=False)  # the commit files' open only
+        monkeypatch.setattr(os, "fsync", fake_fsync)
+        monkeypatch.setattr(os, "replace", fake_replace)
+
+
+@pytest.mark.parametrize(
+    "code, words", [(errno.ENOSPC, "no space left on device"), (errno.EROFS, "read-only file system")], ids=["ENOSPC", "EROFS"]
+)
+def test_a_commit_that_cannot_be_written_keeps_the_last_commit(tmp_path, monkeypatch, code, words):
+    p = tmp_path / "s"
+    st = make_run(p)  # last commit: step 1
+    sites = 0
+    for op in ("open", "write", "fsync", "replace"):
+        for n in range(30):  # fail the n-th call of `op`, for every n until the commit makes no such call
+            st.create_array(f"extra/{op}{n}", (2,), torch.float32)  # new metadata: its fsync is part of the commit
+            with monkeypatch.context() as m:
+                faults = _Faults(m, op, n, code)
+                try:
+                    st.commit(record(2, 0))
+                    msg = None
+                except StoreError as e:
+                    msg = str(e)
+            if msg is None:
+                assert not faults.fired
+                st.commit(record(1, 1))  # the commit went through; back to step 1 for the next operation
+                break
+            assert faults.fired
+            sites += 1
+            if "may not survive a power loss" in msg:  # the directory fsync after the rename: too late to undo
+                assert st.last_commit().step == 2 and "fsync of directory" in msg
+                st.commit(record(1, 1))
+                continue
+            assert words in msg and ("the last commit (step 1) is intact" in msg or "the last commit is unchanged" in msg), msg
+            with TensorStore.open(p, read_only=True) as ro:  # what a resume would see
+                assert ro.last_commit().step == 1
+                assert ro.commit_history()[-1].step == 1
+                assert not (p / "commit.json.tmp").exists()
+                assert verify(ro, check_chunks=False).ok, verify(ro).lines()
+        else:
+            raise AssertionError(f"the commit still failed after 30 faults of {op}")
+    assert sites >= 6  # metadata fsyncs, record open/write/fsync, history open/write/fsync, rename, dir fsync
+    st.close()
+
+
+def test_a_failed_first_commit_leaves_the_store_uncommitted(tmp_path, monkeypatch):
+    p = tmp_path / "s"
+    st = TensorStore.create(p)
+    with monkeypatch.context() as m:
+        _Faults(m, "write", 1)  # the history append (the record went into the marker)
+        with pytest.raises(StoreError, match="no space left on device writing .*commits.jsonl.*stays uncommitted.*same `mtc train`"):
+            st.commit(record(0, 0))
+    assert dir_state(p) == "uncommitted" and not (p / "commits.jsonl").exists()
+    st.commit(record(0, 0))  # space is back
+    assert dir_state(p) == "committed"
+    st.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_enospc_on_a_real_small_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        st = TensorStore.create(mnt / "s")
+        st.commit(record(1, 1))
+        with open(mnt / "filler", "wb", buffering=0) as f:  # take every free block
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        with pytest.raises(StoreError, match=r"no space left on device writing .*; the last commit \(step 1\) is intact"):
+            st.commit(dataclasses.replace(record(2, 0), meta={"pad": "x" * 20000}))
+        with TensorStore.open(mnt / "s", read_only=True) as ro:
+            assert ro.last_commit().step == 1 and [r.step for r in ro.commit_history()] == [1]
+        (mnt / "filler").unlink()
+        st.commit(record(2, 0))
+        assert st.last_commit().step == 2
+        st.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
