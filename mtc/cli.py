@@ -91,7 +91,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
-    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens)
+    allow = tuple(f.strip() for f in (a.allow_change or "").split(",") if f.strip())
+    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow)
     start = run.start_step
     if start >= cfg.steps:
         run.store.close()
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-after", type=int, metavar="STEP",
                    help="stop once this step is committed (resume later); >= 1 (default: train to --steps)")
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
+    t.add_argument("--allow-change", metavar="FIELDS", help="on resume, let these differ from the committed run, e.g. "
+                   "'steps,optim.lr' or 'data' (recorded in the commit history); model and shape fields never may")
     t.set_defaults(fn=_cmd_train)
 
     i = sub.add_parser("inspect", help="list a store's arrays, its last commit and any damage (read-only; exit 1 if damaged)")

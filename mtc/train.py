@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from mtc.config import TrainConfig, check_device
-from mtc.data import BatchSampler, TokenFile, check_fits
-from mtc.errors import ConfigError, MTCError, StoreError
+from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
+from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.models import build, model_config
 from mtc.plan import load_plan, save_plan
@@ -74,6 +74,7 @@ class Run:
     program: Program
     last: CommitRecord | None  # None: a new run (step 0 not committed yet, or durability 'none')
     params: dict[str, torch.Tensor] | None  # a new run's initial parameters (None when resuming)
+    changes: list[str] = dataclasses.field(default_factory=list)  # fields --allow-change let differ on resume
 
     @property
     def start_step(self) -> int:
@@ -126,6 +127,12 @@ def _set_rng_state(state: dict[str, str]) -> None:
 _EXECUTION_FIELDS = ("io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32")
+
+
+# fields a resumed run may change when the user names them in --allow-change (recorded in the
+# commit history); every other field would reinterpret the state (model shape, dtypes, batch shape)
+CHANGEABLE = ("data", "steps", "grad_accum", "seed", "optim.lr", "optim.min_lr", "optim.warmup_steps",
+              "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.clip_norm")
 
 
 def _comparable(d: dict) -> dict:
@@ -226,7 +233,7 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
 
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
-    plan: str | Path | None = None, data: TokenFile | None = None,
+    plan: str | Path | None = None, data: TokenFile | None = None, allow_change: tuple[str, ...] = (),
 ) -> Run:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
 
@@ -235,8 +242,14 @@ def open_run(
     the machine can hold it, then creates the store and saves the plan. Its initial state is
     written and committed as step 0 by `train` (from RAM, in the chosen durability mode). A resumed
     run uses the plan saved in its store. With ``data``, the token file is checked against the
-    model's vocabulary and the sequence length first. Every check runs before anything is written.
+    model's vocabulary and the sequence length first, and on resume against the data the run
+    was committed with. ``allow_change`` names fields (of `CHANGEABLE`) a resumed run may change.
+    Every check runs before anything is written.
     """
+    bad = [f for f in allow_change if f not in CHANGEABLE]
+    if bad:
+        raise ConfigError(f"--allow-change {','.join(bad)}: only {', '.join(CHANGEABLE)} may change on resume; "
+                          "the others would reinterpret the stored state: start a new run for them")
     cfg.validate()
     check_device(cfg)
     if data is not None:
@@ -249,19 +262,28 @@ def open_run(
             if last is None:
                 raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
-            if saved != now:
-                diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            changes = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            diff = [k for k in changes if k not in allow_change]
+            if diff:
+                fix = [k for k in diff if k in CHANGEABLE]
                 raise ConfigError(
                     f"store {path} was created with a different config (differs in: {', '.join(diff)}); "
-                    "resume with the same config, or use a new store directory"
+                    "resume with the same config" + (f", or pass --allow-change {','.join(fix)}" if fix else "")
+                    + ", or use a new store directory"
                 )
+            if data is not None:
+                check_data_identity(last.meta.get("data"), data.identity(), "data" in allow_change)
+                try:
+                    check_data_identity(last.meta.get("data"), data.identity(), False)
+                except DataError:
+                    changes.append("data")
             program = load_plan(path / "plan")
             if data is not None:
                 data.check_vocab(_model_vocab(program))
         except BaseException:
             store.close()
             raise
-        return Run(store, program, last, None)
+        return Run(store, program, last, None, changes)
     model = model if model is not None else build_model(cfg)
     program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
     if data is not None:
@@ -348,6 +370,7 @@ def train(
     run: Run | None = None,
     timeline: Timeline | None = None,
     serialize: bool = False,
+    allow_change: tuple[str, ...] = (),
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
@@ -357,7 +380,8 @@ def train(
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
-    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens)
+    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
+                                               allow_change=allow_change)
     st, program = run.store, run.program
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)
@@ -374,7 +398,7 @@ def train(
         if run.last is None:  # a new run: initial state from the model, committed as step 0
             _init_state(st, tiers, program, run.params, cfg.durability)
             last = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
-                                time_unix=time.time())
+                                time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
             if durable:
                 st.commit(last)
         else:
@@ -401,6 +425,9 @@ def train(
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
+        meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
+        if run.changes:  # what --allow-change let differ, recorded in every later commit
+            meta["changes"].append({"from_step": last.step, "fields": run.changes})
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         loader = _Loader(sampler, cfg.grad_accum, cursor, pin=device.type == "cuda")
@@ -420,7 +447,7 @@ def train(
             commit_now = durable and (next_step % every == 0 or next_step == end)
             commit_fn = None
             if commit_now:
-                commit_fn = _committer(st, next_step, next_cursor, cfg)
+                commit_fn = _committer(st, next_step, next_cursor, cfg, meta)
             stats: StepStats = opt.finish_step(out.loss, commit=commit_fn, write_generation=1 - committed_gen)
             if commit_now:
                 committed_gen = 1 - committed_gen
@@ -511,13 +538,13 @@ def _init_state(st: TensorStore, tiers: StateTiers, program: Program, params: di
             f.result()
 
 
-def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig) -> Callable[[int], None]:
+def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: dict) -> Callable[[int], None]:
     rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
     config = cfg.to_dict()
 
     def commit(gen: int) -> None:
         st.commit(CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state=rng, config=config,
-                               time_unix=time.time()))
+                               time_unix=time.time(), durability=cfg.durability, meta=meta))
 
     return commit
 
