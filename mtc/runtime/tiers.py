@@ -24,7 +24,7 @@ import torch
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
 from mtc.runtime.transfer import Transfer
-from mtc.store import STATE_DTYPE, TensorStore, state_array_name
+from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
 __all__ = ["TIERS", "LayerState", "StateTiers", "state_kinds"]
 
@@ -126,7 +126,11 @@ class StateTiers:
             s.compute.copy_(s.master)
 
     def create_arrays(self, store: TensorStore, durability: str) -> None:
-        """Create both generations of the arrays this placement and durability keep on disk."""
+        """Create both generations of the arrays this placement and durability keep on disk, and
+        record the layout (what `mtc verify` expects of each layer)."""
+        if not store.read_only:
+            store.set_attribute(LAYOUT_ATTR, {"numels": [s.numel for s in self.layers], "compute_dtype": None,
+                                              "placement": list(self.placement)})
         for s in self.layers:
             if not s.numel:
                 continue
