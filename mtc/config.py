@@ -201,7 +201,8 @@ class TrainConfig:
     # "full": two generations of master, m, v (exact crash-safe resume); "weights": two generations
     # of master weights only (resume restarts Adam's moments); "none".
     durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")
-    commit_every: int = field(1, ge=1, help="commit (write state behind, then the atomic record) every N steps")
+    commit_every: int = field(0, ge=0, help="commit (write state behind, then the atomic record) every N steps; 0: auto, "
+                              "as often as keeps commits under 5%% of the run's time (each once the last has landed)")
     activation_budget_gb: float | None = field(None, gt=0,
                                                help="GPU GB for layer-boundary activations (beyond: pinned host); none: no limit")
     ram_budget_gb: float | None = field(None, gt=0, help="host RAM GB for state (auto placement); none: available memory minus a margin")

@@ -87,6 +87,27 @@ def test_commit_every_commits_on_schedule_and_at_the_end(tokens, tmp_path):
         res.store.close()
 
 
+def test_auto_commit_pacing_keeps_a_slow_disk_off_the_critical_path(tokens, tmp_path, monkeypatch):
+    import time
+
+    from mtc.store import TensorStore
+
+    slow = TensorStore.commit
+
+    def slow_commit(self, record):  # a disk on which each commit takes far longer than a step
+        time.sleep(0.4)
+        slow(self, record)
+
+    monkeypatch.setattr(TensorStore, "commit", slow_commit)
+    res = train(small_config(steps=12), tmp_path / "s", tokens)  # commit_every = 0: auto
+    try:
+        steps = [r.step for r in res.store.commit_history()]
+        assert steps[0] == 0 and steps[-1] == 12
+        assert len(steps) < 8, f"auto pacing committed {steps}: more often than 1 in 20 of a commit's time allows"
+    finally:
+        res.store.close()
+
+
 def test_durability_weights_keeps_only_master_arrays(tokens, tmp_path):
     res = train(small_config(steps=2, durability="weights"), tmp_path / "s", tokens)
     try:

@@ -17,7 +17,7 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(tokens, tmp_path_factory):
     # four blocks: six program layers; a local store so write-behind and commits really hit a disk
-    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, optim_threads=1)
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, optim_threads=1, commit_every=1)
     res = train(cfg, tmp_path_factory.mktemp("run") / "s", tokens)
     yield res
     res.store.close()
