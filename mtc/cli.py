@@ -206,8 +206,8 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.config import TrainConfig
     from mtc.plan import save_plan
-    from mtc.train import build_model
     from mtc.tracer import trace
+    from mtc.train import build_model
 
     cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
     model = build_model(cfg, device="meta" if a.meta else "cpu")
@@ -222,8 +222,8 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
     from mtc.plan import save_plan, save_plan_model
-    from mtc.train import build_model
     from mtc.tracer import trace
+    from mtc.train import build_model
 
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
     cfg.validate()

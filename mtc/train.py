@@ -252,6 +252,11 @@ def open_run(
                           "the others would reinterpret the stored state: start a new run for them")
     cfg.validate()
     check_device(cfg)
+    if cfg.fused and cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "--kernels fused on the CPU runs Triton's interpreter, which must be enabled before start: "
+            "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
+        )
     if data is not None:
         check_fits(data, cfg.seq_len)
     path = Path(store_dir) if store_dir is not None else None
@@ -576,11 +581,6 @@ def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None
     """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
     if not cfg.fused:
         return None
-    if cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(
-            "fused kernels on the CPU run in Triton's interpreter, which must be enabled before start: "
-            "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
-        )
     from mtc.compiler import compile_program
 
     cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))

@@ -234,6 +234,10 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            # mkstemp makes the file 0600; a data file should read like any other the user writes
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -21,7 +21,6 @@ import os
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
-from mtc.graphs.program import Program
 
 __all__ = [
     "auto_placement",
@@ -137,7 +136,7 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     return placement
 
 
-def describe(placement: list[str], program: Program | None = None) -> str:
+def describe(placement: list[str]) -> str:
     """A short text such as 'gpu:0-3,ram:4-19' for logs and records."""
     parts, start = [], 0
     for i in range(1, len(placement) + 1):

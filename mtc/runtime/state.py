@@ -7,9 +7,9 @@ from torch import nn
 
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
-from mtc.store import TensorStore, create_layer_state, state_array_name
+from mtc.store import TensorStore, state_array_name
 
-__all__ = ["flatten_layer", "init_state", "load_into_module", "read_params"]
+__all__ = ["flatten_layer", "load_into_module", "read_params"]
 
 
 def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -22,33 +22,6 @@ def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor])
             raise StoreError(f"parameter {p.key} has shape {tuple(t.shape)}, the plan expects {p.spec.shape}")
         flat[p.offset : p.offset + p.numel] = t.detach().reshape(-1).to("cpu", torch.float32)
     return flat
-
-
-def init_state(
-    program: Program,
-    store: TensorStore,
-    params: dict[str, torch.Tensor],
-    *,
-    compute_dtype: torch.dtype | None = None,
-    generation: int = 0,
-) -> None:
-    """Create every layer's state arrays and write initial master weights and zero moments."""
-    numels = [program.layer_numel(i) for i in range(program.n_layers)]
-    cdt = compute_dtype if compute_dtype not in (None, torch.float32) else None
-    create_layer_state(store, numels, compute_dtype=cdt)
-    missing = [k for k in program.params if k not in params]
-    if missing:
-        raise StoreError(f"initial parameters lack {', '.join(missing[:5])}; pass the traced module's named_parameters()")
-    for layer, n in enumerate(numels):
-        if not n:
-            continue
-        flat = flatten_layer(program, layer, params)
-        store.write(state_array_name(layer, "master", generation), flat)
-        zeros = torch.zeros_like(flat)
-        store.write(state_array_name(layer, "m", generation), zeros)
-        store.write(state_array_name(layer, "v", generation), zeros)
-        if cdt is not None:
-            store.write(state_array_name(layer, "compute", generation), flat.to(cdt))
 
 
 def read_params(program: Program, store: TensorStore, generation: int) -> dict[str, torch.Tensor]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from mtc.store import TensorStore
 
 from mtc.cli import main
 from mtc.data import write_token_file
-from mtc.store import TensorStore
 from tests.runtime.engine_util import skewed_tokens, small_config
 
 
@@ -48,3 +48,23 @@ def test_extend_steps_needs_allow_change_and_shape_changes_are_refused(tmp_path,
     assert _train(capsys, cfg_file, store, a.path, "--allow-change", "steps")[0] == 0
     code, err = _train(capsys, cfg_file, store, a.path, "--allow-change", "seq_len")
     assert code == 2 and "only data, steps" in err, err
+
+
+def test_fused_kernels_on_the_cpu_without_the_interpreter_are_refused_before_the_store(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = skewed_tokens(tmp_path / "a.bin")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(small_config(steps=1).to_dict()))
+    code, err = _train(capsys, cfg_file, tmp_path / "s", a.path, "--kernels", "fused")
+    assert code == 2 and "TRITON_INTERPRET=1" in err and "--unfused" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_token_files_are_readable_like_other_files(tmp_path):
+    import os
+    import stat
+
+    t = skewed_tokens(tmp_path / "a.bin")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(t.path).st_mode) == 0o666 & ~umask

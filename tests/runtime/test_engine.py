@@ -153,8 +153,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tokens, tmp_path):
     with pytest.raises(TrainingError, match="consecutive steps had a non-finite"):
         train(cfg, tmp_path / "s", tokens, on_step=seen.append)
     assert any(r.skipped for r in seen)
-    from mtc.plan import load_plan
     from mtc.store import TensorStore
+
+    from mtc.plan import load_plan
 
     with TensorStore.open(tmp_path / "s") as st:
         last = st.last_commit()

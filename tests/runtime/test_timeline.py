@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from mtc.store import TensorStore
+
 from mtc.train import train
 from tests.runtime.engine_util import skewed_tokens, small_config
 
@@ -34,7 +34,7 @@ def test_next_layers_copy_starts_before_this_layers_compute_ends(run):
 
 def test_updates_run_while_the_next_forward_computes(run):
     tl, L = run.timeline, run.program.n_layers
-    for step in range(0, 3):
+    for step in range(3):
         last_update = max(s.end for s in tl.spans("update", step=step))
         first_compute = min(s.start for s in tl.spans("compute", step=step + 1))
         assert first_compute < last_update, f"step {step + 1} waited for the whole optimizer step"
