@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Everything the GPU checks of the compiler need, in one device run (under 10 minutes on an H100):
-# install mtc offline, run the gpu-marked tests (6 workers: most of their time is Triton
-# compiling), then bench_fusion for each architecture and part in its own process, most important
-# first, each under a time limit so one slow part cannot eat the rest. Prepare the wheels first on
-# the CPU machine with ../shared/tools/device-wheels.sh and carry ".whl". Logs and a tarball of
-# the JSON records land in $OUT (or bench/results/ without it).
-#   bash bench/gpu_session.sh [PARTS...]     PARTS like llama/block qwen2/head (default: all six)
+# Everything the GPU checks need, in one device run (under 10 minutes on an H100): install mtc
+# offline, then each part named, most important first, each in its own process under what is left
+# of the time budget (BENCH_BUDGET_S, default 520 s) so one slow part cannot eat the rest:
+#   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling)
+#   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
+#   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
+#                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
+# Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
+# ".whl". Logs and a tarball of the JSON records land in $OUT (or bench/results/ without it).
+#   bash bench/gpu_session.sh [PARTS...]     default: tests, the six bench_fusion parts, the four train parts
+#   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -18,16 +22,27 @@ log="$out/gpu_session.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
-if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 | tail -30 | tee -a "$log"
-fi
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(llama/block llama/head qwen2/block gpt2/block qwen2/head gpt2/head)
+[ ${#parts[@]} -eq 0 ] && parts=(tests llama/block llama/head qwen2/block gpt2/block qwen2/head gpt2/head
+                                 train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))
-  if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
-  timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log"
+  case "$p" in
+    tests)
+      if [ -n "${SKIP_TESTS:-}" ]; then echo "skipped tests: SKIP_TESTS" | tee -a "$log"; continue; fi
+      if [ "$left" -lt 60 ]; then echo "skipped tests: out of time" | tee -a "$log"; continue; fi
+      timeout $(( left < 200 ? left : 200 )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 \
+        | tail -30 | tee -a "$log" ;;
+    train/*)
+      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
+      limit=$(( left - 20 < 480 ? left - 20 : 480 ))
+      timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+    *)
+      if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
+      timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
+  esac
 done
-tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json 2>/dev/null | head -20) 2>/dev/null
+tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json 2>/dev/null | head -30) 2>/dev/null
 exit 0

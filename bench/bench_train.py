@@ -1,0 +1,656 @@
+"""Whole training steps of the streaming engine, on models far larger than the GPU and on one that fits.
+
+Parts (one JSON record each, `--only P1-16,P3`):
+  P1-16, P1-48  a 4.6B Llama shape (h 4096, MLP 14336, 32 q / 8 kv heads, 20 blocks, vocab 32000,
+                seq 1024), 16 and 48 sequences per step (4 x 4 and 4 x 12), bf16 compute, fp32
+                master, clip 1.0, durability none. Two settings: `stateless` (all state in host RAM,
+                gpu_update auto) and `auto` (the plan's best placement).
+  P3            a 1.5B Llama shape that fits the GPU, 16 x 1024 tokens per step: mtc (auto, stateless)
+                vs GPU-resident PyTorch (bf16 autocast, fused AdamW on the GPU, activation
+                checkpointing per block), eager and torch.compile'd; the ratio mtc best / baseline best.
+  P5            one layer shape at 10 and 40 blocks, stateless, a fixed activation budget: the ratio of
+                GPU peak memory (deep / shallow). Default shape: P3's (h 2048); P1's at 40 blocks is 9B
+                parameters, 162 GB of host state, more than the lent box's 128 GiB of RAM.
+
+Per setting: median step time after warm-up, model TFLOP/s (6 x params x tokens / step time),
+tokens/s, GPU busy % (CUDA: kernel time in one profiled extra step, from torch.profiler, over that
+step's wall time), host-device traffic per step (computed from the placement; beside it the copy
+engine's own counters) and the average GB/s it implies, optimizer time hidden vs exposed (from the
+engine's timeline), GPU peak memory, host RSS per parameter, and how often clipping fired.
+
+On CUDA every setting runs in its own process (clean GPU memory, pinned-host cache and peak RSS;
+one crash or timeout loses one setting), and an invocation stops starting settings past
+--time-limit-s. Set-up (model init on the GPU, trace, state allocation) is timed apart from steps.
+
+    python bench/bench_train.py --only P1-16                 # each invocation: at most --time-limit-s (480)
+    python bench/bench_train.py --only P1-48
+    python bench/bench_train.py --only P3
+    python bench/bench_train.py --only P5
+    python bench/bench_train.py --smoke                      # CPU, tiny shapes, every part, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median, write_record
+
+from mtc.config import OptimConfig, TrainConfig
+from mtc.data import BatchSampler, TokenFile, write_token_file
+from mtc.models import build, model_config
+from mtc.runtime.placement import describe
+from mtc.runtime.timeline import Timeline
+from mtc.runtime.transfer import CopyEngine
+from mtc.train import StepRecord, build_model, open_run, train
+from mtc.tracer import LossModel
+
+PARTS = ("P1-16", "P1-48", "P3", "P5")
+LLAMA = "8b"  # base preset: untied embeddings, RoPE theta 5e5; every shape field is overridden below
+P1_SHAPE = dict(dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, n_layers=20, vocab_size=32000)
+P3_SHAPE = dict(dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, n_layers=23, vocab_size=32000)  # 1.53B
+SMOKE_SHAPE = dict(dim=64, ffn_dim=160, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=256, max_seq_len=256)
+GOALS = {"P1-16": 230.0, "P1-48": 300.0}  # stateless model TFLOP/s
+MEGATRAIN = {"P1-16": 93.0, "P1-48": 181.0}  # MegaTrain on the same box, model TFLOP/s
+P3_GOAL, P5_GOAL = 1.0, 1.1
+
+
+# -- measuring one mtc setting -----------------------------------------------------------------
+
+
+class _Probe:
+    """`on_step` hook: step marks, the copy engine's byte counters, steady RSS, one profiled step."""
+
+    def __init__(self, warmup: int, measure: int, profile: bool, verbose: bool) -> None:
+        self.warmup, self.end, self.profile, self.verbose = warmup, warmup + measure, profile, verbose
+        self.marks: dict[int, dict[str, Any]] = {}
+        self.first_begin: float | None = None
+        self.prof: Any = None
+        self.prof_error: str | None = None
+
+    def __call__(self, rec: StepRecord) -> None:
+        now = time.perf_counter()
+        if self.first_begin is None:
+            self.first_begin = now - rec.seconds
+        eng = _caller_engine()
+        self.marks[rec.step] = {"t": now, "h2d": eng.h2d_bytes if eng else None, "d2h": eng.d2h_bytes if eng else None}
+        if self.verbose:
+            print(f"    step {rec.step}/{rec.total_steps}: {rec.seconds:8.3f} s  loss {rec.loss:.4f}  norm {rec.grad_norm:.3f}", flush=True)
+        if rec.step == self.end:
+            self.marks[rec.step]["rss"] = _proc_status("VmRSS")
+            if self.profile:
+                try:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    self.prof = profile(activities=[ProfilerActivity.CUDA])
+                    self.prof.start()
+                except Exception as e:  # noqa: BLE001 - the profile is an extra; the record says why it is missing
+                    self.prof, self.prof_error = None, f"{type(e).__name__}: {e}"
+        elif rec.step == self.end + 1 and self.prof is not None:
+            torch.cuda.synchronize()
+            self.prof.stop()
+
+
+def _caller_engine() -> CopyEngine | None:
+    """The run's `CopyEngine`, read from `train`'s frame: its byte counters are not in TrainResult."""
+    f = sys._getframe(1)
+    for _ in range(4):
+        if f is None:
+            return None
+        eng = f.f_locals.get("engine")
+        if isinstance(eng, CopyEngine):
+            return eng
+        f = f.f_back
+    return None
+
+
+def _proc_status(field: str) -> int | None:
+    """A memory field of /proc/self/status in bytes (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux clear_refs 5); False where not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _union_s(intervals: list[tuple[int, int]]) -> float:
+    """Seconds covered by the union of [start, end) ns intervals."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e9
+
+
+def _gpu_profile(prof: Any, step_s: float) -> dict[str, Any]:
+    """GPU kernel and copy occupancy of the profiled step (union of intervals, so overlapping streams count once)."""
+    kinds: dict[str, list[tuple[int, int]]] = {"kernel": [], "h2d": [], "d2h": [], "other": []}
+    nbytes = {"h2d": 0, "d2h": 0}
+    for e in prof.profiler.kineto_results.events():
+        if not str(e.device_type()).endswith("CUDA"):
+            continue
+        name = e.name()
+        kind = ("h2d" if name.startswith("Memcpy HtoD") else "d2h" if name.startswith("Memcpy DtoH")
+                else "other" if name.startswith(("Memcpy", "Memset")) else "kernel")
+        kinds[kind].append((e.start_ns(), e.end_ns()))
+        if kind in nbytes:
+            m = re.search(r'"bytes":\s*(\d+)', e.metadata_json() or "")
+            nbytes[kind] += int(m.group(1)) if m else 0
+    every = [iv for ivs in kinds.values() for iv in ivs]
+    out: dict[str, Any] = {"method": "torch.profiler (CUPTI) over one extra step after the measured ones; "
+                                     "busy = union of kernel intervals / that step's wall time",
+                           "step_s": step_s, "gpu_events": len(every)}
+    if not every:
+        return out
+    kernel_s = _union_s(kinds["kernel"])
+    out.update(kernel_busy_s=kernel_s, busy_pct=100 * min(1.0, kernel_s / step_s), kernels=len(kinds["kernel"]),
+               first_to_last_event_s=(max(e for _, e in every) - min(s for s, _ in every)) / 1e9)
+    for d in ("h2d", "d2h"):
+        busy = _union_s(kinds[d])
+        out[f"{d}_busy_s"], out[f"{d}_bytes"] = busy, nbytes[d] or None
+        out[f"{d}_gbps_while_copying"] = nbytes[d] / busy / 1e9 if busy and nbytes[d] else None
+    return out
+
+
+def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[str, Any]:
+    """Host<->device bytes per step implied by the placement (mirrors the executor's fetch plan)."""
+    prog, place = res.program, res.placement
+    cb = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    last = prog.n_layers - 1
+    weights = 0
+    for call in prog.layers:  # embed + blocks: forward and backward visits; the head: one visit
+        own = prog.layer_numel(call.index)
+        tied = [k for k in dict.fromkeys(call.param_keys()) if prog.params[k].layer != call.index]
+        if place[call.index] == "gpu" and not tied:
+            continue
+        numel = own + sum(prog.params[k].numel for k in tied)
+        weights += numel * cb * (1 if call.index == last else 2)
+    grads = sum(prog.layer_numel(i) * 4 for i in range(prog.n_layers) if place[i] != "gpu")
+    streamed = sum(prog.layer_numel(i) for i in res.gpu_update)
+    carry = cfg.micro_batch_size * cfg.seq_len * model_config(cfg.model, **cfg.model_overrides).dim * cb
+    acts = act_out_per_step * carry
+    h2d = weights + 16 * streamed + acts  # streamed update in: master, m, v, gradient (fp32)
+    d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed + acts  # out: master, m, v (+ compute copy)
+    return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1), "
+                      "fp32 gradients of non-gpu layers, GPU-updated ram layers' state 16 B in / 12+c B out per "
+                      "param, offloaded boundary activations (counted act_out spans) both ways",
+            "h2d_bytes": h2d, "d2h_bytes": d2h, "weights_h2d": weights, "grads_d2h": grads,
+            "streamed_update_params": streamed, "activation_bytes_each_way": acts}
+
+
+def _stage_seconds(tl: Timeline, steps: range) -> dict[str, float]:
+    """Host-side seconds per step, summed over threads, by stage (CUDA: enqueue or wait time)."""
+    out: dict[str, float] = {}
+    for s in tl.spans():
+        if s.step in steps:
+            out[s.stage] = out.get(s.stage, 0.0) + (s.end - s.start) / len(steps)
+    return dict(sorted(out.items()))
+
+
+def _initial_model(cfg: TrainConfig) -> nn.Module:
+    """The preset model with its initial weights on the CPU; on CUDA initialised on the GPU (seconds,
+    where the CPU takes minutes for billions of normal_ draws), then moved over."""
+    if not cfg.device.startswith("cuda"):
+        return build_model(cfg)
+    model = build_model(cfg, device=cfg.device).to("cpu")
+    torch.cuda.empty_cache()
+    return model
+
+
+def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec['cfg']`` for warm-up + measured (+ one profiled) steps; the setting's figures."""
+    cfg = TrainConfig.from_dict(spec["cfg"])
+    warmup, measure = spec["warmup"], spec["measure"]
+    cuda = cfg.device.startswith("cuda")
+    t0 = time.perf_counter()
+    model = _initial_model(cfg)
+    t1 = time.perf_counter()
+    run = open_run(cfg, None, model=model)  # an in-memory store: with durability none it holds nothing
+    del model  # run.params holds the initial weights until train() has filled the tiers
+    t2 = time.perf_counter()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rss_reset = _reset_peak_rss()
+    tl = Timeline()
+    # the profiled step is an extra one after the measured ones (P5 has none)
+    probe = _Probe(warmup, measure, spec["profile"] and cuda and cfg.steps > warmup + measure, spec["verbose"])
+    res = train(cfg, None, spec["data"], run=run, timeline=tl, on_step=probe)
+    res.store.close()
+    steps = [r.seconds for r in res.records]
+    timed = steps[warmup : warmup + measure]
+    med = median(timed)
+    n_params = res.program.n_params()
+    tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum
+    window = range(warmup, warmup + measure)  # timeline steps (0-based) of the measured records
+    stages = _stage_seconds(tl, window)
+    act_out = sum(1 for s in tl.spans("act_out") if s.step in window) / measure
+    planned = _planned_bytes(res, cfg, act_out)
+    a, b = probe.marks.get(warmup, {}), probe.marks.get(warmup + measure, {})
+    counted = None
+    if a.get("h2d") is not None and b.get("h2d") is not None:
+        counted = {"method": "CopyEngine.h2d_bytes / d2h_bytes (read from train()'s frame), per measured step",
+                   "h2d_bytes": (b["h2d"] - a["h2d"]) / measure, "d2h_bytes": (b["d2h"] - a["d2h"]) / measure}
+    update = stages.get("update", 0.0) + stages.get("update_streamed", 0.0)
+    exposed = stages.get("fetch_wait", 0.0)
+    clip = cfg.optim.clip_norm
+    numels = res.tiers.tier_numel()
+    out: dict[str, Any] = {
+        "setting": spec["setting"], "config": cfg.to_dict(), "durability": cfg.durability,
+        "placement_spec": cfg.placement, "placement": describe(res.placement), "tier_params": numels,
+        "gpu_update_spec": cfg.gpu_update, "gpu_update_layers": sorted(res.gpu_update),
+        "gpu_update_params": planned["streamed_update_params"],
+        "n_params": n_params, "tokens_per_step": tokens,
+        "setup_s": {"init_model": t1 - t0, "open_run": t2 - t1,
+                    "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s},
+        "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
+        "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,
+        "losses": [r.loss for r in res.records], "grad_norms": [r.grad_norm for r in res.records],
+        "clip_norm": clip, "clipped_steps": sum(1 for r in res.records if clip is not None and r.grad_norm > clip),
+        "skipped_steps": sum(1 for r in res.records if r.skipped),
+        "timeline_s_per_step": {"method": "host-side span seconds per measured step, summed over threads "
+                                          "(CUDA: enqueue or wait time, not GPU time)", **stages},
+        "optimizer": {"update_s": update, "update_gpu_enqueue_s": stages.get("update_gpu", 0.0),
+                      "fetch_wait_s": exposed, "weights_wait_s": stages.get("weights_wait", 0.0),
+                      "hidden_s": max(0.0, update - exposed), "exposed_upper_s": exposed,
+                      "method": "update = CPU (update) + GPU-streamed (update_streamed) spans; exposed <= fetch_wait "
+                                "(fetches blocked on an update); weights_wait = the training thread blocked on weights"},
+        "transfer_per_step": {"planned": planned, "counted": counted,
+                              "h2d_gbps_avg": (counted or planned)["h2d_bytes"] / med / 1e9,
+                              "d2h_gbps_avg": (counted or planned)["d2h_bytes"] / med / 1e9,
+                              "gbps_method": "bytes per step / median step time (average over the step, not the link rate)"},
+        "host": {"state_bytes": res.host_state_bytes, "peak_rss_bytes": _proc_status("VmHWM"),
+                 "peak_rss_method": "VmHWM during train() (reset before it)" if rss_reset else "VmHWM of the process",
+                 "steady_rss_bytes": b.get("rss")},
+        "gpu_profile": None,
+    }
+    h = out["host"]
+    h["peak_rss_per_param"] = h["peak_rss_bytes"] / n_params if h["peak_rss_bytes"] else None
+    h["steady_rss_per_param"] = h["steady_rss_bytes"] / n_params if h["steady_rss_bytes"] else None
+    if cuda:
+        out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        if probe.prof is not None:
+            try:
+                out["gpu_profile"] = _gpu_profile(probe.prof, steps[warmup + measure])
+            except Exception as e:  # noqa: BLE001
+                out["gpu_profile"] = {"error": f"{type(e).__name__}: {e}"}
+        elif probe.prof_error:
+            out["gpu_profile"] = {"error": probe.prof_error}
+    else:
+        out["gpu_peak_allocated_bytes"] = out["gpu_peak_reserved_bytes"] = None
+    return out
+
+
+# -- the GPU-resident PyTorch baseline ---------------------------------------------------------
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (activation checkpointing per block)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+def _resident_bytes(mcfg: Any, micro_batch: int, seq: int) -> int:
+    """Rough GPU need of the resident baseline: 16 B/param (fp32 weights, grads, m, v), the fp32
+    residual stream at every block boundary, one block's recompute, fp32 logits + grads, 2 GiB slack."""
+    tokens = micro_batch * seq
+    acts = tokens * (mcfg.n_layers * mcfg.dim * 4 + 16 * max(mcfg.dim, mcfg.ffn_dim) * 2 + 12 * mcfg.vocab_size)
+    return 16 * mcfg.n_params() + acts + 2 * 2**30
+
+
+def resident_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """Plain PyTorch training of the same model, resident on the device; step times and peak memory."""
+    cfg = TrainConfig.from_dict(spec["cfg"])
+    device = torch.device(cfg.device)
+    mcfg = model_config(cfg.model, **cfg.model_overrides)
+    mb = spec["micro_batch"]
+    accum = cfg.micro_batch_size * cfg.grad_accum // mb
+    out: dict[str, Any] = {"setting": spec["setting"], "micro_batch_size": mb, "grad_accum": accum,
+                           "torch_compile": spec["compile"], "n_params": mcfg.n_params()}
+    if device.type == "cuda":
+        need, (free, _) = _resident_bytes(mcfg, mb, cfg.seq_len), torch.cuda.mem_get_info(device)
+        out.update(estimated_need_bytes=need, gpu_free_bytes=free)
+        if need > free:
+            out["skipped"] = f"does not fit: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            return out
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = build(cfg.model, **cfg.model_overrides)  # fp32 weights; bf16 comes from autocast
+    for i, blk in enumerate(model.layers):
+        model.layers[i] = torch.compile(_Checkpointed(blk)) if spec["compile"] else _Checkpointed(blk)
+    lm = LossModel(model)
+    o = cfg.optim
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+    sampler = BatchSampler(TokenFile.open(spec["data"]), batch_size=mb, seq_len=cfg.seq_len, seed=cfg.seed)
+    amp = cfg.resolved_compute_dtype == "bfloat16"
+    times, norms, cursor = [], [], 0
+    for _ in range(cfg.steps):
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(accum):
+            ids, tg = (x.to(device, non_blocking=True) for x in sampler.batch(cursor))
+            cursor += 1
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                loss = lm(ids, tg) / accum
+            loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+        if spec["verbose"]:
+            print(f"    step {len(times)}/{cfg.steps}: {times[-1]:8.3f} s", flush=True)
+    w = spec["warmup"]
+    med = median(times[w:])
+    tokens = mb * accum * cfg.seq_len
+    out.update(steps_s=times, warmup_steps=w, median_step_s=med, tokens_per_s=tokens / med,
+               model_tflops=6 * mcfg.n_params() * tokens / med / 1e12, grad_norms=[float(n) for n in norms],
+               gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- running jobs, each in its own process on CUDA ---------------------------------------------
+
+JOBS = {"mtc": mtc_job, "resident": resident_job}
+
+
+def _child(conn: Any, spec: dict[str, Any]) -> None:
+    try:
+        conn.send(JOBS[spec["kind"]](spec))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which records it
+        conn.send({"setting": spec["setting"], "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    conn.close()
+
+
+def run_job(spec: dict[str, Any], *, isolate: bool, timeout_s: float) -> dict[str, Any]:
+    """Run one job in this process, or in a fresh spawned one killed after ``timeout_s``."""
+    print(f"  {spec['part']} / {spec['setting']} ...", flush=True)
+    t = time.perf_counter()
+    if not isolate:
+        try:
+            out = JOBS[spec["kind"]](spec)
+        except Exception as e:  # noqa: BLE001
+            out = {"setting": spec["setting"], "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    else:
+        ctx = mp.get_context("spawn")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(send, spec), name=f"bench-{spec['setting']}")
+        proc.start()
+        send.close()
+        if recv.poll(timeout_s):
+            try:
+                out = recv.recv()
+            except EOFError:
+                out = {"setting": spec["setting"], "error": "the job's process died without a result"}
+        else:
+            out = {"setting": spec["setting"], "error": f"timed out after {timeout_s:.0f} s"}
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if proc.exitcode not in (0, None) and "error" not in out:
+            out["exitcode"] = proc.exitcode
+    out["job_wall_s"] = time.perf_counter() - t
+    if "error" in out:
+        print(f"    {spec['setting']} failed: {out['error']}", flush=True)
+    return out
+
+
+# -- the parts ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Env:
+    """What every part needs: device, smoke or not, data, step counts, the time limit."""
+
+    smoke: bool
+    device: str
+    data: str
+    warmup: int
+    measure: int
+    profile: bool
+    isolate: bool
+    verbose: bool
+    deadline: float
+    min_job_s: float
+    micro_batch: int  # sequences per micro-batch of the mtc runs (smoke: 2)
+
+    def split(self, seqs: int) -> tuple[int, int]:
+        """(micro_batch_size, grad_accum) for ``seqs`` sequences per step (smoke: 2 x 2 or 2 x 3)."""
+        if self.smoke:
+            return 2, (3 if seqs == 48 else 2)
+        return self.micro_batch, seqs // self.micro_batch
+
+
+def _shape(env: Env, full: dict, n_layers: int | None = None) -> dict:
+    """The part's shape, or the tiny smoke shape (2 blocks unless told), with ``n_layers`` set if given."""
+    base = SMOKE_SHAPE if env.smoke else full
+    return dict(base, n_layers=n_layers) if n_layers is not None else dict(base)
+
+
+def _cfg(env: Env, shape: dict, *, micro_batch: int, accum: int, placement: str, steps: int,
+         activation_budget_gb: float | None = None) -> TrainConfig:
+    return TrainConfig(
+        model="tiny" if env.smoke else LLAMA, model_overrides=dict(shape),
+        steps=steps, micro_batch_size=micro_batch, seq_len=32 if env.smoke else 1024, grad_accum=accum,
+        device=env.device, compute_dtype="float32" if env.smoke else "bfloat16", placement=placement,
+        gpu_update="auto", durability="none", activation_budget_gb=activation_budget_gb,
+        optim=OptimConfig(clip_norm=1.0),
+    )
+
+
+def _run(env: Env, part: str, setting: str, kind: str, cfg: TrainConfig, **extra: Any) -> dict[str, Any]:
+    left = env.deadline - time.monotonic()
+    if left < env.min_job_s:
+        print(f"  {part} / {setting}: skipped, {left:.0f} s left of the time limit", flush=True)
+        return {"setting": setting, "skipped": f"out of time ({left:.0f} s left)"}
+    spec = {"kind": kind, "part": part, "setting": setting, "cfg": cfg.to_dict(), "data": env.data,
+            "warmup": env.warmup, "measure": env.measure, "profile": env.profile, "verbose": env.verbose, **extra}
+    return run_job(spec, isolate=env.isolate, timeout_s=left)
+
+
+def part_p1(env: Env, part: str, settings: list[str]) -> dict[str, Any]:
+    """4.6B shape, 16 or 48 sequences per step: stateless vs the plan's placement."""
+    mb, accum = env.split(16 if part == "P1-16" else 48)
+    steps = env.warmup + env.measure + (1 if env.profile else 0)
+    runs = [_run(env, part, s, "mtc", _cfg(env, _shape(env, P1_SHAPE), micro_batch=mb, accum=accum, steps=steps,
+                                          placement="stateless" if s == "stateless" else "auto"))
+            for s in settings]
+    return {"settings": runs, "goal_stateless_tflops": GOALS[part], "megatrain_tflops": MEGATRAIN[part]}
+
+
+def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool) -> dict[str, Any]:
+    """1.5B shape that fits the GPU: mtc vs GPU-resident PyTorch (eager and torch.compile)."""
+    mb, accum = env.split(16)
+    steps = env.warmup + env.measure + (1 if env.profile else 0)
+    runs = [_run(env, "P3", s, "mtc", _cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=steps,
+                                          placement="stateless" if s == "stateless" else "auto"))
+            for s in settings]
+    bcfg = _cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=env.warmup + env.measure, placement="auto")
+    base_mb = min(baseline_mb, mb * accum)
+    variants = [("torch_eager", False)] + ([("torch_compile", True)] if use_compile else [])
+    bases = [_run(env, "P3", name, "resident", bcfg, micro_batch=base_mb, compile=comp) for name, comp in variants]
+    if not use_compile:
+        bases.append({"setting": "torch_compile", "skipped": "smoke run or --no-torch-compile"})
+    m, b = _best(runs), _best(bases)
+    return {"settings": runs, "baselines": bases, "mtc_best_tokens_per_s": m, "baseline_best_tokens_per_s": b,
+            "ratio_mtc_over_baseline": m / b if m and b else None, "goal_ratio": P3_GOAL}
+
+
+def _best(runs: list[dict[str, Any]]) -> float | None:
+    return max((r["tokens_per_s"] for r in runs if "tokens_per_s" in r), default=None)
+
+
+def part_p5(env: Env, shape_name: str, depths: tuple[int, int], budget_gb: float) -> dict[str, Any]:
+    """One layer shape at two depths, stateless, fixed activation budget: GPU peak memory must stay flat."""
+    shape = P1_SHAPE if shape_name == "p1" else P3_SHAPE
+    mb, accum = env.split(16)
+    runs = []
+    for n in depths:
+        cfg = _cfg(env, _shape(env, shape, n), micro_batch=mb, accum=accum, steps=env.warmup + env.measure,
+                   placement="stateless", activation_budget_gb=budget_gb)
+        runs.append(_run(env, "P5", f"stateless-{n}-blocks", "mtc", cfg))
+    peaks = [r.get("gpu_peak_allocated_bytes") for r in runs]
+    ratio = peaks[1] / peaks[0] if all(peaks) else None
+    return {"settings": runs, "shape": shape_name, "depths": list(depths), "activation_budget_gb": budget_gb,
+            "gpu_peak_ratio_deep_over_shallow": ratio, "goal_ratio_at_most": P5_GOAL}
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) and math.isfinite(x) else "-"
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    """Medians and ratios, one row per setting, goals beside."""
+    head = (f"{'part':6s} {'setting':22s} {'placement':22s} {'gpu upd':>8s} {'step s':>8s} {'tok/s':>9s} {'TFLOP/s':>8s} "
+            f"{'busy%':>6s} {'H2D GB/s':>8s} {'D2H GB/s':>8s} {'opt s':>6s} {'exp<=s':>6s} {'GPU GiB':>8s} {'RSS B/p':>8s} "
+            f"{'clip':>5s}")
+    print("\n" + head)
+    for part, rec in results.items():
+        for r in rec.get("settings", []) + rec.get("baselines", []):
+            name = r["setting"]
+            if "median_step_s" not in r:
+                print(f"{part:6s} {name:22s} {r.get('error') or r.get('skipped')}")
+                continue
+            prof, tr, opt = r.get("gpu_profile") or {}, r.get("transfer_per_step") or {}, r.get("optimizer") or {}
+            gpu = r.get("gpu_peak_allocated_bytes")
+            rss = (r.get("host") or {}).get("steady_rss_per_param")
+            upd = r.get("gpu_update_params")
+            upd_s = f"{upd / 1e9:.2f}B" if upd else "-"
+            clip = f"{r['clipped_steps']}/{len(r['steps_s'])}" if "clipped_steps" in r else "-"
+            print(f"{part:6s} {name:22s} {r.get('placement', 'resident'):22.22s} {upd_s:>8s} "
+                  f"{r['median_step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} {_f(prof.get('busy_pct'), '6.1f')} "
+                  f"{_f(tr.get('h2d_gbps_avg'), '8.1f')} {_f(tr.get('d2h_gbps_avg'), '8.1f')} {_f(opt.get('update_s'), '6.2f')} "
+                  f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s}")
+        if part in GOALS:
+            st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
+            got = f"{st['model_tflops']:.1f}" if st else "-"
+            print(f"{part:6s} goal: stateless >= {GOALS[part]:.0f} model TFLOP/s (got {got}); MegaTrain on this box {MEGATRAIN[part]:.0f}")
+        elif part == "P3":
+            print(f"P3     mtc best / baseline best tokens/s: {_f(rec['ratio_mtc_over_baseline'], '.2f')} (goal >= {P3_GOAL})")
+        elif part == "P5":
+            print(f"P5     GPU peak {rec['depths'][1]} / {rec['depths'][0]} blocks: {_f(rec['gpu_peak_ratio_deep_over_shallow'], '.3f')} "
+                  f"(goal <= {P5_GOAL}; activation budget {rec['activation_budget_gb']} GB)")
+    print("busy%: GPU kernel time in one profiled step / its wall time; GB/s: bytes per step / step time; opt s: "
+          "optimizer update seconds per step; exp<=s: fetch_wait (upper bound on exposed optimizer time); RSS B/p: "
+          "steady host RSS per parameter")
+
+
+def main() -> None:
+    """Parse, make the token file, run the chosen parts, write one record per part, print the table."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of parts (default all: {','.join(PARTS)})")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 3 steps: the code paths, not speed")
+    ap.add_argument("--settings", default="stateless,auto", help="P1/P3 mtc settings, in order (stateless, auto)")
+    ap.add_argument("--warmup", type=int, help="steps left out of the median (default 2; 1 with --smoke)")
+    ap.add_argument("--steps", type=int, help="measured steps after warm-up (default 4; 2 with --smoke)")
+    ap.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiled extra step (no GPU busy %%)")
+    ap.add_argument("--no-torch-compile", action="store_true", help="P3: leave out the torch.compile baseline")
+    ap.add_argument("--micro-batch", type=int, default=4, help="mtc sequences per micro-batch; 16 and 48 per step (default 4)")
+    ap.add_argument("--baseline-micro-batch", type=int, default=16, help="P3 resident baseline micro-batch (default 16)")
+    ap.add_argument("--p5-shape", choices=["p3", "p1"], default="p3", help="P5 layer shape (p1 needs ~165 GB of RAM at 40 blocks)")
+    ap.add_argument("--p5-budget-gb", type=float, default=0.5, help="P5 activation_budget_gb (default 0.5)")
+    ap.add_argument("--time-limit-s", type=float, default=480, help="start no setting after this (default 480)")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="each setting in its own process (default: on CUDA yes, with --smoke no)")
+    ap.add_argument("--quiet", action="store_true", help="no line per step")
+    a = ap.parse_args()
+    parts = [p.strip() for p in a.only.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}, e.g. --only P1-16,P3")
+    for flag, v in (("--micro-batch", a.micro_batch), ("--baseline-micro-batch", a.baseline_micro_batch)):
+        if v < 1 or 16 % v or (flag == "--micro-batch" and 48 % v):
+            ap.error(f"{flag} must divide the sequences per step (16, and 48 for --micro-batch), got {v}; e.g. 4 or 8")
+    settings = [s.strip() for s in a.settings.split(",") if s.strip()]
+    if not settings or any(s not in ("stateless", "auto") for s in settings):
+        ap.error(f"--settings takes stateless and/or auto, got {a.settings!r}")
+    if not a.smoke and not torch.cuda.is_available():
+        ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="mtc-bench-train-"))
+    vocab = SMOKE_SHAPE["vocab_size"] if a.smoke else P1_SHAPE["vocab_size"]  # every part's shape shares it
+    tokens = np.random.default_rng(0).integers(0, vocab, 200_000 if a.smoke else 4_000_000).astype(np.uint16)
+    write_token_file(tmp / "tokens.bin", tokens, vocab_size=vocab, tokenizer="synthetic")
+    env = Env(smoke=a.smoke, device="cpu" if a.smoke else "cuda", data=str(tmp / "tokens.bin"),
+              warmup=a.warmup if a.warmup is not None else (1 if a.smoke else 2),
+              measure=a.steps or (2 if a.smoke else 4), profile=not a.smoke and not a.no_profile,
+              isolate=a.isolate if a.isolate is not None else not a.smoke, verbose=not a.quiet,
+              deadline=start + a.time_limit_s, min_job_s=0 if a.smoke else 45,
+              micro_batch=a.micro_batch)
+    # no CUDA call in this process: a context here would hold GPU memory the settings' processes measure
+    print(f"bench_train{' smoke (CPU, tiny shapes)' if a.smoke else ''}: parts {', '.join(parts)}, "
+          f"time limit {a.time_limit_s:.0f} s", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        t = time.monotonic()
+        if part.startswith("P1"):
+            rec = part_p1(env, part, settings)
+        elif part == "P3":
+            rec = part_p3(env, settings, a.baseline_micro_batch, use_compile=not a.smoke and not a.no_torch_compile)
+        else:
+            rec = part_p5(env, a.p5_shape, (2, 4) if a.smoke else (10, 40), a.p5_budget_gb)
+        rec = {"part": part, "smoke": a.smoke, "part_wall_s": time.monotonic() - t,
+               "env": {k: v for k, v in dataclasses.asdict(env).items() if k not in ("data", "deadline")}, **rec}
+        results[part] = rec
+    for part, rec in results.items():  # at the end: write_record asks CUDA for the device name
+        name = f"bench_train-{'smoke-' if a.smoke else ''}{part}"
+        print(f"record: {write_record(name, json.loads(json.dumps(rec, default=str)))}")
+    print_table(results)
+    print(f"total {time.monotonic() - start:.1f} s")
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+
+
+if __name__ == "__main__":
+    main()
