@@ -56,7 +56,6 @@ from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.models import build, model_config
 from mtc.runtime.placement import describe
 from mtc.runtime.timeline import Timeline
-from mtc.runtime.transfer import CopyEngine
 from mtc.train import StepRecord, build_model, open_run, train
 from mtc.tracer import LossModel
 
@@ -87,8 +86,8 @@ class _Probe:
         now = time.perf_counter()
         if self.first_begin is None:
             self.first_begin = now - rec.seconds
-        eng = _caller_engine()
-        self.marks[rec.step] = {"t": now, "h2d": eng.h2d_bytes if eng else None, "d2h": eng.d2h_bytes if eng else None}
+        prev = self.marks.get(rec.step - 1, {"h2d": 0, "d2h": 0})
+        self.marks[rec.step] = {"t": now, "h2d": prev["h2d"] + rec.h2d_bytes, "d2h": prev["d2h"] + rec.d2h_bytes}
         if self.verbose:
             print(f"    step {rec.step}/{rec.total_steps}: {rec.seconds:8.3f} s  loss {rec.loss:.4f}  norm {rec.grad_norm:.3f}", flush=True)
         if rec.step == self.end:
@@ -104,19 +103,6 @@ class _Probe:
         elif rec.step == self.end + 1 and self.prof is not None:
             torch.cuda.synchronize()
             self.prof.stop()
-
-
-def _caller_engine() -> CopyEngine | None:
-    """The run's `CopyEngine`, read from `train`'s frame: its byte counters are not in TrainResult."""
-    f = sys._getframe(1)
-    for _ in range(4):
-        if f is None:
-            return None
-        eng = f.f_locals.get("engine")
-        if isinstance(eng, CopyEngine):
-            return eng
-        f = f.f_back
-    return None
 
 
 def _proc_status(field: str) -> int | None:
@@ -260,7 +246,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     a, b = probe.marks.get(warmup, {}), probe.marks.get(warmup + measure, {})
     counted = None
     if a.get("h2d") is not None and b.get("h2d") is not None:
-        counted = {"method": "CopyEngine.h2d_bytes / d2h_bytes (read from train()'s frame), per measured step",
+        counted = {"method": "StepRecord.h2d_bytes / d2h_bytes (bytes the copy engine issued), per measured step",
                    "h2d_bytes": (b["h2d"] - a["h2d"]) / measure, "d2h_bytes": (b["d2h"] - a["d2h"]) / measure}
     update = stages.get("update", 0.0) + stages.get("update_streamed", 0.0)
     exposed = stages.get("fetch_wait", 0.0)

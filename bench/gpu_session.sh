@@ -8,7 +8,7 @@
 #                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
 # ".whl". Logs and a tarball of the JSON records land in $OUT (or bench/results/ without it).
-#   bash bench/gpu_session.sh [PARTS...]     default: tests, the six bench_fusion parts, the four train parts
+#   bash bench/gpu_session.sh [PARTS...]     default: tests and the four train parts (bench_fusion: name its parts)
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +23,10 @@ log="$out/gpu_session.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests llama/block llama/head qwen2/block gpt2/block qwen2/head gpt2/head
-                                 train/P1-16 train/P1-48 train/P3 train/P5)
+# default: what is pending (the engine's gpu tests and bench_train; bench_fusion was measured on
+# 2026-11-23); a 10-minute device call holds about one train part, so name parts per call, e.g.
+#   call 1: tests train/P1-16   call 2: train/P1-48   call 3: train/P3 train/P5
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))

@@ -64,6 +64,8 @@ class StepRecord:
     tokens_per_s: float
     skipped: bool
     committed: bool
+    h2d_bytes: int  # host-to-device bytes issued during the step (weights, optimizer state, activations)
+    d2h_bytes: int  # device-to-host bytes issued during the step (gradients, optimizer state, activations)
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,7 +192,12 @@ def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
 
 
 def _hidden_size(program: Program) -> int:
-    return max((p.spec.shape[-1] for p in program.params.values() if len(p.spec.shape) == 2), default=1)
+    """Width of the carried hidden state (the blocks' carry input), not of the widest weight."""
+    for tmpl in program.templates.values():
+        for inp in tmpl.inputs:
+            if inp.kind == "carry":
+                return inp.spec.shape[-1]
+    return 1
 
 
 def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool) -> None:
@@ -447,6 +454,7 @@ def train(
             timeline.step = step
             lr = lr_at(step, cfg.steps, cfg.optim)
             opt.begin_step(step, lr)
+            b_in, b_out = eng.copies.h2d_bytes, eng.copies.d2h_bytes
             mbs = loader.next()
             out = executor.run_step(mbs, opt)
             next_step, next_cursor = step + 1, cursor + cfg.grad_accum
@@ -464,7 +472,7 @@ def train(
             secs = time.perf_counter() - ts
             rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                              seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
-                             committed=commit_now)
+                             committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out)
             losses.append(stats.loss)
             records.append(rec)
             if metrics is not None:
