@@ -143,10 +143,8 @@ class StreamingAdamW:
         self._step, step = None, self._step
         skipped = not (math.isfinite(loss_f) and math.isfinite(total_f))
         stats = StepStats(loss=loss_f, lr=self._lr, grad_norm=total_f, clip_coef=float(host[2]), skipped=skipped)
-        if skipped:
-            for s in self.tiers.layers:
-                s.update = _done()
-            return stats
+        # A skipped step changes no state, but is a step like any other: a commit it was due
+        # still writes the (unchanged) state into the next generation and records the step.
         writes: list[Future[None]] = []
         prev_commit = self.commit_future
         w_gen = write_generation
@@ -160,7 +158,8 @@ class StreamingAdamW:
             hp = dict(lr=self._lr, step=step + 1, decay_numel=s.decay_numel)
             deps = (s.write, s.grad_ready, s.last_read)  # captured now: the fields are reassigned below
             if s.tier == "gpu":
-                self._update_on_device(i, coef, hp)
+                if not skipped:
+                    self._update_on_device(i, coef, hp)
                 s.update = _done()
                 if commit is not None and state_kinds("gpu", self.durability):
                     staged = self.engine.d2h(list(zip(self.tiers.staging_for(i), (s.master, s.m, s.v))),
@@ -168,11 +167,11 @@ class StreamingAdamW:
                     s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
                     s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
-            elif i in self.gpu_update:
+            elif i in self.gpu_update and not skipped:
                 s.update = Future()
                 streamed.append((i, s.update, hp, deps))
             else:
-                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit, step)
+                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit, step, skipped)
             if s.tier == "disk":
                 writes.append(s.update)
             elif s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
@@ -205,9 +204,11 @@ class StreamingAdamW:
         return dict(beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
 
     def _update_host(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, r_gen: int, w_gen: int,
-                     prev_commit: Future[None], tstep: int) -> None:
+                     prev_commit: Future[None], tstep: int, skip: bool = False) -> None:
         s = self.tiers[i]
         _wait_all(self.timeline, i, deps, tstep)  # state on its way to disk, gradient in flight, H2D still reading
+        if skip and s.tier != "disk":
+            return
         with self.timeline.span("update", i, step=tstep):
             if s.tier == "disk":
                 master, m, v = self._disk_buffers(s.numel)
@@ -216,8 +217,9 @@ class StreamingAdamW:
             else:
                 master, m, v = s.master, s.m, s.v
             compute_out = None if s.compute is master else s.compute
-            adamw_flat_(master, s.grad, m, v, grad_scale=coef, compute_out=compute_out, pool=self._chunks,
-                        impl=self.host_impl, **hp, **self._hyper())
+            if not skip:  # a skipped step only carries a disk layer's state over into the next generation
+                adamw_flat_(master, s.grad, m, v, grad_scale=coef, compute_out=compute_out, pool=self._chunks,
+                            impl=self.host_impl, **hp, **self._hyper())
         if s.tier == "disk":
             prev_commit.result()  # never overwrite the generation the last durable commit names
             with self.timeline.span("write_behind", i, step=tstep):

@@ -161,3 +161,36 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tokens, tmp_path):
         last = st.last_commit()
         weights = read_params(load_plan(tmp_path / "s" / "plan"), st, last.generation)
     assert all(torch.isfinite(w).all() for w in weights.values()), "a non-finite step must never be committed"
+
+
+def test_skipped_steps_commit_like_any_step_and_resume_deterministically(tokens, tmp_path):
+    # lr 1e18: step 1 blows the weights up, every later loss is not finite and its step is skipped
+    cfg = small_config(steps=6, commit_every=1, max_nonfinite_steps=100,
+                       optim=OptimConfig(lr=1e18, min_lr=1e18, warmup_steps=0, clip_norm=None))
+    a = train(cfg, tmp_path / "a", tokens)
+    try:
+        skipped = [r.skipped for r in a.records]
+        assert skipped[0] is False and all(skipped[1:]), skipped
+        # a skipped step still commits (its state unchanged, in the next generation)
+        assert [r.step for r in a.store.commit_history()] == list(range(7))
+        wa = _final_weights(a)
+        assert all(torch.equal(wa[k].reshape(-1), v) for k, v in _tier_masters(a).items())
+    finally:
+        a.store.close()
+    b = train(cfg, tmp_path / "b", tokens, stop_after=3)
+    b.store.close()
+    b = train(cfg, tmp_path / "b", tokens)
+    try:
+        assert [r.skipped for r in b.records] == skipped[3:]
+        wb = _final_weights(b)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    finally:
+        b.store.close()
+
+
+def _tier_masters(res):
+    out = {}
+    for s in res.tiers.layers:
+        for p in res.program.layer_params(s.layer):
+            out[p.key] = s.master[p.offset : p.offset + p.numel]
+    return out
