@@ -229,7 +229,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_reset = _reset_peak_rss()
-    tl = Timeline()
+    tl = Timeline(keep_steps=None)  # the bench sums spans over every measured step
     # the profiled step is an extra one after the measured ones (P5 has none)
     probe = _Probe(warmup, measure, spec["profile"] and cuda and cfg.steps > warmup + measure, spec["verbose"])
     res = train(cfg, None, spec["data"], run=run, timeline=tl, on_step=probe)

@@ -451,7 +451,7 @@ def train(
         max_bad = getattr(cfg, "max_nonfinite_steps", 3)
         while step < end:
             ts = time.perf_counter()
-            timeline.step = step
+            timeline.begin_step(step)
             lr = lr_at(step, cfg.steps, cfg.optim)
             opt.begin_step(step, lr)
             b_in, b_out = eng.copies.h2d_bytes, eng.copies.d2h_bytes

@@ -42,10 +42,11 @@ class ActivationStore:
         host = self._host.get(key)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
             host = self._host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.engine.cuda)
-        # the copy keeps `t` alive until it is done: the Transfer's event orders the reuse of its memory
         self._out[key] = self.engine.d2h([(host, t)], after=self.engine.marker(), layer=key[0], stage="act_out")
-        self._keep = getattr(self, "_keep", {})
-        self._keep[key] = t
+        if self.engine.cuda:
+            # drop `t` now (that is the point of offloading) without letting the allocator hand its
+            # memory out before the copy stream has read it
+            t.record_stream(self.engine.d2h_stream)
         self.offloaded_bytes += nb
 
     def prefetch(self, key: Key) -> None:
@@ -53,7 +54,6 @@ class ActivationStore:
         if key not in self._out or key in self._back:
             return
         self._out[key].wait()  # its device->host copy finished long ago (a whole layer's compute)
-        self._keep.pop(key, None)
         host = self._host[key]
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.engine.device)
         # `dev` may reuse memory that kernels queued on the compute stream still read: copy after them
@@ -78,5 +78,4 @@ class ActivationStore:
         self._dev.clear()
         self._out.clear()
         self._back.clear()
-        getattr(self, "_keep", {}).clear()
         self.device_bytes = 0

@@ -39,11 +39,19 @@ class Span:
 class Timeline:
     """Thread-safe list of spans (appends are atomic under the GIL; a lock guards reads)."""
 
-    def __init__(self, *, enabled: bool = True) -> None:
+    def __init__(self, *, enabled: bool = True, keep_steps: int | None = 16) -> None:
         self.enabled = enabled
+        self.keep_steps = keep_steps  # spans of older steps are dropped: a long run's memory stays flat
         self.step = 0
         self._spans: list[Span] = []
         self._lock = threading.Lock()
+
+    def begin_step(self, step: int) -> None:
+        """Spans recorded from now on belong to ``step`` (unless given one); forget old steps."""
+        self.step = step
+        if self.keep_steps is not None:
+            with self._lock:
+                self._spans = [s for s in self._spans if s.step > step - self.keep_steps]
 
     @contextlib.contextmanager
     def span(self, stage: str, layer: int = -1, mb: int | None = None, *, step: int | None = None) -> Iterator[None]:

@@ -70,3 +70,14 @@ def test_no_visit_reads_the_disk_with_all_state_in_ram(tokens, tmp_path, monkeyp
     res = train(small_config(steps=3), tmp_path / "s", tokens)
     res.store.close()
     assert reads == [], f"the store was read during training: {reads}"
+
+
+def test_timeline_keeps_a_bounded_window_of_steps():
+    from mtc.runtime.timeline import Timeline
+
+    tl = Timeline(keep_steps=3)
+    for step in range(10):
+        tl.begin_step(step)
+        for layer in range(4):
+            tl.add("compute", layer, 0.0, 1.0)
+    assert sorted({s.step for s in tl.spans()}) == [7, 8, 9]
