@@ -103,7 +103,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
     bar = ProgressBar(cfg.steps, initial=start)
     try:
         res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr, tok_s=r.tokens_per_s))
+                    on_step=lambda r: _show_step(bar, r))
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130
@@ -118,6 +118,15 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if res.losses:
         print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
     return 0
+
+
+def _show_step(bar: object, r: object) -> None:
+    """Progress, plus one line for a step skipped because its loss or gradient norm was not finite."""
+    if r.skipped:
+        bar.close()
+        print(f"mtc: step {r.step} skipped: loss {r.loss}, gradient norm {r.grad_norm} (not finite); "
+              "the weights were not updated", file=sys.stderr)
+    bar.update(r.step, loss=r.loss, lr=r.lr, tok_s=r.tokens_per_s)
 
 
 class _Terminated(BaseException):

@@ -18,6 +18,7 @@ class ProgressBar:
         self.tty = self.stream.isatty()
         self.start, self.initial = time.perf_counter(), initial
         self._last_line_step = -1
+        self._ended = False
 
     def update(self, step: int, **fields: float) -> None:
         """Show progress at ``step`` with the given named figures (e.g. loss=2.3)."""
@@ -29,7 +30,8 @@ class ProgressBar:
         line = f"step {step:>{len(str(self.total))}}/{self.total} |{bar}| {figs}  {rate:.2f} s/step"
         if self.tty:
             self.stream.write("\r" + line)
-            if step >= self.total:
+            self._ended = step >= self.total
+            if self._ended:
                 self.stream.write("\n")
         elif step >= self.total or step == self.initial + 1 or step * 20 // self.total != self._last_line_step:
             self.stream.write(line + "\n")
@@ -37,7 +39,7 @@ class ProgressBar:
         self.stream.flush()
 
     def close(self) -> None:
-        """End the in-place line."""
-        if self.tty:
+        """End the in-place line (if a run stopped before its last step left it open)."""
+        if self.tty and not self._ended:
             self.stream.write("\n")
             self.stream.flush()

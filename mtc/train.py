@@ -305,9 +305,13 @@ def open_run(
     store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
     try:
         if path is not None:
-            save_plan(program, path / "plan")
-            if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
-                shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
+            try:
+                save_plan(program, path / "plan")
+                if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
+                    shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
+            except OSError as e:  # ENOSPC, EROFS, EACCES: nothing is committed yet
+                raise StoreError(f"could not write the plan into {path / 'plan'}: {e.strerror or e}; nothing was "
+                                 "committed: fix that and the same command starts the run over") from e
     except BaseException:
         store.close()
         raise

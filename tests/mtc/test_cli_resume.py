@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from mtc.store import TensorStore
 
 from mtc.cli import main
+from mtc.config import OptimConfig
 from mtc.data import write_token_file
 from tests.runtime.engine_util import skewed_tokens, small_config
 
@@ -68,3 +70,62 @@ def test_token_files_are_readable_like_other_files(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(os.stat(t.path).st_mode) == 0o666 & ~umask
+
+
+def _lines(err: str) -> list[str]:
+    return [ln for ln in err.strip().splitlines() if ln]
+
+
+def test_bad_data_is_refused_before_anything_is_written(tmp_path, capsys):
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(small_config(steps=1).to_dict()))
+    short = write_token_file(tmp_path / "short.bin", np.arange(10, dtype=np.uint16), vocab_size=256, tokenizer="byte")
+    code, err = _train(capsys, cfg_file, tmp_path / "s1", short.path)
+    assert code == 2 and len(_lines(err)) == 1 and "tokens" in err, err
+    wide = write_token_file(tmp_path / "wide.bin", np.arange(20_000, dtype=np.uint16) % 1000, vocab_size=1000, tokenizer="byte")
+    code, err = _train(capsys, cfg_file, tmp_path / "s2", wide.path)
+    assert code == 2 and len(_lines(err)) == 1, err
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()
+
+
+def test_device_cuda_without_cuda_is_refused_before_the_store(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    a = skewed_tokens(tmp_path / "a.bin")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(small_config(steps=1).to_dict()))
+    code, err = _train(capsys, cfg_file, tmp_path / "s", a.path, "--device", "cuda")
+    assert code == 2 and len(_lines(err)) == 1 and "no CUDA device" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_no_space_for_the_plan_is_one_line_and_the_same_command_starts_over(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import mtc.train
+
+    a = skewed_tokens(tmp_path / "a.bin")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(small_config(steps=2).to_dict()))
+    real = mtc.train.save_plan
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mtc.train, "save_plan", full)
+    code, err = _train(capsys, cfg_file, tmp_path / "s", a.path)
+    assert code == 2 and len(_lines(err)) == 1 and "No space left" in err and "starts the run over" in err, err
+    monkeypatch.setattr(mtc.train, "save_plan", real)
+    code, err = _train(capsys, cfg_file, tmp_path / "s", a.path)
+    assert code == 0, err
+
+
+def test_a_skipped_step_is_reported_on_the_console(tmp_path, capsys):
+    a = skewed_tokens(tmp_path / "a.bin")
+    cfg_file = tmp_path / "run.json"
+    cfg = small_config(steps=3, optim=OptimConfig(lr=1e18, min_lr=1e18, warmup_steps=0, clip_norm=None))
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    code, err = _train(capsys, cfg_file, tmp_path / "s", a.path)
+    assert code == 0 and "step 2 skipped" in err and "not finite" in err, err
