@@ -452,7 +452,7 @@ def train(
         losses: list[float] = []
         records: list[StepRecord] = []
         bad_run = 0
-        max_bad = getattr(cfg, "max_nonfinite_steps", 3)
+        max_bad = cfg.max_nonfinite_steps
         while step < end:
             ts = time.perf_counter()
             timeline.begin_step(step)
