@@ -103,7 +103,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
     bar = ProgressBar(cfg.steps, initial=start)
     try:
         res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=lambda r: _show_step(bar, r))
+                    on_step=lambda r: _show_step(bar, r), notify=lambda m: print(f"mtc: {m}", file=sys.stderr))
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130

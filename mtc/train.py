@@ -387,12 +387,14 @@ def train(
     timeline: Timeline | None = None,
     serialize: bool = False,
     allow_change: tuple[str, ...] = (),
+    notify: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
     ``on_step`` is called after every step (the CLI draws its progress bar there). The returned
     store is open; close it (or read the weights from it) when done. ``serialize`` waits for
-    every copy and kernel as it is issued (the race tests' reference schedule).
+    every copy and kernel as it is issued (the race tests' reference schedule). ``notify`` receives
+    messages for the user (the CLI prints them), e.g. what an interruption is waiting for.
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
@@ -492,7 +494,14 @@ def train(
                 )
         opt.wait()
         host_bytes = tiers.host_bytes()
-    except BaseException:
+    except BaseException as e:
+        opt = next((p for p in parts if isinstance(p, StreamingAdamW)), None)
+        if not isinstance(e, Exception) and notify is not None and opt is not None and not opt.commit_future.done():
+            # the first Ctrl-C lets the commit in flight land (bounded by one generation's write);
+            # a second one interrupts this wait and abandons it: the store keeps the commit before
+            gen = pl.disk_bytes_needed(placement, [s.numel for s in tiers.layers], cfg.durability) / 2
+            notify(f"finishing the commit in flight (at most one state generation, {gen / 2**30:.2f} GiB, "
+                   "to write); press Ctrl-C again to abandon it")
         for p in reversed(parts):
             try:
                 p.close()

@@ -37,5 +37,44 @@ def test_signal_stops_with_exit_code_and_names_the_last_commit(tmp_path, sig, co
     last = json.loads((store / "commit.json").read_text())["step"]
     assert 2 <= last < 400
     lines = [ln for ln in err.splitlines() if ln.startswith("mtc:")]
-    assert len(lines) == 1 and word in lines[0] and f"step {last}:" in lines[0], err
+    # optionally one line saying a commit in flight is being finished, then the verdict
+    assert len(lines) in (1, 2) and all("finishing the commit in flight" in ln for ln in lines[:-1]), err
+    assert word in lines[-1] and f"step {last}:" in lines[-1], err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_during_a_slow_commit_says_it_finishes_it(tmp_path):
+    # a store whose commits are slow (a sleep in the commit, as a slow disk would be): the first
+    # Ctrl-C waits for the commit in flight and says so; the verdict names the commit it landed
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=400, commit_every=1).to_dict()))
+    store = tmp_path / "s"
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        "import sys, time, runpy\n"
+        "from mtc.store import TensorStore\n"
+        "real = TensorStore.commit\n"
+        "def commit(self, record):\n"
+        "    time.sleep(1.0 if record.step > 0 else 0)\n"
+        "    real(self, record)\n"
+        "TensorStore.commit = commit\n"
+        "sys.argv = ['mtc'] + sys.argv[1:]\n"
+        "runpy.run_module('mtc', run_name='__main__')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(slow), "train", "--config", str(cfg), "--store", str(store),
+                             "--data", str(tokens.path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((store / "commit.json").exists() and
+                                          json.loads((store / "commit.json").read_text())["step"] >= 1):
+        time.sleep(0.02)
+    time.sleep(0.3)  # inside the next commit's 1 s
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("mtc:")]
+    assert len(lines) == 2 and "finishing the commit in flight" in lines[0], err
+    last = json.loads((store / "commit.json").read_text())["step"]
+    assert last >= 2 and f"step {last}:" in lines[1], err
