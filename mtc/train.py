@@ -11,6 +11,7 @@ so a run stopped (or killed) after a commit continues exactly as if it had not s
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -503,10 +504,8 @@ def train(
             notify(f"finishing the commit in flight (at most one state generation, {gen / 2**30:.2f} GiB, "
                    "to write); press Ctrl-C again to abandon it")
         for p in reversed(parts):
-            try:
+            with contextlib.suppress(Exception):  # a failure while closing would only hide the first
                 p.close()
-            except Exception:
-                pass
         st.close()
         raise
     finally:

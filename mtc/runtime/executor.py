@@ -20,6 +20,7 @@ host with the GPU: the optimizer reads the loss and the global norm once per ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
@@ -272,14 +273,13 @@ class StreamingExecutor:
                 if self.on_visit is not None:
                     self.on_visit(phase, layer)
         except BaseException:
-            if fut is not None:  # let the in-flight fetch finish and free its slot
-                try:
+            # let the in-flight fetch finish and free its slot; its own failure would only hide the first
+            with contextlib.suppress(Exception):
+                if fut is not None:
                     w = fut.result()
                     if w.transfer is not None:
                         w.transfer.wait()
                     self._release(w)
-                except Exception:
-                    pass
             self.acts.clear()
             for layer in list(self._open):
                 self._close_slab(layer, None)

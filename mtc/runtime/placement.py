@@ -17,6 +17,7 @@ working memory of one layer's recompute.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from mtc.config import parse_layer_set, parse_placement
@@ -106,13 +107,11 @@ def disk_bytes_needed(placement: list[str], numels: list[int], durability: str) 
 
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux: fall back to physical memory
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

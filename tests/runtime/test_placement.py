@@ -1,0 +1,48 @@
+"""Placement arithmetic: tiers from strings and budgets, the GPU-update cost model, bytes per tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc.errors import ConfigError
+from mtc.runtime import placement as pl
+
+
+def test_placement_strings():
+    assert pl.resolve_placement("stateless", 3) == ["ram"] * 3
+    assert pl.resolve_placement("gpu:0,ram:1-2,disk:3", 4) == ["gpu", "ram", "ram", "disk"]
+    assert pl.resolve_placement("auto", 2, auto=["gpu", "ram"]) == ["gpu", "ram"]
+    with pytest.raises(ConfigError):
+        pl.resolve_placement("gpu:0,ram:2", 3)  # layer 1 unplaced
+    assert pl.describe(["gpu", "ram", "ram", "disk"]) == "gpu:0,ram:1-2,disk:3"
+
+
+def test_gpu_update_names_only_ram_layers():
+    placement = ["gpu", "ram", "ram", "disk"]
+    assert pl.resolve_gpu_update("all", placement, [1, 1, 1, 1], device_is_cuda=True) == {1, 2}
+    assert pl.resolve_gpu_update("none", placement, [1, 1, 1, 1], device_is_cuda=True) == set()
+    assert pl.resolve_gpu_update("auto", placement, [1, 1, 1, 1], device_is_cuda=False) == set()
+    with pytest.raises(ConfigError, match="not placed in ram"):
+        pl.resolve_gpu_update("0-1", placement, [1, 1, 1, 1], device_is_cuda=True)
+
+
+@pytest.mark.parametrize(("cpu", "bw"), [(2.7e9, 50e9), (8e9, 50e9), (1e9, 50e9)])
+def test_cost_model_balances_cpu_and_pcie_time(cpu, bw):
+    numels = [100] * 40
+    chosen = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw)
+    f = sum(numels[i] for i in chosen) / sum(numels)
+    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * 16 / bw
+    assert abs(t_cpu - t_gpu) <= 0.1 * max(t_cpu, t_gpu), (f, t_cpu, t_gpu)
+    # interleaved over depth, so both engines move along the next forward together
+    assert not chosen or (min(chosen) < 10 and max(chosen) >= 30)
+
+
+def test_bytes_per_tier():
+    numels = [10, 20, 30]
+    assert pl.disk_bytes_needed(["ram", "ram", "disk"], numels, "full") == 24 * 60
+    assert pl.disk_bytes_needed(["ram", "ram", "disk"], numels, "weights") == 8 * 30 + 24 * 30
+    assert pl.disk_bytes_needed(["ram", "ram", "ram"], numels, "none") == 0
+    # bf16 compute: ram 12 state + 4 gradient + 2 copy; disk 4 gradient + 2 copy; fp32: no copy
+    assert pl.host_bytes_needed(["ram", "disk", "gpu"], numels, 2) == 18 * 10 + 6 * 20
+    assert pl.host_bytes_needed(["ram"], [10], 4) == 16 * 10
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10) == ["gpu", "ram", "disk"]
