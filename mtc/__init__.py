@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["MTCError", "OptimConfig", "TrainConfig", "load_config", "load_plan", "open_store", "save_plan", "trace", "train"]
+__all__ = ["MTCError", "OptimConfig", "TrainConfig", "export_hf", "import_hf", "load_config", "load_plan", "load_state_dict",
+           "open_store", "save_plan", "trace", "train"]
 
 _WHERE = {
     "trace": "mtc.tracer",
@@ -21,6 +22,9 @@ _WHERE = {
     "OptimConfig": "mtc.config",
     "load_config": "mtc.config",
     "MTCError": "mtc.errors",
+    "import_hf": "mtc.hf",
+    "export_hf": "mtc.hf",
+    "load_state_dict": "mtc.warmstart",
 }
 
 

@@ -57,8 +57,10 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
 
         plan_fields = load_plan_model(a.plan)
         cfg = TrainConfig(**plan_fields)
+    elif a.config or a.preset:
+        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset)
     else:
-        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
+        cfg = TrainConfig(**_stored_model(a))
     given = {}
     for path in _TRAIN_FLAGS:
         raw = getattr(a, _dest(path))
@@ -84,6 +86,20 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     return cfg
 
 
+def _stored_model(a: argparse.Namespace) -> dict:
+    """The model of a train command that names none: the store's run (e.g. an import), else --init-from's."""
+    from mtc.errors import ConfigError
+    from mtc.warmstart import run_model, source_model
+
+    fields = run_model(a.store) if not a.overwrite else None
+    if fields is None and a.init_from:
+        fields = source_model(a.init_from)
+    if fields is None:
+        raise ConfigError(f"store {a.store} holds no run to take the model from; give --preset, --config or --plan "
+                          "(or --init-from a run or Hugging Face checkpoint)")
+    return fields
+
+
 def _cmd_train(a: argparse.Namespace) -> int:
     from mtc.data import TokenFile
     from mtc.progress import ProgressBar
@@ -92,7 +108,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
     allow = tuple(f.strip() for f in (a.allow_change or "").split(",") if f.strip())
-    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow)
+    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow, init_from=a.init_from)
     start = run.start_step
     if start >= cfg.steps:
         run.store.close()
@@ -247,6 +263,30 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import(a: argparse.Namespace) -> int:
+    from mtc.hf import import_hf
+
+    r = import_hf(a.hf_dir, a.store, overwrite=a.overwrite)
+    tok = f"tokenizer files: {', '.join(r.tokenizer_files)}" if r.tokenizer_files else "no tokenizer files found"
+    print(f"imported {r.architecture} ({r.n_params:,} parameters, {r.tensors} tensors) into {r.store} as model "
+          f"{r.model!r} in {r.seconds:.1f} s; {tok}")
+    print(f"fine-tune it with: mtc train --store {r.store} --data TOKENS.bin --steps N")
+    return 0
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    from mtc.hf import export_hf
+    from mtc.hf.exporter import parse_size
+
+    r = export_hf(a.run, a.output, dtype=a.dtype, step=a.step, max_shard_bytes=parse_size(a.max_shard_size),
+                  tokenizer=a.tokenizer)
+    tok = (f"tokenizer files from {r.tokenizer_source}" if r.tokenizer_files
+           else "no tokenizer files (the run has none; pass --tokenizer DIR to add them)")
+    print(f"exported step {r.step} of {a.run} to {r.directory}: {len(r.shards)} shard(s), {r.total_bytes / 2**20:.1f} MiB "
+          f"{r.dtype}, {tok}; {r.seconds:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
     from mtc.config import field_help, field_metavar
@@ -263,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a preset or a config file, resuming from the store if it has a commit",
                        description="Flags override the config file (or the preset's defaults); every value is checked "
                        "like a config file's.")
-    src = t.add_mutually_exclusive_group(required=True)
+    # none of them: the model of the store's run (e.g. one made by `mtc import`) or of --init-from
+    src = t.add_mutually_exclusive_group()
     src.add_argument("--preset", help=f"model preset, one of: {', '.join(preset_names())}")
     src.add_argument("--config", help="a .json or .toml TrainConfig file")
     src.add_argument("--plan", help="a plan directory from `mtc compile` (its program and kernels are used as compiled)")
@@ -279,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-after", type=int, metavar="STEP",
                    help="stop once this step is committed (resume later); >= 1 (default: train to --steps)")
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
+    t.add_argument("--init-from", metavar="RUN|HF_DIR", help="start a new run from the weights of a run's store or a "
+                   "Hugging Face checkpoint directory, with fresh optimizer state (the model comes from there)")
     t.add_argument("--allow-change", metavar="FIELDS", help="on resume, let these differ from the committed run, e.g. "
                    "'steps,optim.lr' or 'data' (recorded in the commit history); model and shape fields never may")
     t.set_defaults(fn=_cmd_train)
@@ -310,6 +353,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--micro-batch-size", type=int, default=1)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(fn=_cmd_compile)
+
+    im = sub.add_parser("import", help="import a Hugging Face checkpoint (Llama, Mistral, Qwen2, GPT-2) into a new store, streamed")
+    im.add_argument("hf_dir", help="directory with config.json and safetensors weights (sharded or not)")
+    im.add_argument("--store", required=True, help="the new store directory")
+    im.add_argument("--overwrite", action="store_true", help="replace an mtc store already there")
+    im.set_defaults(fn=_cmd_import)
+
+    ex = sub.add_parser("export", help="write a run's weights as a Hugging Face checkpoint directory, streamed")
+    ex.add_argument("run", help="store directory of the run")
+    ex.add_argument("-o", "--output", required=True, help="output directory (new, or empty)")
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights (default: float32)")
+    ex.add_argument("--step", type=int, help="a committed step the store still holds (default: the last)")
+    ex.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB (default: 5GB)")
+    ex.add_argument("--tokenizer", help="tokenizer.json or directory to export when the run has no tokenizer files")
+    ex.set_defaults(fn=_cmd_export)
 
     tr = sub.add_parser("trace", help="trace a preset into a plan directory")
     tr.add_argument("preset")

@@ -215,18 +215,19 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""
         check_dataclass(self)
-        from mtc.models import model_config, preset_names  # here, not at import: config must stay importable alone
+        from mtc.models import FAMILIES, model_class, model_config, model_names, preset_names  # config must stay importable alone
 
-        if self.model not in preset_names():
+        if self.model not in model_names():
             raise ConfigError(
-                f"config field model: unknown preset {self.model!r}; known presets: {', '.join(preset_names())}"
+                f"config field model: unknown preset {self.model!r}; known presets: {', '.join(preset_names())}; "
+                f"families (shape all in model_overrides): {', '.join(FAMILIES)}"
             )
-        base = model_config(self.model)
-        types_ = field_types(type(base))
+        base = model_class(self.model)
+        types_ = field_types(base)
         for key, value in self.model_overrides.items():
             if key not in types_:
                 raise ConfigError(
-                    f"config field model_overrides.{key}: preset {self.model!r} ({type(base).__name__}) has no field "
+                    f"config field model_overrides.{key}: preset {self.model!r} ({base.__name__}) has no field "
                     f"{key!r}; fields are: {', '.join(types_)}"
                 )
             tp = types_[key][0]

@@ -8,6 +8,7 @@ it as one line and exits 2.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "KernelInputError",
@@ -54,3 +55,7 @@ class StoreCorruptionError(StoreError):
 
 class KernelInputError(MTCError):
     """A kernel launcher received tensors of the wrong device, dtype, shape or layout."""
+
+
+class CheckpointError(MTCError):
+    """A Hugging Face checkpoint cannot be imported (architecture, config, tensors), or a run cannot be exported."""

@@ -242,6 +242,7 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
     plan: str | Path | None = None, data: TokenFile | None = None, allow_change: tuple[str, ...] = (),
+    init_from: str | Path | None = None,
 ) -> Run:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
 
@@ -252,6 +253,8 @@ def open_run(
     run uses the plan saved in its store. With ``data``, the token file is checked against the
     model's vocabulary and the sequence length first, and on resume against the data the run
     was committed with. ``allow_change`` names fields (of `CHANGEABLE`) a resumed run may change.
+    ``init_from`` (a run's store or a Hugging Face checkpoint directory) first seeds a new store
+    with its weights (see `mtc.warmstart`): the run starts from them with fresh optimizer state.
     Every check runs before anything is written.
     """
     bad = [f for f in allow_change if f not in CHANGEABLE]
@@ -268,12 +271,31 @@ def open_run(
     if data is not None:
         check_fits(data, cfg.seq_len)
     path = Path(store_dir) if store_dir is not None else None
+    if init_from is not None:  # seed the store, then open it below like any seeded store
+        from mtc.warmstart import init_from as seed_store
+
+        if path is None:
+            raise ConfigError("init_from needs a store directory to write the starting weights into")
+        if data is not None:
+            data.check_vocab(model_config(cfg.model, **cfg.model_overrides).vocab_size)
+        seed_store(init_from, path, cfg, overwrite=overwrite)
+        overwrite = False
     if path is not None and (path / "commit.json").exists() and not overwrite:
         store = TensorStore.open(path, io_threads=cfg.io_threads)
         try:
             last = store.last_commit()
             if last is None:
                 raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
+            from mtc.warmstart import is_seeded, open_seeded
+
+            if is_seeded(last):  # imported or --init-from weights at step 0: a new run starts from them
+                program = open_seeded(cfg, path, last, plan=plan)
+                if data is not None:
+                    data.check_vocab(_model_vocab(program))
+                placement, _ = plan_placement(cfg, program)
+                preflight(cfg, program, placement, path, new_run=False)
+                save_plan(program, path / "plan")
+                return Run(store, program, last, None, [])
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
             changes = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             diff = [k for k in changes if k not in allow_change]
@@ -389,6 +411,7 @@ def train(
     serialize: bool = False,
     allow_change: tuple[str, ...] = (),
     notify: Callable[[str], None] | None = None,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
@@ -396,11 +419,12 @@ def train(
     store is open; close it (or read the weights from it) when done. ``serialize`` waits for
     every copy and kernel as it is issued (the race tests' reference schedule). ``notify`` receives
     messages for the user (the CLI prints them), e.g. what an interruption is waiting for.
+    ``init_from``: start a new run from the weights of a run's store or a Hugging Face checkpoint.
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
     run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
-                                               allow_change=allow_change)
+                                               allow_change=allow_change, init_from=init_from)
     st, program = run.store, run.program
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)

@@ -26,6 +26,7 @@ class GPT2Config:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weight (GPT-2's own checkpoints do)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -61,7 +62,7 @@ class GPT2Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    """``forward(ids) -> logits``; the LM head shares the token embedding's weight."""
+    """``forward(ids) -> logits``; the LM head shares the token embedding's weight unless ``tie_embeddings`` is off."""
 
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
@@ -71,7 +72,8 @@ class GPT2(nn.Module):
         self.layers = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if p.ndim >= 2:

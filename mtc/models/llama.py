@@ -16,7 +16,9 @@ from torch import nn
 
 from mtc.errors import ConfigError
 
-__all__ = ["PRESETS", "Block", "Llama", "LlamaConfig", "preset"]
+__all__ = ["PRESETS", "ROPE_SCALINGS", "Block", "Llama", "LlamaConfig", "preset"]
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -35,6 +37,15 @@ class LlamaConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2-style blocks add a bias to the q, k and v projections
     init_std: float = 0.02
+    out_bias: bool = False  # a bias on the attention output projection (with qkv_bias: HF Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the three MLP projections (HF Llama's mlp_bias)
+    # RoPE frequency scaling (HF `rope_scaling`): "none", "linear" (every frequency / rope_factor) or
+    # "llama3" (Llama 3.1: low frequencies / rope_factor, high ones kept, a smooth blend between)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -46,6 +57,13 @@ class LlamaConfig:
             )
         if (self.dim // self.n_heads) % 2:
             raise ConfigError(f"head size {self.dim // self.n_heads} is odd; RoPE rotates pairs, use an even head size")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling {self.rope_scaling!r} is not supported; use one of {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"llama3 rope scaling needs rope_high_freq_factor ({self.rope_high_freq_factor}) > "
+                f"rope_low_freq_factor ({self.rope_low_freq_factor})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -56,7 +74,8 @@ class LlamaConfig:
         """Number of trainable parameters, counting tied embeddings once."""
         hs = self.head_dim
         attn = self.dim * hs * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hs * self.dim
-        mlp = 3 * self.dim * self.ffn_dim
+        attn += hs * (self.n_heads + 2 * self.n_kv_heads) * self.qkv_bias + self.dim * self.out_bias
+        mlp = 3 * self.dim * self.ffn_dim + (2 * self.ffn_dim + self.dim) * self.mlp_bias
         block = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim
         return self.n_layers * block + emb + self.dim + (0 if self.tie_embeddings else emb)
@@ -112,16 +131,35 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                scaling: LlamaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (T, hs/2), in fp32.
 
     Computed from arange rather than held in a buffer, so that a traced model has no constants
-    and the tables are recomputed (cheaply) by the embedding stage.
+    and the tables are recomputed (cheaply) by the embedding stage. ``scaling``: a config whose
+    ``rope_scaling`` is not "none" rescales the frequencies as Hugging Face's rope types do.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None and scaling.rope_scaling != "none":
+        inv_freq = _scale_frequencies(inv_freq, scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hs/2)
     return freqs.cos(), freqs.sin()
+
+
+def _scale_frequencies(inv_freq: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    """Rescaled RoPE frequencies, op for op as transformers computes them (so logits agree exactly)."""
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    old, low, high = cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)  # long wavelengths: / factor
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)  # in between: blend the two
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,7 +178,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -161,9 +199,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
@@ -215,7 +253,7 @@ class Llama(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ConfigError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(ids)  # (B, T, C)
-        cos, sin = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, ids.device)
+        cos, sin = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, ids.device, self.cfg)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))  # (B, T, V)
