@@ -139,9 +139,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, *, overwrite: bool = Fa
     def fill(layer: int, flat: torch.Tensor) -> None:
         for p in program.layer_params(layer):
             n = by_key[p.key]
-            t = readers[n.hf].read(n.hf)
-            flat[p.offset : p.offset + p.numel].view(p.spec.shape).copy_(t.t() if n.transposed else t)
-            del t
+            readers[n.hf].read_into(n.hf, flat[p.offset : p.offset + p.numel].view(p.spec.shape), transposed=n.transposed)
 
     dst = Path(store_dir)
     source = {"kind": "hf", "source": str(src.resolve()), "architecture": arch}

@@ -85,6 +85,24 @@ class ShardReader:
         if e.dtype not in DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name} has dtype {e.dtype}, which mtc does not read")
         buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        self._pread(e, buf)
+        return buf.view(DTYPES[e.dtype]).reshape(e.shape)
+
+    def read_into(self, name: str, out: torch.Tensor, *, transposed: bool = False) -> None:
+        """Tensor ``name`` (transposed, for a 2-D one, if asked) converted into ``out``.
+
+        Read straight into ``out``'s memory when it has the stored dtype and layout (no
+        temporary), else through one buffer of the stored size.
+        """
+        e = self.entries[name]
+        if not transposed and DTYPES.get(e.dtype) == out.dtype and out.is_contiguous() and tuple(out.shape) == e.shape:
+            self._pread(e, out.view(-1).view(torch.uint8))
+            return
+        t = self.read(name)
+        out.copy_(t.t() if transposed else t)
+
+    def _pread(self, e: TensorEntry, buf: torch.Tensor) -> None:
+        name = e.name
         view = memoryview(buf.numpy())
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -100,7 +118,6 @@ class ShardReader:
             raise CheckpointError(f"cannot read tensor {name} from {self.path}: {err.strerror or err}") from None
         finally:
             os.close(fd)
-        return buf.view(DTYPES[e.dtype]).reshape(e.shape)
 
 
 class ShardWriter:
