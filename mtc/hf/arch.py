@@ -154,6 +154,8 @@ def to_hf_config(family: str, f: dict[str, Any], base: dict[str, Any] | None, dt
     out = dict(base or {})
     for stale in ("torch_dtype", "dtype", "transformers_version", "_name_or_path"):
         out.pop(stale, None)
+    if base is None:  # mtc's own run: its token ids are unknown here (transformers' defaults may not even fit the vocabulary)
+        out.update({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
     if family == "gpt2":
         out.setdefault("architectures", ["GPT2LMHeadModel"])
         out.update({"model_type": "gpt2", "vocab_size": f["vocab_size"], "n_embd": f["dim"], "n_layer": f["n_layers"],
