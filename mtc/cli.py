@@ -247,6 +247,61 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     return 0
 
 
+# run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
+_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "durability",
+               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads")
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from mtc.calibrate import load_machine
+    from mtc.config import TrainConfig, load_config, parse_field, set_field
+    from mtc.plan import load_plan, load_plan_model
+    from mtc.planner import extrapolations, largest_fit, make_plan
+
+    program = None
+    if a.config:
+        cfg = load_config(a.config)
+    elif a.target is None:
+        raise MTCError("mtc plan needs a preset, a plan directory or --config FILE; e.g. `mtc plan 8b --machine h100-box`")
+    elif Path(a.target).is_dir():
+        program = load_plan(a.target)
+        cfg = TrainConfig(**load_plan_model(a.target))
+    else:
+        cfg = TrainConfig(model=a.target)
+    for path in _PLAN_FLAGS:
+        raw = getattr(a, _dest(path))
+        if raw is not None:
+            set_field(cfg, path, parse_field(path, raw, flag=_flag(path)))
+    profile = load_machine(a.machine)
+    plan = make_plan(cfg, profile, program=program)
+    print("\n".join(plan.lines()))
+    if not a.no_extrapolate:
+        print("\nextrapolations (built-in machine profiles; their assumed figures are listed with them):")
+        print("\n".join(extrapolations()))
+        sizes = largest_fit(profile)
+        print(f"\nlargest Llama-8b-shaped model whose fp32 state (master, m, v) fits {profile.name} (GPU + RAM + disk):")
+        for mode, n in sizes.items():
+            print(f"  durability {mode:7s} {n / 1e9:8.2f}B parameters" if n else f"  durability {mode:7s} none fits")
+    return 0 if plan.fits else 1
+
+
+def _cmd_calibrate(a: argparse.Namespace) -> int:
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, calibrate
+
+    prof = calibrate(directory=a.dir)
+    out = prof.save(a.output or DEFAULT_PROFILE_PATH)
+    pcie = "memcpy (no GPU: no PCIe link to measure)" if prof.pcie_is_memcpy else "pinned"
+    print(f"machine: {prof.device}; {prof.cores} cores, {prof.host_memory_bytes / 2**30:.1f} GiB RAM"
+          + (f", GPU {prof.gpu_memory_bytes / 2**30:.1f} GiB" if prof.gpu_memory_bytes else ""))
+    print(f"host->device {prof.h2d_gbps:.1f} GB/s, device->host {prof.d2h_gbps:.1f} GB/s, both {prof.both_gbps:.1f} GB/s ({pcie})")
+    print(f"disk at {prof.disk_dir} (page cache dropped): write {prof.disk_write_gbps:.2f} GB/s, read {prof.disk_read_gbps:.2f} GB/s; "
+          f"through the store: write {prof.store_write_gbps:.2f}, read {prof.store_read_gbps:.2f} GB/s")
+    print(f"CPU AdamW ({prof.adamw_impl}, {prof.cores} threads): {prof.adamw_rate:.2f} G params/s; "
+          f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes)")
+    print(f"profile written to {out}; use it with `mtc plan ... --machine {out}`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
     from mtc.config import field_help, field_metavar
@@ -318,6 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--micro-batch-size", type=int, default=1)
     tr.add_argument("--meta", action="store_true", help="trace on the meta device (no weights; for large presets)")
     tr.set_defaults(fn=_cmd_trace)
+
+    pl = sub.add_parser("plan", help="placement, memory per tier, disk per durability mode, fit and predicted step time of a run "
+                        "on a machine profile; exit 1 if it does not fit")
+    pl.add_argument("target", nargs="?", help="a model preset or a plan directory (from `mtc compile`)")
+    pl.add_argument("--config", help="a .json or .toml TrainConfig file instead")
+    pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
+                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme); default: the last `mtc calibrate` profile, else a quick measurement")
+    for path in _PLAN_FLAGS:
+        pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
+    pl.add_argument("--no-extrapolate", action="store_true", help="skip the 70B/120B/175B extrapolations and the largest-model search")
+    pl.set_defaults(fn=_cmd_plan)
+
+    ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")
+    ca.add_argument("-o", "--output", help="profile file (default: ~/.cache/mtc/machine.json, which `mtc plan` reads by default)")
+    ca.add_argument("--dir", help="directory on the disk to measure (where stores will live; default: the temp dir)")
+    ca.set_defaults(fn=_cmd_calibrate)
     return p
 
 
@@ -329,7 +400,8 @@ def _run(argv: list[str] | None) -> int:
         try:
             return args.fn(args)
         except MTCError as e:
-            print(f"mtc: error: {e}", file=sys.stderr)
+            for line in str(e).splitlines() or [""]:  # a fit refusal names every resource that is short, one line each
+                print(f"mtc: error: {line}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("mtc: interrupted", file=sys.stderr)

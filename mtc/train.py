@@ -184,56 +184,19 @@ def _gpu_free(cfg: TrainConfig) -> int:
 
 def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
     """GPU memory besides resident state: weight ring, gradient slabs, activations, one layer's work."""
-    largest = max(program.layer_numel(i) for i in range(program.n_layers))
-    hidden = cfg.micro_batch_size * cfg.seq_len * _hidden_size(program) * cbytes
-    acts = cfg.activation_budget_gb * 2**30 if cfg.activation_budget_gb is not None else cfg.grad_accum * program.n_layers * hidden
-    vocab = max(program.params[k].spec.shape[0] for k in program.layers[-1].param_keys())
-    head = cfg.micro_batch_size * cfg.seq_len * vocab * 4
-    return int(2 * largest * cbytes + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * 2**30)
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import gpu_workspace
+
+    return gpu_workspace(cfg, shape_from_program(program, cfg.model, cbytes))
 
 
-def _hidden_size(program: Program) -> int:
-    """Width of the carried hidden state (the blocks' carry input), not of the widest weight."""
-    for tmpl in program.templates.values():
-        for inp in tmpl.inputs:
-            if inp.kind == "carry":
-                return inp.spec.shape[-1]
-    return 1
+def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool,
+              gpu_update: set[int] | None = None) -> None:
+    """Refuse, before anything is written, a run this machine cannot hold: the plan's fit checks
+    (`mtc.planner.check_fit`: disk for both generations, host RAM, GPU memory), one line each."""
+    from mtc.planner import check_fit
 
-
-def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool) -> None:
-    """Refuse, before anything is written, a run this machine cannot hold: one line with the numbers."""
-    numels = [program.layer_numel(i) for i in range(program.n_layers)]
-    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
-    gib = 2**30
-    if store_dir is not None and new_run:
-        need = pl.disk_bytes_needed(placement, numels, cfg.durability)
-        probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
-        free = shutil.disk_usage(probe).free
-        if need > free:
-            alts = ", ".join(f"{m}: {pl.disk_bytes_needed(placement, numels, m) / gib:.1f} GiB" for m in ("full", "weights", "none"))
-            raise ConfigError(
-                f"durability {cfg.durability!r} needs {need / gib:.1f} GiB of disk for two state generations, "
-                f"{probe} has {free / gib:.1f} GiB free; choose --durability with what fits ({alts}), "
-                "free disk space, or use another store directory"
-            )
-    host_need = pl.host_bytes_needed(placement, numels, cbytes)
-    host_have = cfg.ram_budget_gb * gib if cfg.ram_budget_gb is not None else pl.available_host_bytes()
-    if host_need > host_have:
-        raise ConfigError(
-            f"placement {pl.describe(placement)} needs {host_need / gib:.1f} GiB of host RAM for state, "
-            f"{'the budget is' if cfg.ram_budget_gb is not None else 'this machine has'} {host_have / gib:.1f} GiB; "
-            "put layers on disk (--placement 'ram:0-9,disk:10-31') or raise --ram-budget-gb"
-        )
-    if cfg.device.startswith("cuda") and torch.cuda.is_available():
-        need = pl.gpu_state_bytes(placement, numels, cbytes) + _gpu_workspace(cfg, program, cbytes)
-        _, total = torch.cuda.mem_get_info(torch.device(cfg.device))
-        if need > total:
-            raise ConfigError(
-                f"placement {pl.describe(placement)} needs about {need / gib:.1f} GiB of GPU memory "
-                f"(resident state plus one layer's workspace), the GPU has {total / gib:.1f} GiB; "
-                "place fewer layers on the GPU, lower micro_batch_size, or set --activation-budget-gb"
-            )
+    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run)
 
 
 # -- opening a run -----------------------------------------------------------------------------
@@ -301,8 +264,8 @@ def open_run(
     program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
     if data is not None:
         data.check_vocab(_model_vocab(program))
-    placement, _ = plan_placement(cfg, program)
-    preflight(cfg, program, placement, path, new_run=True)
+    placement, gpu_update = plan_placement(cfg, program)
+    preflight(cfg, program, placement, path, new_run=True, gpu_update=gpu_update)
     store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
     try:
         if path is not None:

@@ -1,0 +1,121 @@
+"""`mtc plan`, `mtc calibrate` and the early fit refusals of `mtc train` (issue 11, musts 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from mtc.calibrate import MachineProfile, builtin, calibrate
+from mtc.cli import main
+from mtc.config import TrainConfig
+from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
+from tests.runtime.engine_util import skewed_tokens
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "d.bin"
+    skewed_tokens(path)
+    return path
+
+
+def _train(tmp_path, data, *extra):
+    return main(["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(data), "--unfused", "--steps", "1",
+                 "--micro-batch-size", "2", "--seq-len", "16", *extra])
+
+
+def test_train_refuses_a_small_disk_before_creating_the_store(tmp_path, data, capsys, monkeypatch):
+    monkeypatch.setenv(DISK_FREE_ENV, str(5 * 2**20))  # 5 MiB: 'full' needs 18.4, 'weights' 6.1
+    assert _train(tmp_path, data) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("mtc: error: this run does not fit: disk")
+    assert "needs 18.4 MiB, has 5.0 MiB" in err[0] and "choose --durability none" in err[0]
+    assert not (tmp_path / "s").exists()
+    monkeypatch.setenv(DISK_FREE_ENV, str(7 * 2**20))  # now 'weights' fits: the message names it
+    assert _train(tmp_path, data) == 2
+    assert "choose --durability weights" in capsys.readouterr().err
+    assert _train(tmp_path, data, "--durability", "weights") == 0
+    assert (tmp_path / "s" / "commit.json").exists()
+
+
+def test_train_refuses_a_small_ram_budget_and_names_a_placement_that_fits(tmp_path, data, capsys, monkeypatch):
+    monkeypatch.setenv(DISK_FREE_ENV, str(2**20))
+    assert _train(tmp_path, data, "--ram-budget-gb", "0.01") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err  # both resources are short: one line each
+    assert "disk" in err[0] and "host RAM" in err[1]
+    assert "needs 12.3 MiB, has 10.2 MiB" in err[1]
+    assert not (tmp_path / "s").exists()
+    suggested = err[1].split("--placement ")[1].split(")")[0]
+    assert "disk" in suggested
+    monkeypatch.delenv(DISK_FREE_ENV)
+    # what the message says to change makes the run fit
+    assert _train(tmp_path, data, "--ram-budget-gb", "0.01", "--placement", suggested) == 0
+    assert (tmp_path / "s" / "commit.json").exists()
+
+
+def test_gpu_too_small_for_one_layers_workspace_is_a_failed_check():
+    cfg = TrainConfig(model="8b", seq_len=8192, micro_batch_size=16, placement="ram", durability="none")
+    plan = make_plan(cfg, builtin("h100-box"))
+    gpu = [c for c in plan.checks if c.what.startswith("GPU memory")]
+    assert len(gpu) == 1 and not gpu[0].ok
+    assert gpu[0].need > 80 * 2**30 and "--micro-batch-size" in gpu[0].line()
+    assert not plan.fits
+
+
+def test_plan_cli_on_a_builtin_machine(capsys):
+    rc = main(["plan", "8b", "--machine", "h100-box", "--seq-len", "4096", "--micro-batch-size", "2", "--grad-accum", "8",
+               "--no-extrapolate"])
+    out = capsys.readouterr().out
+    assert rc == 1  # 'full' needs ~180 GiB of disk, the box has 60
+    assert "placement gpu:" in out and "durability full    needs   179.5 GiB" in out
+    assert "DOES NOT FIT" in out and "choose --durability weights" in out
+    assert "bottleneck:" in out and "per day of training" in out
+    for stage in ("GPU compute", "PCIe", "CPU optimizer", "disk I/O"):
+        assert stage in out
+    assert main(["plan", "8b", "--machine", "h100-box", "--seq-len", "4096", "--micro-batch-size", "2", "--grad-accum", "8",
+                 "--durability", "weights", "--no-extrapolate"]) == 0
+
+
+def test_plan_cli_errors_are_one_line(capsys, tmp_path):
+    assert main(["plan", "tiny", "--machine", "nope"]) == 2
+    assert main(["plan", "tiny", "--machine", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x", "bogus": 1}))
+    assert main(["plan", "tiny", "--machine", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("mtc: error: ") for e in err)
+    assert "mtc calibrate" in err[1] and "unknown field" in err[2]
+
+
+def test_extrapolations_say_plainly_what_does_not_fit():
+    lines = extrapolations()
+    text = "\n".join(lines)
+    assert "70b (70.6B params) on h200-1.5tb" in text and "119.3B params" in text and "175.1B params" in text
+    block_175 = text[text.index("175b"):]
+    assert "durability full    disk    4.20 TB: does NOT fit: disk needs 4.20 TB, has 4.00 TB" in block_175
+    block_70 = text[text.index("70b"):text.index("120b")]
+    assert "durability full    disk    1.69 TB: fits" in block_70
+
+
+def test_largest_model_on_the_h100_box():
+    sizes = largest_fit(builtin("h100-box"))
+    assert sizes["none"] >= sizes["weights"] >= sizes["full"] > 0
+    # two generations of master, m and v (24 B/param) in a 60 GiB disk: ~2.3-2.7B (issue 11)
+    assert 2.0e9 < sizes["full"] < 2.8e9
+
+
+def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
+    t = time.perf_counter()
+    prof = calibrate(directory=tmp_path, copy_mb=8, disk_mb=8, adamw_numel=500_000, matmul_size=256, repeats=1)
+    assert 0 < prof.calibrate_s <= time.perf_counter() - t < 120  # ~5 s on the 2-core box when it is quiet
+    assert prof.pcie_is_memcpy and any("memcpy" in a for a in prof.assumed)
+    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.adamw_rate, prof.matmul_tflops):
+        assert v > 0
+    assert prof.identity["host"] and prof.identity["torch"]
+    assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # its files are removed
+    back = MachineProfile.load(prof.save(tmp_path / "p.json"))
+    assert back == prof
