@@ -253,9 +253,13 @@ def load_machine(spec: str | None, *, quick: Callable[[], MachineProfile] | None
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None,
+def _best_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None,
                  sync: Callable[[], None] | None = None) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up (``before`` runs untimed)."""
+    """Fastest seconds of ``fn`` over ``repeats`` calls after one warm-up (``before`` runs untimed).
+
+    The fastest, not the median: on a shared machine other jobs only ever add time, so the best
+    of a few runs is the machine's own speed (what a quiet run gets), and one burst of another
+    job's work does not skew the profile."""
     out = []
     for i in range(repeats + 1):
         if before is not None:
@@ -268,7 +272,7 @@ def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], No
             sync()
         if i:
             out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return min(out)
 
 
 def _meminfo() -> tuple[int, int]:
@@ -320,12 +324,12 @@ def _copy_rates(torch: Any, cuda: bool, mb: int, repeats: int) -> tuple[float, f
             with torch.cuda.stream(s2):
                 host_b.copy_(dev_b, non_blocking=True)
 
-        h2d = _median_time(lambda: dev_a.copy_(host_a, non_blocking=True), repeats, sync=sync)
-        d2h = _median_time(lambda: host_b.copy_(dev_b, non_blocking=True), repeats, sync=sync)
-        bo = _median_time(both, repeats, sync=sync)
+        h2d = _best_time(lambda: dev_a.copy_(host_a, non_blocking=True), repeats, sync=sync)
+        d2h = _best_time(lambda: host_b.copy_(dev_b, non_blocking=True), repeats, sync=sync)
+        bo = _best_time(both, repeats, sync=sync)
         return n / h2d / 1e9, n / d2h / 1e9, 2 * n / bo / 1e9
     a, b, c, d = (torch.empty(n // 4, dtype=torch.float32).fill_(1.0) for _ in range(4))
-    one = _median_time(lambda: b.copy_(a), repeats)
+    one = _best_time(lambda: b.copy_(a), repeats)
 
     def two() -> None:  # the engine's h2d and d2h copy threads, at once
         t = threading.Thread(target=lambda: d.copy_(c))
@@ -333,7 +337,7 @@ def _copy_rates(torch: Any, cuda: bool, mb: int, repeats: int) -> tuple[float, f
         b.copy_(a)
         t.join()
 
-    bo = _median_time(two, repeats)
+    bo = _best_time(two, repeats)
     return n / one / 1e9, n / one / 1e9, 2 * n / bo / 1e9
 
 
@@ -364,9 +368,9 @@ def _disk_rates(root: Path, mb: int, repeats: int) -> tuple[float, float, float]
                 pass
 
     try:
-        w = _median_time(write, repeats)
-        cold = _median_time(read, repeats, before=lambda: _evict(path))
-        warm = _median_time(read, repeats)
+        w = _best_time(write, repeats)
+        cold = _best_time(read, repeats, before=lambda: _evict(path))
+        warm = _best_time(read, repeats)
     finally:
         path.unlink(missing_ok=True)
     nbytes = n_blocks * block
@@ -385,15 +389,15 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
     try:
         with TensorStore.create(path, io_threads=io_threads) as st:
             st.create_array("x", (n,), torch.float32)
-            w = _median_time(lambda: st.write("x", data), repeats)
+            w = _best_time(lambda: st.write("x", data), repeats)
             files = [st.chunk_path("x", c) for c in range(st.array_info("x").n_chunks)]
 
             def evict() -> None:
                 for f in files:
                     _evict(f)
 
-            cold = _median_time(lambda: st.read_into("x", out), repeats, before=evict)
-            warm = _median_time(lambda: st.read_into("x", out), repeats)
+            cold = _best_time(lambda: st.read_into("x", out), repeats, before=evict)
+            warm = _best_time(lambda: st.read_into("x", out), repeats)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return 4 * n / w / 1e9, 4 * n / cold / 1e9, 4 * n / warm / 1e9
@@ -425,15 +429,15 @@ def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -
     engine = "fused" if cuda else "exact"
     with host_pool(cores) as pool:
         for impl in ("exact", "fused"):
-            out[impl] = numel / _median_time(run(impl, pool), repeats) / 1e9
+            out[impl] = numel / _best_time(run(impl, pool), repeats) / 1e9
         grad.zero_()
         m.zero_()
         v.zero_()
-        zero = numel / _median_time(run(engine, pool), repeats) / 1e9
+        zero = numel / _best_time(run(engine, pool), repeats) / 1e9
     with host_pool(1) as pool:
-        zero_one = numel / _median_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+        zero_one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
         grad.normal_(0, 1e-3)
-        one = numel / _median_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+        one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
     torch.set_num_threads(caller)
     return out, one, (zero / out[engine], zero_one / one)
 
@@ -445,7 +449,7 @@ def _matmul_points(torch: Any, cuda: bool, shapes: list[tuple[int, int, int]], r
     pts = []
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(k, n, dtype=dtype, device=dev)
-        t = _median_time(lambda a=a, b=b: torch.mm(a, b), repeats, sync=sync)
+        t = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats, sync=sync)
         pts.append({"m": m, "k": k, "n": n, "tflops": 2 * m * k * n / t / 1e12})
     return pts
 
@@ -461,7 +465,7 @@ def _memory_points(torch: Any, sizes_mib: list[float], repeats: int) -> list[dic
             for _ in range(reps):
                 b.copy_(a)
 
-        out.append({"mib": mb, "gbps": 8 * n * reps / _median_time(f, repeats) / 1e9})
+        out.append({"mib": mb, "gbps": 8 * n * reps / _best_time(f, repeats) / 1e9})
     return out
 
 
@@ -482,13 +486,13 @@ def _elementwise_gbps(torch: Any, cuda: bool, mb: float, repeats: int) -> float:
         torch.nn.functional.silu(h) * y  # silu: r+w, mul: 2r+w
 
     touched = 4 * rows * 1024 * (2 + 1 + 2 + 2 + 2 + 3)
-    return touched / _median_time(seq, repeats, sync=torch.cuda.synchronize if cuda else None) / 1e9
+    return touched / _best_time(seq, repeats, sync=torch.cuda.synchronize if cuda else None) / 1e9
 
 
 def _attention_tflops(torch: Any, repeats: int) -> float:
     """Causal SDPA forward (16 heads x 256 tokens x 64), FLOPs counted as 4 T^2 d / 2 per head."""
     q, k, v = (torch.randn(4, 4, 256, 64) for _ in range(3))
-    t = _median_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+    t = _best_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
     return 16 * 4 * 256 * 256 * 64 * 0.5 / t / 1e12
 
 
@@ -496,7 +500,7 @@ def _first_touch_gbps(torch: Any, repeats: int) -> float:
     """Filling a freshly allocated 64 MiB tensor: above glibc's largest mmap threshold (32 MiB)
     every such allocation is mapped anew, and its first touch page-faults."""
     n = 64 * 2**20 // 4
-    return 4 * n / _median_time(lambda: torch.empty(n).fill_(1.0), repeats) / 1e9
+    return 4 * n / _best_time(lambda: torch.empty(n).fill_(1.0), repeats) / 1e9
 
 
 def _op_overhead_us(torch: Any, repeats: int) -> float:
@@ -506,7 +510,7 @@ def _op_overhead_us(torch: Any, repeats: int) -> float:
         for _ in range(500):
             torch.add(s, s)
 
-    return _median_time(many, repeats) / 500 * 1e6
+    return _best_time(many, repeats) / 500 * 1e6
 
 
 def _identity(torch: Any, cuda: bool) -> dict[str, str]:
@@ -556,8 +560,8 @@ def _reference_block(torch: Any, repeats: int) -> dict[str, float]:
     fwd, joint = runner.forward(torch.device("cpu")), runner.joint(torch.device("cpu"))
     gout = torch.randn_like(carry)
     with torch.no_grad():
-        t_fwd = _median_time(lambda: fwd(*args), repeats + 2)
-    t_joint = _median_time(lambda: joint(*args, gout), repeats + 2)
+        t_fwd = _best_time(lambda: fwd(*args), repeats + 4)
+    t_joint = _best_time(lambda: joint(*args, gout), repeats + 4)
     return {"fwd_s": t_fwd, "joint_s": t_joint}
 
 
@@ -634,7 +638,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         compute_threads=0 if cuda else threads,
         gpu_adamw_gparams_s=90.0 if cuda else 0.0,
         assumed=assumed, source=f"mtc calibrate (copies {copy_mb} MiB, disk {disk_mb} MiB, AdamW {adamw_numel:,} params, "
-                               f"matmul {s}, median of {repeats})",
+                               f"matmul {s}, best of {repeats})",
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         identity=_identity(torch, cuda),
     )

@@ -101,9 +101,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
     bar = ProgressBar(cfg.steps, initial=start)
+    watch = _stage_watch(cfg, run.program)
     try:
         res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=lambda r: _show_step(bar, r), notify=lambda m: print(f"mtc: {m}", file=sys.stderr))
+                    on_step=lambda r: _show_step(bar, r), notify=lambda m: print(f"mtc: {m}", file=sys.stderr), watch=watch)
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130
@@ -117,7 +118,28 @@ def _cmd_train(a: argparse.Namespace) -> int:
     res.store.close()
     if res.losses:
         print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
+    if watch is not None and watch.summary():
+        print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary()))
     return 0
+
+
+def _stage_watch(cfg: object, program: object) -> object:
+    """A StageWatch over the run's plan on the last `mtc calibrate` profile, if there is one."""
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, MachineProfile
+    from mtc.planner import make_plan
+    from mtc.stagewatch import StageWatch
+
+    import socket
+
+    if not DEFAULT_PROFILE_PATH.is_file():
+        return None
+    try:
+        prof = MachineProfile.load(DEFAULT_PROFILE_PATH)
+        if prof.identity.get("host") != socket.gethostname():
+            return None  # measured on another machine: its figures say nothing about this one
+        return StageWatch(make_plan(cfg, prof, program=program))
+    except MTCError:  # the comparison is advice: a profile that cannot plan this run must not stop it
+        return None
 
 
 def _show_step(bar: object, r: object) -> None:

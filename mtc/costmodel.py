@@ -616,5 +616,6 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(n[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
         disk_read_s=disk_r, disk_write_s=disk_w, disk_read_warm=warm, cpu_work_s=cpu_work, commits=commits,
         disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),
-        bottleneck=max(stages, key=lambda k: stages[k]), stage_s=stages,
+        # the shared-cores total is a bound, not a stage: the bottleneck is the busiest stage
+        bottleneck=max((k for k in stages if not k.startswith("CPU cores")), key=lambda k: stages[k]), stage_s=stages,
     )

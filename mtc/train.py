@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.tracer import trace
+
+if TYPE_CHECKING:
+    from mtc.stagewatch import StageWatch
 
 __all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
 
@@ -352,6 +356,7 @@ def train(
     serialize: bool = False,
     allow_change: tuple[str, ...] = (),
     notify: Callable[[str], None] | None = None,
+    watch: StageWatch | None = None,
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
@@ -359,6 +364,7 @@ def train(
     store is open; close it (or read the weights from it) when done. ``serialize`` waits for
     every copy and kernel as it is issued (the race tests' reference schedule). ``notify`` receives
     messages for the user (the CLI prints them), e.g. what an interruption is waiting for.
+    ``watch`` compares each step's stages with the run's plan and may notify once (a slow disk).
     """
     t0 = time.perf_counter()
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
@@ -445,6 +451,10 @@ def train(
                              committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out)
             losses.append(stats.loss)
             records.append(rec)
+            if watch is not None:  # the previous step's updates and writes are done now: its spans are complete
+                msg = watch.after_step(timeline, step - 2, step - 1 - last.step)
+                if msg is not None and notify is not None:
+                    notify(msg)
             if metrics is not None:
                 metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
                 metrics.flush()

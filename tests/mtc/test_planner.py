@@ -119,3 +119,30 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     assert list(tmp_path.iterdir()) == []  # its files are removed
     back = MachineProfile.load(prof.save(tmp_path / "p.json"))
     assert back == prof
+
+
+def test_stage_watch_warns_once_when_the_disk_is_slower_than_planned(tmp_path, data):
+    import dataclasses
+
+    from mtc.stagewatch import StageWatch
+    from mtc.train import train
+    from tests.runtime.engine_util import small_config
+
+    cfg = small_config(steps=6, placement="disk", durability="none")
+    fast_disk = dataclasses.replace(builtin("h100-box"), name="claims-1000GBps", accelerator="cpu", gpu_memory_bytes=0,
+                                    store_write_gbps=1000.0)
+    watch = StageWatch(make_plan(cfg, fast_disk))
+    said: list[str] = []
+    res = train(cfg, tmp_path / "s", data, watch=watch, notify=said.append)
+    res.store.close()
+    assert len(said) == 1, said
+    assert "the disk writes at" in said[0] and "the plan assumed 1000.00 GB/s" in said[0]
+    summary = watch.summary()
+    assert any(s.startswith("disk writes: measured") for s in summary) and any(s.startswith("compute:") for s in summary)
+    # a profile whose disk matches what the run sees stays quiet
+    rate = min(watch.write_rates) / 1e9
+    calm = StageWatch(make_plan(cfg, dataclasses.replace(fast_disk, store_write_gbps=rate * 0.2)))
+    said.clear()
+    res = train(cfg, tmp_path / "s2", data, watch=calm, notify=said.append)
+    res.store.close()
+    assert said == []

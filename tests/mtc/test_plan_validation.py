@@ -1,0 +1,96 @@
+"""The planner's step time against real training on this machine (issue 11, must 3).
+
+A profile is calibrated in the test (`mtc calibrate`), then three small runs whose bottlenecks
+differ (compute, CPU optimizer, disk) train a few steps through `mtc.train` (unfused, the CPU
+engine with its copy, fetch and optimizer threads); the median step time after warm-up must be
+within 15 % of the plan's prediction, and the plan must name the bottleneck the config was built
+for.
+
+The 2-core CI boxes are shared: another job can halve this process's speed for seconds at a time.
+The test therefore times a fixed probe (a 512^3 matmul, as calibrate measured it) before and after
+each run; an attempt in which the machine ran more than 15 % slower than calibrated says nothing
+about the model and is repeated (calibration included) while the time budget lasts. If no
+attempt was quiet the test is skipped with the figures; a quiet attempt that misses 15 % fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import pytest
+import torch
+
+from mtc.calibrate import calibrate
+from mtc.config import OptimConfig, TrainConfig
+from mtc.planner import make_plan
+from mtc.train import train
+from tests.runtime.engine_util import skewed_tokens
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 0.15
+BUDGET_S = 150  # attempts start only within this time
+STEPS, WARMUP = 9, 3
+
+_BASE = {"model": "tiny", "kernels": "unfused", "durability": "none", "steps": STEPS, "optim": OptimConfig(lr=1e-3, warmup_steps=1)}
+CONFIGS = {
+    # many tokens through a small model: forward + backward dominate
+    "compute": {"model_overrides": {"n_layers": 2, "dim": 384, "ffn_dim": 1024, "n_heads": 6, "n_kv_heads": 2},
+                    "micro_batch_size": 8, "seq_len": 128, "placement": "ram"},
+    # wide layers, 16 tokens, AdamW on one thread: the optimizer dominates
+    "CPU optimizer": {"model_overrides": {"n_layers": 2, "dim": 1024, "ffn_dim": 2816, "n_heads": 8, "n_kv_heads": 2},
+                          "micro_batch_size": 1, "seq_len": 16, "placement": "ram", "optim_threads": 1},
+    # the same state on disk: read, updated and written back (fsync) every step
+    "disk I/O": {"model_overrides": {"n_layers": 2, "dim": 768, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 2},
+                     "micro_batch_size": 1, "seq_len": 16, "placement": "disk"},
+}
+
+
+def _probe() -> float:
+    """TFLOP/s of a 512^3 fp32 matmul, median of 5 (calibrate measured the same shape)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    torch.mm(a, b)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * 512**3 / statistics.median(times) / 1e12
+
+
+def _measure(cfg: TrainConfig, store, data) -> float:
+    res = train(cfg, store, data, overwrite=True)
+    res.store.close()
+    return statistics.median(r.seconds for r in res.records[WARMUP:])
+
+
+def test_predicted_step_time_within_15_percent(tmp_path):
+    data = skewed_tokens(tmp_path / "d.bin", 100_000)
+    t_start, report, attempt = time.perf_counter(), [], 0
+    while attempt == 0 or time.perf_counter() - t_start < BUDGET_S:
+        prof = calibrate(directory=tmp_path / "cal", copy_mb=32, disk_mb=32, adamw_numel=2_000_000)
+        base = next(p["tflops"] for p in prof.matmul if p["m"] == 512)
+        results, quiet = {}, True
+        for want, fields in CONFIGS.items():
+            cfg = TrainConfig(**{**_BASE, **fields})
+            plan = make_plan(cfg, dataclasses.replace(prof, disk_dir=str(tmp_path)))
+            before = _probe()
+            measured = _measure(cfg, tmp_path / f"s-{attempt}", data)
+            slow = 1 - min(before, _probe()) / base  # how much slower than calibrated the machine ran
+            quiet = quiet and slow <= TOLERANCE
+            results[want] = (plan.step.step_s, measured, plan.step.bottleneck, slow)
+        lines = [f"attempt {attempt} ({'quiet' if quiet else 'noisy'}):"] + [
+            f"  {k:14s} predicted {p * 1e3:7.1f} ms, measured {m * 1e3:7.1f} ms ({p / m - 1:+.0%}), bottleneck {b}, "
+            f"machine {d:.0%} slower than calibrated" for k, (p, m, b, d) in results.items()]
+        report.append("\n".join(lines))
+        print(report[-1])
+        if quiet:
+            for want, (pred, meas, bottleneck, _) in results.items():
+                assert bottleneck == want, report[-1]
+                assert abs(pred / meas - 1) <= TOLERANCE, report[-1]
+            return
+        attempt += 1
+    pytest.skip(f"the machine ran more than {TOLERANCE:.0%} slower than calibrated during every attempt: nothing to "
+                "conclude about the model\n" + "\n".join(report))
