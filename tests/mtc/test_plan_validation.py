@@ -28,7 +28,8 @@ import time
 import pytest
 import torch
 
-from mtc.calibrate import calibrate
+from mtc.calibrate import MachineProfile
+from mtc.cli import main
 from mtc.config import OptimConfig, TrainConfig
 from mtc.planner import make_plan
 from mtc.train import train
@@ -84,7 +85,8 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
     data = skewed_tokens(tmp_path / "d.bin", 100_000)
     t_start, report, attempt = time.perf_counter(), [], 0
     while attempt == 0 or time.perf_counter() - t_start < BUDGET_S:
-        prof = calibrate(directory=tmp_path / "cal", copy_mb=32, disk_mb=32, adamw_numel=2_000_000)
+        assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
+        prof = MachineProfile.load(tmp_path / "machine.json")
         base = next(p["tflops"] for p in prof.matmul if p["m"] == 512)
         results, quiet = {}, True
         for want, fields in CONFIGS.items():

@@ -146,3 +146,16 @@ def test_stage_watch_warns_once_when_the_disk_is_slower_than_planned(tmp_path, d
     res = train(cfg, tmp_path / "s2", data, watch=calm, notify=said.append)
     res.store.close()
     assert said == []
+
+
+def test_plan_cli_takes_a_plan_directory_and_a_config_file(tmp_path, capsys):
+    assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "32", "--micro-batch-size", "2"]) == 0
+    (tmp_path / "run.json").write_text(json.dumps({"model": "tiny", "seq_len": 64, "micro_batch_size": 4, "durability": "weights"}))
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "plan"), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x 32 tokens" in out and "compute float32" in out  # the plan's shapes and dtype, as compiled
+    assert main(["plan", "--config", str(tmp_path / "run.json"), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.endswith("<- chosen")]
+    assert "4 x 64 tokens" in out and len(chosen) == 1 and chosen[0].startswith("  durability weights")
