@@ -148,6 +148,7 @@ def test_stage_watch_warns_once_when_the_disk_is_slower_than_planned(tmp_path, d
     assert said == []
 
 
+@pytest.mark.slow  # compiling the plan generates its kernels
 def test_plan_cli_takes_a_plan_directory_and_a_config_file(tmp_path, capsys):
     assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "32", "--micro-batch-size", "2"]) == 0
     (tmp_path / "run.json").write_text(json.dumps({"model": "tiny", "seq_len": 64, "micro_batch_size": 4, "durability": "weights"}))
