@@ -66,7 +66,8 @@ class MachineProfile:
     adamw_impl: str  # the one the engine runs on this machine: fused on CUDA, exact on the CPU
     adamw_one_thread_gparams_s: float  # the engine's impl on a single thread (the CPU path with optim_threads=1)
     adamw_with_copies: float  # factor on the rate while PCIe copies run (host memory is shared)
-    # matmuls in the compute dtype: points {"m", "k", "n", "tflops"}; the headline is their median
+    # matmuls (x @ W^T, as a linear layer runs them) in the compute dtype: points {"m", "k", "n", "tflops"};
+    # the headline is their median
     matmul_dtype: str
     matmul: list[dict[str, float]]
     # fraction of the matmul rate a whole layer (fwd, recompute + bwd) reaches; < 1 folds the
@@ -88,8 +89,8 @@ class MachineProfile:
     compute_threads: int = 0  # intra-op threads the CPU compute figures were measured with (0: GPU profile)
     gpu_adamw_gparams_s: float = 0.0  # AdamW on the GPU over resident (or streamed) state
     # CPU path: a reference Llama block (traced, run as the engine's unfused runner) measured
-    # forward and joint (recompute + backward); its time beyond the modelled matmuls, over the
-    # modelled element-wise and dispatch time, scales those parts of every layer (1.0: not measured)
+    # forward and joint (recompute + backward); its measured over its modelled time scales every
+    # layer's modelled compute (1.0: not measured)
     reference_block: dict[str, float] = dataclasses.field(default_factory=dict)
     other_scale_fwd: float = 1.0
     other_scale_bwd: float = 1.0
@@ -378,29 +379,43 @@ def _disk_rates(root: Path, mb: int, repeats: int) -> tuple[float, float, float]
 
 
 def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float]:
-    """The engine's disk path: TensorStore write (CRC32C, fsync) and read_into, cold and warm, GB/s."""
+    """The engine's disk path, as a disk layer's update uses it: master, m and v (three arrays of
+    ``mb`` / 3 MiB) written at once (CRC32C, fsync), and read one after the other into buffers,
+    cold and warm, GB/s."""
     from mtc.store import TensorStore
 
-    n = mb * 2**20 // 4
-    data = torch.randn(n)
-    out = torch.empty(n)
+    n = mb * 2**20 // 4 // 3
+    names = ("master", "m", "v")
+    data = [torch.randn(n) for _ in names]
+    out = [torch.empty(n) for _ in names]
     path = root / "mtc-calibrate-store"
     shutil.rmtree(path, ignore_errors=True)
     try:
         with TensorStore.create(path, io_threads=io_threads) as st:
-            st.create_array("x", (n,), torch.float32)
-            w = _best_time(lambda: st.write("x", data), repeats)
-            files = [st.chunk_path("x", c) for c in range(st.array_info("x").n_chunks)]
+            for name in names:
+                st.create_array(name, (n,), torch.float32)
+
+            def write() -> None:
+                for f in [st.write_async(name, t) for name, t in zip(names, data, strict=True)]:
+                    f.result()
+
+            def read() -> None:  # one array after the other, as a disk layer's update reads them
+                for name, t in zip(names, out, strict=True):
+                    st.read_into(name, t)
+
+            w = _best_time(write, repeats)
+            files = [st.chunk_path(name, c) for name in names for c in range(st.array_info(name).n_chunks)]
 
             def evict() -> None:
                 for f in files:
                     _evict(f)
 
-            cold = _best_time(lambda: st.read_into("x", out), repeats, before=evict)
-            warm = _best_time(lambda: st.read_into("x", out), repeats)
+            cold = _best_time(read, repeats, before=evict)
+            warm = _best_time(read, repeats)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return 4 * n / w / 1e9, 4 * n / cold / 1e9, 4 * n / warm / 1e9
+    nbytes = 3 * 4 * n
+    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9
 
 
 def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -> tuple[dict[str, float], float, tuple[float, float]]:
@@ -448,8 +463,19 @@ def _matmul_points(torch: Any, cuda: bool, shapes: list[tuple[int, int, int]], r
     sync = torch.cuda.synchronize if cuda else None
     pts = []
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype, device=dev), torch.randn(k, n, dtype=dtype, device=dev)
-        t = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats, sync=sync)
+        # x @ W^T with W stored (n, k), as nn.Linear and the traced layers run it: on the CPU a thin
+        # x @ W^T ran at half the rate of x @ W (16 x 1024 x 2816, one thread, the 2-core box)
+        a = torch.randn(m, k, dtype=dtype, device=dev)
+        # a thin matmul streams its weight, which a layer reads once per visit (not from cache):
+        # cycle through enough weights to overflow the CPU's caches (64 MiB)
+        n_w = max(1, min(32, 64 * 2**20 // (n * k * a.element_size()))) if not cuda and m <= 128 else 1
+        ws = [torch.randn(n, k, dtype=dtype, device=dev) for _ in range(n_w)]
+
+        def run(a: Any = a, ws: list = ws) -> None:
+            for w in ws:
+                torch.nn.functional.linear(a, w)
+
+        t = _best_time(run, repeats, sync=sync) / n_w
         pts.append({"m": m, "k": k, "n": n, "tflops": 2 * m * k * n / t / 1e12})
     return pts
 

@@ -125,11 +125,11 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 def _stage_watch(cfg: object, program: object) -> object:
     """A StageWatch over the run's plan on the last `mtc calibrate` profile, if there is one."""
+    import socket
+
     from mtc.calibrate import DEFAULT_PROFILE_PATH, MachineProfile
     from mtc.planner import make_plan
     from mtc.stagewatch import StageWatch
-
-    import socket
 
     if not DEFAULT_PROFILE_PATH.is_file():
         return None
