@@ -178,6 +178,7 @@ def main() -> int:
     ap.add_argument("--target-tflops", type=float, default=GOAL_TFLOPS, help="the grad-accumulation rule's compute rate")
     ap.add_argument("--grad-accum", type=int, default=None, help="override the rule")
     ap.add_argument("--time-limit-s", type=float, default=480)
+    ap.add_argument("--disk-compute", choices=("store", "ram"), default="store", help="disk layers' compute copy (TrainConfig.disk_compute)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     if not cuda and not a.smoke:
@@ -201,7 +202,9 @@ def main() -> int:
                 "durability": "full", "device": "cuda" if cuda else "cpu", "io_threads": disk["io_threads"], "kernels": "unfused" if not cuda else "auto"}
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(TrainConfig(**base, steps=1)).parameters())
-    disk_compute = "store" if not cuda else "ram"  # fp32 on the CPU reads weights per visit; bf16 copies stay in RAM
+    # read per visit: no host RAM per parameter for the compute copy (a bf16 copy in RAM would be 2 B/param,
+    # beside a 3-set read-ahead ring of 16 B x the largest layer: over the 4 B/param goal at 20 layers)
+    disk_compute = a.disk_compute
     per_param = 24 + (8 if disk_compute == "store" else 0)  # read + write master, m, v; + two visit reads of the fp32 master
     accum = a.grad_accum or (2 if a.smoke else grad_accum_rule(params, mbs * seq, per_param * params, disk["raw"]["mix_GBps"], a.target_tflops))
     steps = a.steps or (3 if a.smoke else 4)
