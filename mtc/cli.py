@@ -33,7 +33,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
     "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
-    "optim_threads", "io_threads", "max_nonfinite_steps",
+    "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))
         else:
             # Values stay text here: the schema parses and checks them, so a bad value is one line.
-            t.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
+            aliases = ["--ram-budget"] if path == "ram_budget_gb" else []  # the name the disk-tier docs use
+            t.add_argument(_flag(path), *aliases, dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     t.add_argument("--unfused", action="store_const", const="unfused", dest="kernels", help="same as --kernels unfused")
     t.add_argument("--stop-after", type=int, metavar="STEP",
                    help="stop once this step is committed (resume later); >= 1 (default: train to --steps)")

@@ -207,6 +207,11 @@ class TrainConfig:
                                                help="GPU GB for layer-boundary activations (beyond: pinned host); none: no limit")
     ram_budget_gb: float | None = field(None, gt=0, help="host RAM GB for state (auto placement); none: available memory minus a margin")
     gpu_budget_gb: float | None = field(None, gt=0, help="GPU GB for resident state (auto placement); none: free memory minus workspace")
+    # "store" keeps no host RAM per disk parameter (the weights are read at each visit, 4 bytes per
+    # parameter per visit more disk traffic); "ram" keeps the compute-dtype copy pinned.
+    disk_compute: str = field("auto", choices=("auto", "ram", "store"),
+                              help="where disk layers' compute copy lives: pinned ram, or read from the store per visit; "
+                              "auto: store for float32 compute, ram for bfloat16")
     optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
     # A step whose loss or grad norm is not finite is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = field(3, ge=1, help="stop with an error after this many consecutive non-finite steps")
@@ -251,6 +256,14 @@ class TrainConfig:
         if self.compute_dtype != "auto":
             return self.compute_dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def resolved_disk_compute(self) -> str:
+        """Where disk layers' compute copy lives: 'auto' reads fp32 weights from the store per visit
+        (a RAM copy would cost 4 bytes per parameter, the whole <= 4 B/param budget) and keeps bf16 ones in RAM."""
+        if self.disk_compute != "auto":
+            return self.disk_compute
+        return "store" if self.resolved_compute_dtype == "float32" else "ram"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""

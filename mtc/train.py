@@ -127,7 +127,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 
 # fields that change how a run executes but not what it computes: free to differ on resume
-_EXECUTION_FIELDS = ("io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
+_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32")
 
@@ -164,15 +164,23 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     auto = None
     if cfg.placement.strip() == "auto":
-        if cfg.device == "cpu":
-            auto = ["ram"] * program.n_layers
-        else:
+        cuda = cfg.device.startswith("cuda")
+        gpu = 0
+        if cuda:
             gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
-            ram = cfg.ram_budget_gb * 2**30 if cfg.ram_budget_gb is not None else int(pl.available_host_bytes() * 0.85)
-            auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram))
+        # the RAM budget holds the state tiers; the disk pipeline's fixed buffers come off it first
+        ram = _ram_budget(cfg) - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=cfg.resolved_disk_compute,
+                                                          device_is_cuda=cuda)
+        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=cfg.resolved_disk_compute,
+                                 grads_on_device=cuda)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"))
     return placement, gpu_update
+
+
+def _ram_budget(cfg: TrainConfig) -> int:
+    """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin."""
+    return int(cfg.ram_budget_gb * 2**30) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
 
 
 def _gpu_free(cfg: TrainConfig) -> int:
@@ -217,7 +225,9 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
                 f"{probe} has {free / gib:.1f} GiB free; choose --durability with what fits ({alts}), "
                 "free disk space, or use another store directory"
             )
-    host_need = pl.host_bytes_needed(placement, numels, cbytes)
+    cuda = cfg.device.startswith("cuda")
+    host_need = (pl.host_bytes_needed(placement, numels, cbytes, disk_compute=cfg.resolved_disk_compute, grads_on_device=cuda)
+                 + pl.pipeline_host_bytes(placement, numels, disk_compute=cfg.resolved_disk_compute, device_is_cuda=cuda))
     host_have = cfg.ram_budget_gb * gib if cfg.ram_budget_gb is not None else pl.available_host_bytes()
     if host_need > host_have:
         raise ConfigError(
@@ -411,7 +421,7 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update)
+        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute)
         durable = cfg.durability != "none"
         tiers.create_arrays(st, cfg.durability)
         if run.last is None:  # a new run: initial state from the model, committed as step 0
@@ -429,6 +439,7 @@ def train(
             logs = st.path / "logs"
             logs.mkdir(exist_ok=True)
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
+                            resolved_disk_compute=cfg.resolved_disk_compute,
                             resolved_compute_dtype=cfg.resolved_compute_dtype)
             (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))
             metrics = open(logs / "metrics.jsonl", "a")

@@ -37,6 +37,7 @@ from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Transfer
+from mtc.store import state_array_name
 
 __all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
 
@@ -130,7 +131,8 @@ class StreamingExecutor:
         # weights whose accumulation spans other layers' visits
         tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
         n_open = 2 + len(tied)
-        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t != "gpu"), default=1)
+        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram layers
+        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t == "ram"), default=1)
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
             self.ring.preallocate()
@@ -148,6 +150,15 @@ class StreamingExecutor:
         self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
         self._open_slots: dict[int, Slot] = {}
         self._scales: dict[int, torch.Tensor] = {}
+        # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
+        self._staging: list[torch.Tensor] = []
+        self._staging_read: list[Transfer | None] = [None] * slots
+        if any(s.compute is None and s.numel for s in tiers.layers):
+            pin = self.device.type == "cuda"
+            self._staging = [torch.empty(ring_numel, dtype=torch.float32, pin_memory=pin) for _ in range(slots)]
+            tiers.pipeline_bytes["visit_staging"] = sum(t.numel() * 4 for t in self._staging)
+        if self.device.type == "cpu":  # on the CPU the device buffers are host RAM too
+            tiers.pipeline_bytes["device_rings"] = self.ring.numel * self.ring.dtype.itemsize * slots + self.slabs.numel * 4 * n_open
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -188,10 +199,16 @@ class StreamingExecutor:
         owners = {s.owner for s in plan.segments}
         with self.timeline.span("fetch_wait", layer):
             for o in owners:  # the weights must be this step's: wait for the owners' updates
-                upd = self.tiers[o].update
-                if upd is not None:
-                    upd.result()
-        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel], self.tiers[s.owner].compute[s.start : s.start + s.numel])
+                st = self.tiers[o]
+                for dep in (st.update, st.write if st.compute is None else None):  # from the store: once written
+                    if dep is not None:
+                        dep.result()
+        from_store = [s for s in plan.segments if self.tiers[s.owner].compute is None]
+        if from_store:
+            self._read_from_store(layer, slot, from_store)
+        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel],
+                   self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
+                   else self.tiers[s.owner].compute[s.start : s.start + s.numel])
                   for s in plan.segments]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
@@ -200,8 +217,26 @@ class StreamingExecutor:
         tr = self.engine.h2d(copies, after=after, layer=layer)
         for o in owners:
             self.tiers[o].last_read = tr  # the owner's next update waits until this copy has read it
+        if from_store:
+            self._staging_read[slot.index] = tr  # the next read into this staging buffer waits for it
         tensors = {k: slot.device[o : o + _numel(shape)].view(shape) for k, (o, shape) in plan.views.items()}
         return LayerWeights(slot, tensors, tr)
+
+    def _read_from_store(self, layer: int, slot: Slot, segments: list[_Segment]) -> None:
+        """Read disk owners' current masters into the slot's staging buffer (at the store's
+        highest priority: this visit waits for it)."""
+        store = self.tiers.store
+        assert store is not None, "disk layers read per visit need the store"
+        prev = self._staging_read[slot.index]
+        if prev is not None:
+            prev.wait()  # the last copy out of this staging buffer
+        gen = self.tiers.disk_generation
+        with self.timeline.span("visit_read", layer):
+            futs = [store.read_rows_into_async(state_array_name(s.owner, "master", gen), s.start,
+                                               self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel])
+                    for s in segments]
+            for f in futs:
+                f.result()
 
     def _wait(self, fut: Future[LayerWeights], layer: int) -> LayerWeights:
         with self.timeline.span("weights_wait", layer):
@@ -347,7 +382,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if st.tier == "gpu":
+            if st.tier in ("gpu", "disk"):  # their gradient buffer is on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -370,7 +405,7 @@ class StreamingExecutor:
                 norms = torch.stack(torch._foreach_norm(views))
             else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
-        if st.tier != "gpu":
+        if st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
         self._close_slab(owner, st.grad_ready)
         sink.grad_final(owner, norms)
