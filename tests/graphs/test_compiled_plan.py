@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -90,21 +89,3 @@ def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, 
     counted.clear()
     compile_program(prog, tmp_path, log=msgs.append)  # rewritten with the current key: fresh again
     assert counted == [] and len(msgs) == 1
-
-
-@pytest.mark.slow
-def test_train_with_compiled_plan_loads_it(tmp_path, counted, capsys):
-    from mtc.cli import main
-    from mtc.data import write_token_file
-
-    toks = np.random.default_rng(0).integers(0, 256, 4_000).astype(np.uint16)
-    write_token_file(tmp_path / "t.bin", toks, vocab_size=256, tokenizer="byte")
-    plan = tmp_path / "plan"
-    assert main(["compile", "tiny", "-o", str(plan), "--seq-len", "8", "--micro-batch-size", "2"]) == 0
-    n_templates = len(counted)
-    assert n_templates == 3
-    counted.clear()
-    assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "run"), "--data", str(tmp_path / "t.bin"),
-                 "--steps", "1", "--kernels", "fused"]) == 0
-    assert counted == [], "train --plan recompiled templates that `mtc compile` wrote"
-    assert "recompiling" not in capsys.readouterr().err
