@@ -7,13 +7,14 @@ import torch
 from mtc.config import TrainConfig
 from mtc.data import BatchSampler, TokenFile
 from mtc.runtime.schedule import lr_at
-from mtc.train import build_model
 from mtc.tracer import LossModel
+from mtc.train import build_model
 
 
-def reference_train(cfg: TrainConfig, tokens: TokenFile) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train cfg's model with torch.optim.AdamW + clip_grad_norm_; return per-step losses and weights."""
-    model = build_model(cfg)
+def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train cfg's model (or ``model``, in place) with torch.optim.AdamW + clip_grad_norm_; return
+    per-step losses and weights."""
+    model = build_model(cfg) if model is None else model
     lm = LossModel(model)
     params = dict(model.named_parameters())
     decay = [p for p in params.values() if p.ndim >= 2]

@@ -121,8 +121,6 @@ class StreamingExecutor:
             missing = [t for t in program.templates if t not in runners]
             if missing:
                 raise PlanError(f"the compiled plan lacks templates {missing}; recompile it (`mtc compile`)")
-            if any(self._aux_needs_grad) and not all(isinstance(r, AutogradRunner) for r in runners.values()):
-                raise PlanError("compiled plans do not yet support embed outputs that depend on parameters; run --unfused")
         self.runners = runners
         self._plans = [self._fetch_plan(c) for c in program.layers]
         ring_numel = max((p.numel for p in self._plans if not p.resident), default=1)
