@@ -29,6 +29,12 @@ def tokens(tmp_path_factory):
     return skewed_tokens(tmp_path_factory.mktemp("data") / "t.bin")
 
 
+@pytest.fixture(scope="module")
+def program():
+    """TinyLM traced once (tracing is most of a tiny run's time); runs take it as plan=."""
+    return mtc.trace(TinyLM(), SHAPE["micro_batch_size"], SHAPE["seq_len"])
+
+
 def torch_reference(model, batches, lrs, decay, o=OPTIM, grad_accum=1):
     """torch.optim.AdamW with two param groups (``decay`` names, the rest) + clip_grad_norm_."""
     model = copy.deepcopy(model)
@@ -80,21 +86,21 @@ NAMES = [k for k, _ in TinyLM().named_parameters()]
     # the transformers Trainer's rule: everything but biases and norms
     ("*.bias,*norm*", 0, {k for k in NAMES if not k.endswith("bias") and "norm" not in k}),
 ])
-def test_custom_model_trains_like_torch_adamw_with_its_decay_groups(tokens, no_decay, min_ndim, expect):
+def test_custom_model_trains_like_torch_adamw_with_its_decay_groups(tokens, program, no_decay, min_ndim, expect):
     torch.manual_seed(1)
     model = TinyLM()
     steps = 3
     optim = {**OPTIM, "no_decay": no_decay, "decay_min_ndim": min_ndim}
-    res = mtc.train(model=model, data=tokens, steps=steps, seed=7, **SHAPE, optim=optim)
+    res = mtc.train(model=model, plan=program, data=tokens, steps=steps, seed=7, optim=optim)
     assert {k for k, p in res.program.params.items() if p.decay} == expect
     assert res.records[0].lr == 0.0  # transformers' warmup: step 0 at lr 0
     ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**optim)) for s in range(steps)], expect)
     assert_close(weights(res), ref)
 
 
-def test_a_no_decay_pattern_that_matches_nothing_is_refused(tokens):
+def test_a_no_decay_pattern_that_matches_nothing_is_refused(tokens, program):
     with pytest.raises(ConfigError, match=r"optim.no_decay: pattern '\*\.baias' matches no parameter"):
-        mtc.train(model=TinyLM(), data=tokens, steps=1, **SHAPE, optim={"no_decay": "*.baias"})
+        mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, optim={"no_decay": "*.baias"})
 
 
 def test_schedule_is_transformers_cosine_with_warmup():
@@ -118,9 +124,9 @@ def test_schedule_is_transformers_cosine_with_warmup():
             assert math.isclose(ours[-1], min_lr, abs_tol=1e-12)
 
 
-def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, tmp_path):
+def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, program, tmp_path):
     data = batches(tokens, 8)
-    full = weights(mtc.train(model=build, data=data, steps=4, grad_accum=2, **SHAPE, optim=OPTIM))
+    full = weights(mtc.train(model=build, plan=program, data=data, steps=4, grad_accum=2, optim=OPTIM))
     drawn = []
 
     def gen():  # a fresh generator each call, as the resume rule asks
@@ -129,7 +135,7 @@ def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, tmp_path):
             yield b
 
     store = tmp_path / "s"
-    res = mtc.train(model=build, data=gen(), store=store, steps=4, grad_accum=2, stop_after=2, **SHAPE, optim=OPTIM)
+    res = mtc.train(model=build, plan=program, data=gen(), store=store, steps=4, grad_accum=2, stop_after=2, optim=OPTIM)
     res.store.close()
     drawn.clear()
     res = mtc.train(data=gen(), store=store)  # resume: config and model from the store
@@ -137,19 +143,19 @@ def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, tmp_path):
     assert_close(weights(res), full)
 
 
-def test_iterable_data_errors_are_one_line(tokens):
+def test_iterable_data_errors_are_one_line(tokens, program):
     with pytest.raises(DataError, match="ended after 2 batches"):
-        mtc.train(model=build, data=iter(batches(tokens, 2)), steps=2, grad_accum=2, **SHAPE)
+        mtc.train(model=build, plan=program, data=iter(batches(tokens, 2)), steps=2, grad_accum=2)
     bad = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
     with pytest.raises(DataError, match=r"shape \(2, 8\), the model was traced for \(2, 16\)"):
-        mtc.train(model=build, data=bad, steps=1, **SHAPE)
+        mtc.train(model=build, plan=program, data=bad, steps=1)
     wide = [(torch.full((2, 16), 300), torch.zeros(2, 16, dtype=torch.long))]
     with pytest.raises(DataError, match="outside 0-255"):
-        mtc.train(model=build, data=wide, steps=1, **SHAPE)
+        mtc.train(model=build, plan=program, data=wide, steps=1)
 
 
-def test_stopped_and_resumed_equals_uninterrupted(tokens, tmp_path):
-    base = dict(model=build, data=tokens, steps=8, **SHAPE, optim=OPTIM)
+def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
+    base = dict(model=build, plan=program, data=tokens, steps=8, optim=OPTIM)
     full = weights(mtc.train(**base))
     mtc.train(**base, store=tmp_path / "s", stop_after=4).store.close()
     res = mtc.train(data=tokens, store=tmp_path / "s")
@@ -157,11 +163,11 @@ def test_stopped_and_resumed_equals_uninterrupted(tokens, tmp_path):
     assert_close(weights(res), full)
 
 
-def test_extending_steps_replans_the_schedule_and_is_recorded(tokens, tmp_path, capsys):
+def test_extending_steps_replans_the_schedule_and_is_recorded(tokens, program, tmp_path, capsys):
     torch.manual_seed(3)
     model = TinyLM()
     store = tmp_path / "s"
-    mtc.train(model=model, data=tokens, store=store, steps=4, **SHAPE, optim=OPTIM).store.close()
+    mtc.train(model=model, plan=program, data=tokens, store=store, steps=4, optim=OPTIM).store.close()
     with pytest.raises(ConfigError, match=r"differs in: steps 4 -> 8.*--allow-change steps"):
         mtc.train(data=tokens, store=store, steps=8)
     res = mtc.train(data=tokens, store=store, steps=8, allow_change=["steps"])
@@ -177,9 +183,9 @@ def test_extending_steps_replans_the_schedule_and_is_recorded(tokens, tmp_path, 
     assert "changed from step 4: steps 4 -> 8" in capsys.readouterr().out
 
 
-def test_changes_that_would_corrupt_the_state_are_refused_with_the_reason(tokens, tmp_path):
+def test_changes_that_would_corrupt_the_state_are_refused_with_the_reason(tokens, program, tmp_path):
     store = tmp_path / "s"
-    mtc.train(model=build, data=tokens, store=store, steps=2, **SHAPE).store.close()
+    mtc.train(model=build, plan=program, data=tokens, store=store, steps=1).store.close()
     with pytest.raises(ConfigError, match="seq_len 16 -> 8.*traced at this sequence length"):
         mtc.train(data=tokens, store=store, seq_len=8)
     with pytest.raises(ConfigError, match="optim.no_decay: the weight-decay groups decide the flat layout"):
@@ -188,17 +194,24 @@ def test_changes_that_would_corrupt_the_state_are_refused_with_the_reason(tokens
         mtc.train(model=TinyLM(d=8), data=tokens, store=store)
 
 
-def test_plan_from_trace_trains_without_retracing_and_needs_weights(tokens, tmp_path):
-    torch.manual_seed(4)
-    model = TinyLM()
-    program = mtc.trace(model, 2, 16)
+def test_a_plan_needs_weights_and_fixes_the_shape(tokens, program):
     with pytest.raises(ConfigError, match="initial weights"):
         mtc.train(plan=program, data=tokens, steps=1)
     with pytest.raises(ConfigError, match="traced for seq_len=16, not 32"):
-        mtc.train(model=model, plan=program, data=tokens, steps=1, seq_len=32)
-    got = weights(mtc.train(model=model, plan=program, data=tokens, steps=2, optim=OPTIM))
-    ref = weights(mtc.train(model=model, data=tokens, steps=2, **SHAPE, optim=OPTIM))
-    assert_close(got, ref)
+        mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, seq_len=32)
+    with pytest.raises(ConfigError, match="do not match the traced program|do not match plan"):
+        mtc.train(model=TinyLM(d=8), plan=program, data=tokens, steps=1)
+
+
+def test_a_model_alone_is_traced_at_the_configured_shape(tokens):
+    torch.manual_seed(4)
+    model = TinyLM()
+    res = mtc.train(model=model, data=tokens, steps=2, micro_batch_size=1, seq_len=8, optim=OPTIM)
+    assert res.program.batch["ids"].shape == (1, 8)
+    s = BatchSampler(tokens, batch_size=1, seq_len=8, seed=0)
+    decay = {k for k, p in res.program.params.items() if p.decay}
+    lrs = [lr_at(i, 2, OptimConfig(**OPTIM)) for i in range(2)]
+    assert_close(weights(res), torch_reference(model, [s.batch(i) for i in range(2)], lrs, decay))
 
 
 def test_mtc_train_is_the_api_function_after_importing_the_submodule():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -20,7 +21,7 @@ def test_schedule_warmup_then_cosine():
     assert lr_at(20, 20, cfg) == pytest.approx(0.1)  # min_lr is reached one past the last step
     assert lr_at(19, 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
     vals = [lr_at(s, 20, cfg) for s in range(4, 21)]
-    assert all(a > b for a, b in zip(vals, vals[1:], strict=False)), "cosine decay must fall"
+    assert all(a > b for a, b in itertools.pairwise(vals)), "cosine decay must fall"
 
 
 def test_config_files(tmp_path):
