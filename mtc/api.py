@@ -192,13 +192,17 @@ def train(
     from mtc.train import open_run
     from mtc.train import train as _train
 
+    if plan is not None and not isinstance(plan, Program):
+        plan = os.fspath(plan)  # a directory, or what `compile` returned
     saved = _saved_config(store) if not overwrite else None
     resuming = saved is not None
     program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else None
     pfields: dict[str, Any] = {}
     if program is not None:
         b, t = program.batch["ids"].shape
-        pfields = {"micro_batch_size": b, "seq_len": t, "compute_dtype": _traced_dtype(program)}
+        pfields = {"micro_batch_size": b, "seq_len": t}
+        if not resuming:  # the plan fixes the dtype as `mtc train --plan` does (a resume keeps the store's)
+            pfields["compute_dtype"] = fields.get("compute_dtype", _traced_dtype(program))
         rec = user_model.read_model_record(plan) if plan is not None and not isinstance(plan, Program) else None
         if model is None and rec is not None:
             model = rec.get("factory") or (rec["model"] if rec.get("model") != user_model.CUSTOM else None)
@@ -215,6 +219,9 @@ def train(
         if saved.get("model_overrides"):
             pfields.setdefault("model_overrides", saved["model_overrides"])
     cfg = _config(config, {**fields, **pfields}, saved if config is None else None)
+    if program is not None and cfg.resolved_compute_dtype != _traced_dtype(program):
+        raise ConfigError(f"the plan was traced in {_traced_dtype(program)}, this run computes in {cfg.resolved_compute_dtype} "
+                          f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")
     source = _data(data)
     inst = None
     if not resuming:
@@ -229,7 +236,9 @@ def train(
         from mtc.plan import load_plan as _load
 
         user_model.check_params_match(model, _load(Path(store) / "plan"), f"the model of store {store}")
-    run = open_run(cfg, store, model=inst, plan=program, data=source, overwrite=overwrite, allow_change=tuple(allow_change))
+    # a plan directory goes to open_run as a path, so its generated kernels are copied into the store
+    run = open_run(cfg, store, model=inst, plan=plan if isinstance(plan, str) else program, data=source, overwrite=overwrite,
+                   allow_change=tuple(allow_change))
     return _train(cfg, store, source, run=run, stop_after=stop_after, on_step=on_step)
 
 

@@ -30,7 +30,6 @@ REFUSED = {
     "micro_batch_size": "the plan in the store was traced at this micro-batch shape (its templates have static shapes)",
     "seq_len": "the plan in the store was traced at this sequence length (its templates have static shapes)",
     "compute_dtype": "the plan in the store was traced in this dtype; the fp32 state is fine, the templates are not",
-    "device": "the resolved compute dtype and kernels depend on it",
     "optim.no_decay": "the weight-decay groups decide the flat layout of every layer's stored state",
     "optim.decay_min_ndim": "the weight-decay groups decide the flat layout of every layer's stored state",
 }

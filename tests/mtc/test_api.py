@@ -155,7 +155,7 @@ def test_iterable_data_errors_are_one_line(tokens, program):
 
 
 def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
-    base = dict(model=build, plan=program, data=tokens, steps=8, optim=OPTIM)
+    base = {"model": build, "plan": program, "data": tokens, "steps": 8, "optim": OPTIM}
     full = weights(mtc.train(**base))
     mtc.train(**base, store=tmp_path / "s", stop_after=4).store.close()
     res = mtc.train(data=tokens, store=tmp_path / "s")

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from mtc.store import TensorStore
 
 import mtc
 from mtc.cli import main
 from mtc.runtime.state import read_params
-from mtc.store import TensorStore
 from tests.mtc.custom_models import TinyLM, build
 from tests.runtime.engine_util import skewed_tokens
 
