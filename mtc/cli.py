@@ -53,12 +53,12 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
 
     plan_fields = None
     if getattr(a, "plan", None):
-        from mtc.plan import load_plan_model
+        from mtc.user_model import plan_train_fields
 
-        plan_fields = load_plan_model(a.plan)
+        plan_fields = plan_train_fields(a.plan)  # a preset's (mtc compile) or a user's model (mtc.save_plan)
         cfg = TrainConfig(**plan_fields)
     else:
-        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or "tiny")
+        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or getattr(a, "model", None) or "tiny")
     given = {}
     for path in _TRAIN_FLAGS:
         raw = getattr(a, _dest(path))
@@ -69,7 +69,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             flag = _flag(path)
             raise ConfigError(
                 f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
-                f"with `mtc compile {plan_fields['model']} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
+                f"with `mtc compile {_compile_source(plan_fields['model'])} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
             )
         set_field(cfg, path, val)
     if "optim.lr" in given and "optim.min_lr" not in given:
@@ -82,6 +82,11 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     cfg.validate()
     check_device(cfg)
     return cfg
+
+
+def _compile_source(model: str) -> str:
+    """How `mtc compile` names ``model``: a preset positionally, a factory as --model."""
+    return f"--model {model}" if ":" in model else model
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
@@ -175,6 +180,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.time_unix))
             print(f"last commit: step {last.step} of {last.config.get('steps')}, generation {last.generation}, "
                   f"durability {last.durability}, data cursor {last.data_cursor}, at {when}, model {last.config.get('model')}")
+            from mtc.changes import describe_history
+
+            for line in describe_history(last.meta.get("changes", [])):  # what --allow-change let differ, and when
+                print(f"changed {line}")
     if a.verify:
         print("\n".join(report.lines()))
     else:
@@ -228,6 +237,13 @@ def _cmd_trace(a: argparse.Namespace) -> int:
 
 
 def _cmd_compile(a: argparse.Namespace) -> int:
+    if a.factory is not None or (a.model is not None and ":" in a.model):
+        return _cmd_compile_user_model(a)
+    if a.model is None:
+        from mtc.errors import ConfigError
+
+        raise ConfigError("mtc compile needs a model: a preset (mtc compile tiny -o DIR) or a factory by import path "
+                          "(mtc compile --model package.module:function -o DIR)")
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
     from mtc.plan import save_plan, save_plan_model
@@ -244,6 +260,18 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     compiled = compile_program(program, out / "kernels")
     print(write_report(program, compiled, out))
     print(f"plan and kernels written to {out}")
+    return 0
+
+
+def _cmd_compile_user_model(a: argparse.Namespace) -> int:
+    from mtc.api import compile as compile_model
+    from mtc.errors import ConfigError
+
+    if a.factory is not None and a.model is not None:
+        raise ConfigError(f"give the model once: the preset {a.model!r} or --model {a.factory}, not both")
+    res = compile_model(a.factory or a.model, a.output, batch_size=a.micro_batch_size, seq_len=a.seq_len, dtype=a.dtype)
+    print(res.report)
+    print(f"plan and kernels written to {res.path} (train it: mtc train --plan {res.path} --store RUN --data FILE)")
     return 0
 
 
@@ -266,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help=f"model preset, one of: {', '.join(preset_names())}")
     src.add_argument("--config", help="a .json or .toml TrainConfig file")
-    src.add_argument("--plan", help="a plan directory from `mtc compile` (its program and kernels are used as compiled)")
+    src.add_argument("--plan", help="a plan directory from `mtc compile` or mtc.save_plan (its program and kernels are used as "
+                     "compiled; a user's model needs a recorded factory to start, none to resume)")
+    src.add_argument("--model", help="a model factory by import path, package.module:function (returns an nn.Module; "
+                     "the current directory is searched first)")
     t.add_argument("--store", required=True, help="store directory (created, or resumed)")
     t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
     for path in _TRAIN_FLAGS:
@@ -305,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(fn=_cmd_prepare)
 
     c = sub.add_parser("compile", help="trace a model and generate its fused kernels into a plan directory; print the report")
-    c.add_argument("model", help="model preset")
+    c.add_argument("model", nargs="?", help="model preset")
+    c.add_argument("--model", dest="factory", metavar="PACKAGE.MODULE:FACTORY",
+                   help="a user's model: a function (or nn.Module class) by import path that returns the model")
     c.add_argument("-o", "--output", required=True)
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--micro-batch-size", type=int, default=1)

@@ -26,11 +26,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtc import changes as _changes
+from mtc import user_model
+from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
 from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.models import build, model_config
+from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
@@ -78,6 +82,7 @@ class Run:
     last: CommitRecord | None  # None: a new run (step 0 not committed yet, or durability 'none')
     params: dict[str, torch.Tensor] | None  # a new run's initial parameters (None when resuming)
     changes: list[str] = dataclasses.field(default_factory=list)  # fields --allow-change let differ on resume
+    change_values: dict = dataclasses.field(default_factory=dict)  # {field: [old, new]} of those changes
 
     @property
     def start_step(self) -> int:
@@ -106,7 +111,15 @@ class TrainResult:
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
-    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only)."""
+    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only);
+    ``cfg.model`` may also be a factory's import path (see `mtc.user_model`)."""
+    if cfg.model == user_model.CUSTOM:
+        raise ConfigError("this run's model came from Python without an import path, so mtc cannot build its initial "
+                          "weights: pass the model (mtc.train(model=...)), or record a factory: "
+                          "mtc.save_plan(program, DIR, factory='package.module:function')")
+    if user_model.is_factory_path(cfg.model):
+        return user_model.build_from_factory(cfg.model, seed=cfg.seed, device=device).to(
+            getattr(torch, cfg.resolved_compute_dtype))
     mcfg = model_config(cfg.model, **cfg.model_overrides)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
@@ -133,9 +146,8 @@ _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
-# commit history); every other field would reinterpret the state (model shape, dtypes, batch shape)
-CHANGEABLE = ("data", "steps", "grad_accum", "seed", "optim.lr", "optim.min_lr", "optim.warmup_steps",
-              "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.clip_norm")
+# commit history); mtc.changes says why every other field may not
+CHANGEABLE = _changes.CHANGEABLE
 
 
 def _comparable(d: dict) -> dict:
@@ -251,7 +263,7 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
 
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
-    plan: str | Path | None = None, data: TokenFile | None = None, allow_change: tuple[str, ...] = (),
+    plan: str | Path | Program | None = None, data: TokenFile | BatchSource | None = None, allow_change: tuple[str, ...] = (),
 ) -> Run:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
 
@@ -264,10 +276,7 @@ def open_run(
     was committed with. ``allow_change`` names fields (of `CHANGEABLE`) a resumed run may change.
     Every check runs before anything is written.
     """
-    bad = [f for f in allow_change if f not in CHANGEABLE]
-    if bad:
-        raise ConfigError(f"--allow-change {','.join(bad)}: only {', '.join(CHANGEABLE)} may change on resume; "
-                          "the others would reinterpret the stored state: start a new run for them")
+    _changes.config_changes({}, {}, allow_change, str(store_dir))  # unknown or never-changeable names: refused first
     cfg.validate()
     check_device(cfg)
     if cfg.fused and cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -275,7 +284,7 @@ def open_run(
             "--kernels fused on the CPU runs Triton's interpreter, which must be enabled before start: "
             "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
         )
-    if data is not None:
+    if isinstance(data, TokenFile):
         check_fits(data, cfg.seq_len)
     path = Path(store_dir) if store_dir is not None else None
     if path is not None and (path / "commit.json").exists() and not overwrite:
@@ -285,30 +294,28 @@ def open_run(
             if last is None:
                 raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
-            changes = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-            diff = [k for k in changes if k not in allow_change]
-            if diff:
-                fix = [k for k in diff if k in CHANGEABLE]
-                raise ConfigError(
-                    f"store {path} was created with a different config (differs in: {', '.join(diff)}); "
-                    "resume with the same config" + (f", or pass --allow-change {','.join(fix)}" if fix else "")
-                    + ", or use a new store directory"
-                )
+            changes = _changes.config_changes(saved, now, allow_change, str(path))
+            values = _changes.change_values(saved, now, changes)
             if data is not None:
                 check_data_identity(last.meta.get("data"), data.identity(), "data" in allow_change)
                 try:
                     check_data_identity(last.meta.get("data"), data.identity(), False)
                 except DataError:
                     changes.append("data")
+                    values["data"] = [(last.meta.get("data") or {}).get("path"), data.identity().get("path")]
             program = load_plan(path / "plan")
+            if plan is not None:  # the plan given must be the one the store was made with
+                user_model.check_same_plan(plan, program, str(path))
             if data is not None:
                 data.check_vocab(_model_vocab(program))
         except BaseException:
             store.close()
             raise
-        return Run(store, program, last, None, changes)
+        return Run(store, program, last, None, changes, values)
     model = model if model is not None else build_model(cfg)
-    program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
+    program = apply_decay_groups(program, cfg.optim)
     if data is not None:
         data.check_vocab(_model_vocab(program))
     placement, _ = plan_placement(cfg, program)
@@ -318,7 +325,8 @@ def open_run(
         if path is not None:
             try:
                 save_plan(program, path / "plan")
-                if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
+                user_model.write_model_record(path / "plan", cfg.to_dict(), program)  # what a resume checks a plan against
+                if plan is not None and not isinstance(plan, Program) and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
                     shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
             except OSError as e:  # ENOSPC, EROFS, EACCES: nothing is committed yet
                 raise StoreError(f"could not write the plan into {path / 'plan'}: {e.strerror or e}; nothing was "
@@ -388,7 +396,7 @@ class _Loader:
 def train(
     cfg: TrainConfig,
     store_dir: str | Path | None,
-    data: str | Path | TokenFile,
+    data: str | Path | TokenFile | BatchSource,
     *,
     model: nn.Module | None = None,
     stop_after: int | None = None,
@@ -408,7 +416,7 @@ def train(
     messages for the user (the CLI prints them), e.g. what an interruption is waiting for.
     """
     t0 = time.perf_counter()
-    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
+    tokens = data if isinstance(data, (TokenFile, BatchSource)) else TokenFile.open(data)
     run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
                                                allow_change=allow_change)
     st, program = run.store, run.program
@@ -445,7 +453,10 @@ def train(
             metrics = open(logs / "metrics.jsonl", "a")
             parts.append(metrics)
         _set_rng_state(last.rng_state)
-        sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        if isinstance(tokens, BatchSource):
+            sampler = tokens.sampler(cfg.micro_batch_size, cfg.seq_len)
+        else:
+            sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         compiled = _compile(cfg, program, st)
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -457,7 +468,7 @@ def train(
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
         if run.changes:  # what --allow-change let differ, recorded in every later commit
-            meta["changes"].append({"from_step": last.step, "fields": run.changes})
+            meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()

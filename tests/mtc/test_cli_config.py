@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -14,14 +15,13 @@ from mtc.runtime.schedule import lr_at
 
 
 def test_schedule_warmup_then_cosine():
+    # transformers' convention (tests/mtc/test_schedule.py compares with transformers itself)
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
-    assert [lr_at(s, 20, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(4, 20, cfg) == pytest.approx(1.0)
-    assert lr_at(19, 20, cfg) == pytest.approx(0.1)
-    mid = 4 + (19 - 4) / 2
-    assert lr_at(int(mid), 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * (int(mid) - 4) / 15)))
-    vals = [lr_at(s, 20, cfg) for s in range(4, 20)]
-    assert all(a >= b for a, b in zip(vals, vals[1:])), "cosine decay must not increase"
+    assert [lr_at(s, 20, cfg) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert lr_at(20, 20, cfg) == pytest.approx(0.1)  # min_lr is reached one past the last step
+    assert lr_at(19, 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
+    vals = [lr_at(s, 20, cfg) for s in range(4, 21)]
+    assert all(a > b for a, b in itertools.pairwise(vals)), "cosine decay must fall"
 
 
 def test_config_files(tmp_path):
