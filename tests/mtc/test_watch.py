@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from mtc.store import TensorStore
 
 from mtc.cli import main
 from mtc.config import TrainConfig
@@ -19,7 +20,6 @@ from mtc.metrics import FlopCounter, model_flops, peak_rate
 from mtc.plan import load_plan
 from mtc.progress import ProgressBar
 from mtc.runtime.state import load_into_module
-from mtc.store import TensorStore
 from mtc.train import build_model
 from tests.runtime.engine_util import skewed_tokens, small_config
 
@@ -210,7 +210,7 @@ def test_plot_writes_a_png(run, tmp_path, capsys):
 
 
 def test_tensorboard_sink_writes_events_or_says_how_to_install(run, tmp_path, monkeypatch, capsys):
-    store, data = run
+    _, data = run
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps(small_config(steps=2).to_dict()))
     args = ["train", "--config", str(cfg), "--store", str(tmp_path / "s"), "--data", str(data), "--tensorboard", str(tmp_path / "tb")]
