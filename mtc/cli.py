@@ -33,7 +33,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
     "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
-    "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute",
+    "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
@@ -105,10 +105,26 @@ def _cmd_train(a: argparse.Namespace) -> int:
         return 0
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
+    sink = None
+    if a.tensorboard:
+        from mtc.tensorboard import TensorBoardSink
+
+        try:
+            sink = TensorBoardSink(a.tensorboard)
+        except BaseException:
+            run.store.close()
+            raise
+    _print_mfu_denominator(cfg)
     bar = ProgressBar(cfg.steps, initial=start)
+
+    def on_step(r: object) -> None:
+        _show_step(bar, r)
+        if sink is not None:
+            sink.write(r)
+
     try:
         res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=lambda r: _show_step(bar, r), notify=lambda m: print(f"mtc: {m}", file=sys.stderr))
+                    on_step=on_step, notify=lambda m: print(f"mtc: {m}", file=sys.stderr))
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130
@@ -118,6 +134,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
     except BaseException:
         bar.close()
         raise
+    finally:
+        if sink is not None:
+            sink.close()
     bar.close()
     res.store.close()
     if res.losses:
@@ -131,7 +150,24 @@ def _show_step(bar: object, r: object) -> None:
         bar.close()
         print(f"mtc: step {r.step} skipped: loss {r.loss}, gradient norm {r.grad_norm} (not finite); "
               "the weights were not updated", file=sys.stderr)
-    bar.update(r.step, loss=r.loss, lr=r.lr, tok_s=r.tokens_per_s)
+    from mtc.progress import step_fields
+
+    bar.update(r.step, **step_fields(r))
+    if r.val_loss is not None:
+        bar.write(f"val: step {r.step} loss {r.val_loss:.4f} perplexity {_ppl(r.val_loss):.4g} ({r.eval_s:.2f} s)")
+
+
+def _ppl(loss: float) -> float:
+    import math
+
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _print_mfu_denominator(cfg: object) -> None:
+    from mtc.metrics import peak_rate
+
+    peak = peak_rate(cfg.device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32)
+    print(f"MFU denominator: {f'{peak.tflops:g} TFLOP/s, ' if peak.tflops else ''}{peak.source}")
 
 
 class _Terminated(BaseException):
@@ -275,6 +311,43 @@ def _cmd_compile_user_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from mtc.evaluate import evaluate_store
+
+    r = evaluate_store(a.store, a.data, step=a.step, batches=a.batches, split=a.split, seed=a.seed, device=a.device)
+    print(f"step {r.step}: {r.split} loss {r.loss:.6f} perplexity {r.perplexity:.6g} "
+          f"({r.batches} batches, {r.tokens:,} tokens, {r.seconds:.2f} s)")
+    return 0
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from mtc.errors import ConfigError
+    from mtc.generate import generate_from_store
+
+    if a.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
+    if a.top_k is not None and a.top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {a.top_k}; omit it to sample from the whole vocabulary")
+    budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
+    r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                            top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
+                            tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget)
+    print(a.prompt + r.text)
+    print(f"generated {len(r.tokens)} tokens from step {r.step} in {r.prefill_s + r.decode_s:.2f} s: "
+          f"{r.tokens_per_s:.1f} tokens/s ({r.decode_tokens_per_s:.1f} after the first; prompt {r.prompt_tokens} tokens, "
+          f"{r.prefill_s:.2f} s to the first token; KV cache {'on' if r.kv_cache else 'off'}; "
+          f"{r.resident_layers} layers resident, {r.streamed_layers} streamed per token)", file=sys.stderr)
+    return 0
+
+
+def _cmd_plot(a: argparse.Namespace) -> int:
+    from mtc.plot import plot_run
+
+    out = plot_run(a.store, a.output)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
     from mtc.config import field_help, field_metavar
@@ -313,7 +386,41 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="start over even if the store has a commit")
     t.add_argument("--allow-change", metavar="FIELDS", help="on resume, let these differ from the committed run, e.g. "
                    "'steps,optim.lr' or 'data' (recorded in the commit history); model and shape fields never may")
+    t.add_argument("--tensorboard", metavar="DIR", help="also write each step's figures as TensorBoard events into DIR "
+                   "(needs the tensorboard package)")
     t.set_defaults(fn=_cmd_train)
+
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's committed weights on a token file (read-only)")
+    ev.add_argument("store")
+    ev.add_argument("--data", required=True, help="token file (see `mtc prepare`)")
+    ev.add_argument("--step", type=int, help="committed step to evaluate (default: the last commit)")
+    ev.add_argument("--batches", type=int, default=8, help="batches of the run's micro_batch_size x seq_len (default: 8)")
+    ev.add_argument("--split", default="val", choices=["val", "train", "all"],
+                    help="val: the held-out last 5%% of the tokens (what --eval-every measures); all: the whole file")
+    ev.add_argument("--seed", type=int, help="seed of the batch positions (default: the run's)")
+    ev.add_argument("--device", help="cpu or cuda[:N] (default: the run's device when available, else cpu)")
+    ev.set_defaults(fn=_cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a run's committed weights (layers streamed, KV cache)")
+    g.add_argument("store")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--step", type=int, help="committed step to sample from (default: the last commit)")
+    g.add_argument("--context", type=int, help="tokens the model sees (default: the run's seq_len; at most max_seq_len)")
+    g.add_argument("--tokenizer", help="tokenizer.json or Hugging Face tokenizer directory (default: the run's)")
+    g.add_argument("--device", help="cpu or cuda[:N] (default: the run's device when available, else cpu)")
+    g.add_argument("--weights-budget-gb", type=float, help="device memory for resident weights; the rest is read "
+                   "per token (default: free memory less 2 GiB; CPU: half the available RAM)")
+    g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole window for every token (slow; a check)")
+    g.set_defaults(fn=_cmd_generate)
+
+    pl = sub.add_parser("plot", help="draw a run's loss, validation loss, learning rate and throughput against step")
+    pl.add_argument("store")
+    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
+    pl.set_defaults(fn=_cmd_plot)
 
     i = sub.add_parser("inspect", help="list a store's arrays, its last commit and any damage (read-only; exit 1 if damaged)")
     i.add_argument("store")

@@ -226,6 +226,9 @@ class TrainConfig:
     optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
     # A step whose loss or grad norm is not finite is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = field(3, ge=1, help="stop with an error after this many consecutive non-finite steps")
+    # Validation on the held-out split (the token file's last 5 %), on the weights of the step reported.
+    eval_every: int = field(0, ge=0, help="log the validation loss every N steps and at the last step; 0: never")
+    eval_batches: int = field(8, ge=1, help="held-out batches (of micro_batch_size x seq_len) per validation")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer settings")
 
     def validate(self) -> None:

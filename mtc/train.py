@@ -33,6 +33,7 @@ from mtc.config import TrainConfig, check_device
 from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
+from mtc.metrics import peak_rate
 from mtc.models import build, model_config
 from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
@@ -47,6 +48,8 @@ from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.tracer import trace
+from mtc.watch import RunWatcher, check_eval_data
+from mtc.weight_sources import record_write_start
 
 __all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
 
@@ -71,6 +74,15 @@ class StepRecord:
     committed: bool
     h2d_bytes: int  # host-to-device bytes issued during the step (weights, optimizer state, activations)
     d2h_bytes: int  # device-to-host bytes issued during the step (gradients, optimizer state, activations)
+    # mtc.watch.RunWatcher's figures (model FLOPs as mtc.metrics.model_flops; MFU over peak_tflops)
+    tflops: float = 0.0
+    mfu: float | None = None
+    peak_tflops: float | None = None
+    gpu_peak_bytes: int | None = None
+    host_rss_bytes: int = 0
+    phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    val_loss: float | None = None  # on the held-out split, with this step's weights (--eval-every)
+    eval_s: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,7 +154,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32")
+                     "allow_tf32", "eval_every", "eval_batches")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -286,6 +298,7 @@ def open_run(
         )
     if isinstance(data, TokenFile):
         check_fits(data, cfg.seq_len)
+        check_eval_data(data, (cfg.micro_batch_size, cfg.seq_len), cfg)
     path = Path(store_dir) if store_dir is not None else None
     if path is not None and (path / "commit.json").exists() and not overwrite:
         store = TensorStore.open(path, io_threads=cfg.io_threads)
@@ -448,7 +461,8 @@ def train(
             logs.mkdir(exist_ok=True)
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
                             resolved_disk_compute=cfg.resolved_disk_compute,
-                            resolved_compute_dtype=cfg.resolved_compute_dtype)
+                            resolved_compute_dtype=cfg.resolved_compute_dtype,
+                            mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)
             (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))
             metrics = open(logs / "metrics.jsonl", "a")
             parts.append(metrics)
@@ -463,6 +477,8 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
+        watch = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
+        disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
@@ -491,6 +507,10 @@ def train(
             commit_fn = None
             if commit_now:
                 commit_fn = _committer(st, next_step, next_cursor, cfg, meta)
+            if st.path is not None and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
+                gens = ({1 - committed_gen} if commit_now else set()) | ({1 - opt.disk_generation} if disk_layers else set())
+                for g in sorted(gens):
+                    record_write_start(st.path, next_step, g)
             stats: StepStats = opt.finish_step(out.loss, commit=commit_fn, write_generation=1 - committed_gen)
             if commit_now:
                 committed_gen = 1 - committed_gen
@@ -501,7 +521,8 @@ def train(
             secs = time.perf_counter() - ts
             rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                              seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
-                             committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out)
+                             committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out,
+                             **watch.after_step(step, tokens_n, ts, ts + secs))
             losses.append(stats.loss)
             records.append(rec)
             if metrics is not None:
