@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mtc.config import TrainConfig, check_device
-from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
+from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits, check_store_tokenizer, check_tokenizer_identity
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.models import build, model_config
@@ -285,6 +285,9 @@ def open_run(
                     + ", or use a new store directory"
                 )
             if data is not None:
+                # another tokenizer is refused whatever --allow-change says: the ids would mean other tokens
+                check_tokenizer_identity(last.meta.get("data"), data.identity(), where=f"store {path}")
+                check_store_tokenizer(path, data)
                 check_data_identity(last.meta.get("data"), data.identity(), "data" in allow_change)
                 try:
                     check_data_identity(last.meta.get("data"), data.identity(), False)
