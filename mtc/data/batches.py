@@ -6,7 +6,7 @@ stores its data cursor replays exactly the batches it would have seen.
 
 Two ways to cut sequences, chosen by the file:
 
-* **documents** (a token file with document boundaries, as `prepare` writes since mtc 0.3): documents
+* **documents** (a token file with document boundaries, as `prepare` writes them, header version 2): documents
   are *not packed*. A sequence holds one document: a document of more than ``seq_len`` targets is
   split into consecutive windows of ``seq_len`` (the last one shorter), and a window shorter than
   ``seq_len`` is padded (inputs with the EOS id, or 0; targets with ``IGNORE_INDEX``, so the loss
@@ -207,7 +207,10 @@ class BatchSampler:
                 empty = np.flatnonzero((y == IGNORE_INDEX).all(axis=1))
                 if not empty.size:
                     break
-                x[empty], y[empty] = self._draw(rng, empty.size)
+                # several candidates per missing row, so a sparse mask still fills the batch
+                cx, cy = self._draw(rng, max(8 * empty.size, 64))
+                ok = np.flatnonzero((cy != IGNORE_INDEX).any(axis=1))[: empty.size]
+                x[empty[: ok.size]], y[empty[: ok.size]] = cx[ok], cy[ok]
             else:
                 raise DataError(f"the {self.split} split's loss mask leaves almost no window with a target "
                                 f"(seq_len={self.seq_len}); check the SFT data (are the responses empty?)")

@@ -18,7 +18,7 @@ id; its files are copied to ``tokenizer_dir`` beside the .bin). ``docs`` names `
 the document boundaries, little-endian int64 ``[0, end_1, ..., n_tokens]``, so a batch can start
 at a document and never cross into the next one. ``mask`` names ``<name>.mask``: one uint8 per
 token, 1 where the token is a training target (SFT: the assistant's replies), 0 where the loss
-ignores it. Version 1 headers (no tokenizer fields, no sidecars; mtc before 0.3 and other tools)
+ignores it. Version 1 headers (no tokenizer fields, no sidecars: older mtc versions and other tools)
 are still read, and so are headers without ``max_token_id`` and ``sha256``.
 
 Every file is written to a temporary name and renamed into place, the header last, so a reader
@@ -527,6 +527,12 @@ def check_store_tokenizer(store_dir: str | os.PathLike[str] | None, data: TokenF
         )
 
 
+def _content(v: Any) -> Any:
+    """A header value as compared on resume: a sidecar entry without its file name (a renamed token
+    file has renamed sidecars, with the same contents)."""
+    return {k: x for k, x in v.items() if k != "file"} if isinstance(v, dict) else v
+
+
 def _short(v: Any) -> str:
     """A header value for a message: a sidecar entry by its file and hash prefix, a hash by its prefix."""
     if isinstance(v, dict):
@@ -548,7 +554,8 @@ def check_data_identity(saved: dict[str, Any] | None, now: dict[str, Any], allow
     if saved.get("size_bytes") != now.get("size_bytes"):
         diff.append(f"size {saved.get('size_bytes')} -> {now.get('size_bytes')} bytes")
     sh, nh = saved.get("header") or {}, now.get("header") or {}
-    diff += [f"{k} {_short(sh.get(k))} -> {_short(nh.get(k))}" for k in _IDENTITY_HEADER_KEYS if sh.get(k) != nh.get(k)]
+    diff += [f"{k} {_short(sh.get(k))} -> {_short(nh.get(k))}" for k in _IDENTITY_HEADER_KEYS
+             if _content(sh.get(k)) != _content(nh.get(k))]
     if saved.get("hash_kind") == now.get("hash_kind") and saved.get("hash") != now.get("hash"):
         diff.append(f"{now.get('hash_kind')} sha256 {str(saved.get('hash'))[:12]}... -> {str(now.get('hash'))[:12]}...")
     if diff:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mtc.data import ByteTokenizer, HFTokenizer, TokenFile, get_tokenizer, prepare
-from mtc.data import sources
+from mtc.data import ByteTokenizer, HFTokenizer, TokenFile, get_tokenizer, prepare, sources
 from mtc.errors import DataError
 from tests.data.tok_util import SENTENCES, bpe_dir, wordlevel_json
 
