@@ -29,7 +29,6 @@ from typing import Protocol
 
 import torch
 
-from mtc.data.batches import IGNORE_INDEX
 from mtc.errors import PlanError
 from mtc.graphs.program import LayerCall, Program, Template
 from mtc.runtime.activations import ActivationStore
@@ -40,6 +39,10 @@ from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Transfer
 
 __all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
+
+# targets the loss skips (padding, masked prompts): torch's cross_entropy default, as the traced
+# head uses it and mtc.data.batches writes it
+IGNORE_INDEX = -100
 
 
 class GradSink(Protocol):
