@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtc.data.batches import BatchSampler, check_fits
-from mtc.data.prepare import prepare
+from mtc.data.ingest import prepare
 from mtc.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer
 from mtc.data.tokens import (
     TokenFile,

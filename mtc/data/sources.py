@@ -19,7 +19,7 @@ __all__ = ["FORMATS", "Message", "input_files", "iter_conversations", "iter_text
 
 FORMATS = ("text", "jsonl", "parquet")
 _SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
-_PIECE = 1 << 20  # characters of a text file tokenized at once
+_PIECE = 1 << 18  # characters of a text file tokenized at once (see ingest._BATCH_CHARS)
 _PARQUET_BATCH = 1024  # rows per parquet read
 
 Message = dict[str, str]

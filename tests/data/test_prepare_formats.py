@@ -149,3 +149,25 @@ def test_a_tokenizer_without_a_named_eos_needs_one(tmp_path):
     assert tf.header.eos_id == tok.eos_id and tf.tokens[-1] == tok.eos_id
     assert tok.decode(tf.tokens) == "the fox sat by the sea"  # WordLevel joins words with spaces
     assert sorted(x.name for x in tf.tokenizer_dir.iterdir()) == ["tokenizer.json"]
+
+
+@pytest.mark.slow
+def test_prepare_streams_a_corpus_larger_than_its_memory_use(tmp_path):
+    """64 MB of text (128 MB of uint16 tokens) prepared with peak RSS growing by far less than either."""
+    import subprocess
+    import sys
+
+    line = ("The fox sat by the lantern and watched the sea; " * 20 + "\n").encode()
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.writelines(line for _ in range(64 * 2**20 // len(line)))
+    code = (
+        "import resource, sys\n"
+        "from mtc.data import prepare\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "tf = prepare(sys.argv[1], sys.argv[2])\n"
+        "print(len(tf), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big.txt"), str(tmp_path / "big.bin")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    n, growth_mib = int(out[0]), int(out[1])
+    assert n > 64 * 10**6 and growth_mib < 32, f"peak RSS grew by {growth_mib} MiB while preparing {n:,} tokens"

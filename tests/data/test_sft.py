@@ -35,6 +35,7 @@ def test_prompt_response_with_the_simple_template_byte(tmp_path):
 
 
 def test_chat_template_marks_every_assistant_turn(tmp_path):
+    pytest.importorskip("jinja2")
     d = bpe_dir(tmp_path, config={"eos_token": "<|endoftext|>", "chat_template": CHATML})
     tok = get_tokenizer(str(d))
     assert tok.chat_template == CHATML
@@ -52,6 +53,7 @@ def test_chat_template_marks_every_assistant_turn(tmp_path):
 
 def test_chat_template_from_chat_template_jinja_and_parquet_messages(tmp_path):
     pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("jinja2")
     import pyarrow.parquet as pq
 
     d = bpe_dir(tmp_path)
@@ -110,6 +112,7 @@ def test_sft_errors(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     with pytest.raises(DataError, match="must be JSONL or parquet"):
         prepare(tmp_path / "a.txt", tmp_path / "o.bin", prompt_field="q", response_field="a")
+    pytest.importorskip("jinja2")
     d = bpe_dir(tmp_path, config={"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}"})
     with pytest.raises(DataError, match="chat template .* does not compile"):
         prepare(_jsonl(tmp_path / "u.jsonl", [{"q": "a", "a": "b"}]), tmp_path / "o.bin", tokenizer=str(d),
