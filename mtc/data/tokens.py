@@ -410,6 +410,10 @@ class TokenWriter:
         # Drop a stale header first: if we die before the new one lands, open() reports a missing
         # header instead of pairing the new .bin with the old header.
         self.json_path.unlink(missing_ok=True)
+        stem = self.bin_path.with_suffix("")
+        for sfx, mine in ((".docs", self.docs_path), (".mask", self.mask_path)):
+            if mine is None:  # a sidecar of the file this one replaces would only mislead
+                stem.with_name(stem.name + sfx).unlink(missing_ok=True)
         digests = {}
         for kind, (final, tmp, f, h) in self._files.items():
             f.flush()

@@ -117,3 +117,11 @@ def test_sft_errors(tmp_path):
     with pytest.raises(DataError, match="chat template .* does not compile"):
         prepare(_jsonl(tmp_path / "u.jsonl", [{"q": "a", "a": "b"}]), tmp_path / "o.bin", tokenizer=str(d),
                 prompt_field="q", response_field="a")
+
+
+def test_rewriting_a_token_file_drops_its_old_sidecars(tmp_path):
+    src = _jsonl(tmp_path / "sft.jsonl", [{"q": p, "a": r} for p, r in PAIRS])
+    prepare(src, tmp_path / "x.bin", prompt_field="q", response_field="a")
+    assert (tmp_path / "x.mask").is_file()
+    tf = prepare(src, tmp_path / "x.bin", field="a")  # the same path, now plain text: no mask
+    assert tf.mask is None and not (tmp_path / "x.mask").exists()
