@@ -252,8 +252,16 @@ def _cmd_repair(a: argparse.Namespace) -> int:
 def _cmd_prepare(a: argparse.Namespace) -> int:
     from mtc.data import prepare
 
-    tf = prepare(Path(a.text), Path(a.output), tokenizer=a.tokenizer)
-    print(f"wrote {len(tf):,} tokens ({tf.header.dtype}, vocab {tf.header.vocab_size}) to {a.output}")
+    tf = prepare([Path(p) for p in a.inputs], Path(a.output), tokenizer=a.tokenizer, fmt=a.format, field=a.field,
+                 prompt_field=a.prompt_field, response_field=a.response_field, messages_field=a.messages_field,
+                 eos_token=a.eos)
+    h = tf.header
+    docs = f", {h.docs['n_docs']:,} documents" if h.docs else ""
+    mask = f", {h.mask['n_targets']:,} of them loss targets" if h.mask else ""
+    print(f"wrote {len(tf):,} tokens{mask}{docs} ({h.dtype}, tokenizer {h.tokenizer}, vocab {h.vocab_size}"
+          f"{'' if h.eos_id is None else f', EOS {h.eos_id}'}) to {tf.path}")
+    if tf.tokenizer_dir is not None:
+        print(f"tokenizer files copied to {tf.tokenizer_dir}")
     return 0
 
 
@@ -436,10 +444,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("store")
     r.set_defaults(fn=_cmd_repair)
 
-    pr = sub.add_parser("prepare", help="tokenize a text file (or a directory of .txt) into a token file")
-    pr.add_argument("text")
-    pr.add_argument("-o", "--output", required=True)
-    pr.add_argument("--tokenizer", default="byte")
+    pr = sub.add_parser("prepare", help="tokenize text, JSONL or parquet (or SFT records) into a token file",
+                        description="Each text file, JSONL line or parquet row is one document, followed by the "
+                        "tokenizer's EOS token; SFT records (--prompt-field/--response-field or --messages-field) get "
+                        "a loss mask so only the responses are trained on.")
+    pr.add_argument("inputs", nargs="+", metavar="INPUT", help="files, or directories of *.txt / *.jsonl / *.parquet")
+    pr.add_argument("-o", "--output", required=True, help="the token file to write (OUT.bin, with OUT.json beside it)")
+    pr.add_argument("--tokenizer", default="byte", help="'byte' (default), a tokenizer.json, or a Hugging Face "
+                    "tokenizer directory; its files are copied to OUT.tokenizer/")
+    pr.add_argument("--format", choices=["text", "jsonl", "parquet"], help="input format (default: by file suffix)")
+    pr.add_argument("--field", default="text", help="the text field of JSONL / parquet records (default: text)")
+    pr.add_argument("--prompt-field", help="SFT: the prompt field (with --response-field); not trained on")
+    pr.add_argument("--response-field", help="SFT: the response field, the only targets of the loss")
+    pr.add_argument("--messages-field", help="SFT: a field of chat messages [{role, content}, ...]; the assistant's "
+                    "replies are the targets (rendered with the tokenizer's chat template when it has one)")
+    pr.add_argument("--eos", metavar="TOKEN", help="the token ending each document, when tokenizer_config.json names none")
     pr.set_defaults(fn=_cmd_prepare)
 
     c = sub.add_parser("compile", help="trace a model and generate its fused kernels into a plan directory; print the report")

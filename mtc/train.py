@@ -30,7 +30,7 @@ from mtc import changes as _changes
 from mtc import user_model
 from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
-from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
+from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits, check_store_tokenizer, check_tokenizer_identity
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.metrics import peak_rate
@@ -310,6 +310,9 @@ def open_run(
             changes = _changes.config_changes(saved, now, allow_change, str(path))
             values = _changes.change_values(saved, now, changes)
             if data is not None:
+                # another tokenizer is refused whatever --allow-change says: the ids would mean other tokens
+                check_tokenizer_identity(last.meta.get("data"), data.identity(), where=f"store {path}")
+                check_store_tokenizer(path, data)
                 check_data_identity(last.meta.get("data"), data.identity(), "data" in allow_change)
                 try:
                     check_data_identity(last.meta.get("data"), data.identity(), False)

@@ -29,16 +29,20 @@ def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module 
     for step in range(cfg.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.steps, o)
+        # the step's loss: sum over its targets that are not ignored / their count in the whole step
+        batches = [sampler.batch(cursor + j) for j in range(cfg.grad_accum)]
+        cursor += cfg.grad_accum
+        counts = [int((tg != -100).sum()) for _, tg in batches]
         total = 0.0
-        for _ in range(cfg.grad_accum):
-            ids, tg = sampler.batch(cursor)
-            cursor += 1
-            loss = lm(ids, tg)
-            (loss / cfg.grad_accum).backward()
-            total += loss.item()
+        for (ids, tg), c in zip(batches, counts):
+            if c == 0:
+                continue
+            loss = lm(ids, tg)  # the mean over this micro-batch's c targets
+            (loss * (c / sum(counts))).backward()
+            total += loss.item() * c
         if o.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), o.clip_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(total / cfg.grad_accum)
+        losses.append(total / sum(counts))
     return losses, {k: v.detach().clone() for k, v in params.items()}

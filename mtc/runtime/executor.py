@@ -41,6 +41,10 @@ from mtc.store import state_array_name
 
 __all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
 
+# targets the loss skips (padding, masked prompts): torch's cross_entropy default, as the traced
+# head uses it and mtc.data.batches writes it
+IGNORE_INDEX = -100
+
 
 class GradSink(Protocol):
     """Where the executor reports final gradients (the optimizer)."""
@@ -90,7 +94,7 @@ class _Group:
 class StepOutput:
     """What a step's forward + backward produced (device tensors: nothing was synchronised)."""
 
-    loss: torch.Tensor  # mean over the group's micro-batches of each micro-batch's mean loss
+    loss: torch.Tensor  # the step's loss: sum over its targets (not ignore_index) / their count in the step
 
 
 class StreamingExecutor:
@@ -147,7 +151,6 @@ class StreamingExecutor:
         self.batch_shape = program.batch["ids"].shape
         self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
         self._open_slots: dict[int, Slot] = {}
-        self._scales: dict[int, torch.Tensor] = {}
         # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
         self._staging: list[torch.Tensor] = []
         self._staging_read: list[Transfer | None] = [None] * slots
@@ -270,8 +273,11 @@ class StreamingExecutor:
     def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: GradSink) -> StepOutput:
         """Forward + backward over the group ``microbatches``; final gradients go to ``sink``.
 
-        The loss gradient of each micro-batch is scaled by 1 / len(microbatches), as
-        ``(loss / n).backward()`` per micro-batch would.
+        The step's loss is the sum of the losses of all its targets that are not ``IGNORE_INDEX``
+        (padding, masked prompts) divided by their count in the whole step, not a mean of the
+        micro-batches' means: micro-batch ``i``'s head computes the mean over its own ``c_i``
+        targets, so its loss gradient is scaled by ``c_i / sum(c)``, as
+        ``(loss_i * c_i / sum(c)).backward()`` would (``1 / n`` when nothing is ignored).
         """
         L, n = self.program.n_layers, len(microbatches)
         for ids, targets in microbatches:
@@ -285,9 +291,10 @@ class StreamingExecutor:
             grad_aux=[[None] * len(self._aux_needs_grad) for _ in range(n)], losses=[],
         )
         visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
-        scale = self._scales.get(n)
-        if scale is None:  # made once per group size: a scalar H2D would synchronise every step
-            scale = self._scales[n] = torch.tensor(1.0 / n, dtype=torch.float32, device=self.device)
+        # counted on the device from the targets already copied there: no host synchronisation
+        counts = torch.stack([(b["targets"] != IGNORE_INDEX).sum() for b in g.batches]).to(torch.float32)
+        total = counts.sum()
+        scales = counts / total.clamp_min(1.0)  # no target at all: zero gradients, and a NaN loss skips the step
         fut: Future[LayerWeights] | None = self._start_fetch(visits[0][1])
         try:
             for k, (phase, layer) in enumerate(visits):
@@ -299,7 +306,7 @@ class StreamingExecutor:
                     if phase == "bwd" and layer > 0:  # bring the next layer's offloaded inputs back early
                         for mb in range(n):
                             self.acts.prefetch((layer - 1, mb))
-                    self._backward(layer, w, g, scale, sink)
+                    self._backward(layer, w, g, scales, sink)
                 self._release(w)
                 del w
                 self.engine.sync()
@@ -317,7 +324,9 @@ class StreamingExecutor:
             for layer in list(self._open):
                 self._close_slab(layer, None)
             raise
-        return StepOutput(loss=torch.stack(g.losses).mean() if len(g.losses) > 1 else g.losses[0])
+        # a micro-batch without targets has a NaN mean (0 / 0) and weight 0: leave it out of the sum
+        losses = torch.where(counts > 0, torch.stack(g.losses), 0.0)
+        return StepOutput(loss=(losses * counts).sum() / total)
 
     def _forward(self, layer: int, w: LayerWeights, g: _Group) -> None:
         call = self.program.layers[layer]
@@ -333,7 +342,7 @@ class StreamingExecutor:
                         self.acts.put((layer, mb), g.carry[mb])
                         g.carry[mb] = fwd(*self._args(call, tmpl, w.tensors, g, mb, g.carry[mb]))[0]
 
-    def _backward(self, layer: int, w: LayerWeights, g: _Group, scale: torch.Tensor, sink: GradSink) -> None:
+    def _backward(self, layer: int, w: LayerWeights, g: _Group, scales: torch.Tensor, sink: GradSink) -> None:
         prog = self.program
         call = prog.layers[layer]
         tmpl = prog.templates[call.template]
@@ -349,7 +358,7 @@ class StreamingExecutor:
                         for j, (ga, need) in enumerate(zip(g.grad_aux[mb], self._aux_needs_grad)) if need
                     ]
                 elif head:
-                    carry_in, gouts = g.carry[mb], [scale]
+                    carry_in, gouts = g.carry[mb], [scales[mb]]
                     g.carry[mb] = None
                 else:
                     carry_in, gouts = self.acts.take((layer, mb)), [g.grad_carry[mb]]
