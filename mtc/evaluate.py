@@ -23,6 +23,7 @@ from mtc.data import BatchSampler, TokenFile, check_fits
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.runners import AutogradRunner, LayerRunner
+from mtc.runtime.executor import IGNORE_INDEX
 from mtc.weight_sources import StoreWeights, pick_step
 
 __all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
@@ -85,13 +86,17 @@ def eval_batches(tokens: TokenFile | np.ndarray, program: Program, *, n: int, se
 @torch.no_grad()
 def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: WeightSource,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> float:
-    """Mean loss of ``batches``: every layer once, forward only, over all batches before the next layer."""
+    """Loss of ``batches``: the sum of per-token losses over every unmasked target divided by their
+    count (as training defines a step's loss; batches with more targets weigh more). Every layer
+    once, forward only, over all batches before the next layer."""
     device = torch.device(device)
     consts = {k: v.to(device) for k, v in program.constant_values.items()}
     data = [{"ids": i.to(device), "targets": t.to(device)} for i, t in batches]
     carry: list[torch.Tensor | None] = [None] * len(batches)
     aux: list[list[torch.Tensor]] = [[] for _ in batches]
     losses: list[torch.Tensor] = []
+    # the head returns a mean over its batch's unmasked targets: weight it back by their count
+    counts = [(t != IGNORE_INDEX).sum().double() for _, t in batches]
     last = program.n_layers - 1
     for call in program.layers:
         keys = list(dict.fromkeys(call.param_keys()))
@@ -116,7 +121,10 @@ def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: Wei
             else:
                 carry[mb] = out[0]
         del w
-    return float(torch.stack(losses).double().mean().cpu())  # the one sync
+    n = torch.stack(counts)
+    keep = n > 0  # a batch without targets has a NaN mean and no weight
+    total = (torch.stack(losses).double().cpu()[keep] * n[keep]).sum() / n[keep].sum()
+    return float(total)  # the one sync
 
 
 def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step: int | None = None, batches: int = 8,

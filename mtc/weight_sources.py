@@ -211,7 +211,19 @@ class TierWeights:
         out = {}
         for k in keys:
             p = self.program.params[k]
-            src = self.tiers[p.layer].compute[p.offset : p.offset + p.numel].view(p.spec.shape)
+            st = self.tiers[p.layer]
+            if st.compute is None:
+                # a disk layer whose compute copy is read per visit: its newest master is in the store
+                # once the step's write-behind has landed, in the generation the optimizer flipped to
+                if st.write is not None:
+                    st.write.result()
+                assert self.tiers.store is not None, "disk layers read per visit need the store"
+                buf = torch.empty(p.numel, dtype=torch.float32)
+                name = state_array_name(p.layer, "master", self.tiers.disk_generation)
+                self.tiers.store.read_rows_into(name, p.offset, buf)
+                src = buf.view(p.spec.shape).to(self.tiers.compute_dtype)
+            else:
+                src = st.compute[p.offset : p.offset + p.numel].view(p.spec.shape)
             out[k] = src.to(self.device) if src.device != self.device else src
         return out
 

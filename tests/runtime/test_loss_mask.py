@@ -57,3 +57,40 @@ def test_masked_loss_is_the_mean_over_response_tokens_of_the_whole_step_and_matc
     ref_losses, ref_weights = reference_train(cfg, tf)
     assert_losses_close(res.losses, ref_losses)
     assert_weights_close(got_weights, ref_weights)
+
+
+class _DictWeights:
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+    def prefetch(self, keys: list[str]) -> None:
+        pass
+
+    def get(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        return {k: self.params[k] for k in keys}
+
+
+def test_eval_loss_on_masked_data_is_the_sum_over_targets_over_their_count(tmp_path):
+    from mtc.evaluate import eval_batches, forward_loss, unfused_runners
+
+    tf = _sft_like(tmp_path / "sft.bin", n=20_000)
+    cfg = small_config(steps=1, micro_batch_size=2, seq_len=32)
+    res = train(cfg, None, tf)
+    try:
+        weights = read_params(res.program, res.store, res.generation)
+    finally:
+        res.store.close()
+    batches = eval_batches(tf, res.program, n=4, seed=3)
+    got = forward_loss(res.program, unfused_runners(res.program), _DictWeights(weights), batches, "cpu")
+    model = build_model(cfg)
+    model.load_state_dict(weights)
+    s, n, means = 0.0, 0, []
+    with torch.no_grad():
+        for ids, tg in batches:
+            flat = tg.reshape(-1)
+            keep = flat != IGNORE_INDEX
+            loss = F.cross_entropy(model(ids).float().reshape(-1, 256)[keep], flat[keep], reduction="sum").item()
+            s, n = s + loss, n + int(keep.sum())
+            means.append(loss / int(keep.sum()))
+    assert abs(got - s / n) <= 1e-5 * (s / n), (got, s / n)
+    assert abs(float(np.mean(means)) - s / n) > 1e-4 * (s / n)  # a mean of batch means would fail
