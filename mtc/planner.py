@@ -56,21 +56,31 @@ def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
     return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB)
 
 
+def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:
+    """Where disk layers' compute copy lives (`TrainConfig.resolved_disk_compute`, for the
+    planned compute dtype rather than this machine's)."""
+    if cfg.disk_compute != "auto":
+        return cfg.disk_compute
+    return "store" if shape.compute_bytes == 4 else "ram"
+
+
 def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, *, disk_tier: bool = False) -> tuple[list[str], set[int]]:
     """Each layer's tier and the GPU-updated `ram` layers, as `mtc.train.plan_placement` chooses
-    them, on ``profile``'s memory. ``disk_tier``: let `auto` use the disk on a CPU machine too
-    (the run itself keeps CPU runs in RAM)."""
+    them, on ``profile``'s memory: the GPU first, then RAM up to the budget (less the disk
+    pipeline's fixed buffers), the rest on disk. ``disk_tier`` is kept for callers; the engine
+    uses the RAM budget on every device now."""
+    del disk_tier
     numels = list(shape.numels)
     cuda = profile.accelerator == "cuda"
     auto = None
     if cfg.placement.strip() == "auto":
-        if not cuda and not disk_tier:
-            auto = ["ram"] * shape.n_layers
-        else:
-            gpu = 0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else max(
-                0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
-            ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else int(profile.host_available_bytes * 0.85)
-            auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram))
+        dc = disk_compute_for(cfg, shape)
+        gpu = 0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else max(
+            0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
+        ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
+        ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
+        auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
+                                 grads_on_device=cuda)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
     if not cuda and "gpu" in placement:
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
@@ -98,15 +108,19 @@ class Memory:
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool) -> Memory:
     """Memory per tier of this placement (the table in `mtc.runtime.placement`)."""
     n, c = list(shape.numels), shape.compute_bytes
+    dc = disk_compute_for(cfg, shape)
+    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
         if t == "ram":  # compute copy (the master itself in fp32) and gradient; streamed layers pin m and v too
             pinned += n[i] * (4 + c + (8 if i in gpu_update else 0) + (4 if i in gpu_update and c != 4 else 0))
-        elif t == "disk":
-            pinned += n[i] * (4 + c)
+        elif t == "disk":  # the compute copy when it stays in RAM (gradients wait on the GPU)
+            pinned += n[i] * pl.host_bytes_per_param("disk", c, disk_compute=dc, grads_on_device=True)
+    if cuda:
+        pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
+    host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda) + pipeline
     return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
-                  host=pl.host_bytes_needed(placement, n, c), pinned=pinned,
-                  disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
+                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,10 +161,11 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
     have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
     n_disk = sum(n for n, t in zip(shape.numels, placement, strict=True) if t == "disk")
-    per_disk = pl.host_bytes_needed(["disk"], [1], shape.compute_bytes)
+    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=disk_compute_for(cfg, shape),
+                                       grads_on_device=gpu_total is not None)
     if n_disk and mem.host - n_disk * per_disk <= have:
-        fix = (f"even disk layers keep a compute copy and an fp32 gradient in RAM ({per_disk} B/param, {_size(n_disk * per_disk)} "
-               "here): use a machine with more RAM or a smaller model" + (", or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else ""))
+        fix = (f"even disk layers keep {per_disk} B/param in RAM ({_size(n_disk * per_disk)} here, besides the fixed "
+               "pipeline buffers): use a machine with more RAM or a smaller model" + (", or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else ""))
     else:
         fix = f"put more layers on disk (--placement {_split_for(shape, have)})" + (
             " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
