@@ -160,14 +160,15 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                + "free disk space, or put the store on a larger disk")
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
     have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
-    n_disk = sum(n for n, t in zip(shape.numels, placement, strict=True) if t == "disk")
-    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=disk_compute_for(cfg, shape),
-                                       grads_on_device=gpu_total is not None)
-    if n_disk and mem.host - n_disk * per_disk <= have:
-        fix = (f"even disk layers keep {per_disk} B/param in RAM ({_size(n_disk * per_disk)} here, besides the fixed "
-               "pipeline buffers): use a machine with more RAM or a smaller model" + (", or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else ""))
+    dc, cuda = disk_compute_for(cfg, shape), gpu_total is not None
+    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda)
+    least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda)
+    if least > have:
+        fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
+               "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
+               + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "") + "use a machine with more RAM or a smaller model")
     else:
-        fix = f"put more layers on disk (--placement {_split_for(shape, have)})" + (
+        fix = f"put more layers on disk (--placement {_split_for(shape, have, dc, cuda)})" + (
             " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
     budget = "the --ram-budget-gb" if cfg.ram_budget_gb is not None else "available"
     checks.append(Check(f"host RAM ({budget}; placement {desc})", mem.host, have, fix))
@@ -178,13 +179,20 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     return checks
 
 
-def _split_for(shape: ModelShape, host_bytes: int) -> str:
-    """A placement that keeps the first layers in RAM and the rest on disk, within ``host_bytes``."""
+def _host_need(shape: ModelShape, placement: list[str], disk_compute: str, cuda: bool) -> int:
+    """Host RAM of ``placement``: the state tiers plus the bounded pipeline (as `memory` counts it)."""
     numels, c = list(shape.numels), shape.compute_bytes
+    return (pl.host_bytes_needed(placement, numels, c, disk_compute=disk_compute, grads_on_device=cuda)
+            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda))
+
+
+def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool) -> str:
+    """A placement that keeps the first layers in RAM and the rest on disk, within ``host_bytes``."""
+    n = shape.n_layers
     k = 0
-    while k < len(numels) and pl.host_bytes_needed(["ram"] * (k + 1) + ["disk"] * (len(numels) - k - 1), numels, c) <= host_bytes:
+    while k < n and _host_need(shape, ["ram"] * (k + 1) + ["disk"] * (n - k - 1), disk_compute, cuda) <= host_bytes:
         k += 1
-    return pl.describe(["ram"] * k + ["disk"] * (len(numels) - k))
+    return pl.describe(["ram"] * k + ["disk"] * (n - k))
 
 
 def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_update: set[int], store_dir: Path | None, *,

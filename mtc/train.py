@@ -447,7 +447,7 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
-        watch = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
+        watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
         disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
@@ -492,7 +492,7 @@ def train(
             rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                              seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
                              committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out,
-                             **watch.after_step(step, tokens_n, ts, ts + secs))
+                             **watcher.after_step(step, tokens_n, ts, ts + secs))
             losses.append(stats.loss)
             records.append(rec)
             if watch is not None:  # the previous step's updates and writes are done now: its spans are complete

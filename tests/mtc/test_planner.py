@@ -42,18 +42,30 @@ def test_train_refuses_a_small_disk_before_creating_the_store(tmp_path, data, ca
 
 
 def test_train_refuses_a_small_ram_budget_and_names_a_placement_that_fits(tmp_path, data, capsys, monkeypatch):
+    # 14 blocks: deep enough that disk layers (4 B/param on the CPU, plus fixed pipeline buffers)
+    # need less host RAM than ram layers (16 B/param): all-disk ~24 MiB, all-ram ~45 MiB
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 14}, micro_batch_size=2, seq_len=16, steps=1, kernels="unfused")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+
+    def run(*extra):
+        return main(["train", "--config", str(cfg_file), "--store", str(tmp_path / "s"), "--data", str(data), *extra])
+
     monkeypatch.setenv(DISK_FREE_ENV, str(2**20))
-    assert _train(tmp_path, data, "--ram-budget-gb", "0.01") == 2
+    assert run("--ram-budget-gb", "0.001") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2, err  # both resources are short: one line each
-    assert "disk" in err[0] and "host RAM" in err[1]
-    assert "needs 12.3 MiB, has 10.2 MiB" in err[1]
+    assert "disk" in err[0] and "host RAM" in err[1] and "even with every layer on disk the run needs" in err[1], err
     assert not (tmp_path / "s").exists()
-    suggested = err[1].split("--placement ")[1].split(")")[0]
-    assert "disk" in suggested
     monkeypatch.delenv(DISK_FREE_ENV)
+    assert run("--ram-budget-gb", "0.03", "--placement", "ram") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host RAM" in err[0] and "has 30.7 MiB" in err[0], err
+    assert not (tmp_path / "s").exists()
+    suggested = err[0].split("--placement ")[1].split(")")[0]
+    assert "disk" in suggested and "ram" in suggested, suggested
     # what the message says to change makes the run fit
-    assert _train(tmp_path, data, "--ram-budget-gb", "0.01", "--placement", suggested) == 0
+    assert run("--ram-budget-gb", "0.03", "--placement", suggested) == 0
     assert (tmp_path / "s" / "commit.json").exists()
 
 
@@ -72,12 +84,14 @@ def test_plan_cli_on_a_builtin_machine(capsys):
     out = capsys.readouterr().out
     assert rc == 1  # 'full' needs ~180 GiB of disk, the box has 60
     assert "placement gpu:" in out and "durability full    needs   179.5 GiB" in out
-    assert "DOES NOT FIT" in out and "choose --durability weights" in out
+    # the RAM budget (122 GiB less a 15 % margin) leaves ~2.5B parameters on disk, whose state
+    # every mode keeps: only 'none' fits the 60 GiB
+    assert "DOES NOT FIT" in out and "choose --durability none" in out and ",disk:" in out
     assert "bottleneck:" in out and "per day of training" in out
     for stage in ("GPU compute", "PCIe", "CPU optimizer", "disk I/O"):
         assert stage in out
     assert main(["plan", "8b", "--machine", "h100-box", "--seq-len", "4096", "--micro-batch-size", "2", "--grad-accum", "8",
-                 "--durability", "weights", "--no-extrapolate"]) == 0
+                 "--durability", "none", "--no-extrapolate"]) == 0
 
 
 def test_plan_cli_errors_are_one_line(capsys, tmp_path):
