@@ -10,8 +10,9 @@ The 2-core CI boxes are shared: another job can halve this process's speed for s
 The test therefore times a fixed probe (a 512^3 matmul, as calibrate measured it) before and after
 each run (and, around the disk-bound run, the store's write rate, since other jobs share the
 disk too); an attempt in which the machine ran more than 15 % slower or faster than calibrated
-says nothing about the model and is repeated (calibration included) while the time budget lasts. If no
-attempt was quiet the test is skipped with the figures; a quiet attempt that misses 15 % fails.
+says nothing about the model and is repeated (calibration included) while the time budget lasts. An
+attempt with all three within 15 % passes; a quiet attempt that misses fails; if every attempt was
+noisy and missed, the test is skipped with the figures.
 
 Calibration and runs use one intra-op thread (the engine's copy and optimizer threads run beside
 it, so compute and optimizer still share the two cores): with two, a busy neighbour stalls
@@ -39,7 +40,7 @@ from tests.runtime.engine_util import skewed_tokens
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.15
-BUDGET_S = 150  # attempts start only within this time
+BUDGET_S = 100  # attempts start only within this time (one attempt takes ~45 s on the 2-core box)
 STEPS, WARMUP = 9, 3
 
 _BASE = {"model": "tiny", "kernels": "unfused", "durability": "none", "steps": STEPS, "optim": OptimConfig(lr=1e-3, warmup_steps=1)}
@@ -118,11 +119,13 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
             f"machine {d:+.0%} slower than calibrated" for k, (p, m, b, d) in results.items()]
         report.append("\n".join(lines))
         print(report[-1])
-        if quiet:
-            for want, (pred, meas, bottleneck, _) in results.items():
-                assert bottleneck == want, report[-1]
-                assert abs(pred / meas - 1) <= TOLERANCE, report[-1]
+        for want, (_, _, bottleneck, _) in results.items():
+            assert bottleneck == want, report[-1]  # the plan must name what the config was built to be bound by
+        within = all(abs(pred / meas - 1) <= TOLERANCE for pred, meas, _, _ in results.values())
+        if within:  # all three within 15 % in one attempt (noisy or not): the model holds
             return
+        assert not quiet, report[-1]  # a quiet machine and a miss: the model is wrong
+
         attempt += 1
     pytest.skip(f"the machine ran more than {TOLERANCE:.0%} slower or faster than calibrated during every attempt: nothing to "
                 "conclude about the model\n" + "\n".join(report))
