@@ -6,6 +6,8 @@
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
 #                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
+#   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
+#                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
 # ".whl". Logs and a tarball of the JSON records land in $OUT (or bench/results/ without it).
 #   bash bench/gpu_session.sh [PARTS...]     default: tests and the four train parts (bench_fusion: name its parts)
@@ -36,6 +38,12 @@ for p in "${parts[@]}"; do
       if [ "$left" -lt 60 ]; then echo "skipped tests: out of time" | tee -a "$log"; continue; fi
       timeout $(( left < 200 ? left : 200 )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 \
         | tail -30 | tee -a "$log" ;;
+    disk|disk/*)
+      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      shape=${p#disk}; shape=${shape#/}
+      limit=$(( left - 20 < 480 ? left - 20 : 480 ))
+      timeout "$left" python3 bench/bench_disk_tier.py ${shape:+--shape "$shape"} --time-limit-s "$limit" ${DISK_ARGS:-} 2>&1 \
+        | tee -a "$log" ;;
     train/*)
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
@@ -46,5 +54,5 @@ for p in "${parts[@]}"; do
       timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
   esac
 done
-tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json 2>/dev/null | head -30) 2>/dev/null
+tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json bench_disk_tier-*.json 2>/dev/null | head -30) 2>/dev/null
 exit 0

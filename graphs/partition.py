@@ -1,48 +1,32 @@
-"""Partition a layer template into anchors and fusion groups, forward and joint forward+backward.
+"""Partition a lowered graph (graphs/lower.py) into anchors and fusion groups.
 
-The joint graph of a template is ``(inputs..., grad_out) -> (outputs..., grads of carry and
-params)``, traced with make_fx over the template's vector-Jacobian product and lowered to core
-ATen. It recomputes the forward inside, which is exactly what the streaming executor does in a
-backward visit, so nothing has to be saved between the forward and the backward visit of a layer.
+Every call node is classified:
 
-Every call node is then classified:
-
-* ``anchor``: matmuls and attention (``mm``, ``addmm``, ``bmm``, SDPA and its backward): left to
-  cuBLAS / hand-tuned kernels;
+* ``anchor``: matmuls and attention (``mm``, ``addmm``, ``bmm``, SDPA and its backward, mtc's
+  hand-tuned ops): left to cuBLAS / hand-tuned kernels;
 * ``view``: metadata-only ops (view, permute, expand, slice, ...): no kernel, run as ATen;
-* ``fusible``: pointwise ops, last-dim cats, and sum/mean/amax over the last dim (row kernels) or
-  over every leading dim (column kernels: weight and bias gradients): grouped;
+* ``fusible``: what the code generator says it can express (`FusibleOps`, owned by
+  kernels/codegen.py and handed in): pointwise ops, last-dim cats, and reductions over the last
+  dim (row kernels) or over every leading dim (column kernels: weight and bias gradients);
 * ``fallback``: anything else (other cats, embedding, gather, ...): run as ATen, and reported.
 
 A fusion group is a maximal connected set of fusible nodes that compute over one iteration
 shape (the shape of the group's largest output); groups never contain anchors or views, so
-each group becomes one generated kernel. No I/O and no devices here: tracing runs on meta tensors.
-
-Attention: on meta tensors ``scaled_dot_product_attention`` would dispatch to its math
-decomposition before any decomposition table is consulted, so lowering swaps it for
-``mtc::attention`` (kernels/ops.py), which stays one anchor forward and backward.
+each group becomes one generated kernel. No I/O and no devices here.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 import operator
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from mtc.graphs.program import Template, external_inputs
-from mtc.graphs.rewrite import use_grouped_kv, use_linear_cross_entropy
+from mtc.graphs.program import external_inputs
 from torch import fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = [
-    "CAT", "Frame", "FusionGroup", "Partition", "arg_frames", "classify", "forward_graph", "is_column_reduction",
-    "joint_graph", "partition",
-]
+__all__ = ["CAT", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
 
 aten = torch.ops.aten
 
@@ -58,12 +42,6 @@ ANCHORS = {
     aten._scaled_dot_product_cudnn_attention_backward.default,
     aten.scaled_dot_product_attention.default,
 }
-_MTC_ANCHORS = (
-    "mtc.attention.default", "mtc.attention_backward.default",
-    "mtc.flash_attention_fwd.default", "mtc.flash_attention_bwd.default",
-    "mtc.linear_cross_entropy_loss.default", "mtc.linear_cross_entropy_fwd_bwd.default",
-    "mtc.linear_cross_entropy_fwd_bwd_scaled.default",
-)
 VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
@@ -71,35 +49,36 @@ VIEWS = {
     aten.alias.default, aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
     aten.unbind.int, operator.getitem,
 }
-REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
-# Pointwise ops the code generator can express (kernels/codegen.py has the expression for each).
-POINTWISE = {
-    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.exp.default, aten.log.default,
-    aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default, aten.sigmoid.default,
-    aten.tanh.default, aten.relu.default, aten.abs.default, aten.pow.Tensor_Scalar,
-    aten.maximum.default, aten.minimum.default, aten.where.self, aten.clone.default,
-    aten._to_copy.default, aten.silu.default, aten.gelu.default, aten.erf.default,
-    aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar, aten.eq.Scalar,
-    aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor,
-    aten.sin.default, aten.cos.default, aten.fill.Scalar, aten.copy.default,
-}
 
 
-def classify(node: fx.Node) -> str:
+@dataclasses.dataclass(frozen=True, slots=True)
+class FusibleOps:
+    """The ops a code generator can put in a generated kernel; its owner (kernels/codegen.py)
+    hands it to `partition`, so the list exists once.
+
+    ``pointwise``: elementwise ops; ``reductions``: sum/mean/amax-like ops over the last dim or
+    over every leading dim; ``cat``: whether last-dim cats are computed in place.
+    """
+
+    pointwise: frozenset[Any]
+    reductions: frozenset[Any]
+    cat: bool = True
+
+
+def classify(node: fx.Node, fusible: FusibleOps) -> str:
     """'anchor', 'view', 'fusible' or 'fallback' (placeholder/output nodes: 'io')."""
     if node.op != "call_function":
         return "io"
     t = node.target
-    if t in ANCHORS or str(t) in _MTC_ANCHORS:
+    if t in ANCHORS or str(t).startswith("mtc."):  # mtc's own ops are hand-tuned kernels or attention
         return "anchor"
     if t in VIEWS:
         return "view"
-    if t in POINTWISE and _tensor_out(node):
+    if t in fusible.pointwise and _tensor_out(node):
         return "fusible"
-    if t in REDUCTIONS and (_last_dim_reduction(node) or is_column_reduction(node)):
+    if t in fusible.reductions and (_last_dim_reduction(node) or is_column_reduction(node)):
         return "fusible"
-    if t is CAT and _last_dim_cat(node):
+    if fusible.cat and t is CAT and _last_dim_cat(node):
         return "fusible"
     return "fallback"
 
@@ -130,9 +109,7 @@ def _reduced_dims(node: fx.Node) -> tuple[torch.Tensor, list[int]] | None:
 
 
 def is_column_reduction(node: fx.Node) -> bool:
-    """A sum/mean/amax over every dim but the last (weight and bias gradients): (..., N) -> (N,)."""
-    if node.target not in REDUCTIONS:
-        return False
+    """A reduction over every dim but the last (weight and bias gradients): (..., N) -> (N,)."""
     r = _reduced_dims(node)
     return r is not None and r[0].dim() >= 2 and r[1] == list(range(r[0].dim() - 1))
 
@@ -192,15 +169,15 @@ def _broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
     return len(small) <= len(big) and all(y in (1, x) for x, y in zip(reversed(big), reversed(small)))
 
 
-def _shapes_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+def _shapes_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
     """Can every node be computed over ``shape`` (a cat's inputs over their column window of it)?"""
     if not any(m.target is CAT for m in ms):
-        return all(_compatible(shape, _iter_shape([m])) for m in ms)
+        return all(_compatible(shape, _iter_shape([m], red)) for m in ms)
     if not shape:
         return False
     for m, fs in _frames(ms, shape).items():
         s = tuple(_val(m).shape)
-        if m.target in REDUCTIONS and fs != {(0, shape[-1])}:
+        if m.target in red and fs != {(0, shape[-1])}:
             return False  # reductions run over whole rows / columns only
         if not all(_broadcasts(s, (*shape[:-1], w)) for _, w in fs):
             return False
@@ -246,12 +223,12 @@ class Partition:
         return Counter(str(n.target) for n in self.fallbacks)
 
 
-def _iter_shape(nodes: list[fx.Node]) -> tuple[int, ...]:
+def _iter_shape(nodes: list[fx.Node], red: frozenset[Any]) -> tuple[int, ...]:
     best: tuple[int, ...] = ()
     for n in nodes:
         v = _val(n)
         shapes = [tuple(v.shape)] if isinstance(v, torch.Tensor) else []
-        if n.target in REDUCTIONS:
+        if n.target in red:
             shapes.append(tuple(_val(n.args[0]).shape))
         for s in shapes:
             if _numel(s) > _numel(best):
@@ -277,7 +254,7 @@ def _compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return True
 
 
-def partition(graph: fx.Graph) -> Partition:
+def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
     """Group fusible nodes: union connected fusible neighbours whose iteration shapes agree.
 
     A reduction's output (…, 1) joins its input's group (the row kernel broadcasts it back); two
@@ -286,7 +263,8 @@ def partition(graph: fx.Graph) -> Partition:
     consume an outside node).
     """
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    kind = {n: classify(n) for n in nodes}
+    kind = {n: classify(n, fusible) for n in nodes}
+    red = fusible.reductions
     group_of: dict[fx.Node, int] = {}
     members: dict[int, list[fx.Node]] = {}
     shape_of: dict[int, tuple[int, ...]] = {}
@@ -297,17 +275,17 @@ def partition(graph: fx.Graph) -> Partition:
             continue
         gid, next_id = next_id, next_id + 1
         group_of[n], members[gid] = gid, [n]
-        shape_of[gid] = _iter_shape([n])
+        shape_of[gid] = _iter_shape([n], red)
         # try to join the groups of fusible producers (in order), if shapes agree and no cycle
         for a in n.all_input_nodes:
             if a not in group_of or group_of[a] == group_of[n]:
                 continue
             ga, gn = group_of[a], group_of[n]
             merged = members[ga] + members[gn]
-            shape = _iter_shape(merged)
-            if not _shapes_ok(merged, shape):
+            shape = _iter_shape(merged, red)
+            if not _shapes_ok(merged, shape, red):
                 continue
-            if any(m.target in REDUCTIONS for m in merged) and not _reductions_ok(merged, shape):
+            if any(m.target in red for m in merged) and not _reductions_ok(merged, shape, red):
                 continue
             if _creates_cycle(set(merged), order):
                 continue
@@ -321,7 +299,7 @@ def partition(graph: fx.Graph) -> Partition:
         inside = set(ms)
         ins = external_inputs(ms)
         outs = [m for m in ms if any(u not in inside for u in m.users)]
-        groups.append(FusionGroup(ms, ins, outs, shape_of[gid], any(m.target in REDUCTIONS for m in ms)))
+        groups.append(FusionGroup(ms, ins, outs, shape_of[gid], any(m.target in red for m in ms)))
     groups.sort(key=lambda g: order[g.nodes[0]])
     return Partition(
         graph=graph,
@@ -332,12 +310,12 @@ def partition(graph: fx.Graph) -> Partition:
     )
 
 
-def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
     """A group reduces either rows (a row kernel) or columns (a column kernel), never both."""
-    column = [m for m in ms if m.target in REDUCTIONS and is_column_reduction(m)]
+    column = [m for m in ms if m.target in red and is_column_reduction(m)]
     if not column:
-        return _row_ok(ms, shape)
-    if len(column) != sum(1 for m in ms if m.target in REDUCTIONS):
+        return _row_ok(ms, shape, red)
+    if len(column) != sum(1 for m in ms if m.target in red):
         return False
     return _column_ok(ms, column, shape)
 
@@ -349,7 +327,7 @@ def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...])
     return all(tuple(_val(c.args[0]).shape) == shape and not any(u in inside for u in c.users) for c in column)
 
 
-def _row_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+def _row_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
     """With a reduction in the group, every node must be a full row (…, N) or a reduced row (…, 1)
     (or, upstream of a cat, a full row of its column window (…, W))."""
     if not shape:
@@ -358,7 +336,7 @@ def _row_ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
     widths = _frames(ms, shape) if any(m.target is CAT for m in ms) else {}
     for m in ms:
         s = tuple(_val(m).shape)
-        if m.target in REDUCTIONS:
+        if m.target in red:
             keep = (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
             if not keep or s != (*rows, 1):
                 return False
@@ -384,105 +362,3 @@ def _creates_cycle(group: set[fx.Node], order: dict[fx.Node, int]) -> bool:
             frontier.append(u)
     del lo
     return False
-
-
-def _use_mtc_attention(node: fx.Node) -> None:
-    """Swap SDPA for mtc::attention (kept whole by make_fx) when it is plain causal/non-causal
-    attention; masked or dropout attention stays SDPA (and decomposes)."""
-    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
-    defaults = [None, None, None, None, 0.0, False, None, False]
-    bound = dict(zip(names, defaults))
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
-    if bound["attn_mask"] is not None or bound["dropout_p"] not in (0, 0.0):
-        return
-    q = bound["query"].meta["val"]
-    scale = bound["scale"] if bound["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-    node.target = torch.ops.mtc.attention.default
-    node.args = (bound["query"], bound["key"], bound["value"], bool(bound["is_causal"]), float(scale))
-    node.kwargs = {}
-
-
-def _lowerable(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
-    """The template on the meta device with SDPA swapped for mtc::attention and, if
-    ``hand_tuned``, grouped KV heads left unrepeated and the head's linear + cross-entropy
-    swapped for the fused kernel (graphs/rewrite.py).
-
-    Templates keep ATen SDPA so eager execution is bit-identical to the user's module; only the
-    lowered graphs (what kernels are generated from) use the op that stays whole.
-    """
-    import mtc.kernels.ops  # noqa: F401  (registers mtc::attention)
-
-    gm = copy.deepcopy(t.module("meta"))
-    for node in gm.graph.nodes:
-        if node.target is aten.scaled_dot_product_attention.default:
-            _use_mtc_attention(node)
-    if hand_tuned:
-        use_grouped_kv(gm)  # attention reads each KV head once, whatever the model repeated
-        use_linear_cross_entropy(gm)  # the head's loss: logits are never materialised
-    gm.recompile()
-    return gm
-
-
-def _meta_inputs(t: Template) -> list[torch.Tensor]:
-    return [torch.empty(i.spec.shape, dtype=i.spec.torch_dtype, device="meta") for i in t.inputs]
-
-
-def _decomps() -> dict[Any, Callable[..., Any]]:
-    from torch._decomp import core_aten_decompositions, get_decompositions
-
-    table = dict(core_aten_decompositions())
-    # core ATen keeps layer norm whole; decompose it (and var_mean) into reductions the generator fuses
-    table.update(get_decompositions([aten.native_layer_norm, aten.native_layer_norm_backward]))
-    table[aten.var_mean.correction] = _var_mean
-    # keep attention as one anchor (decomposing it would materialise T x T scores)
-    for op in list(table):
-        if "scaled_dot_product" in str(op):
-            del table[op]
-    # the embedding's backward is one scatter-add kernel in ATen; decomposed it becomes ~10 ops
-    # (masks, a zero fill, index_put) that no generated kernel covers
-    for op in (aten.embedding_dense_backward.default, aten.embedding_dense_backward.out):
-        table.pop(op, None)
-    return table
-
-
-def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
-    """var_mean as two last-dim reductions (torch's own decomposition emits prims the generator
-    does not know); other dims fall back to the op itself."""
-    dims = [d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if dim is not None else None
-    if dims != [x.dim() - 1]:
-        return NotImplemented
-    n = x.shape[-1]
-    mean = aten.mean.dim(x, [-1], True)
-    diff = aten.sub.Tensor(x, mean)
-    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), [-1], True), n - (1 if correction is None else correction))
-    if not keepdim:
-        mean, var = aten.squeeze.dims(mean, [-1]), aten.squeeze.dims(var, [-1])
-    return var, mean
-
-
-def forward_graph(t: Template, hand_tuned: bool = True) -> fx.GraphModule:
-    """The template's forward lowered to core ATen, traced on meta tensors (``hand_tuned``: with
-    the patterns graphs/rewrite.py swaps for hand-tuned kernels swapped)."""
-    gm = _lowerable(t, hand_tuned)
-    return make_fx(lambda *xs: gm(*xs), decomposition_table=_decomps())(*_meta_inputs(t))
-
-
-def joint_graph(t: Template, hand_tuned: bool = True) -> tuple[fx.GraphModule, list[int]]:
-    """``(inputs..., grad_out) -> (outputs..., grads)`` in core ATen, and the input indices the
-    grads are for (carry and params: what the executor needs)."""
-    gm = _lowerable(t, hand_tuned)
-    diff = [k for k, i in enumerate(t.inputs) if i.kind in ("carry", "param")]
-
-    def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        *xs, gout = args
-        xs = [x.requires_grad_() if k in diff else x for k, x in enumerate(xs)]
-        with torch.enable_grad():
-            outs = gm(*xs)
-            grads = torch.autograd.grad(outs[0], [xs[k] for k in diff], gout, allow_unused=True)
-        return (*outs, *grads)
-
-    ins = _meta_inputs(t)
-    out0 = gm(*ins)[0]
-    g = make_fx(joint, decomposition_table=_decomps())(*ins, torch.empty_like(out0))
-    return g, diff

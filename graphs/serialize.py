@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from mtc.graphs.program import (
 )
 from torch import fx
 
-__all__ = ["FORMAT_VERSION", "SerializeError", "program_from_dict", "program_to_dict"]
+__all__ = ["FORMAT_VERSION", "SerializeError", "graph_from_dict", "graph_to_dict", "program_from_dict", "program_to_dict"]
 
 FORMAT_VERSION = 1
 
@@ -125,6 +126,44 @@ def _val_dec(v: Any) -> Any:
     if isinstance(v, list):
         return [_val_dec(x) for x in v]
     return torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]), device="meta")
+
+
+def graph_to_dict(graph: fx.Graph, name_target: Callable[[Any], str | None] = lambda _t: None) -> list[dict[str, Any]]:
+    """Every node of ``graph`` (placeholders included) as JSON rows. ``name_target`` names call
+    targets this module does not know (the compiler's generated kernels); None: not one of those."""
+    rows = []
+    for n in graph.nodes:
+        row: dict[str, Any] = {"name": n.name, "op": n.op, "args": _enc(n.args), "kwargs": {k: _enc(v) for k, v in n.kwargs.items()}}
+        if n.op == "call_function":
+            row["target"] = name_target(n.target) or _target_name(n.target)
+        if n.op in ("call_function", "placeholder"):
+            row["val"] = _val_spec(n.meta.get("val"))
+        rows.append(row)
+    return rows
+
+
+def graph_from_dict(rows: list[dict[str, Any]], resolve_target: Callable[[str], Any] = lambda _n: None) -> fx.Graph:
+    """Inverse of `graph_to_dict`; ``resolve_target`` returns the callable for a name it gave out
+    (None for ATen/torch.ops names, resolved here)."""
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for row in rows:
+        args, kwargs = _dec(row["args"], env), {k: _dec(v, env) for k, v in row["kwargs"].items()}
+        if row["op"] == "placeholder":
+            node = g.placeholder(row["name"])
+        elif row["op"] == "output":
+            g.output(args[0])
+            continue
+        elif row["op"] == "call_function":
+            target = resolve_target(row["target"])
+            target = _resolve_target(row["target"]) if target is None else target
+            node = g.create_node("call_function", target, tuple(args), kwargs, name=row["name"])
+        else:
+            raise SerializeError(f"unsupported node kind {row['op']!r}")
+        node.meta["val"] = _val_dec(row.get("val"))
+        env[row["name"]] = node
+    g.lint()
+    return g
 
 
 def template_to_dict(t: Template) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Generate a Triton kernel for a fusion group, from the group's FX nodes.
 
-Three kernel shapes cover what `mtc.graphs.partition` groups:
+Three kernel shapes cover what `mtc.graphs.partition` groups (from the ops `FUSIBLE` lists):
 
 * ``pointwise``: one program per BLOCK elements of the iteration shape S; every input is read
   through its strides after broadcasting to S (so transposed or expanded inputs need no copy);
@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mtc.graphs.partition import CAT, REDUCTIONS, Frame, FusionGroup, arg_frames, is_column_reduction
+from mtc.graphs.partition import CAT, Frame, FusibleOps, FusionGroup, arg_frames, is_column_reduction
 from torch import fx
 
 from mtc.errors import KernelInputError
 
-__all__ = ["MAX_ROW", "CodegenError", "FusedKernel", "compile_group", "generate_source"]
+__all__ = ["FUSIBLE", "MAX_ROW", "CodegenError", "FusedKernel", "compile_group", "generate_source", "load_kernel"]
 
 aten = torch.ops.aten
 MAX_ROW = 16384  # widest row a row kernel holds in one block
@@ -48,6 +48,26 @@ _TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
     torch.bool: "tl.int1", torch.int64: "tl.int64", torch.int32: "tl.int32",
 }
+
+
+# What this generator can express, handed to graphs.partition (the one list of fusible ops):
+# every pointwise op below has an expression in `_expr`; reductions run as row or column kernels.
+REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default})
+FUSIBLE = FusibleOps(
+    pointwise=frozenset({
+        aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+        aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.exp.default, aten.log.default,
+        aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default, aten.sigmoid.default,
+        aten.tanh.default, aten.relu.default, aten.abs.default, aten.pow.Tensor_Scalar,
+        aten.maximum.default, aten.minimum.default, aten.where.self, aten.clone.default,
+        aten._to_copy.default, aten.silu.default, aten.gelu.default, aten.erf.default,
+        aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar, aten.eq.Scalar,
+        aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor,
+        aten.sin.default, aten.cos.default, aten.fill.Scalar, aten.copy.default,
+    }),
+    reductions=REDUCTIONS,
+    cat=True,
+)
 
 
 class CodegenError(Exception):
@@ -339,15 +359,33 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
 class FusedKernel:
     """Callable that launches one generated kernel: ``kernel(*inputs) -> tuple(outputs)``."""
 
-    def __init__(self, fn: Any, group: FusionGroup, mode: str, source: str) -> None:
+    def __init__(
+        self,
+        fn: Any,
+        mode: str,
+        source: str,
+        shape: tuple[int, ...],
+        in_shapes: list[tuple[int, ...]],
+        out_specs: list[tuple[tuple[int, ...], torch.dtype]],
+        combine: list[str | None],
+    ) -> None:
         self.fn, self.mode, self.source = fn, mode, source
-        self.shape = group.shape
-        self.in_shapes = [_shape(i) for i in group.inputs]
-        self.out_specs = [(_shape(o), _dtype(o)) for o in group.outputs]
+        self.shape, self.in_shapes, self.out_specs = shape, in_shapes, out_specs
         # column mode: how each reduction output's per-chunk partials combine (None: stored directly)
-        self.combine = [str(o.target).split(".")[1] if mode == "column" and o.target in REDUCTIONS else None
-                        for o in group.outputs]
+        self.combine = combine
         self.__name__ = fn.__name__
+
+    @classmethod
+    def of_group(cls, fn: Any, group: FusionGroup, mode: str, source: str) -> FusedKernel:
+        """The launcher of ``fn``, generated from ``group``."""
+        combine = [str(o.target).split(".")[1] if mode == "column" and o.target in REDUCTIONS else None for o in group.outputs]
+        return cls(fn, mode, source, group.shape, [_shape(i) for i in group.inputs],
+                   [(_shape(o), _dtype(o)) for o in group.outputs], combine)
+
+    def spec(self) -> dict[str, Any]:
+        """What `load_kernel` needs to rebuild this launcher from the cached source (JSON-able)."""
+        return {"name": self.__name__, "mode": self.mode, "shape": list(self.shape), "in_shapes": [list(s) for s in self.in_shapes],
+                "out_specs": [[list(s), str(dt).removeprefix("torch.")] for s, dt in self.out_specs], "combine": self.combine}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         S = self.shape
@@ -441,7 +479,12 @@ def compile_group(group: FusionGroup, cache_dir: Path) -> FusedKernel:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(src)
         tmp.replace(path)
-    mod_name = f"mtc_generated_{digest}"
+    return FusedKernel.of_group(_import(path, name), group, mode, src)
+
+
+def _import(path: Path, name: str) -> Any:
+    """The jitted function ``name`` of the generated source file ``path`` (imported once)."""
+    mod_name = f"mtc_generated_{name.removeprefix('k_')}"
     mod = sys.modules.get(mod_name)
     if mod is None:
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -449,7 +492,23 @@ def compile_group(group: FusionGroup, cache_dir: Path) -> FusedKernel:
         mod = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = mod
         spec.loader.exec_module(mod)
-    return FusedKernel(getattr(mod, name), group, mode, src)
+    return getattr(mod, name)
+
+
+def load_kernel(spec: dict[str, Any], cache_dir: Path) -> FusedKernel:
+    """Rebuild a launcher from `FusedKernel.spec` and its cached source file, without generating.
+
+    Raises FileNotFoundError if the source is missing and ValueError if it no longer hashes to the
+    name it was saved under (the caller then regenerates).
+    """
+    name = spec["name"]
+    path = cache_dir / f"{name}.py"
+    src = path.read_text()
+    if hashlib.sha256(src.replace(f"def {name}(", "def fused(").encode()).hexdigest()[:16] != name.removeprefix("k_"):
+        raise ValueError(f"{path} does not hash to its name")
+    out_specs = [(tuple(s), getattr(torch, dt)) for s, dt in spec["out_specs"]]
+    return FusedKernel(_import(path, name), spec["mode"], src, tuple(spec["shape"]), [tuple(s) for s in spec["in_shapes"]],
+                       out_specs, spec["combine"])
 
 
 _ = operator  # getitem nodes never reach the generator: partition classifies them as views

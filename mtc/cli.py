@@ -33,7 +33,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
     "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
-    "optim_threads", "io_threads", "max_nonfinite_steps",
+    "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
@@ -53,12 +53,12 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
 
     plan_fields = None
     if getattr(a, "plan", None):
-        from mtc.plan import load_plan_model
+        from mtc.user_model import plan_train_fields
 
-        plan_fields = load_plan_model(a.plan)
+        plan_fields = plan_train_fields(a.plan)  # a preset's (mtc compile) or a user's model (mtc.save_plan)
         cfg = TrainConfig(**plan_fields)
-    elif a.config or a.preset:
-        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset)
+    elif a.config or a.preset or getattr(a, "model", None):
+        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or a.model)
     else:
         cfg = TrainConfig(**_stored_model(a))
     given = {}
@@ -71,7 +71,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             flag = _flag(path)
             raise ConfigError(
                 f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
-                f"with `mtc compile {plan_fields['model']} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
+                f"with `mtc compile {_compile_source(plan_fields['model'])} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
             )
         set_field(cfg, path, val)
     if "optim.lr" in given and "optim.min_lr" not in given:
@@ -100,6 +100,11 @@ def _stored_model(a: argparse.Namespace) -> dict:
     return fields
 
 
+def _compile_source(model: str) -> str:
+    """How `mtc compile` names ``model``: a preset positionally, a factory as --model."""
+    return f"--model {model}" if ":" in model else model
+
+
 def _cmd_train(a: argparse.Namespace) -> int:
     from mtc.data import TokenFile
     from mtc.progress import ProgressBar
@@ -116,10 +121,27 @@ def _cmd_train(a: argparse.Namespace) -> int:
         return 0
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
     print(json.dumps(cfg.to_dict()))
+    sink = None
+    if a.tensorboard:
+        from mtc.tensorboard import TensorBoardSink
+
+        try:
+            sink = TensorBoardSink(a.tensorboard)
+        except BaseException:
+            run.store.close()
+            raise
+    _print_mfu_denominator(cfg)
     bar = ProgressBar(cfg.steps, initial=start)
+    watch = _stage_watch(cfg, run.program)
+
+    def on_step(r: object) -> None:
+        _show_step(bar, r)
+        if sink is not None:
+            sink.write(r)
+
     try:
         res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=lambda r: _show_step(bar, r), notify=lambda m: print(f"mtc: {m}", file=sys.stderr))
+                    on_step=on_step, notify=lambda m: print(f"mtc: {m}", file=sys.stderr), watch=watch)
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130
@@ -129,11 +151,35 @@ def _cmd_train(a: argparse.Namespace) -> int:
     except BaseException:
         bar.close()
         raise
+    finally:
+        if sink is not None:
+            sink.close()
     bar.close()
     res.store.close()
     if res.losses:
         print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
+    if watch is not None and watch.summary():
+        print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary()))
     return 0
+
+
+def _stage_watch(cfg: object, program: object) -> object:
+    """A StageWatch over the run's plan on the last `mtc calibrate` profile, if there is one."""
+    import socket
+
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, MachineProfile
+    from mtc.planner import make_plan
+    from mtc.stagewatch import StageWatch
+
+    if not DEFAULT_PROFILE_PATH.is_file():
+        return None
+    try:
+        prof = MachineProfile.load(DEFAULT_PROFILE_PATH)
+        if prof.identity.get("host") != socket.gethostname():
+            return None  # measured on another machine: its figures say nothing about this one
+        return StageWatch(make_plan(cfg, prof, program=program))
+    except MTCError:  # the comparison is advice: a profile that cannot plan this run must not stop it
+        return None
 
 
 def _show_step(bar: object, r: object) -> None:
@@ -142,7 +188,24 @@ def _show_step(bar: object, r: object) -> None:
         bar.close()
         print(f"mtc: step {r.step} skipped: loss {r.loss}, gradient norm {r.grad_norm} (not finite); "
               "the weights were not updated", file=sys.stderr)
-    bar.update(r.step, loss=r.loss, lr=r.lr, tok_s=r.tokens_per_s)
+    from mtc.progress import step_fields
+
+    bar.update(r.step, **step_fields(r))
+    if r.val_loss is not None:
+        bar.write(f"val: step {r.step} loss {r.val_loss:.4f} perplexity {_ppl(r.val_loss):.4g} ({r.eval_s:.2f} s)")
+
+
+def _ppl(loss: float) -> float:
+    import math
+
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _print_mfu_denominator(cfg: object) -> None:
+    from mtc.metrics import peak_rate
+
+    peak = peak_rate(cfg.device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32)
+    print(f"MFU denominator: {f'{peak.tflops:g} TFLOP/s, ' if peak.tflops else ''}{peak.source}")
 
 
 class _Terminated(BaseException):
@@ -191,6 +254,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.time_unix))
             print(f"last commit: step {last.step} of {last.config.get('steps')}, generation {last.generation}, "
                   f"durability {last.durability}, data cursor {last.data_cursor}, at {when}, model {last.config.get('model')}")
+            from mtc.changes import describe_history
+
+            for line in describe_history(last.meta.get("changes", [])):  # what --allow-change let differ, and when
+                print(f"changed {line}")
     if a.verify:
         print("\n".join(report.lines()))
     else:
@@ -223,8 +290,16 @@ def _cmd_repair(a: argparse.Namespace) -> int:
 def _cmd_prepare(a: argparse.Namespace) -> int:
     from mtc.data import prepare
 
-    tf = prepare(Path(a.text), Path(a.output), tokenizer=a.tokenizer)
-    print(f"wrote {len(tf):,} tokens ({tf.header.dtype}, vocab {tf.header.vocab_size}) to {a.output}")
+    tf = prepare([Path(p) for p in a.inputs], Path(a.output), tokenizer=a.tokenizer, fmt=a.format, field=a.field,
+                 prompt_field=a.prompt_field, response_field=a.response_field, messages_field=a.messages_field,
+                 eos_token=a.eos)
+    h = tf.header
+    docs = f", {h.docs['n_docs']:,} documents" if h.docs else ""
+    mask = f", {h.mask['n_targets']:,} of them loss targets" if h.mask else ""
+    print(f"wrote {len(tf):,} tokens{mask}{docs} ({h.dtype}, tokenizer {h.tokenizer}, vocab {h.vocab_size}"
+          f"{'' if h.eos_id is None else f', EOS {h.eos_id}'}) to {tf.path}")
+    if tf.tokenizer_dir is not None:
+        print(f"tokenizer files copied to {tf.tokenizer_dir}")
     return 0
 
 
@@ -244,6 +319,13 @@ def _cmd_trace(a: argparse.Namespace) -> int:
 
 
 def _cmd_compile(a: argparse.Namespace) -> int:
+    if a.factory is not None or (a.model is not None and ":" in a.model):
+        return _cmd_compile_user_model(a)
+    if a.model is None:
+        from mtc.errors import ConfigError
+
+        raise ConfigError("mtc compile needs a model: a preset (mtc compile tiny -o DIR) or a factory by import path "
+                          "(mtc compile --model package.module:function -o DIR)")
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
     from mtc.plan import save_plan, save_plan_model
@@ -287,6 +369,110 @@ def _cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+# run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
+_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "durability",
+               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads")
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from mtc.calibrate import load_machine
+    from mtc.config import TrainConfig, load_config, parse_field, set_field
+    from mtc.plan import load_plan, load_plan_model
+    from mtc.planner import extrapolations, largest_fit, make_plan
+
+    program = None
+    if a.config:
+        cfg = load_config(a.config)
+    elif a.target is None:
+        raise MTCError("mtc plan needs a preset, a plan directory or --config FILE; e.g. `mtc plan 8b --machine h100-box`")
+    elif Path(a.target).is_dir():
+        program = load_plan(a.target)
+        cfg = TrainConfig(**load_plan_model(a.target))
+    else:
+        cfg = TrainConfig(model=a.target)
+    for path in _PLAN_FLAGS:
+        raw = getattr(a, _dest(path))
+        if raw is not None:
+            set_field(cfg, path, parse_field(path, raw, flag=_flag(path)))
+    profile = load_machine(a.machine)
+    plan = make_plan(cfg, profile, program=program)
+    print("\n".join(plan.lines()))
+    if not a.no_extrapolate:
+        print("\nextrapolations (built-in machine profiles; their assumed figures are listed with them):")
+        print("\n".join(extrapolations()))
+        sizes = largest_fit(profile)
+        print(f"\nlargest Llama-8b-shaped model whose fp32 state (master, m, v) fits {profile.name} (GPU + RAM + disk):")
+        for mode, n in sizes.items():
+            print(f"  durability {mode:7s} {n / 1e9:8.2f}B parameters" if n else f"  durability {mode:7s} none fits")
+    return 0 if plan.fits else 1
+
+
+def _cmd_calibrate(a: argparse.Namespace) -> int:
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, calibrate
+
+    prof = calibrate(directory=a.dir)
+    out = prof.save(a.output or DEFAULT_PROFILE_PATH)
+    pcie = "memcpy (no GPU: no PCIe link to measure)" if prof.pcie_is_memcpy else "pinned"
+    print(f"machine: {prof.device}; {prof.cores} cores, {prof.host_memory_bytes / 2**30:.1f} GiB RAM"
+          + (f", GPU {prof.gpu_memory_bytes / 2**30:.1f} GiB" if prof.gpu_memory_bytes else ""))
+    print(f"host->device {prof.h2d_gbps:.1f} GB/s, device->host {prof.d2h_gbps:.1f} GB/s, both {prof.both_gbps:.1f} GB/s ({pcie})")
+    print(f"disk at {prof.disk_dir} (page cache dropped): write {prof.disk_write_gbps:.2f} GB/s, read {prof.disk_read_gbps:.2f} GB/s; "
+          f"through the store: write {prof.store_write_gbps:.2f}, read {prof.store_read_gbps:.2f} GB/s")
+    print(f"CPU AdamW ({prof.adamw_impl}, {prof.cores} threads): {prof.adamw_rate:.2f} G params/s; "
+          f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes)")
+    print(f"profile written to {out}; use it with `mtc plan ... --machine {out}`")
+    return 0
+
+
+def _cmd_compile_user_model(a: argparse.Namespace) -> int:
+    from mtc.api import compile as compile_model
+    from mtc.errors import ConfigError
+
+    if a.factory is not None and a.model is not None:
+        raise ConfigError(f"give the model once: the preset {a.model!r} or --model {a.factory}, not both")
+    res = compile_model(a.factory or a.model, a.output, batch_size=a.micro_batch_size, seq_len=a.seq_len, dtype=a.dtype)
+    print(res.report)
+    print(f"plan and kernels written to {res.path} (train it: mtc train --plan {res.path} --store RUN --data FILE)")
+    return 0
+
+
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from mtc.evaluate import evaluate_store
+
+    r = evaluate_store(a.store, a.data, step=a.step, batches=a.batches, split=a.split, seed=a.seed, device=a.device)
+    print(f"step {r.step}: {r.split} loss {r.loss:.6f} perplexity {r.perplexity:.6g} "
+          f"({r.batches} batches, {r.tokens:,} tokens, {r.seconds:.2f} s)")
+    return 0
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from mtc.errors import ConfigError
+    from mtc.generate import generate_from_store
+
+    if a.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
+    if a.top_k is not None and a.top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {a.top_k}; omit it to sample from the whole vocabulary")
+    budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
+    r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                            top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
+                            tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget)
+    print(a.prompt + r.text)
+    print(f"generated {len(r.tokens)} tokens from step {r.step} in {r.prefill_s + r.decode_s:.2f} s: "
+          f"{r.tokens_per_s:.1f} tokens/s ({r.decode_tokens_per_s:.1f} after the first; prompt {r.prompt_tokens} tokens, "
+          f"{r.prefill_s:.2f} s to the first token; KV cache {'on' if r.kv_cache else 'off'}; "
+          f"{r.resident_layers} layers resident, {r.streamed_layers} streamed per token)", file=sys.stderr)
+    return 0
+
+
+def _cmd_plot(a: argparse.Namespace) -> int:
+    from mtc.plot import plot_run
+
+    out = plot_run(a.store, a.output)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `mtc`."""
     from mtc.config import field_help, field_metavar
@@ -307,7 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = t.add_mutually_exclusive_group()
     src.add_argument("--preset", help=f"model preset, one of: {', '.join(preset_names())}")
     src.add_argument("--config", help="a .json or .toml TrainConfig file")
-    src.add_argument("--plan", help="a plan directory from `mtc compile` (its program and kernels are used as compiled)")
+    src.add_argument("--plan", help="a plan directory from `mtc compile` or mtc.save_plan (its program and kernels are used as "
+                     "compiled; a user's model needs a recorded factory to start, none to resume)")
+    src.add_argument("--model", help="a model factory by import path, package.module:function (returns an nn.Module; "
+                     "the current directory is searched first)")
     t.add_argument("--store", required=True, help="store directory (created, or resumed)")
     t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
     for path in _TRAIN_FLAGS:
@@ -315,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))
         else:
             # Values stay text here: the schema parses and checks them, so a bad value is one line.
-            t.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
+            aliases = ["--ram-budget"] if path == "ram_budget_gb" else []  # the name the disk-tier docs use
+            t.add_argument(_flag(path), *aliases, dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     t.add_argument("--unfused", action="store_const", const="unfused", dest="kernels", help="same as --kernels unfused")
     t.add_argument("--stop-after", type=int, metavar="STEP",
                    help="stop once this step is committed (resume later); >= 1 (default: train to --steps)")
@@ -324,7 +514,41 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face checkpoint directory, with fresh optimizer state (the model comes from there)")
     t.add_argument("--allow-change", metavar="FIELDS", help="on resume, let these differ from the committed run, e.g. "
                    "'steps,optim.lr' or 'data' (recorded in the commit history); model and shape fields never may")
+    t.add_argument("--tensorboard", metavar="DIR", help="also write each step's figures as TensorBoard events into DIR "
+                   "(needs the tensorboard package)")
     t.set_defaults(fn=_cmd_train)
+
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's committed weights on a token file (read-only)")
+    ev.add_argument("store")
+    ev.add_argument("--data", required=True, help="token file (see `mtc prepare`)")
+    ev.add_argument("--step", type=int, help="committed step to evaluate (default: the last commit)")
+    ev.add_argument("--batches", type=int, default=8, help="batches of the run's micro_batch_size x seq_len (default: 8)")
+    ev.add_argument("--split", default="val", choices=["val", "train", "all"],
+                    help="val: the held-out last 5%% of the tokens (what --eval-every measures); all: the whole file")
+    ev.add_argument("--seed", type=int, help="seed of the batch positions (default: the run's)")
+    ev.add_argument("--device", help="cpu or cuda[:N] (default: the run's device when available, else cpu)")
+    ev.set_defaults(fn=_cmd_eval)
+
+    g = sub.add_parser("generate", help="sample text from a run's committed weights (layers streamed, KV cache)")
+    g.add_argument("store")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--step", type=int, help="committed step to sample from (default: the last commit)")
+    g.add_argument("--context", type=int, help="tokens the model sees (default: the run's seq_len; at most max_seq_len)")
+    g.add_argument("--tokenizer", help="tokenizer.json or Hugging Face tokenizer directory (default: the run's)")
+    g.add_argument("--device", help="cpu or cuda[:N] (default: the run's device when available, else cpu)")
+    g.add_argument("--weights-budget-gb", type=float, help="device memory for resident weights; the rest is read "
+                   "per token (default: free memory less 2 GiB; CPU: half the available RAM)")
+    g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole window for every token (slow; a check)")
+    g.set_defaults(fn=_cmd_generate)
+
+    pl = sub.add_parser("plot", help="draw a run's loss, validation loss, learning rate and throughput against step")
+    pl.add_argument("store")
+    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
+    pl.set_defaults(fn=_cmd_plot)
 
     i = sub.add_parser("inspect", help="list a store's arrays, its last commit and any damage (read-only; exit 1 if damaged)")
     i.add_argument("store")
@@ -340,14 +564,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("store")
     r.set_defaults(fn=_cmd_repair)
 
-    pr = sub.add_parser("prepare", help="tokenize a text file (or a directory of .txt) into a token file")
-    pr.add_argument("text")
-    pr.add_argument("-o", "--output", required=True)
-    pr.add_argument("--tokenizer", default="byte")
+    pr = sub.add_parser("prepare", help="tokenize text, JSONL or parquet (or SFT records) into a token file",
+                        description="Each text file, JSONL line or parquet row is one document, followed by the "
+                        "tokenizer's EOS token; SFT records (--prompt-field/--response-field or --messages-field) get "
+                        "a loss mask so only the responses are trained on.")
+    pr.add_argument("inputs", nargs="+", metavar="INPUT", help="files, or directories of *.txt / *.jsonl / *.parquet")
+    pr.add_argument("-o", "--output", required=True, help="the token file to write (OUT.bin, with OUT.json beside it)")
+    pr.add_argument("--tokenizer", default="byte", help="'byte' (default), a tokenizer.json, or a Hugging Face "
+                    "tokenizer directory; its files are copied to OUT.tokenizer/")
+    pr.add_argument("--format", choices=["text", "jsonl", "parquet"], help="input format (default: by file suffix)")
+    pr.add_argument("--field", default="text", help="the text field of JSONL / parquet records (default: text)")
+    pr.add_argument("--prompt-field", help="SFT: the prompt field (with --response-field); not trained on")
+    pr.add_argument("--response-field", help="SFT: the response field, the only targets of the loss")
+    pr.add_argument("--messages-field", help="SFT: a field of chat messages [{role, content}, ...]; the assistant's "
+                    "replies are the targets (rendered with the tokenizer's chat template when it has one)")
+    pr.add_argument("--eos", metavar="TOKEN", help="the token ending each document, when tokenizer_config.json names none")
     pr.set_defaults(fn=_cmd_prepare)
 
     c = sub.add_parser("compile", help="trace a model and generate its fused kernels into a plan directory; print the report")
-    c.add_argument("model", help="model preset")
+    c.add_argument("model", nargs="?", help="model preset")
+    c.add_argument("--model", dest="factory", metavar="PACKAGE.MODULE:FACTORY",
+                   help="a user's model: a function (or nn.Module class) by import path that returns the model")
     c.add_argument("-o", "--output", required=True)
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--micro-batch-size", type=int, default=1)
@@ -376,6 +613,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--micro-batch-size", type=int, default=1)
     tr.add_argument("--meta", action="store_true", help="trace on the meta device (no weights; for large presets)")
     tr.set_defaults(fn=_cmd_trace)
+
+    pl = sub.add_parser("plan", help="placement, memory per tier, disk per durability mode, fit and predicted step time of a run "
+                        "on a machine profile; exit 1 if it does not fit")
+    pl.add_argument("target", nargs="?", help="a model preset or a plan directory (from `mtc compile`)")
+    pl.add_argument("--config", help="a .json or .toml TrainConfig file instead")
+    pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
+                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme); default: the last `mtc calibrate` profile, else a quick measurement")
+    for path in _PLAN_FLAGS:
+        pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
+    pl.add_argument("--no-extrapolate", action="store_true", help="skip the 70B/120B/175B extrapolations and the largest-model search")
+    pl.set_defaults(fn=_cmd_plan)
+
+    ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")
+    ca.add_argument("-o", "--output", help="profile file (default: ~/.cache/mtc/machine.json, which `mtc plan` reads by default)")
+    ca.add_argument("--dir", help="directory on the disk to measure (where stores will live; default: the temp dir)")
+    ca.set_defaults(fn=_cmd_calibrate)
     return p
 
 
@@ -387,7 +640,8 @@ def _run(argv: list[str] | None) -> int:
         try:
             return args.fn(args)
         except MTCError as e:
-            print(f"mtc: error: {e}", file=sys.stderr)
+            for line in str(e).splitlines() or [""]:  # a fit refusal names every resource that is short, one line each
+                print(f"mtc: error: {line}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("mtc: interrupted", file=sys.stderr)

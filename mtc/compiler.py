@@ -1,30 +1,56 @@
-"""Compile a Program's templates: lower, partition, generate kernels, splice them into graphs.
+"""Compile a Program's templates: one flat pipeline of named passes, and plans that load.
 
-For every template two graphs are built (see `mtc.graphs.partition`): the forward, used in
-forward visits, and the joint forward+backward, used in backward visits (it recomputes the layer
-and returns its gradients in one go). Each fusion group that the generator can express becomes
-one generated Triton kernel called from the graph; anchors (matmuls, attention) and the ops no
-kernel covers stay ATen calls, and the report says which. Kernels are cached in the plan
-directory by source hash, so recompiling an unchanged plan generates nothing.
+For every template two graphs are built: the forward, used in forward visits, and the joint
+forward+backward, used in backward visits (it recomputes the layer and returns its gradients in
+one go). `PASSES` below is the whole pipeline, in order; each pass is a named function of the
+template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and their swaps):
+
+    count ATen ops      lower without hand-tuned swaps: the op count unfused execution runs
+    lower               forward and joint graphs in core ATen, template-level swaps applied
+                        (grouped KV heads, linear + cross-entropy: kernels/swaps.py)
+    mark devices        device arguments become a marker bound when the graph is instantiated
+    flash attention     mtc::attention -> the Triton flash-attention kernels (optional)
+    fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
+    fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
+    fuse joint          splice the kernels into the graph
+
+Each fusion group the generator can express becomes one generated Triton kernel called from the
+graph; anchors (matmuls, attention) and the ops no kernel covers stay ATen calls, and the report
+says which. `compile_program` stores each compiled template (graphs with kernels spliced in, the
+report, the key it was compiled under) beside the kernel sources, and a later call loads it
+instead of compiling; a template whose key no longer matches (mtc version, compiler and kernel
+sources, torch, triton, device capability, input shapes and dtypes, options) is recompiled, and
+says why, one line per template.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import heapq
+import json
+import os
+import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
 
-from mtc.graphs.partition import FusionGroup, Partition, forward_graph, joint_graph, partition
+from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
+from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
-from mtc.graphs.rewrite import fold_ce_grad_scale, use_flash_attention
-from mtc.kernels.codegen import CodegenError, FusedKernel, compile_group
+from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
+from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
+from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
 
-__all__ = ["CompiledTemplate", "GraphReport", "cache_key", "compile_program", "compile_template", "format_report", "write_report"]
+__all__ = [
+    "PASSES", "CompiledTemplate", "GraphReport", "Pass", "Work", "cache_key", "compile_program", "compile_template",
+    "format_report", "launches", "staleness_key", "write_report",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,20 +87,24 @@ class CompiledTemplate:
         return gm
 
 
+def _capability() -> str:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm{major}{minor}"
+    return "cpu-interpreter"
+
+
 def cache_key() -> str:
     """What generated kernels depend on besides their source: torch, triton, device capability."""
     import triton
 
-    cap = "cpu-interpreter"
-    if torch.cuda.is_available():
-        cap = "sm%d%d" % torch.cuda.get_device_capability()
-    return f"torch{torch.__version__}-triton{triton.__version__}-{cap}".replace("+", "_")
+    return f"torch{torch.__version__}-triton{triton.__version__}-{_capability()}".replace("+", "_")
 
 
-def _fuse(gm: fx.GraphModule, cache_dir: Path, unfused_ops: int | None = None) -> tuple[fx.Graph, GraphReport]:
+def _fuse(graph: fx.Graph, cache_dir: Path, unfused_ops: int | None = None) -> tuple[fx.Graph, GraphReport]:
     """Generate and splice a kernel per fusion group; ``unfused_ops``: the ATen op count of the
     graph without hand-tuned swaps (the report compares against what unfused execution runs)."""
-    p: Partition = partition(gm.graph)
+    p: Partition = partition(graph, FUSIBLE)
     kernels: dict[int, FusedKernel] = {}
     skipped: Counter[str] = Counter()
     for i, group in enumerate(p.groups):
@@ -82,7 +112,7 @@ def _fuse(gm: fx.GraphModule, cache_dir: Path, unfused_ops: int | None = None) -
             kernels[i] = compile_group(group, cache_dir)
         except CodegenError as e:
             skipped[str(e).split(":")[0][:60]] += 1
-    graph = _splice(gm.graph, [(p.groups[i], k) for i, k in kernels.items()])
+    spliced = _splice(graph, [(p.groups[i], k) for i, k in kernels.items()])
     report = GraphReport(
         aten_ops=p.aten_ops() if unfused_ops is None else unfused_ops,
         kernels=p.kernels() + sum(len(p.groups[i].nodes) - 1 for i in range(len(p.groups)) if i not in kernels),
@@ -93,7 +123,7 @@ def _fuse(gm: fx.GraphModule, cache_dir: Path, unfused_ops: int | None = None) -
         hand_tuned=dict(Counter(str(n.target).removeprefix("mtc.").removesuffix(".default")
                                 for n in p.anchors if str(n.target).startswith("mtc."))),
     )
-    return graph, report
+    return spliced, report
 
 
 def _splice(graph: fx.Graph, fused: list[tuple[FusionGroup, FusedKernel]]) -> fx.Graph:
@@ -158,40 +188,257 @@ def _item(t: tuple[torch.Tensor, ...], j: int) -> torch.Tensor:
     return t[j]
 
 
-def _devices_to_marker(graph: fx.Graph) -> None:
-    for n in graph.nodes:
-        n.args = devices_to_marker(n.args)
-        n.kwargs = devices_to_marker(n.kwargs)
+TEMPLATE_SWAPS: tuple[Rewrite, ...] = (use_grouped_kv, use_linear_cross_entropy)
 
 
-def compile_template(t: Template, cache_dir: str | Path, *, attention: str = "flash") -> CompiledTemplate:
-    """Lower, partition and fuse one template (kernels cached under ``cache_dir``).
+@dataclasses.dataclass(slots=True)
+class Work:
+    """One template on its way through `PASSES`."""
+
+    template: Template
+    cache: Path
+    attention: str
+    grad_aux: tuple[bool, ...]
+    forward: fx.Graph | None = None
+    joint: fx.Graph | None = None
+    diff: list[int] = dataclasses.field(default_factory=list)
+    unfused_ops: tuple[int, int] = (0, 0)
+    reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pass:
+    """A named step of the compiler."""
+
+    name: str
+    run: Callable[[Work], None]
+
+
+def _count_aten_ops(w: Work) -> None:
+    """What unfused execution launches: the lowering without hand-tuned swaps, partitioned."""
+    fwd = forward_graph(w.template).graph
+    joint = joint_graph(w.template, grad_aux=w.grad_aux)[0].graph
+    w.unfused_ops = (partition(fwd, FUSIBLE).aten_ops(), partition(joint, FUSIBLE).aten_ops())
+
+
+def _lower(w: Work) -> None:
+    w.forward = forward_graph(w.template, TEMPLATE_SWAPS).graph
+    jg, w.diff = joint_graph(w.template, TEMPLATE_SWAPS, w.grad_aux)
+    w.joint = jg.graph
+
+
+def _mark_devices(w: Work) -> None:
+    for g in (w.forward, w.joint):
+        for n in g.nodes:
+            n.args = devices_to_marker(n.args)
+            n.kwargs = devices_to_marker(n.kwargs)
+
+
+def _flash_attention(w: Work) -> None:
+    if w.attention == "flash":
+        use_flash_attention(w.forward)
+        use_flash_attention(w.joint)
+
+
+def _fold_ce_grad_scale(w: Work) -> None:
+    fold_ce_grad_scale(w.joint)
+
+
+def _fuse_forward(w: Work) -> None:
+    w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
+
+
+def _fuse_joint(w: Work) -> None:
+    w.joint, w.reports["backward"] = _fuse(w.joint, w.cache, w.unfused_ops[1])
+
+
+PASSES: list[Pass] = [
+    Pass("count ATen ops", _count_aten_ops),
+    Pass("lower", _lower),
+    Pass("mark devices", _mark_devices),
+    Pass("flash attention", _flash_attention),
+    Pass("fold CE grad scale", _fold_ce_grad_scale),
+    Pass("fuse forward", _fuse_forward),
+    Pass("fuse joint", _fuse_joint),
+]
+
+
+def compile_template(
+    t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = ()
+) -> CompiledTemplate:
+    """Run `PASSES` over one template (kernels cached under ``cache_dir``).
 
     ``attention``: "flash" runs mtc's Triton flash-attention kernels; "aten" keeps torch's SDPA
-    kernels (``mtc::attention``), for comparison.
+    kernels (``mtc::attention``), for comparison. ``grad_aux``: for each aux output of the embed
+    stage, whether it depends on a parameter (its gradient then flows back through the blocks).
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
-    cache = Path(cache_dir) / cache_key()
-    fwd = forward_graph(t)
-    joint, diff = joint_graph(t)
-    for g in (fwd.graph, joint.graph):
-        _devices_to_marker(g)
-        if attention == "flash":
-            use_flash_attention(g)
-    fold_ce_grad_scale(joint.graph)
-    # ATen ops are counted on the lowering without hand-tuned rewrites: what unfused execution runs
-    unfused_f = partition(forward_graph(t, hand_tuned=False).graph).aten_ops()
-    unfused_j = partition(joint_graph(t, hand_tuned=False)[0].graph).aten_ops()
-    fg, frep = _fuse(fwd, cache, unfused_f)
-    jg, jrep = _fuse(joint, cache, unfused_j)
-    return CompiledTemplate(t.id, fg, jg, diff, frep, jrep)
+    w = Work(t, Path(cache_dir) / cache_key(), attention, tuple(grad_aux))
+    for p in PASSES:
+        p.run(w)
+    return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"])
 
 
-def compile_program(program: Program, cache_dir: str | Path) -> dict[str, CompiledTemplate]:
-    """Compile every template of ``program``."""
-    return {tid: compile_template(t, cache_dir) for tid, t in program.templates.items()}
+def launches(graph: fx.Graph) -> int:
+    """Kernel-invoking nodes of a compiled graph (a CPU-countable proxy for GPU launches): every
+    call but views and the picking of a fused kernel's outputs."""
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target not in VIEWS and n.target is not _item)
 
+
+# -- plans that load ---------------------------------------------------------------------------
+
+RECORDS = "compiled"  # sub-directory of the kernel cache holding one JSON record per template
+RECORD_VERSION = 1
+
+
+@functools.cache
+def _source_hash() -> str:
+    """Hash of the code that decides what a compiled template is: graphs/, kernels/ and this file."""
+    import mtc.graphs
+    import mtc.kernels
+
+    h = hashlib.sha256()
+    files = [Path(__file__)] + [f for pkg in (mtc.graphs, mtc.kernels) for d in pkg.__path__ for f in sorted(Path(d).rglob("*.py"))]
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _mtc_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtc")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = ()) -> dict[str, str]:
+    """What a compiled template depends on; a stored one whose key differs is recompiled."""
+    import triton
+
+    return {
+        "mtc": _mtc_version(),
+        "kernel sources": _source_hash(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": _capability(),
+        "shapes": " ".join("x".join(map(str, i.spec.shape)) or "scalar" for i in t.inputs),
+        "dtypes": " ".join(i.spec.dtype for i in t.inputs),
+        "options": f"attention={attention} grad_aux={''.join('1' if g else '0' for g in grad_aux)}",
+    }
+
+
+def _name_target(target: Any, kernels: list[dict[str, Any]]) -> str | None:
+    if target is _item:
+        return "mtc:item"
+    if isinstance(target, FusedKernel):
+        kernels.append(target.spec())
+        return f"mtc:kernel:{len(kernels) - 1}"
+    return None
+
+
+def _record(ct: CompiledTemplate, key: dict[str, str]) -> dict[str, Any]:
+    graphs = {}
+    for which, g in (("forward", ct.forward_graph), ("joint", ct.joint_graph)):
+        kernels: list[dict[str, Any]] = []
+        graphs[which] = {"nodes": graph_to_dict(g, lambda t, k=kernels: _name_target(t, k)), "kernels": kernels}
+    return {"format": "mtc-compiled-template", "version": RECORD_VERSION, "template": ct.template_id, "key": key,
+            "diff": ct.diff, "forward_report": dataclasses.asdict(ct.forward_report),
+            "backward_report": dataclasses.asdict(ct.backward_report), "graphs": graphs}
+
+
+def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
+    """A compiled template from its record; raises (any error) when it cannot be rebuilt."""
+    # the mtc ops compiled graphs call must be registered before their names resolve
+    import mtc.kernels.flash_attention
+    import mtc.kernels.linear_cross_entropy  # noqa: F401
+
+    graphs = {}
+    for which in ("forward", "joint"):
+        rec = doc["graphs"][which]
+        kernels = [load_kernel(spec, cache) for spec in rec["kernels"]]
+
+        def resolve(name: str, kernels: list[FusedKernel] = kernels) -> Any:
+            if name == "mtc:item":
+                return _item
+            if name.startswith("mtc:kernel:"):
+                return kernels[int(name.rsplit(":", 1)[1])]
+            return None
+
+        graphs[which] = graph_from_dict(rec["nodes"], resolve)
+    return CompiledTemplate(doc["template"], graphs["forward"], graphs["joint"], list(doc["diff"]),
+                            GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]))
+
+
+def _stale_fields(old: dict[str, str], new: dict[str, str]) -> str:
+    diffs = []
+    for k, v in new.items():
+        if old.get(k) != v:
+            diffs.append(f"{k} changed" if k == "kernel sources" else f"{k} {old.get(k, '?')} -> {v}")
+    return "; ".join(diffs)
+
+
+def _stderr(msg: str) -> None:
+    print(f"mtc: {msg}", file=sys.stderr, flush=True)
+
+
+def aux_param_dependence(program: Program) -> tuple[bool, ...]:
+    """For each aux output of the embed stage: does it depend on a parameter?"""
+    embed = program.template_of(0)
+    params = set(embed.input_names("param"))
+    out_node = next(n for n in embed.graph.nodes if n.op == "output")
+    result = []
+    for o in out_node.args[0][1:]:
+        todo, seen, dep = [o], set(), False
+        while todo and not dep:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            dep = n.op == "placeholder" and n.name in params
+            todo.extend(n.all_input_nodes)
+        result.append(dep)
+    return tuple(result)
+
+
+def compile_program(
+    program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = _stderr
+) -> dict[str, CompiledTemplate]:
+    """Every template of ``program`` compiled: loaded from ``cache_dir`` where a stored record's
+    key matches, compiled (and stored) otherwise. A stored template that is stale gets one line
+    through ``log`` saying which and why."""
+    cache_dir = Path(cache_dir)
+    grad_aux = aux_param_dependence(program)
+    records = cache_dir / RECORDS
+    out: dict[str, CompiledTemplate] = {}
+    for tid, t in program.templates.items():
+        key = staleness_key(t, attention=attention, grad_aux=grad_aux)
+        path = records / f"{tid}.json"
+        why = None
+        if path.is_file():
+            try:
+                doc = json.loads(path.read_text())
+                if doc.get("version") != RECORD_VERSION:
+                    why = f"record version {doc.get('version')} -> {RECORD_VERSION}"
+                elif doc.get("key") != key:
+                    why = _stale_fields(doc.get("key", {}), key)
+                else:
+                    out[tid] = _load_record(doc, cache_dir / cache_key())
+                    continue
+            except (OSError, ValueError, KeyError, TypeError, SerializeError) as e:
+                why = f"its stored record cannot be loaded ({type(e).__name__}: {str(e)[:120]})"
+            if log is not None:
+                log(f"recompiling template {tid}: stale ({why})")
+        ct = compile_template(t, cache_dir, attention=attention, grad_aux=grad_aux)
+        records.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(_record(ct, key)))
+        os.replace(tmp, path)
+        out[tid] = ct
+    return out
 
 
 def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> str:

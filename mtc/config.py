@@ -142,6 +142,12 @@ def _cuda_index(device: str) -> None:
         raise ValueError("a device is 'cpu', 'cuda' or 'cuda:N'")
 
 
+def _glob_list(text: str) -> None:
+    items = text.split(",")
+    if text.strip() and any(not i.strip() for i in items):
+        raise ValueError("an empty pattern between commas; write patterns such as '*.bias,*norm*'")
+
+
 _PLACEMENT_RULE = Rule(choices=_PLACEMENT_WORDS, syntax=_tier_ranges, syntax_doc="tier:ranges such as 'gpu:0-3,ram:4-19,disk:20-31'")
 _GPU_UPDATE_RULE = Rule(choices=_LAYER_SET_WORDS, syntax=_ranges, syntax_doc="layer ranges such as '0-3,7'")
 
@@ -160,6 +166,10 @@ class OptimConfig:
     beta2: float = field(0.95, ge=0, lt=1, help="AdamW beta2")
     eps: float = field(1e-8, gt=0, help="AdamW epsilon")
     clip_norm: float | None = field(1.0, gt=0, help="clip the global gradient norm to this; none: no clipping")
+    # Weight-decay groups (see mtc.param_groups): part of the state's flat layout, fixed for a run.
+    no_decay: str = field("", syntax=_glob_list, syntax_doc="comma-separated fnmatch patterns such as '*.bias,*norm*'",
+                          help="parameter names (fnmatch patterns, comma-separated) that never decay")
+    decay_min_ndim: int = field(2, ge=0, help="parameters with fewer dimensions never decay (0: all may decay)")
 
     def validate(self) -> None:
         """Raise ConfigError for values AdamW cannot use (fields named optim.*)."""
@@ -175,7 +185,8 @@ class OptimConfig:
 class TrainConfig:
     """Everything a training run needs besides the store directory and the data file."""
 
-    model: str = field("tiny", help="model preset")
+    model: str = field("tiny", help="model preset, or a factory's import path package.module:function, or 'custom' "
+                       "(a model given from Python)")
     model_overrides: dict[str, Any] = field(default_factory=dict, help="preset fields to replace, e.g. n_layers = 2")
     steps: int = field(200, ge=1, help="optimizer steps to train to")
     micro_batch_size: int = field(16, ge=1, help="sequences per micro-batch")
@@ -207,9 +218,17 @@ class TrainConfig:
                                                help="GPU GB for layer-boundary activations (beyond: pinned host); none: no limit")
     ram_budget_gb: float | None = field(None, gt=0, help="host RAM GB for state (auto placement); none: available memory minus a margin")
     gpu_budget_gb: float | None = field(None, gt=0, help="GPU GB for resident state (auto placement); none: free memory minus workspace")
+    # "store" keeps no host RAM per disk parameter (the weights are read at each visit, 4 bytes per
+    # parameter per visit more disk traffic); "ram" keeps the compute-dtype copy pinned.
+    disk_compute: str = field("auto", choices=("auto", "ram", "store"),
+                              help="where disk layers' compute copy lives: pinned ram, or read from the store per visit; "
+                              "auto: store for float32 compute, ram for bfloat16")
     optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
     # A step whose loss or grad norm is not finite is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = field(3, ge=1, help="stop with an error after this many consecutive non-finite steps")
+    # Validation on the held-out split (the token file's last 5 %), on the weights of the step reported.
+    eval_every: int = field(0, ge=0, help="log the validation loss every N steps and at the last step; 0: never")
+    eval_batches: int = field(8, ge=1, help="held-out batches (of micro_batch_size x seq_len) per validation")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer settings")
 
     def validate(self) -> None:
@@ -217,6 +236,17 @@ class TrainConfig:
         check_dataclass(self)
         from mtc.models import FAMILIES, model_class, model_config, model_names, preset_names  # config must stay importable alone
 
+        if self.model == "custom" or ":" in self.model:  # a user's model (mtc.user_model): nothing preset to check
+            if self.model_overrides:
+                raise ConfigError(f"config field model_overrides: only presets take overrides, model {self.model!r} "
+                                  "is a user's model; change the model itself")
+            if ":" in self.model:
+                from mtc.user_model import is_factory_path
+
+                if not is_factory_path(self.model):
+                    raise ConfigError(f"config field model: {self.model!r} is neither a preset nor an import path "
+                                      "package.module:function; known presets: " + ", ".join(preset_names()))
+            return
         if self.model not in model_names():
             raise ConfigError(
                 f"config field model: unknown preset {self.model!r}; known presets: {', '.join(preset_names())}; "
@@ -252,6 +282,14 @@ class TrainConfig:
         if self.compute_dtype != "auto":
             return self.compute_dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def resolved_disk_compute(self) -> str:
+        """Where disk layers' compute copy lives: 'auto' reads fp32 weights from the store per visit
+        (a RAM copy would cost 4 bytes per parameter, the whole <= 4 B/param budget) and keeps bf16 ones in RAM."""
+        if self.disk_compute != "auto":
+            return self.disk_compute
+        return "store" if self.resolved_compute_dtype == "float32" else "ram"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""

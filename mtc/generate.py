@@ -1,11 +1,42 @@
-"""Sampling text from a trained model (a plain forward per token; the demo's models are tiny)."""
+"""Sampling text from a trained run: committed weights streamed one unit at a time, with a KV cache.
+
+`generate_from_store` reads the run's plan and a committed step (`mtc.weight_sources`), builds the
+model on the meta device (`mtc.decoders.Decoder`) and decodes: each token runs embed, every block
+and the head, each unit's weights fetched from the store (kept resident on the device while they
+fit its budget, as a small model's all do; beyond it they are read again for every token, the next
+unit's read overlapping the current unit's compute). With the KV cache (`mtc.kv_cache`) the prompt
+is run once and each new token costs one position per layer; the window is the run's training
+``seq_len`` unless ``context`` says otherwise; when it fills, the cache restarts from the last half
+of it. `generate` is the plain version over a resident `nn.Module` (no cache, the reference).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["generate"]
+from mtc.decoders import Decoder
+from mtc.errors import ConfigError, DataError
+from mtc.kv_cache import KVCache
+
+__all__ = ["GenerationResult", "generate", "generate_from_store", "resolve_tokenizer", "sample_next", "stream_generate"]
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, gen: torch.Generator) -> int:
+    """One token from 1-D ``logits``: argmax when ``temperature <= 0``, else top-k sampling at that temperature."""
+    logits = logits.float().cpu()
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
 @torch.no_grad()
@@ -19,7 +50,7 @@ def generate(
     top_k: int | None = 40,
     seed: int = 0,
 ) -> list[int]:
-    """Continue ``prompt`` by ``max_new_tokens`` sampled tokens; the window is cropped to ``context``."""
+    """Continue ``prompt`` by ``max_new_tokens`` tokens with a resident model, re-running the window each token."""
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     gen = torch.Generator().manual_seed(seed)
@@ -30,15 +61,173 @@ def generate(
     for _ in range(max_new_tokens):
         x = torch.tensor([ids[-context:]], dtype=torch.long, device=device)
         out = model(x)
-        logits = getattr(out, "logits", out)[0, -1].float().cpu()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-        ids.append(nxt)
+        ids.append(sample_next(getattr(out, "logits", out)[0, -1], temperature=temperature, top_k=top_k, gen=gen))
     model.train(was_training)
     return ids[len(prompt):]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """New tokens and how fast they came."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float  # the prompt's forward and the first token
+    decode_s: float  # every later token
+    kv_cache: bool
+    step: int = -1  # the committed step sampled from (-1: not from a store)
+    text: str = ""
+    stopped_at_eos: bool = False
+    resident_layers: int = 0  # state layers kept on the device
+    streamed_layers: int = 0  # state layers read again for every token
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second, prompt included in the time."""
+        return len(self.tokens) / max(self.prefill_s + self.decode_s, 1e-12)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first (the steady decoding rate)."""
+        return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else float("nan")
+
+
+def _forward(dec: Decoder, weights: Any, ids: list[int], pos: int, cache: KVCache | None, device: torch.device) -> torch.Tensor:
+    """Logits of the last of ``ids`` (at positions pos ..), every unit's weights fetched as it runs."""
+    units: list[tuple[str, int, list[str]]] = [("embed", -1, dec.embed_keys())]
+    units += [("block", j, dec.block_keys(j)) for j in range(dec.n_blocks)] + [("head", -1, dec.head_keys())]
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    for k, (kind, j, keys) in enumerate(units):
+        w = weights.get(keys)
+        weights.prefetch(units[(k + 1) % len(units)][2])  # the head's successor: the next token's embed
+        if kind == "embed":
+            x = dec.embed(w, x, pos)
+        elif kind == "block":
+            if cache is None:
+                x = dec.block(j, w, x, pos)
+            else:
+                with cache.attending(j, pos):
+                    x = dec.block(j, w, x, pos)
+        else:
+            return dec.head(w, x[:, -1:])[0, -1]
+    raise AssertionError("the head is the last unit")
+
+
+@torch.no_grad()
+def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_tokens: int, context: int,
+                    device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
+                    kv_cache: bool = True, eos_id: int | None = None) -> GenerationResult:
+    """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if ``eos_id`` comes), weights from ``weights``."""
+    if not prompt:
+        raise ConfigError("the prompt encodes to no tokens; give some text")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not 1 <= context <= dec.cfg.max_seq_len:
+        raise ConfigError(f"--context must be in 1..{dec.cfg.max_seq_len} (the model's max_seq_len), got {context}")
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    ids = [int(t) for t in prompt]
+    new: list[int] = []
+    cache = KVCache(dec.n_blocks, context) if kv_cache else None
+    filled = 0
+    t0 = time.perf_counter()
+    t_first = t0
+    eos = False
+    for n in range(max_new_tokens):
+        if cache is None:
+            logits = _forward(dec, weights, ids[-context:], 0, None, device)
+        elif n == 0 or filled + 1 > context:  # (re)fill the cache from the window's tail
+            keep = ids[-context:] if n == 0 else ids[-max(1, context // 2):]
+            cache = KVCache(dec.n_blocks, context)
+            logits = _forward(dec, weights, keep, 0, cache, device)
+            filled = len(keep)
+        else:
+            logits = _forward(dec, weights, ids[-1:], filled, cache, device)
+            filled += 1
+        tok = sample_next(logits, temperature=temperature, top_k=top_k, gen=gen)
+        if n == 0:
+            t_first = time.perf_counter()
+        if eos_id is not None and tok == eos_id:
+            eos = True
+            break
+        ids.append(tok)
+        new.append(tok)
+    t1 = time.perf_counter()
+    return GenerationResult(tokens=new, prompt_tokens=len(prompt), prefill_s=t_first - t0, decode_s=t1 - t_first,
+                            kv_cache=kv_cache, stopped_at_eos=eos)
+
+
+def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: str | None, vocab_size: int) -> Any:
+    """The run's tokenizer: ``--tokenizer`` when given, else ``RUN/tokenizer/``, else the one recorded
+    with the run's data (its ``<stem>.tokenizer/`` directory or its name), else bytes for a 256-token vocabulary."""
+    from mtc.data import get_tokenizer
+
+    spec: str | None = flag
+    if spec is None and (Path(store_dir) / "tokenizer").is_dir():
+        spec = str(Path(store_dir) / "tokenizer")
+    if spec is None and data_identity:
+        beside = Path(data_identity.get("path", "")).with_suffix(".tokenizer")
+        name = (data_identity.get("header") or {}).get("tokenizer")
+        spec = str(beside) if data_identity.get("path") and beside.is_dir() else name
+    if spec is None and vocab_size == 256:
+        spec = "byte"
+    if spec is None:
+        raise DataError(f"run {store_dir} records no tokenizer and its vocabulary ({vocab_size}) is not bytes; "
+                        "pass --tokenizer (a tokenizer.json or a Hugging Face tokenizer directory)")
+    tok = get_tokenizer(spec)
+    if tok.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {spec} has {tok.vocab_size} tokens, the model's vocabulary {vocab_size}; "
+                        "pass the tokenizer the run was prepared with (--tokenizer)")
+    return tok
+
+
+def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None = None, max_new_tokens: int = 200,
+                        temperature: float = 0.8, top_k: int | None = 40, seed: int = 0, context: int | None = None,
+                        kv_cache: bool = True, tokenizer: str | None = None, device: str | None = None,
+                        device_budget_bytes: int | None = None) -> GenerationResult:
+    """Sample a continuation of ``prompt`` from committed step ``step`` (default: the last) of a run."""
+    from mtc.evaluate import _compute_dtype, _default_device
+    from mtc.models import build
+    from mtc.plan import load_plan
+    from mtc.runtime.placement import available_host_bytes
+    from mtc.store import TensorStore
+    from mtc.weight_sources import StoreWeights, pick_step
+
+    with TensorStore.open(store_dir, read_only=True) as st:
+        at = pick_step(st, step)
+        cfg = at.record.config
+        program = load_plan(Path(store_dir) / "plan")
+        with torch.device("meta"):
+            model = build(cfg["model"], **(cfg.get("model_overrides") or {}))
+        dec = Decoder(model)
+        missing = [k for j in range(dec.n_blocks) for k in dec.block_keys(j) if k not in program.params]
+        missing += [k for k in dec.embed_keys() + dec.head_keys() if k not in program.params]
+        if missing:
+            raise ConfigError(f"the plan of run {store_dir} has no parameter {missing[0]} of preset {cfg['model']!r}; "
+                              "generation needs a run of a built-in model family")
+        vocab = dec.cfg.vocab_size
+        tok = resolve_tokenizer(store_dir, at.record.meta.get("data"), tokenizer, vocab)
+        ids = [int(i) for i in tok.encode(prompt)]
+        dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
+        dtype = getattr(torch, _compute_dtype(cfg, dev))
+        if device_budget_bytes is None:
+            device_budget_bytes = _default_budget(dev, available_host_bytes)
+        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes,
+                           host_budget_bytes=int(available_host_bytes() * 0.5))
+        try:
+            res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=context or cfg.get("seq_len", 128),
+                                  device=dev, temperature=temperature, top_k=top_k, seed=seed, kv_cache=kv_cache,
+                                  eos_id=getattr(tok, "eos_id", None))
+        finally:
+            src.close()
+        streamed = sum(1 for i in range(program.n_layers) if program.layer_numel(i)) - len(src.resident_layers)
+    return dataclasses.replace(res, step=at.step, text=tok.decode(res.tokens), resident_layers=len(src.resident_layers),
+                               streamed_layers=streamed)
+
+
+def _default_budget(dev: torch.device, host_bytes: Any) -> int:
+    """Weights kept resident: on a GPU its free memory less 2 GiB (activations, KV cache); on the CPU half the free RAM."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(0, free - 2 * 2**30)
+    return int(host_bytes() * 0.5)

@@ -22,15 +22,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mtc import changes as _changes
+from mtc import user_model
+from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
-from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits
+from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits, check_store_tokenizer, check_tokenizer_identity
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
+from mtc.metrics import peak_rate
 from mtc.models import build, model_config
+from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
@@ -43,6 +49,11 @@ from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.tracer import trace
+from mtc.watch import RunWatcher, check_eval_data
+from mtc.weight_sources import record_write_start
+
+if TYPE_CHECKING:
+    from mtc.stagewatch import StageWatch
 
 __all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
 
@@ -67,6 +78,15 @@ class StepRecord:
     committed: bool
     h2d_bytes: int  # host-to-device bytes issued during the step (weights, optimizer state, activations)
     d2h_bytes: int  # device-to-host bytes issued during the step (gradients, optimizer state, activations)
+    # mtc.watch.RunWatcher's figures (model FLOPs as mtc.metrics.model_flops; MFU over peak_tflops)
+    tflops: float = 0.0
+    mfu: float | None = None
+    peak_tflops: float | None = None
+    gpu_peak_bytes: int | None = None
+    host_rss_bytes: int = 0
+    phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    val_loss: float | None = None  # on the held-out split, with this step's weights (--eval-every)
+    eval_s: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,6 +98,7 @@ class Run:
     last: CommitRecord | None  # None: a new run (step 0 not committed yet, or durability 'none')
     params: dict[str, torch.Tensor] | None  # a new run's initial parameters (None when resuming)
     changes: list[str] = dataclasses.field(default_factory=list)  # fields --allow-change let differ on resume
+    change_values: dict = dataclasses.field(default_factory=dict)  # {field: [old, new]} of those changes
 
     @property
     def start_step(self) -> int:
@@ -106,7 +127,15 @@ class TrainResult:
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
-    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only)."""
+    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only);
+    ``cfg.model`` may also be a factory's import path (see `mtc.user_model`)."""
+    if cfg.model == user_model.CUSTOM:
+        raise ConfigError("this run's model came from Python without an import path, so mtc cannot build its initial "
+                          "weights: pass the model (mtc.train(model=...)), or record a factory: "
+                          "mtc.save_plan(program, DIR, factory='package.module:function')")
+    if user_model.is_factory_path(cfg.model):
+        return user_model.build_from_factory(cfg.model, seed=cfg.seed, device=device).to(
+            getattr(torch, cfg.resolved_compute_dtype))
     mcfg = model_config(cfg.model, **cfg.model_overrides)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
@@ -127,15 +156,14 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 
 # fields that change how a run executes but not what it computes: free to differ on resume
-_EXECUTION_FIELDS = ("io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
+_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32")
+                     "allow_tf32", "eval_every", "eval_batches")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
-# commit history); every other field would reinterpret the state (model shape, dtypes, batch shape)
-CHANGEABLE = ("data", "steps", "grad_accum", "seed", "optim.lr", "optim.min_lr", "optim.warmup_steps",
-              "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.clip_norm")
+# commit history); mtc.changes says why every other field may not
+CHANGEABLE = _changes.CHANGEABLE
 
 
 def _comparable(d: dict) -> dict:
@@ -164,15 +192,23 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     auto = None
     if cfg.placement.strip() == "auto":
-        if cfg.device == "cpu":
-            auto = ["ram"] * program.n_layers
-        else:
+        cuda = cfg.device.startswith("cuda")
+        gpu = 0
+        if cuda:
             gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
-            ram = cfg.ram_budget_gb * 2**30 if cfg.ram_budget_gb is not None else int(pl.available_host_bytes() * 0.85)
-            auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram))
+        # the RAM budget holds the state tiers; the disk pipeline's fixed buffers come off it first
+        ram = _ram_budget(cfg) - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=cfg.resolved_disk_compute,
+                                                          device_is_cuda=cuda)
+        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=cfg.resolved_disk_compute,
+                                 grads_on_device=cuda)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"))
     return placement, gpu_update
+
+
+def _ram_budget(cfg: TrainConfig) -> int:
+    """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin."""
+    return int(cfg.ram_budget_gb * 2**30) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
 
 
 def _gpu_free(cfg: TrainConfig) -> int:
@@ -184,56 +220,19 @@ def _gpu_free(cfg: TrainConfig) -> int:
 
 def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
     """GPU memory besides resident state: weight ring, gradient slabs, activations, one layer's work."""
-    largest = max(program.layer_numel(i) for i in range(program.n_layers))
-    hidden = cfg.micro_batch_size * cfg.seq_len * _hidden_size(program) * cbytes
-    acts = cfg.activation_budget_gb * 2**30 if cfg.activation_budget_gb is not None else cfg.grad_accum * program.n_layers * hidden
-    vocab = max(program.params[k].spec.shape[0] for k in program.layers[-1].param_keys())
-    head = cfg.micro_batch_size * cfg.seq_len * vocab * 4
-    return int(2 * largest * cbytes + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * 2**30)
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import gpu_workspace
+
+    return gpu_workspace(cfg, shape_from_program(program, cfg.model, cbytes))
 
 
-def _hidden_size(program: Program) -> int:
-    """Width of the carried hidden state (the blocks' carry input), not of the widest weight."""
-    for tmpl in program.templates.values():
-        for inp in tmpl.inputs:
-            if inp.kind == "carry":
-                return inp.spec.shape[-1]
-    return 1
+def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool,
+              gpu_update: set[int] | None = None) -> None:
+    """Refuse, before anything is written, a run this machine cannot hold: the plan's fit checks
+    (`mtc.planner.check_fit`: disk for both generations, host RAM, GPU memory), one line each."""
+    from mtc.planner import check_fit
 
-
-def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool) -> None:
-    """Refuse, before anything is written, a run this machine cannot hold: one line with the numbers."""
-    numels = [program.layer_numel(i) for i in range(program.n_layers)]
-    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
-    gib = 2**30
-    if store_dir is not None and new_run:
-        need = pl.disk_bytes_needed(placement, numels, cfg.durability)
-        probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
-        free = shutil.disk_usage(probe).free
-        if need > free:
-            alts = ", ".join(f"{m}: {pl.disk_bytes_needed(placement, numels, m) / gib:.1f} GiB" for m in ("full", "weights", "none"))
-            raise ConfigError(
-                f"durability {cfg.durability!r} needs {need / gib:.1f} GiB of disk for two state generations, "
-                f"{probe} has {free / gib:.1f} GiB free; choose --durability with what fits ({alts}), "
-                "free disk space, or use another store directory"
-            )
-    host_need = pl.host_bytes_needed(placement, numels, cbytes)
-    host_have = cfg.ram_budget_gb * gib if cfg.ram_budget_gb is not None else pl.available_host_bytes()
-    if host_need > host_have:
-        raise ConfigError(
-            f"placement {pl.describe(placement)} needs {host_need / gib:.1f} GiB of host RAM for state, "
-            f"{'the budget is' if cfg.ram_budget_gb is not None else 'this machine has'} {host_have / gib:.1f} GiB; "
-            "put layers on disk (--placement 'ram:0-9,disk:10-31') or raise --ram-budget-gb"
-        )
-    if cfg.device.startswith("cuda") and torch.cuda.is_available():
-        need = pl.gpu_state_bytes(placement, numels, cbytes) + _gpu_workspace(cfg, program, cbytes)
-        _, total = torch.cuda.mem_get_info(torch.device(cfg.device))
-        if need > total:
-            raise ConfigError(
-                f"placement {pl.describe(placement)} needs about {need / gib:.1f} GiB of GPU memory "
-                f"(resident state plus one layer's workspace), the GPU has {total / gib:.1f} GiB; "
-                "place fewer layers on the GPU, lower micro_batch_size, or set --activation-budget-gb"
-            )
+    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run)
 
 
 # -- opening a run -----------------------------------------------------------------------------
@@ -241,7 +240,7 @@ def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_di
 
 def open_run(
     cfg: TrainConfig, store_dir: str | Path | None, *, model: nn.Module | None = None, overwrite: bool = False,
-    plan: str | Path | None = None, data: TokenFile | None = None, allow_change: tuple[str, ...] = (),
+    plan: str | Path | Program | None = None, data: TokenFile | BatchSource | None = None, allow_change: tuple[str, ...] = (),
     init_from: str | Path | None = None,
 ) -> Run:
     """Open (resume) or create the run in ``store_dir``; None means an in-memory store (tests).
@@ -257,10 +256,7 @@ def open_run(
     with its weights (see `mtc.warmstart`): the run starts from them with fresh optimizer state.
     Every check runs before anything is written.
     """
-    bad = [f for f in allow_change if f not in CHANGEABLE]
-    if bad:
-        raise ConfigError(f"--allow-change {','.join(bad)}: only {', '.join(CHANGEABLE)} may change on resume; "
-                          "the others would reinterpret the stored state: start a new run for them")
+    _changes.config_changes({}, {}, allow_change, str(store_dir))  # unknown or never-changeable names: refused first
     cfg.validate()
     check_device(cfg)
     if cfg.fused and cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -268,15 +264,16 @@ def open_run(
             "--kernels fused on the CPU runs Triton's interpreter, which must be enabled before start: "
             "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
         )
-    if data is not None:
+    if isinstance(data, TokenFile):
         check_fits(data, cfg.seq_len)
+        check_eval_data(data, (cfg.micro_batch_size, cfg.seq_len), cfg)
     path = Path(store_dir) if store_dir is not None else None
     if init_from is not None:  # seed the store, then open it below like any seeded store
         from mtc.warmstart import init_from as seed_store
 
         if path is None:
             raise ConfigError("init_from needs a store directory to write the starting weights into")
-        if data is not None:
+        if isinstance(data, TokenFile):
             data.check_vocab(model_config(cfg.model, **cfg.model_overrides).vocab_size)
         seed_store(init_from, path, cfg, overwrite=overwrite)
         overwrite = False
@@ -290,47 +287,53 @@ def open_run(
 
             if is_seeded(last):  # imported or --init-from weights at step 0: a new run starts from them
                 program = open_seeded(cfg, path, last, plan=plan)
-                if data is not None:
+                if apply_decay_groups(program, cfg.optim) is not program:
+                    raise ConfigError("optim.no_decay / optim.decay_min_ndim: an imported or --init-from run keeps the "
+                                      "default weight-decay groups (its state was laid out for them); drop these fields")
+                if isinstance(data, TokenFile):
                     data.check_vocab(_model_vocab(program))
+                    check_store_tokenizer(path, data)  # RUN/tokenizer/ (an import's) must be the data's tokenizer
                 placement, _ = plan_placement(cfg, program)
                 preflight(cfg, program, placement, path, new_run=False)
                 save_plan(program, path / "plan")
                 return Run(store, program, last, None, [])
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
-            changes = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-            diff = [k for k in changes if k not in allow_change]
-            if diff:
-                fix = [k for k in diff if k in CHANGEABLE]
-                raise ConfigError(
-                    f"store {path} was created with a different config (differs in: {', '.join(diff)}); "
-                    "resume with the same config" + (f", or pass --allow-change {','.join(fix)}" if fix else "")
-                    + ", or use a new store directory"
-                )
+            changes = _changes.config_changes(saved, now, allow_change, str(path))
+            values = _changes.change_values(saved, now, changes)
             if data is not None:
+                # another tokenizer is refused whatever --allow-change says: the ids would mean other tokens
+                check_tokenizer_identity(last.meta.get("data"), data.identity(), where=f"store {path}")
+                check_store_tokenizer(path, data)
                 check_data_identity(last.meta.get("data"), data.identity(), "data" in allow_change)
                 try:
                     check_data_identity(last.meta.get("data"), data.identity(), False)
                 except DataError:
                     changes.append("data")
+                    values["data"] = [(last.meta.get("data") or {}).get("path"), data.identity().get("path")]
             program = load_plan(path / "plan")
+            if plan is not None:  # the plan given must be the one the store was made with
+                user_model.check_same_plan(plan, program, str(path))
             if data is not None:
                 data.check_vocab(_model_vocab(program))
         except BaseException:
             store.close()
             raise
-        return Run(store, program, last, None, changes)
+        return Run(store, program, last, None, changes, values)
     model = model if model is not None else build_model(cfg)
-    program = load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
+    program = apply_decay_groups(program, cfg.optim)
     if data is not None:
         data.check_vocab(_model_vocab(program))
-    placement, _ = plan_placement(cfg, program)
-    preflight(cfg, program, placement, path, new_run=True)
+    placement, gpu_update = plan_placement(cfg, program)
+    preflight(cfg, program, placement, path, new_run=True, gpu_update=gpu_update)
     store = TensorStore.create(path, io_threads=cfg.io_threads, overwrite=overwrite)
     try:
         if path is not None:
             try:
                 save_plan(program, path / "plan")
-                if plan is not None and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
+                user_model.write_model_record(path / "plan", cfg.to_dict(), program)  # what a resume checks a plan against
+                if plan is not None and not isinstance(plan, Program) and Path(plan, "kernels").is_dir():  # generated once, by `mtc compile`
                     shutil.copytree(Path(plan, "kernels"), path / "plan" / "kernels", dirs_exist_ok=True)
             except OSError as e:  # ENOSPC, EROFS, EACCES: nothing is committed yet
                 raise StoreError(f"could not write the plan into {path / 'plan'}: {e.strerror or e}; nothing was "
@@ -400,7 +403,7 @@ class _Loader:
 def train(
     cfg: TrainConfig,
     store_dir: str | Path | None,
-    data: str | Path | TokenFile,
+    data: str | Path | TokenFile | BatchSource,
     *,
     model: nn.Module | None = None,
     stop_after: int | None = None,
@@ -412,6 +415,7 @@ def train(
     allow_change: tuple[str, ...] = (),
     notify: Callable[[str], None] | None = None,
     init_from: str | Path | None = None,
+    watch: StageWatch | None = None,
 ) -> TrainResult:
     """Train to ``cfg.steps`` (or stop once ``stop_after`` steps are done), resuming if possible.
 
@@ -420,9 +424,10 @@ def train(
     every copy and kernel as it is issued (the race tests' reference schedule). ``notify`` receives
     messages for the user (the CLI prints them), e.g. what an interruption is waiting for.
     ``init_from``: start a new run from the weights of a run's store or a Hugging Face checkpoint.
+    ``watch`` compares each step's stages with the run's plan and may notify once (a slow disk).
     """
     t0 = time.perf_counter()
-    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
+    tokens = data if isinstance(data, (TokenFile, BatchSource)) else TokenFile.open(data)
     run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
                                                allow_change=allow_change, init_from=init_from)
     st, program = run.store, run.program
@@ -435,7 +440,7 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update)
+        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute)
         durable = cfg.durability != "none"
         tiers.create_arrays(st, cfg.durability)
         if run.last is None:  # a new run: initial state from the model, committed as step 0
@@ -453,24 +458,31 @@ def train(
             logs = st.path / "logs"
             logs.mkdir(exist_ok=True)
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
-                            resolved_compute_dtype=cfg.resolved_compute_dtype)
+                            resolved_disk_compute=cfg.resolved_disk_compute,
+                            resolved_compute_dtype=cfg.resolved_compute_dtype,
+                            mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)
             (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))
             metrics = open(logs / "metrics.jsonl", "a")
             parts.append(metrics)
         _set_rng_state(last.rng_state)
-        sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        if isinstance(tokens, BatchSource):
+            sampler = tokens.sampler(cfg.micro_batch_size, cfg.seq_len)
+        else:
+            sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         compiled = _compile(cfg, program, st)
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
+        watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
+        disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
         if run.changes:  # what --allow-change let differ, recorded in every later commit
-            meta["changes"].append({"from_step": last.step, "fields": run.changes})
+            meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()
@@ -493,6 +505,10 @@ def train(
             commit_fn = None
             if commit_now:
                 commit_fn = _committer(st, next_step, next_cursor, cfg, meta)
+            if st.path is not None and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
+                gens = ({1 - committed_gen} if commit_now else set()) | ({1 - opt.disk_generation} if disk_layers else set())
+                for g in sorted(gens):
+                    record_write_start(st.path, next_step, g)
             stats: StepStats = opt.finish_step(out.loss, commit=commit_fn, write_generation=1 - committed_gen)
             if commit_now:
                 committed_gen = 1 - committed_gen
@@ -503,9 +519,14 @@ def train(
             secs = time.perf_counter() - ts
             rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                              seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
-                             committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out)
+                             committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out,
+                             **watcher.after_step(step, tokens_n, ts, ts + secs))
             losses.append(stats.loss)
             records.append(rec)
+            if watch is not None:  # the previous step's updates and writes are done now: its spans are complete
+                msg = watch.after_step(timeline, step - 2, step - 1 - last.step)
+                if msg is not None and notify is not None:
+                    notify(msg)
             if metrics is not None:
                 metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
                 metrics.flush()

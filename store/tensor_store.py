@@ -36,7 +36,7 @@ import re
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Self
 
@@ -76,6 +76,7 @@ from mtc.store.directory import (
     write_commit,
     write_marker,
 )
+from mtc.store.fastio import PRIORITY_READ, PRIORITY_WRITE, PriorityPool, read_chunk_file, write_chunk_file
 
 from mtc.errors import StoreCorruptionError, StoreError
 
@@ -148,7 +149,8 @@ class TensorStore:
         self._uncommitted = uncommitted  # the set-up marker is there: the first commit renames it
         self._root = zarr.open_group(store=zstore, mode="r" if read_only else "a")
         self._tls = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="mtc-store-io", initializer=self._mark_worker)
+        self._pool = PriorityPool(io_threads, "mtc-store-io", initializer=self._mark_worker)
+        self._fast: dict[str, bool] = {}  # array name -> its chunks are plain bytes + CRC32C (the direct path applies)
         self._arrays: dict[str, zarr.Array] = {}
         self._meta_lock = threading.RLock()
         self._unsynced: set[Path] = set()  # metadata files/dirs created since the last fsync
@@ -156,6 +158,7 @@ class TensorStore:
         self._commit_loaded = path is None
         self._history: list[CommitRecord] = []  # in-memory stores only
         self._closed = False
+        self.direct_io = True  # chunk files of plain arrays bypass zarr and the page cache (mtc.store.fastio)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -453,14 +456,15 @@ class TensorStore:
         """Write the whole array; shape and dtype must match it exactly. Durable on return."""
         self._wait(self.write_async(name, tensor))
 
-    def write_async(self, name: str, tensor: torch.Tensor) -> Future[None]:
+    def write_async(self, name: str, tensor: torch.Tensor, *, priority: int = PRIORITY_WRITE) -> Future[None]:
         """Start `write` on the I/O threads; the Future completes once the data is durable.
 
         Bad arguments raise at once; I/O errors arrive through the Future. A CPU tensor is not
-        copied: do not modify it before the Future is done.
+        copied: do not modify it before the Future is done. ``priority``: lower runs first
+        (`mtc.store.fastio`: reads that gate compute go ahead of write-behind).
         """
         info = self.array_info(name)
-        return self._write_rows(info, 0, tensor, whole=True)
+        return self._write_rows(info, 0, tensor, whole=True, priority=priority)
 
     def write_rows(self, name: str, start_row: int, tensor: torch.Tensor) -> None:
         """Write ``tensor`` into rows [start_row, start_row + len(tensor)) of ``name``.
@@ -471,7 +475,8 @@ class TensorStore:
         info = self.array_info(name)
         self._wait(self._write_rows(info, start_row, tensor, whole=False))
 
-    def _write_rows(self, info: ArrayInfo, start_row: int, tensor: torch.Tensor, *, whole: bool) -> Future[None]:
+    def _write_rows(self, info: ArrayInfo, start_row: int, tensor: torch.Tensor, *, whole: bool,
+                    priority: int = PRIORITY_WRITE) -> Future[None]:
         self._check_writable()
         name = info.name
         if not isinstance(tensor, torch.Tensor):
@@ -503,9 +508,17 @@ class TensorStore:
                     dirs.add(parent)
                     parent = parent.parent
             dirs.add(d)
-        return self._run(jobs, then=lambda: [_fsync(p, directory=True) for p in sorted(dirs, reverse=True)])
+        return self._run(jobs, then=lambda: [_fsync(p, directory=True) for p in sorted(dirs, reverse=True)], priority=priority)
 
     def _write_chunk(self, arr: zarr.Array, name: str, c: int, lo: int, hi: int, block: np.ndarray) -> None:
+        rows = int(arr.chunks[0])
+        if self._path is not None and self._is_fast(name, arr) and lo == c * rows and hi == min((c + 1) * rows, arr.shape[0]):
+            path = self._local_chunk_path(name, c, arr.ndim)
+            try:  # the whole chunk: written directly (same bytes + CRC32C as zarr's), fsynced, renamed
+                write_chunk_file(path, _chunk_nbytes(arr), np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+            except OSError as e:
+                raise StoreError(f"writing chunk {c} of array {name!r} in store {self._where()} failed: {e}") from e
+            return
         try:
             arr[lo:hi] = block
         except Exception as e:
@@ -523,10 +536,15 @@ class TensorStore:
         """Read the whole array into ``out``: a contiguous CPU tensor (pinned is fine) of its exact shape and dtype."""
         self._wait(self.read_into_async(name, out))
 
-    def read_into_async(self, name: str, out: torch.Tensor) -> Future[None]:
+    def read_into_async(self, name: str, out: torch.Tensor, *, priority: int = PRIORITY_READ) -> Future[None]:
         """Start `read_into` on the I/O threads; ``out`` is complete when the Future is done."""
         info = self.array_info(name)
-        return self._read_rows(info, 0, out, whole=True)
+        return self._read_rows(info, 0, out, whole=True, priority=priority)
+
+    def read_rows_into_async(self, name: str, start_row: int, out: torch.Tensor, *, priority: int = PRIORITY_READ) -> Future[None]:
+        """Start `read_rows_into` on the I/O threads."""
+        info = self.array_info(name)
+        return self._read_rows(info, start_row, out, whole=False, priority=priority)
 
     def read_rows_into(self, name: str, start_row: int, out: torch.Tensor) -> None:
         """Read rows [start_row, start_row + len(out)) of ``name`` into ``out``."""
@@ -540,7 +558,8 @@ class TensorStore:
         self.read_into(name, out)
         return out
 
-    def _read_rows(self, info: ArrayInfo, start_row: int, out: torch.Tensor, *, whole: bool) -> Future[None]:
+    def _read_rows(self, info: ArrayInfo, start_row: int, out: torch.Tensor, *, whole: bool,
+                   priority: int = PRIORITY_READ) -> Future[None]:
         self._check_open()
         name = info.name
         if not isinstance(out, torch.Tensor):
@@ -559,7 +578,7 @@ class TensorStore:
             functools.partial(self._read_chunk, arr, info, c, lo, hi, view[lo - start_row : hi - start_row])
             for c, lo, hi in _chunk_spans(start_row, n, info.chunk_rows)
         ]
-        return self._run(jobs)
+        return self._run(jobs, priority=priority)
 
     def _read_chunk(self, arr: zarr.Array, info: ArrayInfo, c: int, lo: int, hi: int, dst: np.ndarray) -> None:
         fault = self._decode_chunk(arr, info, c, lo, hi, dst)
@@ -575,6 +594,16 @@ class TensorStore:
         name = info.name
         ndim = len(info.shape)
         where = f" ({self._local_chunk_path(name, c, ndim)})" if self._path is not None else ""
+        if self._path is not None and self._is_fast(name, arr):
+            flat = dst.reshape(-1).view(np.uint8)  # dst is a contiguous row range: its bytes in C order
+            try:
+                fault = read_chunk_file(self._local_chunk_path(name, c, ndim), _chunk_nbytes(arr), flat,
+                                        (lo - c * info.chunk_rows) * (flat.nbytes // max(1, hi - lo)))
+            except FileNotFoundError:
+                return StoreCorruptionError, f"is missing{where}"
+            except OSError as e:  # the disk failed us, not (necessarily) the data
+                return StoreError, f"could not be read{where}: {e}"
+            return None if fault is None else (StoreCorruptionError, f"{fault}{where}")
         if not self._chunk_exists(name, c, ndim):
             # zarr < 3.2 would quietly return the fill value (zeros): silent loss of state
             return StoreCorruptionError, f"is missing{where}"
@@ -798,10 +827,25 @@ class TensorStore:
                     self._unsynced.update(todo[i:])
                 raise
 
+    def _is_fast(self, name: str, arr: zarr.Array) -> bool:
+        """Whether ``name``'s chunks are exactly what `mtc.store.fastio` reads and writes: a
+        little-endian ``bytes`` serializer and one ``crc32c`` codec, nothing else."""
+        ok = self._fast.get(name)
+        if ok is None:
+            try:
+                codecs = arr.metadata.to_dict().get("codecs", [])
+                names = [(cd.get("name"), (cd.get("configuration") or {}).get("endian", "little")) for cd in codecs]
+                ok = names == [("bytes", "little"), ("crc32c", "little")] and np.dtype(arr.dtype).byteorder != ">"
+            except Exception:  # noqa: BLE001 -- unknown metadata: zarr's own path reads it
+                ok = False
+            self._fast[name] = ok
+        return ok and self.direct_io
+
     def _mark_worker(self) -> None:
         self._tls.worker = True
 
-    def _run(self, jobs: list[Callable[[], None]], then: Callable[[], Any] | None = None) -> Future[None]:
+    def _run(self, jobs: list[Callable[[], None]], then: Callable[[], Any] | None = None, *,
+             priority: int = PRIORITY_READ) -> Future[None]:
         """Run ``jobs`` on the I/O pool, then ``then``; one Future for all (first chunk's error wins)."""
         done: Future[None] = Future()
         done.set_running_or_notify_cancel()
@@ -849,7 +893,7 @@ class TensorStore:
             finish()
             return done
         try:
-            futs = [self._pool.submit(job) for job in jobs]
+            futs = [self._pool.submit(job, priority) for job in jobs]
         except RuntimeError as e:  # the pool was shut down: closed under our feet
             raise StoreError(f"store {self._where()} is closed; open it again with TensorStore.open") from e
         for i, f in enumerate(futs):
@@ -859,6 +903,11 @@ class TensorStore:
     @staticmethod
     def _wait(fut: Future[None]) -> None:
         fut.result()
+
+
+def _chunk_nbytes(arr: zarr.Array) -> int:
+    """Data bytes of one chunk file (edge chunks are stored at full size, padded with the fill value)."""
+    return int(np.prod(arr.chunks, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
 
 
 def _chunk_spans(start: int, n: int, rows: int) -> list[tuple[int, int, int]]:

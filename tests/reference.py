@@ -7,13 +7,14 @@ import torch
 from mtc.config import TrainConfig
 from mtc.data import BatchSampler, TokenFile
 from mtc.runtime.schedule import lr_at
-from mtc.train import build_model
 from mtc.tracer import LossModel
+from mtc.train import build_model
 
 
-def reference_train(cfg: TrainConfig, tokens: TokenFile) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train cfg's model with torch.optim.AdamW + clip_grad_norm_; return per-step losses and weights."""
-    model = build_model(cfg)
+def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train cfg's model (or ``model``, in place) with torch.optim.AdamW + clip_grad_norm_; return
+    per-step losses and weights."""
+    model = build_model(cfg) if model is None else model
     lm = LossModel(model)
     params = dict(model.named_parameters())
     decay = [p for p in params.values() if p.ndim >= 2]
@@ -28,16 +29,20 @@ def reference_train(cfg: TrainConfig, tokens: TokenFile) -> tuple[list[float], d
     for step in range(cfg.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.steps, o)
+        # the step's loss: sum over its targets that are not ignored / their count in the whole step
+        batches = [sampler.batch(cursor + j) for j in range(cfg.grad_accum)]
+        cursor += cfg.grad_accum
+        counts = [int((tg != -100).sum()) for _, tg in batches]
         total = 0.0
-        for _ in range(cfg.grad_accum):
-            ids, tg = sampler.batch(cursor)
-            cursor += 1
-            loss = lm(ids, tg)
-            (loss / cfg.grad_accum).backward()
-            total += loss.item()
+        for (ids, tg), c in zip(batches, counts):
+            if c == 0:
+                continue
+            loss = lm(ids, tg)  # the mean over this micro-batch's c targets
+            (loss * (c / sum(counts))).backward()
+            total += loss.item() * c
         if o.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), o.clip_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(total / cfg.grad_accum)
+        losses.append(total / sum(counts))
     return losses, {k: v.detach().clone() for k, v in params.items()}

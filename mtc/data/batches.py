@@ -1,8 +1,23 @@
-"""Random next-token batches from a token array, addressed by a cursor so training can resume anywhere.
+"""Random next-token batches from a token file, addressed by a cursor so training can resume anywhere.
 
-Batch ``k`` is a pure function of ``(seed, k, split)``: its window starts are drawn from
+Batch ``k`` is a pure function of ``(seed, k, split)``: its windows are drawn from
 ``np.random.default_rng([seed, k, split_id])``. There is no sampler state to checkpoint; a run that
 stores its data cursor replays exactly the batches it would have seen.
+
+Two ways to cut sequences, chosen by the file:
+
+* **documents** (a token file with document boundaries, as `prepare` writes them, header version 2): documents
+  are *not packed*. A sequence holds one document: a document of more than ``seq_len`` targets is
+  split into consecutive windows of ``seq_len`` (the last one shorter), and a window shorter than
+  ``seq_len`` is padded (inputs with the EOS id, or 0; targets with ``IGNORE_INDEX``, so the loss
+  skips them). No sequence crosses a document boundary, so no attention mask or position reset is
+  needed. Every window of the split is drawn with the same probability, so every token is as
+  likely to be trained on as any other. Padding costs compute on short documents.
+* **stream** (a plain token array, or a file from an older mtc without boundaries): windows of
+  ``seq_len + 1`` tokens start at any position, across document separators.
+
+A loss mask (SFT files) turns the targets it marks 0 into ``IGNORE_INDEX``; a window whose targets
+are all ignored is redrawn (from the same generator, so batches stay a function of the cursor).
 """
 
 from __future__ import annotations
@@ -13,14 +28,19 @@ import torch
 from mtc.data.tokens import TokenFile
 from mtc.errors import DataError
 
-__all__ = ["SPLITS", "BatchSampler", "check_fits"]
+__all__ = ["IGNORE_INDEX", "SPLITS", "BatchSampler", "check_fits"]
 
 # The id is part of the RNG key, so train and val draw unrelated offsets for the same cursor.
 SPLITS = {"train": 0, "val": 1}
+IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default ignore_index)
+_REDRAWS = 64  # rounds of redrawing windows whose targets are all masked before giving up
 
 
 def check_fits(tokens: TokenFile | np.ndarray, seq_len: int) -> None:
     """Raise DataError when ``tokens`` hold less than one sequence of ``seq_len`` plus its last target."""
+    if isinstance(tokens, TokenFile) and tokens.docs is not None:
+        BatchSampler(tokens, batch_size=1, seq_len=seq_len, seed=0)  # raises when no window fits the train split
+        return
     n = len(tokens)
     need = seq_len + 1
     if n < need:
@@ -65,6 +85,19 @@ class BatchSampler:
 
         n = int(arr.size)
         boundary = n - int(n * val_fraction)
+        self._tokens = arr
+        self._mask = tokens.mask if isinstance(tokens, TokenFile) else None
+        docs = tokens.docs if isinstance(tokens, TokenFile) else None
+        self.mode = "documents" if docs is not None else "stream"
+        self._pad = tokens.header.eos_id if isinstance(tokens, TokenFile) and tokens.header.eos_id is not None else 0
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = int(seed)
+        self.split = split
+        self.val_fraction = val_fraction
+        if docs is not None:
+            self._init_documents(np.asarray(docs, dtype=np.int64), boundary, n)
+            return
         lo, hi = (0, boundary) if split == "train" else (boundary, n)
         need = seq_len + 1  # one extra token: the last input's target
         if hi - lo < need:
@@ -73,36 +106,116 @@ class BatchSampler:
                 f"the {split} split has {hi - lo:,} tokens (of {n:,}, val_fraction={val_fraction}) but seq_len={seq_len} "
                 f"needs at least {need:,}; use more text, {hint}or a shorter seq_len"
             )
-        self._tokens = arr
         self._lo, self._hi = lo, hi
         self._offsets = np.arange(need, dtype=np.int64)
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = int(seed)
-        self.split = split
-        self.val_fraction = val_fraction
+
+    def _init_documents(self, bounds: np.ndarray, boundary: int, n: int) -> None:
+        """Number the windows of every document; the split keeps those wholly before the boundary
+        token (train) or starting at or after it (val), so no token is in both."""
+        T = self.seq_len
+        pairs = np.maximum(np.diff(bounds) - 1, 0)  # (input, target) pairs of each document
+        self._bounds, self._pairs = bounds, pairs
+        self._cum = np.concatenate([[0], np.cumsum(-(-pairs // T))]).astype(np.int64)
+        W = int(self._cum[-1])
+
+        def first(pred) -> int:  # the first window w in [0, W] with pred(w) true (pred is monotone)
+            lo, hi = 0, W
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if pred(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return lo
+
+        def span(w: int) -> tuple[int, int]:
+            start, length = self._windows(np.asarray([w]))
+            return int(start[0]), int(length[0])
+
+        if self.split == "train":
+            lo, hi = 0, first(lambda w: sum(span(w)) + 1 > boundary)
+        else:
+            lo, hi = first(lambda w: span(w)[0] >= boundary), W
+        if hi <= lo:
+            hint = "a larger val_fraction, more documents, " if self.split == "val" else ""
+            raise DataError(
+                f"the {self.split} split of the token file holds no sequence ({W:,} windows of seq_len={T} in "
+                f"{len(pairs):,} documents, {n:,} tokens, val_fraction={self.val_fraction}); use {hint}more text"
+            )
+        self._lo, self._hi = lo, hi
+        self._offsets = np.arange(T + 1, dtype=np.int64)
+
+    def _windows(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, number of targets) of document windows ``w``."""
+        d = np.searchsorted(self._cum, w, side="right") - 1
+        k = w - self._cum[d]
+        start = self._bounds[d] + k * self.seq_len
+        return start, np.minimum(self.seq_len, self._pairs[d] - k * self.seq_len)
 
     @property
     def n_tokens(self) -> int:
         """Tokens in this sampler's split."""
-        return self._hi - self._lo
+        lo, hi = self.bounds
+        return hi - lo
+
+    @property
+    def n_windows(self) -> int:
+        """Distinct sequences the split can yield (stream: distinct start positions)."""
+        return self._hi - self._lo if self.mode == "documents" else self._hi - self._lo - self.seq_len
 
     @property
     def bounds(self) -> tuple[int, int]:
         """The split's half-open token range [start, end) in the whole array."""
-        return self._lo, self._hi
+        if self.mode == "stream":
+            return self._lo, self._hi
+        (s0,), _ = self._windows(np.asarray([self._lo]))
+        (s1,), (n1,) = self._windows(np.asarray([self._hi - 1]))
+        return int(s0), int(s1 + n1 + 1)
+
+    def _draw(self, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) int64 (size, seq_len) of random windows, masked targets ignored."""
+        T = self.seq_len
+        if self.mode == "stream":
+            # high is exclusive: the last start leaves room for seq_len + 1 tokens before the split end.
+            starts = rng.integers(self._lo, self._hi - T, size=size, dtype=np.int64)
+            idx = starts[:, None] + self._offsets
+            win = self._tokens[idx].astype(np.int64)  # (B, T+1)
+            x, y = win[:, :-1], win[:, 1:].copy()
+            valid = np.ones((size, T), dtype=bool)
+        else:
+            starts, lengths = self._windows(rng.integers(self._lo, self._hi, size=size, dtype=np.int64))
+            # past a window's end, read its last target again (in the document), then overwrite
+            idx = starts[:, None] + np.minimum(self._offsets, lengths[:, None])
+            win = self._tokens[idx].astype(np.int64)
+            valid = self._offsets[None, :T] < lengths[:, None]
+            x = np.where(valid, win[:, :-1], self._pad)
+            y = win[:, 1:].copy()
+        if self._mask is not None:
+            valid &= self._mask[idx[:, 1:]] != 0
+        y[~valid] = IGNORE_INDEX
+        return x, y
 
     def batch(self, cursor: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch number ``cursor``: (inputs, targets), int64, (batch_size, seq_len), targets shifted by one."""
+        """Batch number ``cursor``: (inputs, targets), int64, (batch_size, seq_len), targets shifted by one
+        (``IGNORE_INDEX`` where a document's padding or the loss mask leaves no target)."""
         if isinstance(cursor, bool) or not isinstance(cursor, (int, np.integer)) or cursor < 0:
             raise DataError(f"cursor must be a non-negative integer, got {cursor!r}")
         rng = np.random.default_rng([self.seed, int(cursor), SPLITS[self.split]])
-        # high is exclusive: the last start leaves room for seq_len + 1 tokens before the split end.
-        starts = rng.integers(self._lo, self._hi - self.seq_len, size=self.batch_size, dtype=np.int64)
-        win = self._tokens[starts[:, None] + self._offsets].astype(np.int64)  # (B, T+1)
-        w = torch.from_numpy(win)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x, y = self._draw(rng, self.batch_size)
+        if self._mask is not None:
+            for _ in range(_REDRAWS):
+                empty = np.flatnonzero((y == IGNORE_INDEX).all(axis=1))
+                if not empty.size:
+                    break
+                # several candidates per missing row, so a sparse mask still fills the batch
+                cx, cy = self._draw(rng, max(8 * empty.size, 64))
+                ok = np.flatnonzero((cy != IGNORE_INDEX).any(axis=1))[: empty.size]
+                x[empty[: ok.size]], y[empty[: ok.size]] = cx[ok], cy[ok]
+            else:
+                raise DataError(f"the {self.split} split's loss mask leaves almost no window with a target "
+                                f"(seq_len={self.seq_len}); check the SFT data (are the responses empty?)")
+        return torch.from_numpy(x).contiguous(), torch.from_numpy(y).contiguous()
 
     def __repr__(self) -> str:
-        return (f"BatchSampler(split={self.split!r}, tokens=[{self._lo}, {self._hi}), batch_size={self.batch_size}, "
-                f"seq_len={self.seq_len}, seed={self.seed})")
+        return (f"BatchSampler(split={self.split!r}, mode={self.mode!r}, range=[{self._lo}, {self._hi}), "
+                f"batch_size={self.batch_size}, seq_len={self.seq_len}, seed={self.seed})")

@@ -1,35 +1,45 @@
-"""The token file format: a raw token array on disk plus a small JSON header beside it.
+"""The token file format: a raw token array on disk, a small JSON header, optional sidecars.
 
 ``<name>.bin`` holds the tokens as a flat little-endian ``uint16`` array (vocabulary <= 65536) or
 ``uint32`` array (larger vocabularies), nothing else, so it can be memory-mapped and sliced without
 reading it. ``<name>.json`` says how to read it::
 
-    {"format": "mtc-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
-     "tokenizer": "byte", "n_tokens": 12345, "max_token_id": 255, "sha256": "9f86d0..."}
+    {"format": "mtc-tokens", "version": 2, "dtype": "uint16", "vocab_size": 50257,
+     "tokenizer": "gpt2", "n_tokens": 12345, "max_token_id": 50256, "sha256": "9f86d0...",
+     "tokenizer_spec": "/data/gpt2", "tokenizer_sha256": "3c1a...", "eos_id": 50256,
+     "tokenizer_dir": "corpus.tokenizer",
+     "docs": {"file": "corpus.docs", "n_docs": 812, "sha256": "..."},
+     "mask": {"file": "corpus.mask", "n_targets": 5210, "sha256": "..."}}
 
 ``max_token_id`` and ``sha256`` (of the .bin's bytes) let a run check the data against the model's
-vocabulary and notice when a resumed run's data changed, without reading the tokens; headers written
-before they existed (or by other tools) lack them and are still read.
+vocabulary and notice when a resumed run's data changed, without reading the tokens. The
+tokenizer fields say which tokenizer made the ids (its tokenizer.json's hash, vocabulary size, EOS
+id; its files are copied to ``tokenizer_dir`` beside the .bin). ``docs`` names ``<name>.docs``:
+the document boundaries, little-endian int64 ``[0, end_1, ..., n_tokens]``, so a batch can start
+at a document and never cross into the next one. ``mask`` names ``<name>.mask``: one uint8 per
+token, 1 where the token is a training target (SFT: the assistant's replies), 0 where the loss
+ignores it. Version 1 headers (no tokenizer fields, no sidecars: older mtc versions and other tools)
+are still read, and so are headers without ``max_token_id`` and ``sha256``.
 
-Both files are written to a temporary name and renamed into place, the .bin first, so a reader never
-sees a half-written file; `TokenFile.open` checks the header against the .bin's size.
+Every file is written to a temporary name and renamed into place, the header last, so a reader
+never sees a half-written set; `TokenFile.open` checks the header against the files' sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-import re
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import numpy as np
 
-from mtc.data.tokenizer import get_tokenizer
 from mtc.errors import DataError
 
 __all__ = [
@@ -37,20 +47,25 @@ __all__ = [
     "VERSION",
     "TokenFile",
     "TokenHeader",
+    "TokenWriter",
     "check_data_identity",
-    "prepare",
+    "check_store_tokenizer",
+    "check_tokenizer_identity",
     "token_file_paths",
     "write_token_file",
 ]
 
 FORMAT = "mtc-tokens"
-VERSION = 1
+VERSION = 2
+_READS = (1, 2)  # header versions this mtc reads
 # Explicit little-endian dtypes: the .bin must read the same on any host.
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _MAX_VOCAB = 2**32
 _HASH_BLOCK = 1 << 24  # 16 MiB: hashing and writing stream through blocks, never a whole copy
 _SAMPLE = 1 << 20  # a file without a content hash is identified by its first and last MiB
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_DOCS_DTYPE = np.dtype("<i8")
+_MASK_DTYPE = np.dtype("u1")
 
 
 def token_file_paths(path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -73,6 +88,12 @@ class TokenHeader:
     version: int = VERSION
     max_token_id: int | None = None  # None: not recorded (older header) or no tokens
     sha256: str | None = None  # of the .bin's bytes; None: not recorded
+    tokenizer_spec: str | None = None  # what `prepare --tokenizer` was given
+    tokenizer_sha256: str | None = None  # of its tokenizer.json; None: byte, or not recorded
+    eos_id: int | None = None  # the token ending each document; None: none (byte) or not recorded
+    tokenizer_dir: str | None = None  # sibling directory holding the tokenizer's files
+    docs: dict[str, Any] | None = None  # {"file", "n_docs", "sha256"} of the boundaries sidecar
+    mask: dict[str, Any] | None = None  # {"file", "n_targets", "sha256"} of the loss-mask sidecar
 
     @property
     def itemsize(self) -> int:
@@ -85,10 +106,10 @@ class TokenHeader:
             "format": self.format, "version": self.version, "dtype": self.dtype,
             "vocab_size": self.vocab_size, "tokenizer": self.tokenizer, "n_tokens": self.n_tokens,
         }
-        if self.max_token_id is not None:
-            d["max_token_id"] = self.max_token_id
-        if self.sha256 is not None:
-            d["sha256"] = self.sha256
+        for k in ("max_token_id", "sha256", "tokenizer_spec", "tokenizer_sha256", "eos_id", "tokenizer_dir", "docs", "mask"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = dict(v) if isinstance(v, dict) else v
         return d
 
     @classmethod
@@ -99,17 +120,30 @@ class TokenHeader:
             raise DataError(f"{where}: expected a JSON object, got {type(d).__name__}; {fix}")
         if d.get("format") != FORMAT:
             raise DataError(f"{where}: format is {d.get('format')!r}, expected {FORMAT!r}; is this an mtc token file? {fix}")
-        if d.get("version") != VERSION:
+        if d.get("version") not in _READS:
             raise DataError(
-                f"{where}: version {d.get('version')!r} is not supported (this mtc reads version {VERSION}); {fix}"
+                f"{where}: version {d.get('version')!r} is not supported (this mtc reads versions "
+                f"{', '.join(map(str, _READS))}); {fix}"
             )
 
-        def _int(key: str, lo: int, hi: int | None = None) -> int:
-            v = d.get(key)
+        def _int(key: str, lo: int, hi: int | None = None, src: dict = d, at: str = "") -> int:
+            v = src.get(key)
             # bool is an int in Python; a header saying "n_tokens": true is corrupt, not 1.
             if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
                 rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-                raise DataError(f"{where}: {key} must be an integer {rng}, got {v!r}; {fix}")
+                raise DataError(f"{where}: {at}{key} must be an integer {rng}, got {v!r}; {fix}")
+            return v
+
+        def _sha(key: str, src: dict = d, at: str = "") -> str | None:
+            sha = src.get(key)
+            if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+                raise DataError(f"{where}: {at}{key} must be 64 lowercase hex digits, got {sha!r}; {fix}")
+            return sha
+
+        def _str(key: str) -> str | None:
+            v = d.get(key)
+            if v is not None and not (isinstance(v, str) and v):
+                raise DataError(f"{where}: {key} must be a non-empty string, got {v!r}; {fix}")
             return v
 
         vocab_size = _int("vocab_size", 1, _MAX_VOCAB)
@@ -123,24 +157,46 @@ class TokenHeader:
         if not isinstance(tokenizer, str) or not tokenizer:
             raise DataError(f"{where}: tokenizer must be a non-empty string, got {tokenizer!r}; {fix}")
         max_id = _int("max_token_id", 0, vocab_size - 1) if d.get("max_token_id") is not None else None
-        sha = d.get("sha256")
-        if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
-            raise DataError(f"{where}: sha256 must be 64 lowercase hex digits, got {sha!r}; {fix}")
-        return cls(dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=n_tokens,
-                   max_token_id=max_id, sha256=sha)
+        eos = _int("eos_id", 0, vocab_size - 1) if d.get("eos_id") is not None else None
+        tdir = _str("tokenizer_dir")
+        if tdir is not None and ("/" in tdir or "\\" in tdir or tdir in (".", "..")):
+            raise DataError(f"{where}: tokenizer_dir must name a sibling directory, got {tdir!r}; {fix}")
+        sides: dict[str, dict[str, Any] | None] = {}
+        for key, count in (("docs", "n_docs"), ("mask", "n_targets")):
+            v = d.get(key)
+            if v is None:
+                sides[key] = None
+                continue
+            if not isinstance(v, dict) or not isinstance(v.get("file"), str) or "/" in v["file"] or not v["file"]:
+                raise DataError(f"{where}: {key} must be an object naming a sibling file, got {v!r}; {fix}")
+            sides[key] = {"file": v["file"], count: _int(count, 0, None, v, f"{key}."),
+                          "sha256": _sha("sha256", v, f"{key}.")}
+        return cls(dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=n_tokens, version=d["version"],
+                   max_token_id=max_id, sha256=_sha("sha256"), tokenizer_spec=_str("tokenizer_spec"),
+                   tokenizer_sha256=_sha("tokenizer_sha256"), eos_id=eos, tokenizer_dir=tdir,
+                   docs=sides["docs"], mask=sides["mask"])
 
 
 class TokenFile:
-    """An opened, validated token file: ``.header``, read-only memory-mapped ``.tokens``, ``len()``."""
+    """An opened, validated token file: ``.header``, read-only memory-mapped ``.tokens``, ``len()``,
+    and the sidecars when recorded: ``.docs`` (document boundaries) and ``.mask`` (loss mask)."""
 
-    __slots__ = ("_max_id", "header", "header_path", "path", "tokens")
+    __slots__ = ("_max_id", "docs", "header", "header_path", "mask", "path", "tokens")
 
-    def __init__(self, path: Path, header_path: Path, header: TokenHeader, tokens: np.ndarray) -> None:
+    def __init__(self, path: Path, header_path: Path, header: TokenHeader, tokens: np.ndarray,
+                 docs: np.ndarray | None = None, mask: np.ndarray | None = None) -> None:
         self.path = path
         self.header_path = header_path
         self.header = header
         self.tokens = tokens
+        self.docs = docs  # int64 [0, end_1, ..., n_tokens]; None: a stream without document boundaries
+        self.mask = mask  # uint8 per token, 1 = a training target; None: every token is one
         self._max_id: int | None = header.max_token_id
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The directory of the tokenizer's files copied beside the token file (None: none recorded)."""
+        return self.path.parent / self.header.tokenizer_dir if self.header.tokenizer_dir else None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TokenFile:
@@ -175,7 +231,15 @@ class TokenFile:
             tokens.flags.writeable = False
         else:
             tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(header.n_tokens,))
-        return cls(bin_path, json_path, header, tokens)
+        docs = mask = None
+        if header.docs is not None:
+            docs = _open_sidecar(bin_path.parent / header.docs["file"], _DOCS_DTYPE, header.docs["n_docs"] + 1, bin_path)
+            if docs[0] != 0 or docs[-1] != header.n_tokens or (docs.size > 1 and bool((np.diff(docs) <= 0).any())):
+                raise DataError(f"document boundaries {header.docs['file']} do not fit {bin_path} ({header.n_tokens:,} "
+                                f"tokens); re-run `mtc prepare` to rewrite the token file")
+        if header.mask is not None:
+            mask = _open_sidecar(bin_path.parent / header.mask["file"], _MASK_DTYPE, header.n_tokens, bin_path)
+        return cls(bin_path, json_path, header, tokens, docs, mask)
 
     def __len__(self) -> int:
         return self.header.n_tokens
@@ -198,6 +262,13 @@ class TokenFile:
                 f"token file {self.path} holds token id {top:,} (tokenizer {self.header.tokenizer!r}, vocab_size "
                 f"{self.header.vocab_size:,}) but the model embeds only {vocab_size:,} ids (0-{vocab_size - 1:,}); "
                 f"prepare the data with the model's tokenizer, or give the model vocab_size >= {top + 1:,} "
+                "(model_overrides.vocab_size)"
+            )
+        if self.header.vocab_size > vocab_size:
+            raise DataError(
+                f"token file {self.path} was made by tokenizer {self.header.tokenizer!r} of {self.header.vocab_size:,} ids "
+                f"but the model embeds only {vocab_size:,}: the tokenizer does not match the model's vocabulary; prepare "
+                f"the data with the model's tokenizer, or give the model vocab_size >= {self.header.vocab_size:,} "
                 "(model_overrides.vocab_size)"
             )
 
@@ -227,6 +298,21 @@ class TokenFile:
         return f"TokenFile({str(self.path)!r}, n_tokens={h.n_tokens}, dtype={h.dtype}, vocab_size={h.vocab_size}, tokenizer={h.tokenizer!r})"
 
 
+def _open_sidecar(p: Path, dtype: np.dtype, n: int, bin_path: Path) -> np.ndarray:
+    """A sidecar of ``n`` items, memory-mapped read-only, after checking its size."""
+    fix = f"re-run `mtc prepare` to rewrite {bin_path} and its sidecars"
+    if not p.is_file():
+        raise DataError(f"{p} is missing beside {bin_path} (its header names it); {fix}")
+    size, want = p.stat().st_size, n * dtype.itemsize
+    if size != want:
+        raise DataError(f"{p} is {size:,} bytes, its header says {want:,}; the file is truncated or stale: {fix}")
+    if n == 0:
+        arr = np.empty(0, dtype=dtype)
+        arr.flags.writeable = False
+        return arr
+    return np.memmap(p, dtype=dtype, mode="r", shape=(n,))
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temporary file in the same directory, fsync, then rename over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -245,89 +331,219 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         raise
 
 
+class TokenWriter:
+    """Writes a token file piece by piece (`add`), never holding the corpus: tokens, document
+    boundaries and the loss mask stream to temporary files, hashed as they go; `finish` renames
+    them into place and writes the header last. ``with_docs`` records document boundaries (each
+    `add` with ``end_doc`` closes one), ``with_mask`` a loss mask (every `add` then passes one).
+    Use it as a context manager: leaving the block by an exception removes the temporary files."""
+
+    def __init__(self, path: str | os.PathLike[str], *, vocab_size: int, tokenizer: str, with_docs: bool = False,
+                 with_mask: bool = False, tokenizer_spec: str | None = None, tokenizer_sha256: str | None = None,
+                 eos_id: int | None = None, tokenizer_dir: str | None = None) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_VOCAB:
+            raise DataError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
+        self.bin_path, self.json_path = token_file_paths(path)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self.vocab_size, self.dtype_name = vocab_size, ("uint16" if vocab_size <= 2**16 else "uint32")
+        self._meta = {"tokenizer": tokenizer, "tokenizer_spec": tokenizer_spec, "tokenizer_sha256": tokenizer_sha256,
+                      "eos_id": eos_id, "tokenizer_dir": tokenizer_dir}
+        stem = self.bin_path.with_suffix("")
+        self.docs_path = stem.with_name(stem.name + ".docs") if with_docs else None
+        self.mask_path = stem.with_name(stem.name + ".mask") if with_mask else None
+        self._files: dict[str, tuple[Path, Path, BinaryIO, Any]] = {}
+        for kind, final in (("bin", self.bin_path), ("docs", self.docs_path), ("mask", self.mask_path)):
+            if final is not None:
+                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+                self._files[kind] = (final, Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256())
+        self.n_tokens = 0
+        self.n_docs = 0
+        self.n_targets = 0
+        self._doc_start = 0
+        self._max = -1
+        if with_docs:
+            self._put("docs", np.zeros(1, dtype=_DOCS_DTYPE))
+
+    def _put(self, kind: str, arr: np.ndarray) -> None:
+        _, _, f, h = self._files[kind]
+        raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+        for i in range(0, len(raw), _HASH_BLOCK):
+            f.write(raw[i:i + _HASH_BLOCK])
+            h.update(raw[i:i + _HASH_BLOCK])
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None, *, end_doc: bool = False) -> None:
+        """Append ``ids`` (1-D integers < vocab_size) and, with a mask, their mask (0/1, one per id);
+        ``end_doc`` closes the current document (empty documents are not recorded)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise DataError(f"tokens must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                pos = self.n_tokens + int(np.argmax(arr == bad))
+                raise DataError(
+                    f"token {bad} at position {pos} is outside the vocabulary [0, {self.vocab_size}); "
+                    "pass the tokenizer's vocab_size, or check the tokenizer's output"
+                )
+            self._max = max(self._max, hi)
+            self._put("bin", arr.astype(_DTYPES[self.dtype_name], copy=False))
+        if self.mask_path is not None:
+            m = np.asarray(mask if mask is not None else np.ones(arr.size, dtype=_MASK_DTYPE))
+            if m.shape != arr.shape:
+                raise DataError(f"a loss mask must have one entry per token: {m.shape} for {arr.shape} tokens")
+            m = (m != 0).astype(_MASK_DTYPE)
+            self.n_targets += int(m.sum())
+            self._put("mask", m)
+        elif mask is not None:
+            raise DataError("this token file records no loss mask (open the writer with with_mask=True)")
+        self.n_tokens += int(arr.size)
+        if end_doc and self.docs_path is not None and self.n_tokens > self._doc_start:
+            self._put("docs", np.asarray([self.n_tokens], dtype=_DOCS_DTYPE))
+            self._doc_start = self.n_tokens
+            self.n_docs += 1
+
+    def finish(self) -> TokenFile:
+        """Close the last document, rename every file into place (the header last) and open the result."""
+        if self.docs_path is not None and self.n_tokens > self._doc_start:
+            self.add(np.empty(0, dtype=np.int64), None if self.mask_path is None else np.empty(0, _MASK_DTYPE), end_doc=True)
+        # Drop a stale header first: if we die before the new one lands, open() reports a missing
+        # header instead of pairing the new .bin with the old header.
+        self.json_path.unlink(missing_ok=True)
+        stem = self.bin_path.with_suffix("")
+        for sfx, mine in ((".docs", self.docs_path), (".mask", self.mask_path)):
+            if mine is None:  # a sidecar of the file this one replaces would only mislead
+                stem.with_name(stem.name + sfx).unlink(missing_ok=True)
+        digests = {}
+        for kind, (final, tmp, f, h) in self._files.items():
+            f.flush()
+            umask = os.umask(0)  # mkstemp makes the file 0600; a data file should read like any other
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, final)
+            digests[kind] = h.hexdigest()
+        self._files = {}
+        docs = mask = None
+        if self.docs_path is not None:
+            docs = {"file": self.docs_path.name, "n_docs": self.n_docs, "sha256": digests["docs"]}
+        if self.mask_path is not None:
+            mask = {"file": self.mask_path.name, "n_targets": self.n_targets, "sha256": digests["mask"]}
+        header = TokenHeader(dtype=self.dtype_name, vocab_size=self.vocab_size, n_tokens=self.n_tokens,
+                             max_token_id=self._max if self._max >= 0 else None, sha256=digests["bin"],
+                             docs=docs, mask=mask, **self._meta)
+        text = json.dumps(header.to_dict(), indent=1) + "\n"
+        _atomic_write(self.json_path, lambda f: f.write(text.encode("utf-8")))
+        return TokenFile.open(self.bin_path)
+
+    def abort(self) -> None:
+        """Remove the temporary files (nothing was renamed into place)."""
+        for _, tmp, f, _ in self._files.values():
+            with contextlib.suppress(OSError):
+                f.close()
+            tmp.unlink(missing_ok=True)
+        self._files = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.abort()  # after finish() there is nothing left to remove
+
+
 def write_token_file(
-    path: str | os.PathLike[str], tokens: np.ndarray, *, vocab_size: int, tokenizer: str
+    path: str | os.PathLike[str], tokens: np.ndarray, *, vocab_size: int, tokenizer: str,
+    doc_ends: np.ndarray | None = None, mask: np.ndarray | None = None, eos_id: int | None = None,
 ) -> TokenFile:
     """Write ``tokens`` (1-D integers, each < vocab_size) as ``<name>.bin`` + ``<name>.json`` and open it.
 
-    The dtype is uint16 when vocab_size <= 65536, else uint32.
+    The dtype is uint16 when vocab_size <= 65536, else uint32. ``doc_ends`` (increasing end offsets
+    of the documents, the last one ``len(tokens)``) records document boundaries, ``mask`` a loss
+    mask (one 0/1 per token); without them the file is a plain stream.
     """
-    bin_path, json_path = token_file_paths(path)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_VOCAB:
-        raise DataError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
     arr = np.asarray(tokens)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise DataError(f"tokens must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            pos = int(np.argmax(arr == bad))
-            raise DataError(
-                f"token {bad} at position {pos} is outside the vocabulary [0, {vocab_size}); "
-                "pass the tokenizer's vocab_size, or check the tokenizer's output"
-            )
-    dtype_name = "uint16" if vocab_size <= 2**16 else "uint32"
-    data = np.ascontiguousarray(arr.astype(_DTYPES[dtype_name], copy=False))
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
-    # Drop a stale header first: if we die before the new one lands, open() reports a missing
-    # header instead of pairing the new .bin with the old header.
-    json_path.unlink(missing_ok=True)
-    digest = hashlib.sha256()
-
-    def write_and_hash(f: BinaryIO) -> None:
-        raw = memoryview(data).cast("B")
-        for i in range(0, len(raw), _HASH_BLOCK):
-            f.write(raw[i:i + _HASH_BLOCK])
-            digest.update(raw[i:i + _HASH_BLOCK])
-
-    _atomic_write(bin_path, write_and_hash)
-    header = TokenHeader(dtype=dtype_name, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=int(data.size),
-                         max_token_id=int(data.max()) if data.size else None, sha256=digest.hexdigest())
-    text = json.dumps(header.to_dict(), indent=1) + "\n"
-    _atomic_write(json_path, lambda f: f.write(text.encode("utf-8")))
-    return TokenFile.open(bin_path)
-
-
-def _text_files(text_path: Path) -> list[Path]:
-    if text_path.is_dir():
-        files = sorted(p for p in text_path.glob("*.txt") if p.is_file())
-        if not files:
-            raise DataError(f"no *.txt files in directory {text_path}; pass a text file or a directory of .txt files")
-        return files
-    if text_path.is_file():
-        return [text_path]
-    raise DataError(f"text path {text_path} does not exist; pass a UTF-8 text file or a directory of .txt files")
-
-
-def prepare(text_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tokenizer: str = "byte") -> TokenFile:
-    """Tokenize a UTF-8 text file, or every ``*.txt`` in a directory (sorted by name), into a token file.
-
-    Each file is made to end with a newline and files are joined with a blank line between them,
-    so one file's last paragraph does not run into the next file's first.
-    """
-    tok = get_tokenizer(tokenizer)
-    parts: list[np.ndarray] = []
-    for i, f in enumerate(_text_files(Path(text_path))):
-        try:
-            # utf-8-sig: a byte-order mark from a Windows editor is not text to train on.
-            text = f.read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{f} is not valid UTF-8 (byte {e.start}: {e.reason}); convert it to UTF-8 first") from None
-        if i > 0:
-            parts.append(tok.encode("\n"))
-        if text and not text.endswith("\n"):
-            text += "\n"
-        parts.append(tok.encode(text))
-    tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
-    if tokens.size == 0:
-        raise DataError(f"{text_path} contains no text; nothing to tokenize")
-    return write_token_file(out_path, tokens, vocab_size=tok.vocab_size, tokenizer=tok.name)
-
+    m = None if mask is None else np.asarray(mask)
+    if m is not None and m.shape != arr.shape:
+        raise DataError(f"a loss mask must have one entry per token: {m.shape} for {arr.shape} tokens")
+    with TokenWriter(path, vocab_size=vocab_size, tokenizer=tokenizer, with_docs=doc_ends is not None,
+                     with_mask=m is not None, eos_id=eos_id) as w:
+        if doc_ends is None:
+            w.add(arr, m)
+        else:
+            lo = 0
+            for hi in np.asarray(doc_ends, dtype=np.int64).tolist():
+                if not lo < hi <= arr.size:
+                    raise DataError(f"doc_ends must increase within [1, {arr.size}], got {hi} after {lo}")
+                w.add(arr[lo:hi], None if m is None else m[lo:hi], end_doc=True)
+                lo = hi
+            if lo != arr.size:
+                raise DataError(f"doc_ends must end at len(tokens) = {arr.size}, not {lo}")
+        return w.finish()
 
 
 # Header fields that say what the tokens are; max_token_id and sha256 are compared through the hash.
-_IDENTITY_HEADER_KEYS = ("dtype", "vocab_size", "tokenizer", "n_tokens")
+# The sidecars (document boundaries, loss mask) carry their own sha256 inside their entries.
+_IDENTITY_HEADER_KEYS = ("dtype", "vocab_size", "tokenizer", "n_tokens", "tokenizer_sha256", "eos_id", "docs", "mask")
+
+
+def _tokenizer_text(h: dict[str, Any]) -> str:
+    sha = h.get("tokenizer_sha256")
+    return f"{h.get('tokenizer')!r} ({h.get('vocab_size')} ids" + (f", tokenizer.json sha256 {sha[:12]}...)" if sha else ")")
+
+
+def check_tokenizer_identity(saved: dict[str, Any] | None, now: dict[str, Any], *, where: str = "this run") -> None:
+    """Raise DataError when data (``now``, from `TokenFile.identity`) was made by another tokenizer
+    than ``saved``'s: its ids would mean other tokens to the trained embeddings, so no
+    --allow-change lets it through. Tokenizers compare by tokenizer.json hash when both record one,
+    else by name and vocabulary size."""
+    if saved is None:
+        return
+    sh, nh = saved.get("header") or {}, now.get("header") or {}
+    a, b = sh.get("tokenizer_sha256"), nh.get("tokenizer_sha256")
+    same = a == b if (a is not None and b is not None) else (
+        sh.get("tokenizer") == nh.get("tokenizer") and sh.get("vocab_size") == nh.get("vocab_size") and a is None and b is None)
+    if not same:
+        raise DataError(
+            f"the data {now.get('path')} was tokenized by {_tokenizer_text(nh)}, but {where} was trained on data from "
+            f"{_tokenizer_text(sh)}; the ids would mean other tokens: prepare the data with the run's tokenizer "
+            "(`mtc prepare ... --tokenizer` with the same files), or start a new run"
+        )
+
+
+def check_store_tokenizer(store_dir: str | os.PathLike[str] | None, data: TokenFile) -> None:
+    """Raise DataError when the run in ``store_dir`` carries its tokenizer (``RUN/tokenizer/``, from
+    `mtc import`) and ``data`` was made by another one (compared by tokenizer.json's sha256)."""
+    if store_dir is None:
+        return
+    f = Path(store_dir) / "tokenizer" / "tokenizer.json"
+    if not f.is_file():
+        return
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    got = data.header.tokenizer_sha256
+    if got != want:
+        made = f"tokenizer {data.header.tokenizer!r}" + (f" (tokenizer.json sha256 {got[:12]}...)" if got else "")
+        raise DataError(
+            f"the data {data.path} was made by {made}, not by the run's tokenizer {f.parent} (sha256 {want[:12]}...): "
+            f"the ids would mean other tokens; prepare it with `mtc prepare ... --tokenizer {f.parent}`"
+        )
+
+
+def _content(v: Any) -> Any:
+    """A header value as compared on resume: a sidecar entry without its file name (a renamed token
+    file has renamed sidecars, with the same contents)."""
+    return {k: x for k, x in v.items() if k != "file"} if isinstance(v, dict) else v
+
+
+def _short(v: Any) -> str:
+    """A header value for a message: a sidecar entry by its file and hash prefix, a hash by its prefix."""
+    if isinstance(v, dict):
+        return f"{v.get('file')} (sha256 {str(v.get('sha256'))[:12]}...)"
+    if isinstance(v, str) and _SHA256.fullmatch(v):
+        return v[:12] + "..."
+    return repr(v)
 
 
 def check_data_identity(saved: dict[str, Any] | None, now: dict[str, Any], allow_change: bool) -> None:
@@ -342,7 +558,8 @@ def check_data_identity(saved: dict[str, Any] | None, now: dict[str, Any], allow
     if saved.get("size_bytes") != now.get("size_bytes"):
         diff.append(f"size {saved.get('size_bytes')} -> {now.get('size_bytes')} bytes")
     sh, nh = saved.get("header") or {}, now.get("header") or {}
-    diff += [f"{k} {sh.get(k)!r} -> {nh.get(k)!r}" for k in _IDENTITY_HEADER_KEYS if sh.get(k) != nh.get(k)]
+    diff += [f"{k} {_short(sh.get(k))} -> {_short(nh.get(k))}" for k in _IDENTITY_HEADER_KEYS
+             if _content(sh.get(k)) != _content(nh.get(k))]
     if saved.get("hash_kind") == now.get("hash_kind") and saved.get("hash") != now.get("hash"):
         diff.append(f"{now.get('hash_kind')} sha256 {str(saved.get('hash'))[:12]}... -> {str(now.get('hash'))[:12]}...")
     if diff:

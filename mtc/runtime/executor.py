@@ -37,8 +37,13 @@ from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Transfer
+from mtc.store import state_array_name
 
 __all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
+
+# targets the loss skips (padding, masked prompts): torch's cross_entropy default, as the traced
+# head uses it and mtc.data.batches writes it
+IGNORE_INDEX = -100
 
 
 class GradSink(Protocol):
@@ -89,7 +94,7 @@ class _Group:
 class StepOutput:
     """What a step's forward + backward produced (device tensors: nothing was synchronised)."""
 
-    loss: torch.Tensor  # mean over the group's micro-batches of each micro-batch's mean loss
+    loss: torch.Tensor  # the step's loss: sum over its targets (not ignore_index) / their count in the step
 
 
 class StreamingExecutor:
@@ -120,8 +125,6 @@ class StreamingExecutor:
             missing = [t for t in program.templates if t not in runners]
             if missing:
                 raise PlanError(f"the compiled plan lacks templates {missing}; recompile it (`mtc compile`)")
-            if any(self._aux_needs_grad) and not all(isinstance(r, AutogradRunner) for r in runners.values()):
-                raise PlanError("compiled plans do not yet support embed outputs that depend on parameters; run --unfused")
         self.runners = runners
         self._plans = [self._fetch_plan(c) for c in program.layers]
         ring_numel = max((p.numel for p in self._plans if not p.resident), default=1)
@@ -130,7 +133,8 @@ class StreamingExecutor:
         # weights whose accumulation spans other layers' visits
         tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
         n_open = 2 + len(tied)
-        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t != "gpu"), default=1)
+        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram layers
+        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t == "ram"), default=1)
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
             self.ring.preallocate()
@@ -147,7 +151,15 @@ class StreamingExecutor:
         self.batch_shape = program.batch["ids"].shape
         self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
         self._open_slots: dict[int, Slot] = {}
-        self._scales: dict[int, torch.Tensor] = {}
+        # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
+        self._staging: list[torch.Tensor] = []
+        self._staging_read: list[Transfer | None] = [None] * slots
+        if any(s.compute is None and s.numel for s in tiers.layers):
+            pin = self.device.type == "cuda"
+            self._staging = [torch.empty(ring_numel, dtype=torch.float32, pin_memory=pin) for _ in range(slots)]
+            tiers.pipeline_bytes["visit_staging"] = sum(t.numel() * 4 for t in self._staging)
+        if self.device.type == "cpu":  # on the CPU the device buffers are host RAM too
+            tiers.pipeline_bytes["device_rings"] = self.ring.numel * self.ring.dtype.itemsize * slots + self.slabs.numel * 4 * n_open
 
     # -- fetching -------------------------------------------------------------------------------
 
@@ -188,10 +200,16 @@ class StreamingExecutor:
         owners = {s.owner for s in plan.segments}
         with self.timeline.span("fetch_wait", layer):
             for o in owners:  # the weights must be this step's: wait for the owners' updates
-                upd = self.tiers[o].update
-                if upd is not None:
-                    upd.result()
-        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel], self.tiers[s.owner].compute[s.start : s.start + s.numel])
+                st = self.tiers[o]
+                for dep in (st.update, st.write if st.compute is None else None):  # from the store: once written
+                    if dep is not None:
+                        dep.result()
+        from_store = [s for s in plan.segments if self.tiers[s.owner].compute is None]
+        if from_store:
+            self._read_from_store(layer, slot, from_store)
+        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel],
+                   self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
+                   else self.tiers[s.owner].compute[s.start : s.start + s.numel])
                   for s in plan.segments]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
@@ -200,8 +218,26 @@ class StreamingExecutor:
         tr = self.engine.h2d(copies, after=after, layer=layer)
         for o in owners:
             self.tiers[o].last_read = tr  # the owner's next update waits until this copy has read it
+        if from_store:
+            self._staging_read[slot.index] = tr  # the next read into this staging buffer waits for it
         tensors = {k: slot.device[o : o + _numel(shape)].view(shape) for k, (o, shape) in plan.views.items()}
         return LayerWeights(slot, tensors, tr)
+
+    def _read_from_store(self, layer: int, slot: Slot, segments: list[_Segment]) -> None:
+        """Read disk owners' current masters into the slot's staging buffer (at the store's
+        highest priority: this visit waits for it)."""
+        store = self.tiers.store
+        assert store is not None, "disk layers read per visit need the store"
+        prev = self._staging_read[slot.index]
+        if prev is not None:
+            prev.wait()  # the last copy out of this staging buffer
+        gen = self.tiers.disk_generation
+        with self.timeline.span("visit_read", layer):
+            futs = [store.read_rows_into_async(state_array_name(s.owner, "master", gen), s.start,
+                                               self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel])
+                    for s in segments]
+            for f in futs:
+                f.result()
 
     def _wait(self, fut: Future[LayerWeights], layer: int) -> LayerWeights:
         with self.timeline.span("weights_wait", layer):
@@ -237,8 +273,11 @@ class StreamingExecutor:
     def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: GradSink) -> StepOutput:
         """Forward + backward over the group ``microbatches``; final gradients go to ``sink``.
 
-        The loss gradient of each micro-batch is scaled by 1 / len(microbatches), as
-        ``(loss / n).backward()`` per micro-batch would.
+        The step's loss is the sum of the losses of all its targets that are not ``IGNORE_INDEX``
+        (padding, masked prompts) divided by their count in the whole step, not a mean of the
+        micro-batches' means: micro-batch ``i``'s head computes the mean over its own ``c_i``
+        targets, so its loss gradient is scaled by ``c_i / sum(c)``, as
+        ``(loss_i * c_i / sum(c)).backward()`` would (``1 / n`` when nothing is ignored).
         """
         L, n = self.program.n_layers, len(microbatches)
         for ids, targets in microbatches:
@@ -252,9 +291,10 @@ class StreamingExecutor:
             grad_aux=[[None] * len(self._aux_needs_grad) for _ in range(n)], losses=[],
         )
         visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
-        scale = self._scales.get(n)
-        if scale is None:  # made once per group size: a scalar H2D would synchronise every step
-            scale = self._scales[n] = torch.tensor(1.0 / n, dtype=torch.float32, device=self.device)
+        # counted on the device from the targets already copied there: no host synchronisation
+        counts = torch.stack([(b["targets"] != IGNORE_INDEX).sum() for b in g.batches]).to(torch.float32)
+        total = counts.sum()
+        scales = counts / total.clamp_min(1.0)  # no target at all: zero gradients, and a NaN loss skips the step
         fut: Future[LayerWeights] | None = self._start_fetch(visits[0][1])
         try:
             for k, (phase, layer) in enumerate(visits):
@@ -266,7 +306,7 @@ class StreamingExecutor:
                     if phase == "bwd" and layer > 0:  # bring the next layer's offloaded inputs back early
                         for mb in range(n):
                             self.acts.prefetch((layer - 1, mb))
-                    self._backward(layer, w, g, scale, sink)
+                    self._backward(layer, w, g, scales, sink)
                 self._release(w)
                 del w
                 self.engine.sync()
@@ -284,7 +324,9 @@ class StreamingExecutor:
             for layer in list(self._open):
                 self._close_slab(layer, None)
             raise
-        return StepOutput(loss=torch.stack(g.losses).mean() if len(g.losses) > 1 else g.losses[0])
+        # a micro-batch without targets has a NaN mean (0 / 0) and weight 0: leave it out of the sum
+        losses = torch.where(counts > 0, torch.stack(g.losses), 0.0)
+        return StepOutput(loss=(losses * counts).sum() / total)
 
     def _forward(self, layer: int, w: LayerWeights, g: _Group) -> None:
         call = self.program.layers[layer]
@@ -300,7 +342,7 @@ class StreamingExecutor:
                         self.acts.put((layer, mb), g.carry[mb])
                         g.carry[mb] = fwd(*self._args(call, tmpl, w.tensors, g, mb, g.carry[mb]))[0]
 
-    def _backward(self, layer: int, w: LayerWeights, g: _Group, scale: torch.Tensor, sink: GradSink) -> None:
+    def _backward(self, layer: int, w: LayerWeights, g: _Group, scales: torch.Tensor, sink: GradSink) -> None:
         prog = self.program
         call = prog.layers[layer]
         tmpl = prog.templates[call.template]
@@ -316,7 +358,7 @@ class StreamingExecutor:
                         for j, (ga, need) in enumerate(zip(g.grad_aux[mb], self._aux_needs_grad)) if need
                     ]
                 elif head:
-                    carry_in, gouts = g.carry[mb], [scale]
+                    carry_in, gouts = g.carry[mb], [scales[mb]]
                     g.carry[mb] = None
                 else:
                     carry_in, gouts = self.acts.take((layer, mb)), [g.grad_carry[mb]]
@@ -347,7 +389,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if st.tier == "gpu":
+            if st.tier in ("gpu", "disk"):  # their gradient buffer is on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -370,7 +412,7 @@ class StreamingExecutor:
                 norms = torch.stack(torch._foreach_norm(views))
             else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
-        if st.tier != "gpu":
+        if st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
         self._close_slab(owner, st.grad_ready)
         sink.grad_final(owner, norms)

@@ -11,8 +11,11 @@ and clipping stays exact. Per layer, by tier:
 - ``ram``: the host AdamW on all cores (chunks over a thread pool), writing the new compute copy in
   the same pass; or, for the layers ``gpu_update`` names, on the GPU: state and gradient stream
   over PCIe through pinned buffers on the copy streams, the kernel runs, the state streams back.
-- ``disk``: read master, m, v of the current generation from the store, update on the host, write
-  them to the other generation.
+- ``disk``: master, m, v of the current generation were read ahead into a buffer set of the disk
+  ring (`mtc.runtime.disk_tier`, started at `begin_step`, during the forward); the gradient is
+  copied from the compute device into the set, the host updates it, and the new state is written
+  behind into the other generation while the next layers update; the set returns to the ring
+  once its writes are durable.
 
 A step whose loss or gradient norm is not finite updates nothing (its batches are consumed and
 it counts as a step); `StepStats.skipped` says so. Write-behind: on a commit step each layer's new
@@ -27,6 +30,7 @@ import dataclasses
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,6 +38,7 @@ import torch
 
 from mtc.config import OptimConfig
 from mtc.graphs.program import Program
+from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import adamw_flat_, host_pool
 from mtc.runtime.tiers import StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
@@ -75,6 +80,7 @@ class StreamingAdamW:
         gpu_update: set[int] | None = None,
         store: TensorStore | None = None,
         durability: str = "full",
+        disk_slots: int = 3,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
@@ -93,7 +99,6 @@ class StreamingAdamW:
         self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None
         self._scratch: list[list[torch.Tensor]] = []  # GPU-side update of ram layers: two sets of device buffers
-        self._disk_scratch = threading.local()
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
@@ -101,7 +106,19 @@ class StreamingAdamW:
                              + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)] for _ in range(2)]
         self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
         self.commit_future: Future[None] = _done()  # the last commit record's write
-        self.disk_generation = 0  # generation disk-tier layers read this step
+        has_disk = any(s.tier == "disk" and s.numel for s in tiers.layers)
+        if has_disk and store is None:
+            raise ValueError("disk-tier layers need the store")
+        self.disk = DiskRing(tiers, store, slots=disk_slots) if has_disk else None
+
+    @property
+    def disk_generation(self) -> int:
+        """The generation disk-tier layers read this step (holding their newest state)."""
+        return self.tiers.disk_generation
+
+    @disk_generation.setter
+    def disk_generation(self, gen: int) -> None:
+        self.tiers.disk_generation = gen
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -111,6 +128,8 @@ class StreamingAdamW:
             raise RuntimeError("begin_step called twice without finish_step")
         self._step, self._lr = step, lr
         self._norms.clear()
+        if self.disk is not None:  # read this step's disk state ahead while forward and backward run
+            self.disk.post(self.disk_generation, {i: self.tiers[i].write for i in self.disk.layers})
 
     def grad_final(self, layer: int, norms: torch.Tensor) -> None:
         """The executor's report: ``layer``'s gradient is complete, with these per-parameter norms."""
@@ -148,7 +167,7 @@ class StreamingAdamW:
         writes: list[Future[None]] = []
         prev_commit = self.commit_future
         w_gen = write_generation
-        r_disk, w_disk = self.disk_generation, 1 - self.disk_generation
+        w_disk = 1 - self.disk_generation
         streamed: list[tuple[int, Future[None], dict, tuple]] = []
         for i in range(self.program.n_layers):
             s = self.tiers[i]
@@ -167,14 +186,17 @@ class StreamingAdamW:
                     s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
                     s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
+            elif s.tier == "disk":
+                s.write = Future()
+                s.update = self._cpu.submit(self._update_disk, i, coef, hp, (s.grad_ready, s.last_read), w_disk, prev_commit,
+                                            step, skipped, s.write)
+                writes.append(s.write)
             elif i in self.gpu_update and not skipped:
                 s.update = Future()
                 streamed.append((i, s.update, hp, deps))
             else:
-                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, r_disk, w_disk, prev_commit, step, skipped)
-            if s.tier == "disk":
-                writes.append(s.update)
-            elif s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
+                s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, prev_commit, step, skipped)
+            if s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
                 s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
         if streamed:
@@ -203,36 +225,67 @@ class StreamingAdamW:
         c = self.cfg
         return dict(beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
 
-    def _update_host(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, r_gen: int, w_gen: int,
-                     prev_commit: Future[None], tstep: int, skip: bool = False) -> None:
+    def _update_host(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, prev_commit: Future[None], tstep: int,
+                     skip: bool = False) -> None:
         s = self.tiers[i]
         _wait_all(self.timeline, i, deps, tstep)  # state on its way to disk, gradient in flight, H2D still reading
-        if skip and s.tier != "disk":
+        if skip:
             return
         with self.timeline.span("update", i, step=tstep):
-            if s.tier == "disk":
-                master, m, v = self._disk_buffers(s.numel)
-                for name, buf in zip(("master", "m", "v"), (master, m, v)):
-                    self.store.read_into(state_array_name(i, name, r_gen), buf)
-            else:
-                master, m, v = s.master, s.m, s.v
-            compute_out = None if s.compute is master else s.compute
-            if not skip:  # a skipped step only carries a disk layer's state over into the next generation
-                adamw_flat_(master, s.grad, m, v, grad_scale=coef, compute_out=compute_out, pool=self._chunks,
-                            impl=self.host_impl, **hp, **self._hyper())
-        if s.tier == "disk":
-            prev_commit.result()  # never overwrite the generation the last durable commit names
-            with self.timeline.span("write_behind", i, step=tstep):
-                futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
-                for f in futs:
-                    f.result()
+            compute_out = None if s.compute is s.master else s.compute
+            adamw_flat_(s.master, s.grad, s.m, s.v, grad_scale=coef, compute_out=compute_out, pool=self._chunks,
+                        impl=self.host_impl, **hp, **self._hyper())
 
-    def _disk_buffers(self, n: int) -> list[torch.Tensor]:
-        bufs = getattr(self._disk_scratch, "bufs", None)
-        if bufs is None or bufs[0].numel() < n:
-            numel = max(self.tiers[j].numel for j in range(self.program.n_layers) if self.tiers[j].tier == "disk")
-            bufs = self._disk_scratch.bufs = [torch.empty(numel, dtype=torch.float32) for _ in range(3)]
-        return [b[:n] for b in bufs]
+    def _update_disk(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, w_gen: int, prev_commit: Future[None],
+                     tstep: int, skip: bool, written: Future[None]) -> None:
+        """Update a disk layer in its read-ahead set and start writing it behind; ``written``
+        completes once the new state is durable in ``w_gen`` (then the set goes back to the ring)."""
+        s = self.tiers[i]
+        assert self.disk is not None
+        try:
+            _wait_all(self.timeline, i, deps, tstep)  # the last H2D read of its compute copy
+            with self.timeline.span("disk_read_wait", i, step=tstep):
+                st, reads = self.disk.take(i)
+                for f in reads:
+                    f.result()
+            master, m, v = st.views(s.numel)
+            grad = s.grad
+            if grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
+                assert st.grad is not None
+                tr = self.engine.d2h([(st.grad[: s.numel], s.grad)], layer=i, stage="grad_d2h")
+                tr.wait()
+                grad = st.grad[: s.numel]
+            if not skip:  # a skipped step only carries the state over into the next generation
+                with self.timeline.span("update", i, step=tstep):
+                    adamw_flat_(master, grad, m, v, grad_scale=coef, compute_out=s.compute, pool=self._chunks,
+                                impl=self.host_impl, **hp, **self._hyper())
+            prev_commit.result()  # never overwrite the generation the last durable commit names
+            t0 = time.perf_counter()
+            futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
+        except BaseException as e:
+            if not written.done():
+                written.set_exception(e)
+            raise
+        left = [len(futs)]
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def one_done(f: Future[None]) -> None:
+            with lock:
+                if f.exception() is not None:
+                    errors.append(f.exception())
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
+                self.disk.release(st)
+                if errors:
+                    written.set_exception(errors[0])
+                else:
+                    written.set_result(None)
+
+        for f in futs:
+            f.add_done_callback(one_done)
 
     def _update_on_device(self, i: int, coef: torch.Tensor | None, hp: dict) -> None:
         s = self.tiers[i]
@@ -311,6 +364,8 @@ class StreamingAdamW:
         """Stop the worker threads (after finishing what was started)."""
         for pool in (self._cpu, self._gpu, self._writer, self._chunks):
             pool.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
 
 
 def _wait_all(timeline: Timeline, layer: int, deps: tuple, step: int) -> None:

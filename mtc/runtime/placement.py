@@ -8,7 +8,17 @@ is the compute copy):
 |---|---|---|---|
 | gpu  | 16 + (c if c != 4) | 0 (+12 pinned staging at commits) | full 24, weights 8, none 0 |
 | ram  | 0 | 12 + 4 (pinned gradient) + (c if c != 4) | full 24, weights 8, none 0 |
-| disk | 0 | 4 (pinned gradient) + c | 24 always (it is the tier) |
+| disk | 4 (gradient, CUDA) | c (compute copy in RAM) or 0 (read per visit); + 4 on the CPU device (gradient) | 24 always (it is the tier) |
+
+Disk layers also need a bounded pipeline in host RAM, independent of depth (`pipeline_host_bytes`):
+a ring of read-ahead sets (master, m, v and on CUDA the gradient's host copy) of the largest disk
+layer, and, when the compute copy is read per visit, one fp32 staging buffer per weight slot. So
+with every layer on disk and the compute copy read per visit, host RAM per parameter is 0 on CUDA
+(4 on the CPU, where the gradient is host memory) plus that fixed pipeline.
+
+A RAM budget (`default_ram_budget`: available memory minus a margin, or the user's) drives
+`auto_placement`: every layer starts on disk, then layers move up to the GPU and to RAM in
+forward order while the budgets hold them.
 
 The GPU besides: a ring of weight slots (2 x the largest streamed layer, compute dtype), gradient
 slabs (2-3 x the largest layer, fp32), the boundary activations within their budget and the
@@ -27,8 +37,11 @@ __all__ = [
     "auto_placement",
     "available_host_bytes",
     "choose_gpu_update",
+    "default_ram_budget",
     "disk_bytes_needed",
     "host_bytes_needed",
+    "host_bytes_per_param",
+    "pipeline_host_bytes",
     "resolve_gpu_update",
     "resolve_placement",
 ]
@@ -88,15 +101,46 @@ def _c(compute_bytes: int) -> int:
     return 0 if compute_bytes == _FP32 else compute_bytes
 
 
-def host_bytes_needed(placement: list[str], numels: list[int], compute_bytes: int) -> int:
-    """Host RAM for the state tiers (see the table in this module's docstring)."""
-    per = {"gpu": 0, "ram": 16 + _c(compute_bytes), "disk": 4 + compute_bytes}
-    return sum(per[t] * n for t, n in zip(placement, numels, strict=True))
+def host_bytes_per_param(tier: str, compute_bytes: int, *, disk_compute: str = "ram", grads_on_device: bool = False) -> int:
+    """Host RAM per parameter of a layer in ``tier`` (the table above). ``grads_on_device``: disk
+    layers' gradients wait in GPU memory (CUDA) rather than host memory (the CPU device)."""
+    if tier == "gpu":
+        return 0
+    if tier == "ram":
+        return 16 + _c(compute_bytes)
+    if tier == "disk":
+        return (compute_bytes if disk_compute == "ram" else 0) + (0 if grads_on_device else 4)
+    raise ValueError(f"unknown tier {tier!r}")
 
 
-def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int) -> int:
-    """GPU memory held by `gpu`-tier layers."""
-    return sum((16 + _c(compute_bytes)) * n for t, n in zip(placement, numels, strict=True) if t == "gpu")
+def host_bytes_needed(placement: list[str], numels: list[int], compute_bytes: int, *, disk_compute: str = "ram",
+                      grads_on_device: bool = False) -> int:
+    """Host RAM for the state tiers (see the table in this module's docstring), without the
+    fixed pipeline (`pipeline_host_bytes`)."""
+    return sum(host_bytes_per_param(t, compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
+               for t, n in zip(placement, numels, strict=True))
+
+
+def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute: str = "ram", device_is_cuda: bool = False,
+                        disk_slots: int = 3, weight_slots: int = 2) -> int:
+    """Host RAM of the bounded pipeline: the disk tier's read-ahead ring and visit staging (and on
+    the CPU device the executor's device buffers, which are host memory there)."""
+    disk = [n for t, n in zip(placement, numels, strict=True) if t == "disk" and n]
+    # on the CPU device the executor's weight ring and gradient slabs are host memory too (a weight
+    # slot may hold a layer plus a tied weight: counted as two layers)
+    device = 0 if device_is_cuda else (weight_slots * 2 + 3) * _FP32 * max(numels, default=0)
+    if not disk:
+        return device
+    ring = disk_slots * (16 if device_is_cuda else 12) * max(disk)
+    staging = weight_slots * 2 * _FP32 * max(numels) if disk_compute == "store" else 0
+    return ring + staging + device
+
+
+def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int, *, disk_grads_on_gpu: bool = True) -> int:
+    """GPU memory held by `gpu`-tier layers (and by disk layers' gradients, which wait there for the update)."""
+    per_disk = _FP32 if disk_grads_on_gpu else 0
+    return sum((16 + _c(compute_bytes)) * n if t == "gpu" else (per_disk * n if t == "disk" else 0)
+               for t, n in zip(placement, numels, strict=True))
 
 
 def disk_bytes_needed(placement: list[str], numels: list[int], durability: str) -> int:
@@ -115,24 +159,39 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int) -> list[str]:
+def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int, disk_compute: str = "ram",
+                   grads_on_device: bool = False) -> list[str]:
     """Fill the GPU first (fastest: no PCIe for state, updates in HBM), then RAM, then disk.
 
-    Layers go to the GPU from the last backward-visited end (the embed stage and the first blocks
-    are updated first in the next forward, so resident updates there shorten the critical path).
+    Every layer starts on disk, with its disk cost charged to the budgets; then, in forward order,
+    a layer moves to the GPU if the GPU budget holds it, else to RAM if the RAM budget holds the
+    difference. Layers go up from the last backward-visited end (the embed stage and the first
+    blocks are updated first in the next forward, so resident updates there shorten the critical
+    path). When even all-disk does not fit ``ram_bytes`` the result is all-disk (the fit check says so).
     """
+    def disk_host(n: int) -> int:
+        return host_bytes_per_param("disk", compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
+
+    disk_gpu = _FP32 if grads_on_device else 0
     placement = ["disk"] * len(numels)
-    g_left, r_left = gpu_bytes, ram_bytes
+    g_left = gpu_bytes - sum(disk_gpu * n for n in numels)
+    r_left = ram_bytes - sum(disk_host(n) for n in numels)
     for i, n in enumerate(numels):
-        need_gpu = (16 + _c(compute_bytes)) * n
-        need_ram = (16 + _c(compute_bytes)) * n
-        if need_gpu <= g_left:
-            placement[i], g_left = "gpu", g_left - need_gpu
-        elif need_ram <= r_left:
-            placement[i], r_left = "ram", r_left - need_ram
-        else:
-            r_left -= (4 + compute_bytes) * n
+        up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n
+        up_ram = host_bytes_per_param("ram", compute_bytes) * n - disk_host(n)
+        if g_left >= 0 and up_gpu <= g_left:
+            placement[i], g_left = "gpu", g_left - up_gpu
+            r_left += disk_host(n)
+        elif r_left >= 0 and up_ram <= r_left:
+            placement[i], r_left = "ram", r_left - up_ram
     return placement
+
+
+def default_ram_budget(available: int | None = None) -> int:
+    """Host RAM for state when the user sets no budget: available memory minus a margin of 15 %
+    (at least 2 GiB) for the process itself, the data loader and the OS."""
+    avail = available_host_bytes() if available is None else available
+    return max(0, avail - max(2 * 2**30, int(avail * 0.15)))
 
 
 def describe(placement: list[str]) -> str:

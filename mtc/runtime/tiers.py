@@ -7,8 +7,11 @@ program's flat-parameter order). The placement puts every layer in one tier:
 - ``ram``: master, m, v in host RAM; the compute-dtype copy (bf16, or the master itself in fp32)
   in pinned memory, ready to cross PCIe; the gradient arrives in a pinned host buffer; the CPU
   updates the layer (or the GPU, streaming the state, when the cost model picks it).
-- ``disk``: master, m, v in the store, read for the update and written straight back into the
-  other generation; the compute copy and the gradient buffer stay in pinned RAM.
+- ``disk``: master, m, v in the store, read ahead into a bounded ring of host buffers for the
+  update and written behind into the other generation (`mtc.runtime.disk_tier`); the gradient
+  stays where it was accumulated (GPU memory on CUDA) until the update copies it into the ring;
+  the compute copy is kept in pinned RAM (``disk_compute="ram"``) or read from the store at each
+  visit (``"store"``: no host RAM per parameter at all).
 
 Nothing here knows about streams or steps: the executor and the optimizer own the schedule and use
 the per-layer handles (`LayerState.update`, `.write`, `.last_read`) to order themselves.
@@ -26,9 +29,10 @@ from mtc.graphs.program import Program
 from mtc.runtime.transfer import Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
-__all__ = ["TIERS", "LayerState", "StateTiers", "state_kinds"]
+__all__ = ["DISK_COMPUTE", "TIERS", "LayerState", "StateTiers", "state_kinds"]
 
 TIERS = ("gpu", "ram", "disk")
+DISK_COMPUTE = ("ram", "store")  # where a disk layer's compute copy lives: pinned RAM, or read per visit
 
 
 def state_kinds(tier: str, durability: str) -> tuple[str, ...]:
@@ -51,8 +55,8 @@ class LayerState:
     master: torch.Tensor | None  # None on disk
     m: torch.Tensor | None
     v: torch.Tensor | None
-    compute: torch.Tensor  # what the GPU reads: the compute-dtype copy (may alias master)
-    grad: torch.Tensor  # the step's final fp32 gradient (host pinned, or on the GPU for `gpu`)
+    compute: torch.Tensor | None  # what the GPU reads: the compute-dtype copy (may alias master; None: read from the store)
+    grad: torch.Tensor  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu` and `disk`)
     last_read: Transfer | None = None  # the last copy that read `compute` (an update waits for it)
     grad_ready: Transfer | None = None  # the gradient's device-to-host copy
     update: Future[None] | None = None  # this step's update (the next fetch waits for it)
@@ -64,9 +68,15 @@ class StateTiers:
     """Every layer's `LayerState`, allocated once for the run (no allocation per step)."""
 
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
-                 streamed: set[int] | None = None) -> None:
+                 streamed: set[int] | None = None, disk_compute: str = "ram") -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
+        if disk_compute not in DISK_COMPUTE:
+            raise ValueError(f"disk_compute must be one of {DISK_COMPUTE}, got {disk_compute!r}")
+        self.disk_compute = disk_compute
+        self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
+        self.disk_generation = 0  # the generation holding disk layers' newest state (the optimizer flips it)
+        self.pipeline_bytes: dict[str, int] = {}  # host buffers of the I/O pipeline (ring, staging), by owner
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
@@ -94,8 +104,9 @@ class StateTiers:
             m, v = self._host(n, STATE_DTYPE, pinned=streamed), self._host(n, STATE_DTYPE, pinned=streamed)
             compute = master if fp32_compute else self._host(n, self.compute_dtype, pinned=True)
             return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
-        compute = self._host(n, self.compute_dtype, pinned=True)
-        return LayerState(i, tier, n, nd, None, None, None, compute, self._host(n, STATE_DTYPE, pinned=True))
+        # disk: the gradient stays on the compute device (a bounded ring of host buffers takes it at the update)
+        compute = self._host(n, self.compute_dtype, pinned=True) if self.disk_compute == "ram" else None
+        return LayerState(i, tier, n, nd, None, None, None, compute, torch.zeros(n, dtype=STATE_DTYPE, device=self.device))
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -114,7 +125,8 @@ class StateTiers:
         """Set a RAM/GPU layer's master (and moments; zeros when None) and refresh its compute copy."""
         s = self.layers[layer]
         if s.tier == "disk":
-            s.compute.copy_(master)
+            if s.compute is not None:
+                s.compute.copy_(master)
             return
         s.master.copy_(master)
         for dst, src in ((s.m, m), (s.v, v)):
@@ -128,6 +140,7 @@ class StateTiers:
     def create_arrays(self, store: TensorStore, durability: str) -> None:
         """Create both generations of the arrays this placement and durability keep on disk, and
         record the layout (what `mtc verify` expects of each layer)."""
+        self.store = store
         if not store.read_only:
             store.set_attribute(LAYOUT_ATTR, {"numels": [s.numel for s in self.layers], "compute_dtype": None,
                                               "placement": list(self.placement)})
@@ -150,6 +163,10 @@ class StateTiers:
             if not s.numel:
                 continue
             kinds = state_kinds(s.tier, durability)
+            if s.tier == "disk":  # the store is its tier: only a compute copy kept in RAM is filled
+                if s.compute is not None:
+                    self.set_layer(s.layer, store.read(state_array_name(s.layer, "master", generation)))
+                continue
             if "master" not in kinds:
                 raise StoreError(f"layer {s.layer}'s weights are not in the store (durability {durability!r}); "
                                  "a run with durability 'none' cannot be resumed: start it over with --overwrite")
@@ -176,8 +193,9 @@ class StateTiers:
         return s.staging
 
     def host_bytes(self) -> int:
-        """Host RAM held by the tiers (state, compute copies, gradient buffers, staging)."""
-        total = 0
+        """Host RAM held by the tiers (state, compute copies, gradient buffers, staging) and the
+        I/O pipeline's buffers registered in `pipeline_bytes` (the disk ring, visit staging)."""
+        total = sum(self.pipeline_bytes.values())
         for s in self.layers:
             for t in (s.master, s.m, s.v, s.compute, s.grad, *(s.staging or [])):
                 if t is not None and t.device.type == "cpu" and (t is not s.compute or s.compute is not s.master):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mtc.data import BatchSampler, write_token_file
+from mtc.data import BatchSampler, check_fits, write_token_file
+from mtc.data.batches import IGNORE_INDEX
 from mtc.errors import DataError
 
 # Tokens equal to their own positions, so a batch shows exactly where each window came from.
@@ -104,3 +105,95 @@ def test_from_token_file(tmp_path: Path) -> None:
     b = BatchSampler(POSITIONS % 256, batch_size=4, seq_len=16, seed=1)
     assert a.n_tokens == b.n_tokens == N - N // 20
     assert torch.equal(a.batch(5)[0], b.batch(5)[0]) and torch.equal(a.batch(5)[1], b.batch(5)[1])
+
+
+# -- documents: not packed -----------------------------------------------------------------------
+
+DOC_ENDS = [5, 6, 40, 41, 100, 300, 301, 2000]  # short, 1-token (no target), long, ... documents
+
+
+def _doc_file(tmp_path: Path, mask: np.ndarray | None = None, eos_id: int | None = 0):
+    n = DOC_ENDS[-1]
+    # token i is i (mod the vocabulary), so a batch shows where each window came from
+    return write_token_file(tmp_path / "d", np.arange(n) % 4096, vocab_size=4096, tokenizer="t", doc_ends=DOC_ENDS,
+                            mask=mask, eos_id=eos_id)
+
+
+def _all_windows(seq_len: int) -> list[tuple[int, int]]:
+    """(start, targets) of every window: documents cut at k * seq_len from their start."""
+    out, lo = [], 0
+    for hi in DOC_ENDS:
+        out += [(s, min(seq_len, hi - 1 - s)) for s in range(lo, hi - 1, seq_len)]
+        lo = hi
+    return out
+
+
+def test_documents_are_not_packed(tmp_path: Path) -> None:
+    tf = _doc_file(tmp_path)
+    s = BatchSampler(tf, batch_size=16, seq_len=32, seed=0, val_fraction=0.0)
+    assert s.mode == "documents" and s.n_windows == len(_all_windows(32))
+    seen = set()
+    for cursor in range(60):
+        x, y = s.batch(cursor)
+        for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
+            start, n = int(row_x[0]), int((row_y != IGNORE_INDEX).sum())
+            assert (start, n) in _all_windows(32)  # a document start, or k * seq_len into one
+            seen.add(start)
+            assert np.array_equal(row_x[:n], np.arange(start, start + n)) and np.array_equal(row_y[:n], row_x[:n] + 1)
+            assert (row_x[n:] == 0).all() and (row_y[n:] == IGNORE_INDEX).all()  # padded with EOS id, no target
+            doc = np.searchsorted(DOC_ENDS, start, side="right")
+            assert start + n < DOC_ENDS[doc]  # never into the next document
+    assert seen == {w for w, _ in _all_windows(32)}  # every window is drawn
+
+
+def test_document_windows_are_drawn_uniformly(tmp_path: Path) -> None:
+    s = BatchSampler(_doc_file(tmp_path), batch_size=64, seq_len=32, seed=1, val_fraction=0.0)
+    counts: dict[int, int] = {}
+    for cursor in range(200):
+        for v in s.batch(cursor)[0][:, 0].tolist():
+            counts[v] = counts.get(v, 0) + 1
+    expect = 200 * 64 / s.n_windows
+    assert min(counts.values()) > 0.6 * expect and max(counts.values()) < 1.5 * expect
+
+
+def test_document_splits_are_disjoint_and_deterministic(tmp_path: Path) -> None:
+    tf = _doc_file(tmp_path)
+    train = BatchSampler(tf, batch_size=8, seq_len=32, seed=2, val_fraction=0.1)
+    val = BatchSampler(tf, batch_size=8, seq_len=32, seed=2, split="val", val_fraction=0.1)
+    boundary = 2000 - 200
+    assert train.bounds[1] <= boundary <= val.bounds[0]
+    for cursor in range(30):
+        _, y = train.batch(cursor)
+        assert int(y.max()) < boundary
+        x, _ = val.batch(cursor)
+        assert int(x[:, 0].min()) >= boundary
+    again = BatchSampler(_doc_file(tmp_path / "copy"), batch_size=8, seq_len=32, seed=2, val_fraction=0.1)
+    assert all(torch.equal(train.batch(c)[1], again.batch(c)[1]) for c in (0, 7, 999))
+
+
+def test_files_without_boundaries_keep_stream_sampling(tmp_path: Path) -> None:
+    tf = write_token_file(tmp_path / "s", np.arange(2000) % 4096, vocab_size=4096, tokenizer="t")
+    s = BatchSampler(tf, batch_size=64, seq_len=32, seed=0)
+    assert s.mode == "stream" and tf.docs is None
+    starts = {int(v) for c in range(10) for v in s.batch(c)[0][:, 0]}
+    assert any(v not in {w for w, _ in _all_windows(32)} for v in starts)  # windows start anywhere
+
+
+def test_fully_masked_windows_are_redrawn(tmp_path: Path) -> None:
+    mask = np.zeros(DOC_ENDS[-1], dtype=np.uint8)
+    mask[1500:1510] = 1  # one window of the long document has targets
+    s = BatchSampler(_doc_file(tmp_path, mask=mask), batch_size=4, seq_len=32, seed=0, val_fraction=0.0)
+    x, y = s.batch(3)
+    assert (x[:, 0] == 301 + 37 * 32).all()  # the window whose targets hold 1500..1509
+    assert ((y != IGNORE_INDEX).sum(1) == 10).all()
+    empty = _doc_file(tmp_path / "e", mask=np.zeros(DOC_ENDS[-1], dtype=np.uint8))
+    with pytest.raises(DataError, match="loss mask leaves almost no window with a target"):
+        BatchSampler(empty, batch_size=1, seq_len=32, seed=0).batch(0)
+
+
+def test_check_fits_with_documents(tmp_path: Path) -> None:
+    tf = write_token_file(tmp_path / "one", np.arange(4), vocab_size=256, tokenizer="byte", doc_ends=[4])
+    check_fits(tf, 1024)  # a short document is padded: any seq_len fits
+    lone = write_token_file(tmp_path / "lone", np.arange(1), vocab_size=256, tokenizer="byte", doc_ends=[1])
+    with pytest.raises(DataError, match="the train split of the token file holds no sequence"):
+        check_fits(lone, 8)

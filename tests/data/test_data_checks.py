@@ -112,3 +112,66 @@ def test_identity_of_a_file_without_content_hash(tmp_path):
     changed = _strip_new_fields(_tokens(tmp_path, toks, name="c")).identity()
     with pytest.raises(DataError, match="sample sha256"):
         check_data_identity(ident, changed, allow_change=False)
+
+
+def test_version_1_header_still_opens_as_a_stream(tmp_path):
+    """A token file from an older mtc: header version 1, no sidecars; read, sampled as a stream."""
+    from mtc.data import BatchSampler
+
+    (tmp_path / "a.txt").write_text("an old corpus, tokenized by an older mtc\n" * 20)
+    tf = prepare(tmp_path / "a.txt", tmp_path / "a.bin")
+    old = {k: v for k, v in json.loads(tf.header_path.read_text()).items() if k in (
+        "format", "dtype", "vocab_size", "tokenizer", "n_tokens", "max_token_id", "sha256")} | {"version": 1}
+    tf.header_path.write_text(json.dumps(old))
+    (tmp_path / "a.docs").unlink()
+    again = TokenFile.open(tmp_path / "a.bin")
+    assert again.header.version == 1 and again.docs is None and again.mask is None and again.header.eos_id is None
+    assert BatchSampler(again, batch_size=2, seq_len=16, seed=0).mode == "stream"
+    assert again.identity()["hash"] == tf.header.sha256
+
+
+def test_sidecars_are_part_of_the_identity_and_checked_on_open(tmp_path):
+    toks = np.arange(1000) % 256
+    mask = (np.arange(1000) % 2).astype(np.uint8)
+    a = write_token_file(tmp_path / "a", toks, vocab_size=256, tokenizer="byte", doc_ends=[400, 1000], mask=mask)
+    b = write_token_file(tmp_path / "b", toks, vocab_size=256, tokenizer="byte", doc_ends=[400, 1000], mask=1 - mask)
+    with pytest.raises(DataError, match=r"differs in mask a.mask \(sha256 [0-9a-f]{12}\.\.\.\) -> b.mask"):
+        check_data_identity(a.identity(), b.identity(), allow_change=False)
+    renamed = write_token_file(tmp_path / "r", toks, vocab_size=256, tokenizer="byte", doc_ends=[400, 1000], mask=mask)
+    check_data_identity(a.identity(), renamed.identity(), allow_change=False)  # same contents, other names
+    with pytest.raises(DataError, match="differs in mask"):
+        check_data_identity(a.identity(), b.identity(), allow_change=False)
+    c = write_token_file(tmp_path / "c", toks, vocab_size=256, tokenizer="byte", doc_ends=[500, 1000], mask=mask)
+    with pytest.raises(DataError, match="differs in docs"):
+        check_data_identity(a.identity(), c.identity(), allow_change=False)
+    (tmp_path / "a.mask").write_bytes(b"\x01" * 10)
+    with pytest.raises(DataError, match=r"a.mask is 10 bytes, its header says 1,000"):
+        TokenFile.open(tmp_path / "a.bin")
+    (tmp_path / "b.docs").unlink()
+    with pytest.raises(DataError, match=r"b.docs is missing beside"):
+        TokenFile.open(tmp_path / "b.bin")
+    np.asarray([0, 700, 999], dtype="<i8").tofile(tmp_path / "c.docs")
+    with pytest.raises(DataError, match="document boundaries c.docs do not fit"):
+        TokenFile.open(tmp_path / "c.bin")
+
+
+def test_tokenizer_identity(tmp_path):
+    from mtc.data import check_tokenizer_identity
+
+    def ident(**h):
+        return {"path": "x.bin", "header": {"tokenizer": "byte", "vocab_size": 256} | h}
+
+    check_tokenizer_identity(None, ident())
+    check_tokenizer_identity(ident(), ident())  # two byte files (no tokenizer.json)
+    check_tokenizer_identity(ident(tokenizer="gpt2", tokenizer_sha256="a" * 64), ident(tokenizer="moved", tokenizer_sha256="a" * 64))
+    with pytest.raises(DataError, match=r"was tokenized by 'gpt2' \(50257 ids, tokenizer.json sha256 bbbbbbbbbbbb...\)"):
+        check_tokenizer_identity(ident(), ident(tokenizer="gpt2", vocab_size=50257, tokenizer_sha256="b" * 64))
+    with pytest.raises(DataError, match="was tokenized by"):
+        check_tokenizer_identity(ident(tokenizer="gpt2", tokenizer_sha256="a" * 64), ident(tokenizer="gpt2", tokenizer_sha256="b" * 64))
+
+
+def test_tokenizer_vocabulary_larger_than_the_model(tmp_path):
+    tf = _tokens(tmp_path, [1, 2, 3], vocab_size=300)  # every id fits, but the tokenizer can emit 300
+    with pytest.raises(DataError, match=r"tokenizer 'byte' of 300 ids but the model embeds only 256"):
+        tf.check_vocab(256)
+    tf.check_vocab(300)

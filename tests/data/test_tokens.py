@@ -22,13 +22,18 @@ def _prepared(tmp_path: Path, text: str = "The fox sat by the lantern.\n") -> To
 def test_prepare_round_trip(tmp_path: Path) -> None:
     text = "The fox sat by the lantern. Caf\u00e9.\n"
     tf = _prepared(tmp_path, text)
-    assert len(tf) == len(text.encode("utf-8"))
+    # the byte tokenizer has no EOS: a document ends with a blank line
+    assert len(tf) == len(text.encode("utf-8")) + 1
+    docs = tmp_path / "out.docs"
     assert tf.header.to_dict() == {
-        "format": "mtc-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+        "format": "mtc-tokens", "version": 2, "dtype": "uint16", "vocab_size": 256,
         "tokenizer": "byte", "n_tokens": len(tf),
         "max_token_id": max(text.encode("utf-8")), "sha256": hashlib.sha256(tf.path.read_bytes()).hexdigest(),
+        "tokenizer_spec": "byte",
+        "docs": {"file": "out.docs", "n_docs": 1, "sha256": hashlib.sha256(docs.read_bytes()).hexdigest()},
     }
-    assert ByteTokenizer().decode(tf.tokens) == text
+    assert tf.docs.tolist() == [0, len(tf)] and tf.mask is None and tf.tokenizer_dir is None
+    assert ByteTokenizer().decode(tf.tokens) == text + "\n"
     assert (tmp_path / "out.bin").stat().st_size == 2 * len(tf)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # temp files renamed away
 
@@ -55,18 +60,23 @@ def test_prepare_directory_in_sorted_order(tmp_path: Path) -> None:
     (d / "a.txt").write_text("first")  # no final newline: one is added before the blank line
     (d / "notes.md").write_text("ignored\n")
     tf = prepare(d, tmp_path / "corpus.bin")
-    assert ByteTokenizer().decode(tf.tokens) == "first\n\nsecond\n"
+    assert ByteTokenizer().decode(tf.tokens) == "first\n\nsecond\n\n"
+    assert tf.docs.tolist() == [0, 7, 15]  # one document per file
 
 
 def test_prepare_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="does not exist"):
         prepare(tmp_path / "nope.txt", tmp_path / "o.bin")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"no \*\.txt"):
+    with pytest.raises(DataError, match=r"no input files \(\*\.txt, \*\.jsonl"):
         prepare(tmp_path / "empty", tmp_path / "o.bin")
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(DataError, match="not valid UTF-8"):
         prepare(tmp_path / "latin1.txt", tmp_path / "o.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "latin1.txt"]  # no partial or temporary files
+    (tmp_path / "blank.txt").write_text("")
+    with pytest.raises(DataError, match="contains no text"):
+        prepare(tmp_path / "blank.txt", tmp_path / "o.bin")
     with pytest.raises(DataError, match="unknown tokenizer"):
         prepare(tmp_path / "latin1.txt", tmp_path / "o.bin", tokenizer="nope")
 
@@ -122,7 +132,12 @@ def test_missing_files(tmp_path: Path) -> None:
     ("edit", "match"),
     [
         ({"format": "npy"}, "format is 'npy'"),
-        ({"version": 2}, "version 2 is not supported"),
+        ({"version": 3}, r"version 3 is not supported \(this mtc reads versions 1, 2\)"),
+        ({"docs": {"file": "../x.docs", "n_docs": 1}}, "docs must be an object naming a sibling file"),
+        ({"mask": {"file": "out.mask", "n_targets": -1}}, "mask.n_targets must be an integer >= 0"),
+        ({"eos_id": 256}, r"eos_id must be an integer in \[0, 255\]"),
+        ({"tokenizer_sha256": "xyz"}, "tokenizer_sha256 must be 64 lowercase hex digits"),
+        ({"tokenizer_dir": "../tok"}, "tokenizer_dir must name a sibling directory"),
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"dtype": "uint16", "vocab_size": 70_000}, "cannot hold"),
         ({"n_tokens": -1}, "n_tokens must be an integer"),

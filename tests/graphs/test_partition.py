@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mtc.graphs.partition import classify, forward_graph, joint_graph, partition
+from mtc.graphs.lower import forward_graph, joint_graph
+from mtc.graphs.partition import classify, partition
+from mtc.kernels.codegen import FUSIBLE
 
+from mtc.compiler import TEMPLATE_SWAPS
 from mtc.models.llama import Llama, preset
 from mtc.tracer import trace
 
@@ -22,19 +25,19 @@ def _check_partition(p) -> None:
         inside = set(g.nodes)
         assert not inside & seen, "a node may belong to one group only"
         seen |= inside
-        assert all(classify(n) == "fusible" for n in g.nodes)
+        assert all(classify(n, FUSIBLE) == "fusible" for n in g.nodes)
         assert g.outputs, "a group must produce something used outside it"
         if len(g.nodes) > 1:  # connected: every node but the first reads another member
             assert all(any(a in inside for a in n.all_input_nodes) or n is g.nodes[0] or
                        any(u in inside for u in n.users) for n in g.nodes)
-    fusible = [n for n in p.graph.nodes if classify(n) == "fusible"]
+    fusible = [n for n in p.graph.nodes if classify(n, FUSIBLE) == "fusible"]
     assert set(fusible) == seen, "every fusible node is in a group"
     assert p.kernels() < p.aten_ops()
 
 
 def test_block_forward_fuses_rmsnorm(program):
     block = program.templates[program.layers[1].template]
-    p = partition(forward_graph(block).graph)
+    p = partition(forward_graph(block, TEMPLATE_SWAPS).graph, FUSIBLE)
     _check_partition(p)
     mm = [n for n in p.anchors if n.target is torch.ops.aten.mm.default]
     assert len(mm) == 7, "q, k, v, o, gate, up, down projections"
@@ -51,13 +54,13 @@ def test_block_forward_fuses_rmsnorm(program):
 
 def test_joint_graph_has_every_gradient(program):
     block = program.templates[program.layers[1].template]
-    jg, diff = joint_graph(block)
+    jg, diff = joint_graph(block, TEMPLATE_SWAPS)
     outs = next(n for n in jg.graph.nodes if n.op == "output").args[0]
     assert len(outs) == 1 + len(diff)
     assert len(diff) == 1 + len(block.input_names("param"))
     for k, o in zip(diff, outs[1:]):
         assert o is not None and tuple(o.meta["val"].shape) == block.inputs[k].spec.shape
-    p = partition(jg.graph)
+    p = partition(jg.graph, FUSIBLE)
     _check_partition(p)
     assert len([n for n in p.anchors if n.target is torch.ops.aten.mm.default]) == 21  # 7 fwd + 14 bwd
     assert sorted(str(n.target) for n in p.anchors if "mtc." in str(n.target)) == [

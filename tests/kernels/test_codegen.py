@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mtc.graphs.partition import forward_graph, joint_graph, partition
-from mtc.kernels.codegen import CodegenError, compile_group
+from mtc.graphs.lower import forward_graph, joint_graph
+from mtc.graphs.partition import partition
+from mtc.kernels.codegen import FUSIBLE, CodegenError, compile_group
 from torch import nn
 
+from mtc.compiler import TEMPLATE_SWAPS
 from mtc.models.llama import Llama, preset
 from mtc.tracer import trace
 
@@ -36,8 +38,8 @@ def _run_aten(group, inputs):
 def _groups(model: nn.Module, B: int, T: int):
     prog = trace(model, B, T)
     for t in prog.templates.values():
-        for g in (forward_graph(t), joint_graph(t)[0]):
-            yield from partition(g.graph).groups
+        for g in (forward_graph(t, TEMPLATE_SWAPS), joint_graph(t, TEMPLATE_SWAPS)[0]):
+            yield from partition(g.graph, FUSIBLE).groups
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_row_kernel_handles_ragged_rows_and_strided_inputs(tmp_path):
     x, w = torch.randn(37, 3, 5), torch.randn(37)
     x = x.permute(1, 2, 0)  # (3, 5, 37) non-contiguous
     g = make_fx(lambda a, b: f(a.transpose(0, 1), b), decomposition_table=core_aten_decompositions())(x, w)
-    p = partition(g.graph)
+    p = partition(g.graph, FUSIBLE)
     (group,) = [gr for gr in p.groups if gr.reduces]
     kern = compile_group(group, tmp_path)
     env = {n.name: None for n in g.graph.nodes}
@@ -105,8 +107,8 @@ def test_real_shape_llama_groups_bf16_on_gpu(tmp_path):
     prog = trace(model, 1, 2048)
     block = prog.templates[prog.layers[1].template]
     checked = 0
-    for g in (forward_graph(block), joint_graph(block)[0]):
-        for group in partition(g.graph).groups:
+    for g in (forward_graph(block, TEMPLATE_SWAPS), joint_graph(block, TEMPLATE_SWAPS)[0]):
+        for group in partition(g.graph, FUSIBLE).groups:
             try:
                 kern = compile_group(group, tmp_path)
             except CodegenError:
@@ -140,7 +142,7 @@ def _check_groups(f, *args: torch.Tensor, tmp_path) -> list[str]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     g = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
-    p = partition(g.graph)
+    p = partition(g.graph, FUSIBLE)
     assert not any(n.target is torch.ops.aten.cat.default for n in p.fallbacks), p.fallback_ops()
     vals = _record(g, *args)
     modes = []
@@ -213,4 +215,4 @@ def test_cat_that_cannot_be_fused_stays_on_aten():
 
     g = make_fx(f, decomposition_table=core_aten_decompositions())(torch.randn(3, 4), torch.ones(3, 2, dtype=torch.int64))
     cats = [n for n in g.graph.nodes if n.target is torch.ops.aten.cat.default]
-    assert [classify(n) for n in cats] == ["fallback", "fallback"]
+    assert [classify(n, FUSIBLE) for n in cats] == ["fallback", "fallback"]

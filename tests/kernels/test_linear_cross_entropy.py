@@ -161,3 +161,33 @@ def test_gpu_bf16_llama_head_below_unfused_memory(chunk_rows):
     for g, r in ((dx, rdx), (dw, rdw)):
         rel = (g.float() - r.float()).norm() / r.float().norm()
         assert rel < 2e-2, float(rel)
+
+
+@pytest.mark.parametrize("interpreted", [True, False], ids=["kernel", "torch"])
+def test_masked_rows_and_a_step_weight(monkeypatch, interpreted):
+    """SFT: most targets ignored, the gradient weighted by this micro-batch's share of the step's
+    targets (the executor's c_i / sum(c)): the fused op (scaled variant) matches torch's."""
+    if not interpreted:
+        monkeypatch.setattr(lce, "_INTERPRETED", False)
+    x, w, b, t = _inputs(12, 8, 30, ignored=9)
+    scale = torch.tensor(3 / 17, device=DEVICE)
+    loss, dx, dw, db = torch.ops.mtc.linear_cross_entropy_fwd_bwd_scaled(x, w, b, t, scale, -100, 5)
+    ref = linear_cross_entropy_ref(x, w, b, t)
+    want = torch.autograd.grad(ref * scale, [x, w, b])
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-6, rtol=1e-5)
+    for g, r in zip((dx, dw, db), want):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+    assert (dx.view(-1, 8)[t.view(-1) == -100] == 0).all()  # an ignored row sends no gradient back
+
+
+@pytest.mark.parametrize("interpreted", [True, False], ids=["kernel", "torch"])
+def test_all_rows_ignored(monkeypatch, interpreted):
+    """A micro-batch without targets: NaN loss (0 / 0, as torch's mean) but zero gradients, even
+    with a zero step weight, so the executor can weight it by 0 and leave it out of the loss."""
+    if not interpreted:
+        monkeypatch.setattr(lce, "_INTERPRETED", False)
+    x, w, b, t = _inputs(6, 8, 30, ignored=6)
+    for s in (0.0, 0.5):
+        loss, dx, dw, db = torch.ops.mtc.linear_cross_entropy_fwd_bwd_scaled(x, w, b, t, torch.tensor(s, device=DEVICE), -100, 0)
+        assert torch.isnan(loss) and torch.isnan(linear_cross_entropy_ref(x, w, b, t))
+        assert not dx.any() and not dw.any() and not db.any()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from mtc.kernels.ops import attention
+from mtc.graphs.ops import attention
 
 
 @pytest.mark.parametrize("shape,kv_heads,causal", [((1, 2, 7, 8), 2, True), ((2, 4, 9, 16), 2, True), ((2, 4, 5, 8), 1, False)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -14,14 +15,13 @@ from mtc.runtime.schedule import lr_at
 
 
 def test_schedule_warmup_then_cosine():
+    # transformers' convention (tests/mtc/test_schedule.py compares with transformers itself)
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
-    assert [lr_at(s, 20, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(4, 20, cfg) == pytest.approx(1.0)
-    assert lr_at(19, 20, cfg) == pytest.approx(0.1)
-    mid = 4 + (19 - 4) / 2
-    assert lr_at(int(mid), 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * (int(mid) - 4) / 15)))
-    vals = [lr_at(s, 20, cfg) for s in range(4, 20)]
-    assert all(a >= b for a, b in zip(vals, vals[1:])), "cosine decay must not increase"
+    assert [lr_at(s, 20, cfg) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert lr_at(20, 20, cfg) == pytest.approx(0.1)  # min_lr is reached one past the last step
+    assert lr_at(19, 20, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
+    vals = [lr_at(s, 20, cfg) for s in range(4, 21)]
+    assert all(a > b for a, b in itertools.pairwise(vals)), "cosine decay must fall"
 
 
 def test_config_files(tmp_path):
@@ -79,17 +79,19 @@ def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert block["forward"]["kernels"] < block["forward"]["aten_ops"]
     assert block["backward"]["kernels"] < block["backward"]["aten_ops"]
     assert "fwd kernels" in out and "block-" in out
-    kdir = next((tmp_path / "plan" / "kernels").iterdir())
+    kdir = next(p for p in (tmp_path / "plan" / "kernels").iterdir() if p.name != "compiled")
     files = {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")}
     assert files
     assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")} == files, "cached kernels must not be rewritten"
 
 
-def test_cli_train_runs_a_compiled_plan(tmp_path, capsys):
-    """compile, then train that plan: its program is used and no kernel is generated again."""
+def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
+    """compile, then train that plan: its program and compiled templates are loaded, nothing is
+    compiled or generated again."""
     import numpy as np
 
+    from mtc import compiler
     from mtc.data import write_token_file
 
     plan = tmp_path / "plan"
@@ -99,10 +101,14 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys):
     common = ["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "2"]
     assert main([*common, "--seq-len", "32"]) == 2
     assert "compiled for seq_len=16" in capsys.readouterr().err
-    kdir = next((plan / "kernels").iterdir())
+    kdir = next(p for p in (plan / "kernels").iterdir() if p.name != "compiled")
     made = {p.name for p in kdir.glob("*.py")}
+    compiled: list[str] = []
+    monkeypatch.setattr(compiler, "compile_template", lambda t, *a, **k: compiled.append(t.id))
     assert main([*common, "--kernels", "fused"]) == 0
-    assert "loss" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "loss" in out.out and "recompiling" not in out.err
+    assert compiled == [], "train --plan compiled templates that `mtc compile` wrote"
     copied = tmp_path / "s" / "plan" / "kernels" / kdir.name
     assert {p.name for p in copied.glob("*.py")} == made, "training a compiled plan must reuse its kernels"
     assert json.loads((tmp_path / "s" / "plan" / "program.json").read_text()) == json.loads((plan / "program.json").read_text())

@@ -35,7 +35,7 @@ def test_resume_refuses_other_data_then_allows_it_and_records_the_change(tmp_pat
         last = st.last_commit()
         assert last.step == 4 and last.durability == "full"
         assert last.meta["data"]["path"].endswith("b.bin")
-        assert last.meta["changes"] == [{"from_step": 2, "fields": ["data"]}]
+        assert last.meta["changes"] == [{"from_step": 2, "fields": ["data"], "values": {"data": [str(a.path.resolve()), str(b.path.resolve())]}}]
 
 
 def test_extend_steps_needs_allow_change_and_shape_changes_are_refused(tmp_path, capsys):
@@ -103,21 +103,22 @@ def test_device_cuda_without_cuda_is_refused_before_the_store(tmp_path, capsys):
 
 def test_no_space_for_the_plan_is_one_line_and_the_same_command_starts_over(tmp_path, capsys, monkeypatch):
     import errno
+    import importlib
 
-    import mtc.train
+    train_module = importlib.import_module("mtc.train")  # `mtc.train` is the API function
 
     a = skewed_tokens(tmp_path / "a.bin")
     cfg_file = tmp_path / "run.json"
     cfg_file.write_text(json.dumps(small_config(steps=2).to_dict()))
-    real = mtc.train.save_plan
+    real = train_module.save_plan
 
     def full(*args, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mtc.train, "save_plan", full)
+    monkeypatch.setattr(train_module, "save_plan", full)
     code, err = _train(capsys, cfg_file, tmp_path / "s", a.path)
     assert code == 2 and len(_lines(err)) == 1 and "No space left" in err and "starts the run over" in err, err
-    monkeypatch.setattr(mtc.train, "save_plan", real)
+    monkeypatch.setattr(train_module, "save_plan", real)
     code, err = _train(capsys, cfg_file, tmp_path / "s", a.path)
     assert code == 0, err
 

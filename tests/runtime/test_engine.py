@@ -134,7 +134,7 @@ def test_not_enough_disk_is_refused_before_anything_is_written(tokens, tmp_path,
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
-    with pytest.raises(ConfigError, match=r"durability 'full' needs .* GiB of disk.*choose --durability"):
+    with pytest.raises(ConfigError, match=r"does not fit: disk .*: needs .*durability 'full'.*choose --durability"):
         train(small_config(steps=1), tmp_path / "s", tokens)
     assert not (tmp_path / "s").exists()
     res = train(small_config(steps=1, durability="none"), tmp_path / "s2", tokens)  # needs no disk: runs
@@ -142,7 +142,7 @@ def test_not_enough_disk_is_refused_before_anything_is_written(tokens, tmp_path,
 
 
 def test_not_enough_ram_is_refused(tokens, tmp_path):
-    with pytest.raises(ConfigError, match="GiB of host RAM"):
+    with pytest.raises(ConfigError, match="does not fit: host RAM"):
         train(small_config(steps=1, ram_budget_gb=1e-6), tmp_path / "s", tokens)
     assert not (tmp_path / "s").exists()
 

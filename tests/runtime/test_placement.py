@@ -45,4 +45,6 @@ def test_bytes_per_tier():
     # bf16 compute: ram 12 state + 4 gradient + 2 copy; disk 4 gradient + 2 copy; fp32: no copy
     assert pl.host_bytes_needed(["ram", "disk", "gpu"], numels, 2) == 18 * 10 + 6 * 20
     assert pl.host_bytes_needed(["ram"], [10], 4) == 16 * 10
-    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10) == ["gpu", "ram", "disk"]
+    # the RAM budget holds the disk layers' host bytes too (6 B/param here: bf16 copy + gradient)
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10 + 6 * 10) == ["gpu", "ram", "disk"]
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10) == ["gpu", "disk", "disk"]

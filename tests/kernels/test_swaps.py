@@ -1,11 +1,11 @@
-"""graphs/rewrite.py: which linear + cross-entropy chains become the fused kernel, and which stay."""
+"""kernels/swaps.py: which linear + cross-entropy chains become the fused kernel, and which stay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mtc.graphs.rewrite import use_linear_cross_entropy
+from mtc.kernels.swaps import use_linear_cross_entropy
 from torch import nn
 
 
@@ -134,7 +134,9 @@ def test_repeated_kv_heads_reach_attention_unrepeated(hf_style, tmp_path):
 
 
 def _head_joint():
-    from mtc.graphs.partition import joint_graph
+    from mtc.graphs.lower import joint_graph
+
+    from mtc.compiler import TEMPLATE_SWAPS
     from mtc.models import build
     from mtc.tracer import trace
 
@@ -143,7 +145,7 @@ def _head_joint():
     prog = trace(model, 1, 16)
     call = prog.layers[-1]
     t = prog.templates[call.template]
-    g, _ = joint_graph(t)
+    g, _ = joint_graph(t, TEMPLATE_SWAPS)
     args = []
     for inp in t.inputs:
         if call.bindings[inp.name].kind == "batch":
@@ -158,7 +160,7 @@ def _head_joint():
 @pytest.mark.parametrize("grad", [2.5, 0.0], ids=["scaled", "zero"])
 def test_ce_grad_scale_folds_into_the_fused_op(grad):
     from mtc.graphs.program import instantiate
-    from mtc.graphs.rewrite import fold_ce_grad_scale
+    from mtc.kernels.swaps import fold_ce_grad_scale
 
     g, args = _head_joint()
     g.graph.eliminate_dead_code()
@@ -176,7 +178,7 @@ def test_ce_grad_scale_folds_into_the_fused_op(grad):
 
 
 def test_ce_grad_used_unscaled_is_not_folded():
-    from mtc.graphs.rewrite import fold_ce_grad_scale
+    from mtc.kernels.swaps import fold_ce_grad_scale
 
     g, _ = _head_joint()
     op = next(n for n in g.graph.nodes if str(n.target) == "mtc.linear_cross_entropy_fwd_bwd.default")

@@ -1,4 +1,4 @@
-"""Graph rewrites that swap a multi-op pattern for one of mtc's hand-tuned kernels.
+"""Swap multi-op patterns for mtc's hand-tuned kernels (registered here, by the kernels that own them).
 
 * ``use_linear_cross_entropy`` (template level, before lowering): ``linear -> reshape/upcast ->
   cross_entropy`` becomes one call of the fused linear + cross-entropy, so the (N, V) logits are

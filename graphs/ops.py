@@ -5,7 +5,7 @@ templates. The tracer substitutes it for ``aten.scaled_dot_product_attention`` s
 template to core ATen (make_fx, meta tensors) keeps attention as one anchor node, forward and
 backward, instead of decomposing it into a T x T softmax. The implementations here call torch's
 SDPA (bit-identical to eager); compiled plans swap in the Triton flash-attention kernels
-(graphs/rewrite.py). The ops are registered without ``device_types`` so CPU tests can run them.
+(kernels/swaps.py). The ops are registered without ``device_types`` so CPU tests can run them.
 """
 
 from __future__ import annotations

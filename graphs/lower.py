@@ -1,0 +1,152 @@
+"""Lower a layer template to core ATen: its forward graph and its joint forward+backward graph.
+
+The joint graph of a template is ``(inputs..., grad_outs...) -> (outputs..., grads)``, traced
+with make_fx over the template's vector-Jacobian product. It recomputes the forward inside,
+which is exactly what the streaming executor does in a backward visit, so nothing has to be
+saved between the forward and the backward visit of a layer. Gradients are taken for the carry,
+the parameters, and (with ``grad_aux``) the embed stage's aux values that depend on parameters
+(learned position tables, scales): blocks then return their gradient and the embed stage takes
+one grad output per such aux value, in the order the executor passes them.
+
+Attention: on meta tensors ``scaled_dot_product_attention`` would dispatch to its math
+decomposition before any decomposition table is consulted, so lowering swaps it for
+``mtc::attention`` (graphs/ops.py), which stays one anchor node forward and backward.
+
+Template-level ``rewrites`` (each ``fn(gm) -> count``) run after that swap and before tracing;
+the caller owns them (the compiler hands in kernels/swaps.py's), so this module knows no kernel.
+No I/O and no devices: everything runs on meta tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mtc.graphs.ops  # noqa: F401  (registers mtc::attention, which lowering keeps whole)
+import torch
+from mtc.graphs.program import Template
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["Rewrite", "diff_inputs", "forward_graph", "grad_outputs", "joint_graph", "lowerable"]
+
+aten = torch.ops.aten
+Rewrite = Callable[[fx.GraphModule], int]
+
+
+def _use_mtc_attention(node: fx.Node) -> None:
+    """Swap SDPA for mtc::attention (kept whole by make_fx) when it is plain causal/non-causal
+    attention; masked or dropout attention stays SDPA (and decomposes)."""
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    defaults = [None, None, None, None, 0.0, False, None, False]
+    bound = dict(zip(names, defaults))
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    if bound["attn_mask"] is not None or bound["dropout_p"] not in (0, 0.0):
+        return
+    q = bound["query"].meta["val"]
+    scale = bound["scale"] if bound["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    node.target = torch.ops.mtc.attention.default
+    node.args = (bound["query"], bound["key"], bound["value"], bool(bound["is_causal"]), float(scale))
+    node.kwargs = {}
+
+
+def lowerable(t: Template, rewrites: Sequence[Rewrite] = ()) -> fx.GraphModule:
+    """The template on the meta device with SDPA swapped for mtc::attention, then ``rewrites``.
+
+    Templates keep ATen SDPA so eager execution is bit-identical to the user's module; only the
+    lowered graphs (what kernels are generated from) use the op that stays whole.
+    """
+    gm = copy.deepcopy(t.module("meta"))
+    for node in gm.graph.nodes:
+        if node.target is aten.scaled_dot_product_attention.default:
+            _use_mtc_attention(node)
+    for rewrite in rewrites:
+        rewrite(gm)
+    gm.recompile()
+    return gm
+
+
+def _meta_inputs(t: Template) -> list[torch.Tensor]:
+    return [torch.empty(i.spec.shape, dtype=i.spec.torch_dtype, device="meta") for i in t.inputs]
+
+
+def _decomps() -> dict[Any, Callable[..., Any]]:
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    # core ATen keeps layer norm whole; decompose it (and var_mean) into reductions the generator fuses
+    table.update(get_decompositions([aten.native_layer_norm, aten.native_layer_norm_backward]))
+    table[aten.var_mean.correction] = _var_mean
+    # keep attention as one anchor (decomposing it would materialise T x T scores)
+    for op in list(table):
+        if "scaled_dot_product" in str(op):
+            del table[op]
+    # the embedding's backward is one scatter-add kernel in ATen; decomposed it becomes ~10 ops
+    # (masks, a zero fill, index_put) that no generated kernel covers
+    for op in (aten.embedding_dense_backward.default, aten.embedding_dense_backward.out):
+        table.pop(op, None)
+    return table
+
+
+def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
+    """var_mean as two last-dim reductions (torch's own decomposition emits prims the generator
+    does not know); other dims fall back to the op itself."""
+    dims = [d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if dim is not None else None
+    if dims != [x.dim() - 1]:
+        return NotImplemented
+    n = x.shape[-1]
+    mean = aten.mean.dim(x, [-1], True)
+    diff = aten.sub.Tensor(x, mean)
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), [-1], True), n - (1 if correction is None else correction))
+    if not keepdim:
+        mean, var = aten.squeeze.dims(mean, [-1]), aten.squeeze.dims(var, [-1])
+    return var, mean
+
+
+def forward_graph(t: Template, rewrites: Sequence[Rewrite] = ()) -> fx.GraphModule:
+    """The template's forward lowered to core ATen, traced on meta tensors."""
+    gm = lowerable(t, rewrites)
+    return make_fx(lambda *xs: gm(*xs), decomposition_table=_decomps())(*_meta_inputs(t))
+
+
+def _aux_index(t: Template, k: int) -> int:
+    return int(t.inputs[k].role)  # the tracer names an aux input by its index among the embed's aux outputs
+
+
+def diff_inputs(t: Template, grad_aux: Sequence[bool] = ()) -> list[int]:
+    """Template inputs whose gradients the joint graph returns: carry, params, and (outside the
+    embed stage) aux values that depend on parameters."""
+    return [k for k, i in enumerate(t.inputs)
+            if i.kind in ("carry", "param")
+            or (i.kind == "aux" and t.kind != "embed" and _aux_index(t, k) < len(grad_aux) and grad_aux[_aux_index(t, k)])]
+
+
+def grad_outputs(t: Template, grad_aux: Sequence[bool] = ()) -> list[int]:
+    """Outputs that take a grad output in the joint graph: the carried state (or the loss) and,
+    for the embed stage, each aux output that depends on a parameter."""
+    return [0] + ([1 + j for j, need in enumerate(grad_aux) if need] if t.kind == "embed" else [])
+
+
+def joint_graph(t: Template, rewrites: Sequence[Rewrite] = (), grad_aux: Sequence[bool] = ()) -> tuple[fx.GraphModule, list[int]]:
+    """``(inputs..., grad_outs...) -> (outputs..., grads)`` in core ATen, and the input indices the
+    grads are for (see `diff_inputs` and `grad_outputs`)."""
+    gm = lowerable(t, rewrites)
+    diff = diff_inputs(t, grad_aux)
+    outs_idx = grad_outputs(t, grad_aux)
+    n_in = len(t.inputs)
+
+    def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xs, gouts = list(args[:n_in]), list(args[n_in:])
+        xs = [x.requires_grad_() if k in diff else x for k, x in enumerate(xs)]
+        with torch.enable_grad():
+            outs = gm(*xs)
+            grads = torch.autograd.grad([outs[i] for i in outs_idx], [xs[k] for k in diff], gouts, allow_unused=True)
+        return (*outs, *grads)
+
+    ins = _meta_inputs(t)
+    outs = gm(*ins)
+    g = make_fx(joint, decomposition_table=_decomps())(*ins, *[torch.empty_like(outs[i]) for i in outs_idx])
+    return g, diff

@@ -1,0 +1,286 @@
+"""The Python API for any model: `train`, `compile` and `save_plan` as ``mtc.train`` etc.
+
+```python
+import mtc
+res = mtc.train(model=MyLM(), data="data/corpus.bin", store="runs/mine", steps=500, seq_len=256,
+                micro_batch_size=8, optim={"lr": 1e-3})
+plan = mtc.compile(mymodels.build, "plans/mine", batch_size=8, seq_len=256)   # trace + kernels
+mtc.train(plan=plan, model=mymodels.build, data=batches, store="runs/mine2")
+```
+
+``model`` is an ``nn.Module``, a factory (a callable returning one: called after seeding torch with
+``seed``), an import path ``package.module:function`` or a preset name. ``plan`` is a traced
+`Program` (`mtc.trace`), a plan directory (`mtc.save_plan`, `mtc.compile`, `mtc compile`) or
+what `compile` returns. ``data`` is a token file or an iterable of ``(ids, targets)`` micro-batches
+(see `mtc.batch_source` for how a resume treats an iterable). Config fields are keyword arguments
+(``optim`` as a dict or an `OptimConfig`), on top of ``config`` (a `TrainConfig`, dict or file).
+
+A store with a commit resumes: ``mtc.train(store="runs/mine", data=..., steps=1000,
+allow_change=["steps"])`` needs no model; its config starts from the one last committed. What the
+store records for a model that is no preset: the config's ``model`` field (the factory's import
+path, or ``"custom"``) and, in ``plan/model.json``, the program's fingerprint, checked when a
+resume is given a plan or a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtc import user_model
+from mtc.batch_source import BatchSource
+from mtc.config import OptimConfig, TrainConfig, load_config
+from mtc.data import TokenFile
+from mtc.errors import ConfigError
+from mtc.graphs.program import Program, dtype_name
+
+__all__ = ["Compiled", "compile", "save_plan", "train"]
+
+ModelArg = nn.Module | Callable[[], nn.Module] | str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compiled:
+    """A compiled plan directory (program, kernels, report); usable wherever a path is (``os.fspath``)."""
+
+    path: Path
+    program: Program
+    report: str
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+
+def save_plan(program: Program, path: str | os.PathLike[str], *, factory: str | Callable[[], nn.Module] | None = None) -> Path:
+    """Write ``program`` into the plan directory ``path``; with ``factory`` (an import path or an
+    importable function), `mtc train --plan` can also start new runs from it (the factory makes the
+    initial weights). Returns the directory."""
+    fpath = factory if isinstance(factory, str) else user_model.factory_path(factory) if factory is not None else None
+    if factory is not None and fpath is None:
+        raise ConfigError(f"factory {factory!r} has no import path (a lambda, a local function or one in __main__); "
+                          "define it at module level in an importable module")
+    if fpath is not None:
+        user_model.resolve_factory(fpath)
+    return _save_with_record(program, path, fpath or user_model.CUSTOM)
+
+
+def _save_with_record(program: Program, path: str | os.PathLike[str], model: str) -> Path:
+    from mtc.plan import save_plan as _save
+
+    out = _save(program, path)
+    b, t = program.batch["ids"].shape
+    fields = {"model": model, "model_overrides": {}, "micro_batch_size": b, "seq_len": t,
+              "compute_dtype": _traced_dtype(program)}
+    user_model.write_model_record(out, fields, program)
+    return out
+
+
+def _traced_dtype(program: Program) -> str:
+    d = str(program.meta.get("param_dtype", "float32"))
+    return d if d in ("float32", "bfloat16") else "float32"
+
+
+def _model_name(model: Any) -> str:
+    """The config's ``model`` field for a model argument."""
+    if isinstance(model, str):
+        return model
+    if isinstance(model, nn.Module):
+        return user_model.CUSTOM
+    return user_model.factory_path(model) or user_model.CUSTOM
+
+
+def _instance(model: ModelArg, cfg: TrainConfig, device: str = "cpu") -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, str):
+        from mtc.train import build_model
+
+        return build_model(dataclasses.replace(cfg, model=model), device=device)
+    if not callable(model):
+        raise ConfigError(f"model must be an nn.Module, a callable returning one, an import path or a preset name, "
+                          f"got {type(model).__name__}")
+    return user_model.build_from_factory(model, seed=cfg.seed, device=device)
+
+
+def _at_dtype(model: nn.Module, dtype: str) -> nn.Module:
+    """``model`` in ``dtype`` for tracing; a copy when it is in another dtype (the caller's model is not changed)."""
+    want = getattr(torch, dtype)
+    first = next(model.parameters(), None)
+    if first is None or first.dtype == want:
+        return model
+    return copy.deepcopy(model).to(want)
+
+
+def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: dict[str, Any], base: dict | None) -> TrainConfig:
+    if isinstance(config, TrainConfig):
+        d = config.to_dict()
+    elif isinstance(config, dict):
+        d = copy.deepcopy(config)
+    elif config is not None:
+        d = load_config(config).to_dict()
+    else:
+        d = copy.deepcopy(base) if base is not None else TrainConfig().to_dict()
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for k, v in fields.items():
+        if k not in known:
+            raise ConfigError(f"mtc.train got an unknown config field {k!r}; fields are: {', '.join(sorted(known))}")
+        if k == "optim":
+            v = dataclasses.asdict(v) if isinstance(v, OptimConfig) else v
+            if not isinstance(v, dict):
+                raise ConfigError(f"optim must be a dict of OptimConfig fields or an OptimConfig, got {type(v).__name__}")
+            d["optim"] = {**d.get("optim", {}), **v}
+        else:
+            d[k] = v
+    given = fields.get("optim") or {}
+    if isinstance(given, dict) and "lr" in given and "min_lr" not in given and "min_lr" in d["optim"]:
+        d["optim"]["min_lr"] = min(d["optim"]["min_lr"], given["lr"])  # a lower lr alone must not trip min_lr <= lr
+    return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
+
+
+def _saved_config(store: str | os.PathLike[str] | None) -> dict | None:
+    """The config of a store's last commit (None: no store or no commit), read without its lock."""
+    if store is None:
+        return None
+    f = Path(store) / "commit.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())["config"]
+    except (ValueError, KeyError):
+        return None  # open_run reports the damage with the fix
+
+
+def _data(data: Any) -> TokenFile | BatchSource:
+    if isinstance(data, (TokenFile, BatchSource)):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        return TokenFile.open(data)
+    if isinstance(data, Iterable):
+        return BatchSource(data)
+    raise ConfigError(f"data must be a token file path or an iterable of (ids, targets) batches, got {type(data).__name__}")
+
+
+def train(
+    model: ModelArg | None = None,
+    *,
+    data: str | os.PathLike[str] | TokenFile | Iterable[Any],
+    store: str | os.PathLike[str] | None = None,
+    plan: Program | str | os.PathLike[str] | None = None,
+    config: TrainConfig | dict | str | os.PathLike[str] | None = None,
+    allow_change: Iterable[str] = (),
+    stop_after: int | None = None,
+    overwrite: bool = False,
+    on_step: Callable[[Any], None] | None = None,
+    **fields: Any,
+) -> Any:
+    """Train ``model`` (or ``plan``) on ``data`` into ``store`` (None: in memory), or resume the store.
+
+    Returns `mtc.train.TrainResult` (its ``store`` is open: read weights from it, then close it).
+    A traced ``plan`` is used as it is (no re-trace); its micro-batch shape and dtype become the
+    run's. New runs need initial weights: ``model`` (an instance, a factory, an import path), or a
+    plan directory that records a factory. ConfigError (one line) for anything that does not fit.
+    """
+    from mtc.plan import load_plan
+    from mtc.train import open_run
+    from mtc.train import train as _train
+
+    if plan is not None and not isinstance(plan, Program):
+        plan = os.fspath(plan)  # a directory, or what `compile` returned
+    saved = _saved_config(store) if not overwrite else None
+    resuming = saved is not None
+    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else None
+    pfields: dict[str, Any] = {}
+    if program is not None:
+        b, t = program.batch["ids"].shape
+        pfields = {"micro_batch_size": b, "seq_len": t}
+        if not resuming:  # the plan fixes the dtype as `mtc train --plan` does (a resume keeps the store's)
+            pfields["compute_dtype"] = fields.get("compute_dtype", _traced_dtype(program))
+        rec = user_model.read_model_record(plan) if plan is not None and not isinstance(plan, Program) else None
+        if model is None and rec is not None:
+            model = rec.get("factory") or (rec["model"] if rec.get("model") != user_model.CUSTOM else None)
+    if model is not None:
+        pfields["model"] = _model_name(model)
+    elif program is not None and not resuming:
+        raise ConfigError("a plan gives the program but not the initial weights: pass model= (an nn.Module, a factory or "
+                          "an import path), or save the plan with a factory (mtc.save_plan(program, DIR, factory=...))")
+    for k, v in pfields.items():
+        if k in fields and fields[k] != v:
+            raise ConfigError(f"the plan was traced for {k}={v}, not {fields[k]}; drop {k}= or trace again")
+    if resuming and model is None:
+        pfields.setdefault("model", saved.get("model"))
+        if saved.get("model_overrides"):
+            pfields.setdefault("model_overrides", saved["model_overrides"])
+    cfg = _config(config, {**fields, **pfields}, saved if config is None else None)
+    if program is not None and cfg.resolved_compute_dtype != _traced_dtype(program):
+        raise ConfigError(f"the plan was traced in {_traced_dtype(program)}, this run computes in {cfg.resolved_compute_dtype} "
+                          f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")
+    source = _data(data)
+    inst = None
+    if not resuming:
+        if model is None:
+            model = cfg.model  # a preset (or a factory path) named in the config
+        inst = _instance(model, cfg)
+        if program is None:
+            from mtc.tracer import trace
+
+            program = trace(_at_dtype(inst, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len)
+    elif isinstance(model, nn.Module):
+        from mtc.plan import load_plan as _load
+
+        user_model.check_params_match(model, _load(Path(store) / "plan"), f"the model of store {store}")
+    # a plan directory goes to open_run as a path, so its generated kernels are copied into the store
+    run = open_run(cfg, store, model=inst, plan=plan if isinstance(plan, str) else program, data=source, overwrite=overwrite,
+                   allow_change=tuple(allow_change))
+    return _train(cfg, store, source, run=run, stop_after=stop_after, on_step=on_step)
+
+
+def compile(
+    model: ModelArg | Program,
+    path: str | os.PathLike[str],
+    *,
+    batch_size: int = 1,
+    seq_len: int = 128,
+    dtype: str | None = None,
+) -> Compiled:
+    """Trace ``model`` (unless it is a traced `Program`) at (batch_size, seq_len) and generate its fused
+    kernels into the plan directory ``path``; `mtc train --plan` and ``mtc.train(plan=...)`` run it.
+
+    A factory or import path is built on the meta device (no weights allocated) and recorded, so
+    new runs can start from the plan; ``dtype`` is the compute dtype ('float32' or 'bfloat16';
+    default: the model's). The returned `Compiled` holds the report the CLI prints.
+    """
+    from mtc.compiler import compile_program, write_report
+    from mtc.tracer import trace
+
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    factory: str | None = None
+    if isinstance(model, Program):
+        program = model
+    else:
+        if isinstance(model, str):
+            factory = model if user_model.is_factory_path(model) else None
+            cfg = TrainConfig(model=model, seq_len=seq_len, micro_batch_size=batch_size, compute_dtype=dtype or "float32")
+            cfg.validate()
+            inst = _instance(model, cfg, device="meta")
+        elif isinstance(model, nn.Module):
+            inst = model
+        else:
+            factory = user_model.factory_path(model)
+            inst = _instance(model, TrainConfig(), device="meta")
+        first = next(inst.parameters(), None)
+        want = dtype or (dtype_name(first.dtype) if first is not None else "float32")
+        program = trace(_at_dtype(inst, want), batch_size, seq_len,
+                        name=model if isinstance(model, str) else type(inst).__name__)
+    preset = isinstance(model, str) and factory is None
+    out = _save_with_record(program, path, model if preset else factory or user_model.CUSTOM)
+    compiled = compile_program(program, out / "kernels")
+    return Compiled(out, program, write_report(program, compiled, out))

@@ -1,0 +1,676 @@
+"""Machine profiles: what `mtc plan` knows about a machine, measured (`calibrate`) or built in.
+
+A `MachineProfile` holds the ceilings the planner's cost model needs: host<->device copy rates,
+disk rates (raw, and through the store the engine uses), CPU AdamW throughput, matmul throughput
+at a few shapes, element-wise throughput and per-op dispatch cost (the CPU compute path), memory
+sizes and core count. `calibrate()` measures them on this machine in a bounded time (sizes are
+arguments); `builtin()` returns named profiles: ``h100-box`` (the lent GPU machine, from the
+measured table in DESIGN.md) and two extrapolation machines whose assumed figures are listed in
+their ``assumed`` field.
+
+Units: rates in GB/s (1e9 bytes), memory and disk in bytes, matmul in TFLOP/s.
+On a CPU-only machine the "PCIe" figures are the host memcpy rate (``pcie_is_memcpy``): that is
+what the engine's CPU copy threads do in place of host<->device copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mtc.errors import ConfigError
+
+__all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "load_machine"]
+
+DEFAULT_PROFILE_PATH = Path.home() / ".cache" / "mtc" / "machine.json"
+GiB = 2**30
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MachineProfile:
+    """One machine's measured (or assumed) ceilings; see the module docstring for units."""
+
+    name: str
+    device: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu (AMD EPYC ..., 2 cores)"
+    accelerator: str  # "cuda" or "cpu": where the layers compute
+    cores: int
+    gpu_memory_bytes: int  # 0 on a CPU machine
+    host_memory_bytes: int
+    host_available_bytes: int
+    disk_free_bytes: int
+    disk_dir: str
+    # host <-> device, pinned (CPU machine: host memcpy on one / two threads)
+    h2d_gbps: float
+    d2h_gbps: float
+    both_gbps: float  # both directions at once, total
+    pcie_is_memcpy: bool
+    # disk: raw sequential (write + fsync; read after posix_fadvise DONTNEED), and through the store
+    disk_write_gbps: float
+    disk_read_gbps: float
+    disk_read_warm_gbps: float  # from the page cache
+    store_write_gbps: float
+    store_read_gbps: float
+    store_read_warm_gbps: float
+    # CPU AdamW (mtc.runtime.host_adamw.adamw_flat_ on a pool of `cores` threads), G params/s
+    adamw_gparams_s: dict[str, float]  # by impl: "exact", "fused"
+    adamw_impl: str  # the one the engine runs on this machine: fused on CUDA, exact on the CPU
+    adamw_one_thread_gparams_s: float  # the engine's impl on a single thread (the CPU path with optim_threads=1)
+    adamw_with_copies: float  # factor on the rate while PCIe copies run (host memory is shared)
+    # matmuls (x @ W^T, as a linear layer runs them) in the compute dtype: points {"m", "k", "n", "tflops"};
+    # the headline is their median
+    matmul_dtype: str
+    matmul: list[dict[str, float]]
+    # fraction of the matmul rate a whole layer (fwd, recompute + bwd) reaches; < 1 folds the
+    # element-wise ops and launch gaps in where they are not modelled apart (GPU profiles)
+    layer_efficiency: float = 1.0
+    # bytes touched per second by unfused element-wise ops, by tensor size (CPU path: caches make
+    # small tensors several times faster): points {"mib", "gbps"}
+    elementwise: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # bytes touched per second by a plain copy, by buffer size (CPU path: the caches' and DRAM's
+    # bandwidth; bounds thin matmuls and the executor's gradient adds): points {"mib", "gbps"}
+    memory: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    op_overhead_us: float = 0.0  # dispatch cost per ATen op (CPU path)
+    attention_tflops: float = 0.0  # causal SDPA, counting half the square's FLOPs (0: at the matmul rate)
+    first_touch_gbps: float = 0.0  # writing a fresh >= 32 MiB tensor (page faults: the allocator maps it anew)
+    # AdamW speed on all-zero gradients and moments (embedding rows a step does not touch) over its
+    # speed on dense ones: on the pool of `cores` threads, and on one thread
+    adamw_zero_grad_factor: float = 1.0
+    adamw_zero_grad_factor_one_thread: float = 1.0
+    compute_threads: int = 0  # intra-op threads the CPU compute figures were measured with (0: GPU profile)
+    gpu_adamw_gparams_s: float = 0.0  # AdamW on the GPU over resident (or streamed) state
+    # CPU path: a reference Llama block (traced, run as the engine's unfused runner) measured
+    # forward and joint (recompute + backward); its measured over its modelled time scales every
+    # layer's modelled compute (1.0: not measured)
+    reference_block: dict[str, float] = dataclasses.field(default_factory=dict)
+    other_scale_fwd: float = 1.0
+    other_scale_bwd: float = 1.0
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
+    calibrate_s: float = 0.0  # how long `calibrate` took
+    assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
+    source: str = ""
+    created: str = ""
+
+    @property
+    def matmul_tflops(self) -> float:
+        """Median matmul TFLOP/s over the measured shapes."""
+        return statistics.median(p["tflops"] for p in self.matmul) if self.matmul else 0.0
+
+    @property
+    def elementwise_gbps(self) -> float | None:
+        """Median element-wise GB/s over the measured tensor sizes (None: folded into layer_efficiency)."""
+        return statistics.median(p["gbps"] for p in self.elementwise) if self.elementwise else None
+
+    @property
+    def adamw_rate(self) -> float:
+        """G params/s of the AdamW the engine runs here."""
+        return self.adamw_gparams_s[self.adamw_impl]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-able)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MachineProfile:
+        """Build from `to_dict`'s output; unknown or missing fields raise ConfigError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ConfigError(f"machine profile has unknown field(s) {', '.join(bad)}; re-run `mtc calibrate`")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"machine profile is incomplete ({e}); re-run `mtc calibrate`") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON (atomically) and return the path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> MachineProfile:
+        """Read a profile written by `save`."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"machine profile {p} does not exist; write one with `mtc calibrate -o {p}`")
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"machine profile {p} is not valid JSON ({e}); re-run `mtc calibrate -o {p}`") from None
+
+
+# -- built-in profiles -------------------------------------------------------------------------
+
+
+def _h100_box() -> MachineProfile:
+    # DESIGN.md, "Measured ceilings on the lent GPU machine". One Llama 8B block (h 4096, 8k
+    # tokens, bf16) runs its recompute + backward in 22.5 ms fused (README, bench_fusion); its
+    # matmul and attention FLOPs are 3 x (2 x 218.1M x 8192 + 0.5 x 4 x 8 x 32 x 1024^2 x 128)
+    # = 11.1 TFLOP, 14.1 ms at 789 TFLOP/s: the layer reaches 0.63 of the matmul rate.
+    block_flops = 3 * (2 * 218_112_000 * 8192 + 0.5 * 4 * 8 * 32 * 1024**2 * 128)
+    eff = block_flops / 789e12 / 22.48e-3
+    return MachineProfile(
+        name="h100-box", device="NVIDIA H100 80GB, PCIe Gen5, 16 cores, 128 GiB RAM (the lent GPU machine)",
+        accelerator="cuda", cores=16, gpu_memory_bytes=81_559 * 2**20, host_memory_bytes=128 * GiB,
+        host_available_bytes=int(122 * GiB), disk_free_bytes=int(60 * GiB), disk_dir="/",
+        h2d_gbps=55.0, d2h_gbps=55.0, both_gbps=94.0, pcie_is_memcpy=False,
+        disk_write_gbps=1.9, disk_read_gbps=1.3, disk_read_warm_gbps=3.5,
+        store_write_gbps=1.6, store_read_gbps=1.7, store_read_warm_gbps=3.5,
+        adamw_gparams_s={"fused": 5.1, "exact": 2.5}, adamw_impl="fused", adamw_one_thread_gparams_s=0.6,
+        adamw_with_copies=2.7 / 4.0,
+        matmul_dtype="bfloat16", matmul=[{"m": 8192, "k": 8192, "n": 8192, "tflops": 789.0}],
+        layer_efficiency=round(eff, 3), gpu_adamw_gparams_s=90.0,
+        assumed=[
+            "disk free 60 GiB (the box has a 64 GiB disk; not measured)",
+            "host RAM available 122 GiB of 128 (not measured)",
+            "exact AdamW 2.5 G params/s, one thread 0.6 (not measured there: fused is what CUDA runs use)",
+            "GPU AdamW 90 G params/s (HBM-bound, 28 B/param at ~2.5 TB/s; not measured)",
+        ],
+        source="DESIGN.md measured table (H2D/D2H 55/55/94 GB/s, bf16 789 TFLOP/s, fused CPU AdamW 5.1 G params/s "
+               "alone and x 2.7/4.0 while copies run, zarr write 1.6 / cold read 1.7 GB/s, raw 1.9 / 1.3) and the "
+               "22.5 ms fused Llama 8B block (layer efficiency)",
+        created="2026-11",
+    )
+
+
+def _h200_1p5tb() -> MachineProfile:
+    base = _h100_box()
+    return dataclasses.replace(
+        base, name="h200-1.5tb", device="NVIDIA H200 141 GB, PCIe Gen5, 32 cores, 1.5 TiB RAM, 8 TB NVMe (extrapolated)",
+        cores=32, gpu_memory_bytes=143_771 * 2**20, host_memory_bytes=1536 * GiB, host_available_bytes=1500 * GiB,
+        disk_free_bytes=int(8e12), disk_dir="/",
+        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0,
+        adamw_gparams_s={"fused": 10.2, "exact": 5.0}, adamw_one_thread_gparams_s=0.6,
+        assumed=[
+            "everything but the GPU memory (141 GB, nvidia-smi's 143,771 MiB) and the 1.5 TiB of RAM is assumed",
+            "matmul 789 TFLOP/s and layer efficiency as the H100 box (same compute die; HBM3e only helps)",
+            "PCIe Gen5 as the H100 box: 55 / 55 / 94 GB/s",
+            "32 cores: CPU AdamW 10.2 G params/s (2x the box's 16-core 5.1), x 2.7/4.0 while copies run",
+            "8 TB NVMe: raw write 3.0, read 3.5 GB/s; through the store 2.5 / 3.0 GB/s",
+        ],
+        source="extrapolated from h100-box", created="2026-11",
+    )
+
+
+def _256gb_4tb() -> MachineProfile:
+    base = _h100_box()
+    return dataclasses.replace(
+        base, name="256gb-4tb-nvme", device="NVIDIA H100 80GB, PCIe Gen5, 16 cores, 256 GiB RAM, 4 TB NVMe (extrapolated)",
+        host_memory_bytes=256 * GiB, host_available_bytes=248 * GiB, disk_free_bytes=int(4e12), disk_dir="/",
+        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0,
+        assumed=[
+            "GPU, PCIe, cores, matmul and CPU AdamW as the H100 box (measured there)",
+            "the whole 4 TB (4.0e12 bytes) NVMe free for the store",
+            "NVMe raw write 3.0, read 3.5 GB/s; through the store 2.5 / 3.0 GB/s",
+        ],
+        source="extrapolated from h100-box", created="2026-11",
+    )
+
+
+_BUILTIN: dict[str, Callable[[], MachineProfile]] = {"h100-box": _h100_box, "h200-1.5tb": _h200_1p5tb, "256gb-4tb-nvme": _256gb_4tb}
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in profiles."""
+    return list(_BUILTIN)
+
+
+def builtin(name: str) -> MachineProfile:
+    """A built-in profile by name."""
+    if name not in _BUILTIN:
+        raise ConfigError(f"unknown machine {name!r}; built-in machines: {', '.join(_BUILTIN)}, or a profile .json "
+                          "from `mtc calibrate -o FILE`")
+    return _BUILTIN[name]()
+
+
+def load_machine(spec: str | None, *, quick: Callable[[], MachineProfile] | None = None) -> MachineProfile:
+    """A built-in name, a profile .json, or (None) the last saved profile, else ``quick()``."""
+    if spec is None:
+        if DEFAULT_PROFILE_PATH.is_file():
+            return MachineProfile.load(DEFAULT_PROFILE_PATH)
+        if quick is None:
+            raise ConfigError(f"no machine given and no saved profile at {DEFAULT_PROFILE_PATH}; run `mtc calibrate`")
+        return quick()
+    if spec in _BUILTIN:
+        return builtin(spec)
+    if spec.endswith(".json") or Path(spec).is_file():
+        return MachineProfile.load(spec)
+    raise ConfigError(f"--machine {spec!r} is neither a built-in machine ({', '.join(_BUILTIN)}) nor a profile .json file")
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _best_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None,
+                 sync: Callable[[], None] | None = None) -> float:
+    """Fastest seconds of ``fn`` over ``repeats`` calls after one warm-up (``before`` runs untimed).
+
+    The fastest, not the median: on a shared machine other jobs only ever add time, so the best
+    of a few runs is the machine's own speed (what a quiet run gets), and one burst of another
+    job's work does not skew the profile."""
+    out = []
+    for i in range(repeats + 1):
+        if before is not None:
+            before()
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        if i:
+            out.append(time.perf_counter() - t)
+    return min(out)
+
+
+def _meminfo() -> tuple[int, int]:
+    total = avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                elif line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, avail or total
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _copy_rates(torch: Any, cuda: bool, mb: int, repeats: int) -> tuple[float, float, float]:
+    """(H2D, D2H, both) GB/s: pinned copies on CUDA; on the CPU, memcpy on one and on two threads."""
+    n = mb * 2**20
+    if cuda:
+        host_a = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host_b = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev_a, dev_b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        sync = torch.cuda.synchronize
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                dev_a.copy_(host_a, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host_b.copy_(dev_b, non_blocking=True)
+
+        h2d = _best_time(lambda: dev_a.copy_(host_a, non_blocking=True), repeats, sync=sync)
+        d2h = _best_time(lambda: host_b.copy_(dev_b, non_blocking=True), repeats, sync=sync)
+        bo = _best_time(both, repeats, sync=sync)
+        return n / h2d / 1e9, n / d2h / 1e9, 2 * n / bo / 1e9
+    a, b, c, d = (torch.empty(n // 4, dtype=torch.float32).fill_(1.0) for _ in range(4))
+    one = _best_time(lambda: b.copy_(a), repeats)
+
+    def two() -> None:  # the engine's h2d and d2h copy threads, at once
+        t = threading.Thread(target=lambda: d.copy_(c))
+        t.start()
+        b.copy_(a)
+        t.join()
+
+    bo = _best_time(two, repeats)
+    return n / one / 1e9, n / one / 1e9, 2 * n / bo / 1e9
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _disk_rates(root: Path, mb: int, repeats: int) -> tuple[float, float, float]:
+    """Raw sequential (write + fsync, cold read, warm read) GB/s of a file of ``mb`` MiB in 4 MiB blocks."""
+    block = 4 * 2**20
+    n_blocks = max(1, mb * 2**20 // block)
+    buf = os.urandom(block)
+    path = root / "mtc-calibrate.bin"
+    out = bytearray(block)
+
+    def write() -> None:
+        with open(path, "wb", buffering=0) as f:
+            f.writelines(buf for _ in range(n_blocks))
+            os.fsync(f.fileno())
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(out):
+                pass
+
+    try:
+        w = _best_time(write, repeats)
+        cold = _best_time(read, repeats, before=lambda: _evict(path))
+        warm = _best_time(read, repeats)
+    finally:
+        path.unlink(missing_ok=True)
+    nbytes = n_blocks * block
+    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9
+
+
+def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float]:
+    """The engine's disk path, as a disk layer's update uses it: master, m and v (three arrays of
+    ``mb`` / 3 MiB) written at once (CRC32C, fsync), and read one after the other into buffers,
+    cold and warm, GB/s."""
+    from mtc.store import TensorStore
+
+    n = mb * 2**20 // 4 // 3
+    names = ("master", "m", "v")
+    data = [torch.randn(n) for _ in names]
+    out = [torch.empty(n) for _ in names]
+    path = root / "mtc-calibrate-store"
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        with TensorStore.create(path, io_threads=io_threads) as st:
+            for name in names:
+                st.create_array(name, (n,), torch.float32)
+
+            def write() -> None:
+                for f in [st.write_async(name, t) for name, t in zip(names, data, strict=True)]:
+                    f.result()
+
+            def read() -> None:  # one array after the other, as a disk layer's update reads them
+                for name, t in zip(names, out, strict=True):
+                    st.read_into(name, t)
+
+            w = _best_time(write, repeats)
+            files = [st.chunk_path(name, c) for name in names for c in range(st.array_info(name).n_chunks)]
+
+            def evict() -> None:
+                for f in files:
+                    _evict(f)
+
+            cold = _best_time(read, repeats, before=evict)
+            warm = _best_time(read, repeats)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    nbytes = 3 * 4 * n
+    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9
+
+
+def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -> tuple[dict[str, float], float, tuple[float, float]]:
+    """G params/s of adamw_flat_ (exact and fused) on a pool of ``cores`` threads, of the engine's
+    impl on one thread, and the engine's impl's speed on zero gradients and moments relative to
+    dense ones; with the bf16 compute copy on CUDA machines, as the engine runs it."""
+    from mtc.runtime.host_adamw import adamw_flat_, host_pool
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=g) * 0.02
+    grad = torch.randn(numel, generator=g) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    copy = torch.empty(numel, dtype=torch.bfloat16) if cuda else None
+    coef = torch.tensor(1.0)
+    hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "decay_numel": numel * 9 // 10}
+    out: dict[str, float] = {}
+    step = [1]
+
+    def run(impl: str, pool: Any) -> Callable[[], None]:
+        def f() -> None:
+            adamw_flat_(p, grad, m, v, step=step[0], grad_scale=coef, compute_out=copy, pool=pool, impl=impl, **hp)
+            step[0] += 1
+        return f
+
+    caller = torch.get_num_threads()
+    engine = "fused" if cuda else "exact"
+    with host_pool(cores) as pool:
+        for impl in ("exact", "fused"):
+            out[impl] = numel / _best_time(run(impl, pool), repeats) / 1e9
+        grad.zero_()
+        m.zero_()
+        v.zero_()
+        zero = numel / _best_time(run(engine, pool), repeats) / 1e9
+    with host_pool(1) as pool:
+        zero_one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+        grad.normal_(0, 1e-3)
+        one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+    torch.set_num_threads(caller)
+    return out, one, (zero / out[engine], zero_one / one)
+
+
+def _matmul_points(torch: Any, cuda: bool, shapes: list[tuple[int, int, int]], repeats: int) -> list[dict[str, float]]:
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else None
+    pts = []
+    for m, k, n in shapes:
+        # x @ W^T with W stored (n, k), as nn.Linear and the traced layers run it: on the CPU a thin
+        # x @ W^T ran at half the rate of x @ W (16 x 1024 x 2816, one thread, the 2-core box)
+        a = torch.randn(m, k, dtype=dtype, device=dev)
+        # a thin matmul streams its weight, which a layer reads once per visit (not from cache):
+        # cycle through enough weights to overflow the CPU's caches (64 MiB)
+        n_w = max(1, min(32, 64 * 2**20 // (n * k * a.element_size()))) if not cuda and m <= 128 else 1
+        ws = [torch.randn(n, k, dtype=dtype, device=dev) for _ in range(n_w)]
+
+        def run(a: Any = a, ws: list = ws) -> None:
+            for w in ws:
+                torch.nn.functional.linear(a, w)
+
+        t = _best_time(run, repeats, sync=sync) / n_w
+        pts.append({"m": m, "k": k, "n": n, "tflops": 2 * m * k * n / t / 1e12})
+    return pts
+
+
+def _memory_points(torch: Any, sizes_mib: list[float], repeats: int) -> list[dict[str, float]]:
+    out = []
+    for mb in sizes_mib:
+        n = max(1, int(mb * 2**20) // 4)
+        a, b = torch.ones(n), torch.empty(n)
+        reps = max(1, int(64 / max(mb, 0.01)) // 8)  # small buffers: several copies per timing
+
+        def f(a: Any = a, b: Any = b, reps: int = reps) -> None:
+            for _ in range(reps):
+                b.copy_(a)
+
+        out.append({"mib": mb, "gbps": 8 * n * reps / _best_time(f, repeats) / 1e9})
+    return out
+
+
+def _elementwise_points(torch: Any, sizes_mib: list[float], repeats: int) -> list[dict[str, float]]:
+    return [{"mib": mb, "gbps": _elementwise_gbps(torch, False, mb, repeats)} for mb in sizes_mib]
+
+
+def _elementwise_gbps(torch: Any, cuda: bool, mb: float, repeats: int) -> float:
+    """Bytes touched per second by a norm + gated-activation sequence of unfused ops (fp32) on
+    tensors of ``mb`` MiB."""
+    dev = "cuda" if cuda else "cpu"
+    rows = max(1, int(mb * 2**20) // 4 // 1024)
+    x, y, w = torch.randn(rows, 1024, device=dev), torch.randn(rows, 1024, device=dev), torch.randn(1024, device=dev)
+
+    def seq() -> None:
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)  # pow: r+w, mean: r
+        h = x * r * w  # two muls: r+w each
+        torch.nn.functional.silu(h) * y  # silu: r+w, mul: 2r+w
+
+    touched = 4 * rows * 1024 * (2 + 1 + 2 + 2 + 2 + 3)
+    return touched / _best_time(seq, repeats, sync=torch.cuda.synchronize if cuda else None) / 1e9
+
+
+def _attention_tflops(torch: Any, repeats: int) -> float:
+    """Causal SDPA forward (16 heads x 256 tokens x 64), FLOPs counted as 4 T^2 d / 2 per head."""
+    q, k, v = (torch.randn(4, 4, 256, 64) for _ in range(3))
+    t = _best_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+    return 16 * 4 * 256 * 256 * 64 * 0.5 / t / 1e12
+
+
+def _first_touch_gbps(torch: Any, repeats: int) -> float:
+    """Filling a freshly allocated 64 MiB tensor: above glibc's largest mmap threshold (32 MiB)
+    every such allocation is mapped anew, and its first touch page-faults."""
+    n = 64 * 2**20 // 4
+    return 4 * n / _best_time(lambda: torch.empty(n).fill_(1.0), repeats) / 1e9
+
+
+def _op_overhead_us(torch: Any, repeats: int) -> float:
+    s = torch.ones(8)
+
+    def many() -> None:
+        for _ in range(500):
+            torch.add(s, s)
+
+    return _best_time(many, repeats) / 500 * 1e6
+
+
+def _identity(torch: Any, cuda: bool) -> dict[str, str]:
+    """Which machine and software a profile describes (a profile from another machine is a guess)."""
+    import platform
+    import socket
+
+    return {"host": socket.gethostname(), "cpu": _cpu_model(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if cuda else "none"}
+
+
+# the reference block calibrate runs (CPU path): Llama-shaped, small enough for a few seconds
+REFERENCE_BLOCK = {"dim": 256, "ffn_dim": 704, "n_heads": 4, "n_kv_heads": 2, "micro_batch_size": 4, "seq_len": 128}
+
+
+def _reference_block(torch: Any, repeats: int) -> dict[str, float]:
+    """Forward and joint seconds of one traced Llama block, run as the engine's unfused runner."""
+    from mtc.config import TrainConfig
+    from mtc.runtime.executor import aux_param_dependence
+    from mtc.runtime.runners import AutogradRunner
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    r = REFERENCE_BLOCK
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 1, "dim": r["dim"], "ffn_dim": r["ffn_dim"], "n_heads": r["n_heads"],
+                                                      "n_kv_heads": r["n_kv_heads"]},
+                      micro_batch_size=r["micro_batch_size"], seq_len=r["seq_len"], compute_dtype="float32")
+    model = build_model(cfg)
+    program = trace(model, cfg.micro_batch_size, cfg.seq_len)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    call = program.layers[1]
+    tmpl = program.templates[call.template]
+    runner = AutogradRunner(tmpl, call, aux_param_dependence(program.template_of(0)))
+    # the embed stage's outputs are the block's carry and aux inputs
+    embed = program.layers[0]
+    ids = torch.randint(0, 256, (cfg.micro_batch_size, cfg.seq_len))
+    e_tmpl = program.templates[embed.template]
+    e_args = [params[embed.bindings[i.name].key] if embed.bindings[i.name].kind == "param" else ids for i in e_tmpl.inputs]
+    with torch.no_grad():
+        out = e_tmpl.module("cpu")(*e_args)
+    carry, aux = out[0], list(out[1:])
+    args = []
+    for inp in tmpl.inputs:
+        b = call.bindings[inp.name]
+        args.append(params[b.key] if b.kind == "param" else carry if b.kind == "carry" else aux[b.index])
+    fwd, joint = runner.forward(torch.device("cpu")), runner.joint(torch.device("cpu"))
+    gout = torch.randn_like(carry)
+    with torch.no_grad():
+        t_fwd = _best_time(lambda: fwd(*args), repeats + 4)
+    t_joint = _best_time(lambda: joint(*args, gout), repeats + 4)
+    return {"fwd_s": t_fwd, "joint_s": t_joint}
+
+
+def calibrate(*, directory: str | Path | None = None, copy_mb: int = 64, disk_mb: int = 64, adamw_numel: int = 4_000_000,
+              matmul_size: int = 1024, elementwise_mib: tuple[float, ...] = (0.5, 4, 32), repeats: int = 3, io_threads: int = 4,
+              threads: int | None = None, name: str = "calibrated") -> MachineProfile:
+    """Measure this machine (about 10-20 s on a 2-core CPU box at the defaults) and return its profile.
+
+    Disk figures are measured in ``directory`` (default: the system temp dir), where the store
+    would live; files written there are removed afterwards. CPU compute figures are measured with
+    ``threads`` intra-op threads (default: torch's current setting, what a run here would use).
+    """
+    import torch
+
+    caller = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        prof = _calibrate(torch, directory, copy_mb, disk_mb, adamw_numel, matmul_size, elementwise_mib, repeats,
+                          io_threads, name)
+        prof.calibrate_s = time.perf_counter() - t0
+        return prof
+    finally:
+        torch.set_num_threads(caller)
+
+
+def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: int, adamw_numel: int, matmul_size: int,
+               elementwise_mib: tuple[float, ...], repeats: int, io_threads: int, name: str) -> MachineProfile:
+    threads = torch.get_num_threads()
+    root = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"calibrate: cannot use directory {root} for the disk test ({e}); pass --dir with a writable "
+                          "directory on the disk the store will use") from None
+    cuda = torch.cuda.is_available()
+    cores = _cores()
+    total, avail = _meminfo()
+    h2d, d2h, both = _copy_rates(torch, cuda, copy_mb, repeats)
+    dw, dr, drw = _disk_rates(root, disk_mb, repeats)
+    sw, sr, srw = _store_rates(torch, root, disk_mb, repeats, io_threads)
+    adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
+    s = matmul_size
+    # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
+    shapes = [(s, s, s), (2 * s, s, s), (s // 2, s // 2, s // 2), (s // 4, s // 4, s // 4), (s // 8, s, s), (16, s, s)]
+    if cuda:
+        shapes = [(8 * s, 8 * s, 8 * s), (4 * s, 4 * s, 4 * s), (8 * s, 4 * s, 14 * s)]
+    mm = _matmul_points(torch, cuda, shapes, repeats)
+    gpu_mem = torch.cuda.mem_get_info()[1] if cuda else 0
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({_cpu_model()}, {cores} cores)"
+    assumed = []
+    if cuda:
+        assumed.append("layer efficiency 0.63 (the H100 box's fused Llama block; not measured here)")
+        assumed.append("GPU AdamW 90 G params/s (HBM-bound estimate; not measured here)")
+    else:
+        assumed.append("no GPU: 'PCIe' is the host memcpy rate the engine's CPU copy threads reach, not a PCIe link")
+    prof = MachineProfile(
+        name=name, device=device, accelerator="cuda" if cuda else "cpu", cores=cores, gpu_memory_bytes=int(gpu_mem),
+        host_memory_bytes=total, host_available_bytes=avail, disk_free_bytes=shutil.disk_usage(root).free,
+        disk_dir=str(root.absolute()), h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both, pcie_is_memcpy=not cuda,
+        disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
+        store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw,
+        adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
+        adamw_with_copies=2.7 / 4.0 if cuda else 1.0,
+        matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,
+        layer_efficiency=0.63 if cuda else 1.0,
+        elementwise=[] if cuda else _elementwise_points(torch, list(elementwise_mib), repeats),
+        memory=[] if cuda else _memory_points(torch, list(elementwise_mib), repeats),
+        op_overhead_us=0.0 if cuda else _op_overhead_us(torch, repeats),
+        attention_tflops=0.0 if cuda else _attention_tflops(torch, repeats),
+        first_touch_gbps=0.0 if cuda else _first_touch_gbps(torch, repeats), adamw_zero_grad_factor=zero_factor,
+        adamw_zero_grad_factor_one_thread=zero_one,
+        compute_threads=0 if cuda else threads,
+        gpu_adamw_gparams_s=90.0 if cuda else 0.0,
+        assumed=assumed, source=f"mtc calibrate (copies {copy_mb} MiB, disk {disk_mb} MiB, AdamW {adamw_numel:,} params, "
+                               f"matmul {s}, best of {repeats})",
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        identity=_identity(torch, cuda),
+    )
+    if not cuda:
+        from mtc.costmodel import reference_scales  # the planner's own cost model, fitted to the measured block
+
+        prof.reference_block = _reference_block(torch, repeats)
+        prof.other_scale_fwd, prof.other_scale_bwd = reference_scales(prof)
+    return prof

@@ -1,0 +1,622 @@
+"""The planner's cost model: a model's shape and work per layer, and its predicted step time.
+
+The model's shape comes from its traced Program: a plan directory's, or a one-block trace of the
+preset on the meta device (blocks share one template, so one block is enough and big presets
+trace in about a second). Per template the planner counts, per micro-batch, the matmul FLOPs
+with their shapes, the attention FLOPs, the bytes touched by the other ops and the number of ops;
+the machine profile (`mtc.calibrate`) turns those into seconds.
+
+The step time comes from a small simulation of the engine's schedule (`mtc/runtime`), run for a
+few steps until it repeats:
+
+- forward visits embed, blocks; the head runs forward + backward at once; backward visits the
+  blocks in reverse (recompute + backward), then the embed stage; each visit runs every
+  micro-batch of the group. FLOPs: 2 x params x tokens forward, 6 x for the head, and 2 + 6 = 8 x
+  for a block (recompute + backward), plus attention.
+- a visit's weights cross PCIe on the host-to-device stream (FIFO) into a ring of two slots while
+  the previous visit computes; a forward fetch first waits for the layer's update of the last step.
+- a layer's fp32 gradient crosses back on the device-to-host stream after its backward visit.
+- after the step's sync every layer's update starts, in forward order, on one CPU dispatcher
+  (`ram` layers: AdamW on the pool; `disk` layers: read master/m/v, AdamW, write them back, all
+  in the layer's turn); `gpu_update` layers on their own chain over PCIe; `gpu` layers on the
+  device. So the optimizer of step k overlaps the forward of step k+1 in layer order, and disk
+  I/O overlaps compute but not other layers' updates.
+- on a commit step each `ram`/`gpu` layer's state is written behind after its update, and the
+  layer's next update waits for that write.
+
+Every task runs on a resource: the GPU, each copy direction, the disk, or (on a CPU machine, where
+"GPU compute", the optimizer and the copies all run on the same cores) the CPU, whose cores are
+shared among the tasks running at once in proportion to the threads each uses (processor
+sharing). On CUDA the step is also at least the PCIe bytes over the both-ways copy rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable
+
+import torch
+
+from mtc.calibrate import MachineProfile
+from mtc.config import TrainConfig
+from mtc.errors import ConfigError
+from mtc.graphs.program import Program, Template
+
+__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "model_shape", "reference_scales", "shape_from_program",
+           "step_time", "template_cost"]
+
+GiB = 2**30
+
+# ops that only change a tensor's view (no data moves)
+_VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
+    "alias", "detach", "chunk", "split", "split_with_sizes", "unbind", "as_strided", "lift_fresh_copy", "clone_view",
+}
+_MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "matmul"}
+_MMAP_MAX = 32 * 2**20  # glibc's largest mmap threshold: fresh tensors above it are mapped (and faulted) anew
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerCost:
+    """Forward cost of one layer template for one micro-batch (shapes from the trace)."""
+
+    matmuls: tuple[tuple[int, int, int, int], ...]  # (batch, m, k, n): batch x (m x k) @ (k x n)
+    attention: tuple[tuple[int, int, int, int, bool], ...]  # (batch x heads, q len, kv len, head size, causal)
+    elementwise: tuple[tuple[int, int], ...]  # per other op: (bytes read + written, largest tensor's bytes)
+    backward_extra: tuple[tuple[int, int], ...]  # backward-only traffic (an embedding's dense weight gradient)
+    ops: int  # ATen ops
+    big_outputs: int = 0  # bytes of forward outputs >= 32 MiB (fresh mappings: page faults on the CPU)
+    big_weight_grads: int = 0  # bytes of weight gradients >= 32 MiB the backward allocates
+    embeddings: tuple[tuple[str, int, int], ...] = ()  # (weight input, rows, row width) of embedding lookups
+
+    @property
+    def matmul_flops(self) -> float:
+        """2 m k n per matmul."""
+        return float(sum(2 * b * m * k * n for b, m, k, n in self.matmuls))
+
+    @property
+    def attention_flops(self) -> float:
+        """4 q kv d per head (QK^T and AV), halved when causal."""
+        return float(sum(4 * bh * tq * tk * d * (0.5 if causal else 1.0) for bh, tq, tk, d, causal in self.attention))
+
+    @property
+    def elementwise_bytes(self) -> int:
+        """Bytes touched by the forward's other ops."""
+        return sum(b for b, _ in self.elementwise)
+
+
+def _val(node: object) -> object:
+    return getattr(node, "meta", {}).get("val")
+
+
+def _nbytes(v: object) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (list, tuple)):
+        return sum(_nbytes(x) for x in v)
+    return 0
+
+
+def _largest(vals: Iterable[object]) -> int:
+    return max((_nbytes(v) for v in vals if isinstance(v, torch.Tensor)), default=0)
+
+
+def template_cost(tmpl: Template) -> LayerCost:
+    """Count a template's matmuls, attention, element-wise traffic and ops."""
+    matmuls: list[tuple[int, int, int, int]] = []
+    attn: list[tuple[int, int, int, int, bool]] = []
+    ew: list[tuple[int, int]] = []
+    extra: list[tuple[int, int]] = []
+    emb: list[tuple[str, int, int]] = []
+    ops = big = big_w = 0
+    for node in tmpl.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target._schema.name.split("::")[-1]
+        ins = [_val(a) for a in node.args if isinstance(a, torch.fx.Node)]
+        out = _val(node)
+        if name in _VIEW_OPS:
+            continue
+        if name in ("to", "_to_copy", "type_as") and ins and isinstance(out, torch.Tensor) and ins[0].dtype == out.dtype:
+            continue  # a cast to the dtype it already has
+        ops += 1
+        if _nbytes(out) >= _MMAP_MAX:
+            big += _nbytes(out)
+        if name in _MATMUL_OPS and len(ins) >= 2:
+            a, b = (ins[1], ins[2]) if name == "addmm" else (ins[0], ins[1])
+            k = a.shape[-1]
+            if name == "linear":
+                n, batch, m = b.shape[0], 1, a.numel() // k
+            else:
+                n = b.shape[-1]
+                batch = a.numel() // (a.shape[-2] * k) if a.dim() > 2 and b.dim() > 2 else 1
+                m = a.numel() // k // batch
+            matmuls.append((batch, m, k, n))
+            if _nbytes(b) >= _MMAP_MAX and b.dim() == 2:
+                big_w += _nbytes(b)
+            if (name == "addmm" or (name == "linear" and len(ins) > 2)) and isinstance(out, torch.Tensor):
+                ew.append((2 * _nbytes(out), _nbytes(out)))  # the bias add
+            continue
+        if name == "scaled_dot_product_attention":
+            q, k = ins[0], ins[1]
+            causal = bool(node.kwargs.get("is_causal", len(node.args) > 5 and node.args[5]))
+            attn.append((q.numel() // (q.shape[-2] * q.shape[-1]), q.shape[-2], k.shape[-2], q.shape[-1], causal))
+            continue
+        if name == "embedding":
+            ew.append((2 * _nbytes(out), _nbytes(out)))  # rows gathered, output written
+            extra.append((2 * _nbytes(ins[0]), _nbytes(ins[0])))  # backward: a dense weight gradient, zeroed then filled
+            if _nbytes(ins[0]) >= _MMAP_MAX:
+                big_w += _nbytes(ins[0])
+            emb.append((node.args[0].name, ins[0].shape[0], ins[0].numel() // ins[0].shape[0]))
+            continue
+        ew.append((sum(_nbytes(x) for x in ins) + _nbytes(out), max(_largest(ins), _nbytes(out))))
+    return LayerCost(tuple(matmuls), tuple(attn), tuple(ew), tuple(extra), ops, big, big_w, tuple(emb))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the planner needs of a model, per program layer (0 = embed stage, last = head)."""
+
+    name: str
+    numels: tuple[int, ...]  # each layer's own parameters (its flat state)
+    fetch_numels: tuple[int, ...]  # what a visit copies to the device: own + tied weights it reads
+    costs: tuple[LayerCost, ...]  # forward cost per micro-batch
+    sparse_tables: tuple[tuple[tuple[int, int], ...], ...]  # per layer: (rows, width) of untied embedding tables it owns
+    hidden: int  # width of the carried hidden state
+    head_width: int  # widest dim 0 of the head's weights (the vocabulary)
+    micro_batch_size: int
+    seq_len: int
+    compute_bytes: int
+
+    @property
+    def n_layers(self) -> int:
+        """Program layers (embed, blocks, head)."""
+        return len(self.numels)
+
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters (tied ones once)."""
+        return sum(self.numels)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.micro_batch_size * self.seq_len
+
+
+def _hidden(program: Program) -> int:
+    for tmpl in program.templates.values():
+        for inp in tmpl.inputs:
+            if inp.kind == "carry":
+                return inp.spec.shape[-1]
+    return 1
+
+
+def shape_from_program(program: Program, name: str, compute_bytes: int, *, n_blocks: int | None = None) -> ModelShape:
+    """A `ModelShape` from a traced Program; ``n_blocks`` repeats a one-block program's block to that depth."""
+    layers = list(range(program.n_layers))
+    if n_blocks is not None:
+        if program.n_layers != 3:
+            raise ValueError("n_blocks expands a one-block program (embed, block, head)")
+        layers = [0] + [1] * n_blocks + [2]
+    tcost = {tid: template_cost(t) for tid, t in program.templates.items()}
+    users: dict[str, int] = {}
+    for call in program.layers:
+        for k in dict.fromkeys(call.param_keys()):
+            users[k] = users.get(k, 0) + 1
+    numels, fetch, costs, tables = [], [], [], []
+    for src in layers:
+        call = program.layers[src]
+        # an embedding table only this lookup reads: rows the step does not touch get zero gradients
+        tables.append(tuple((rows, width) for name, rows, width in tcost[call.template].embeddings
+                            if call.bindings[name].kind == "param" and users[call.bindings[name].key] == 1))
+        own = program.layer_numel(src)
+        tied = sum(program.params[k].numel for k in dict.fromkeys(call.param_keys()) if program.params[k].layer != src)
+        numels.append(own)
+        fetch.append(own + tied)
+        costs.append(tcost[call.template])
+    width = max(program.params[k].spec.shape[0] for k in program.layers[-1].param_keys())
+    b, t = program.batch["ids"].shape
+    return ModelShape(name=name, numels=tuple(numels), fetch_numels=tuple(fetch), costs=tuple(costs),
+                      sparse_tables=tuple(tables), hidden=_hidden(program),
+                      head_width=width, micro_batch_size=b, seq_len=t, compute_bytes=compute_bytes)
+
+
+def model_shape(cfg: TrainConfig, compute_dtype: str, *, program: Program | None = None) -> ModelShape:
+    """The shape of ``cfg``'s model at its micro-batch shape: from ``program`` if given, else a
+    one-block trace of the preset on the meta device, in ``compute_dtype``."""
+    from mtc.models import model_config
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    cbytes = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size()
+    if program is not None:
+        return shape_from_program(program, cfg.model, cbytes)
+    mcfg = model_config(cfg.model, **cfg.model_overrides)
+    one = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, "n_layers": 1}, compute_dtype=compute_dtype)
+    prog = trace(build_model(one, device="meta"), cfg.micro_batch_size, cfg.seq_len, name=cfg.model)
+    return shape_from_program(prog, cfg.model, cbytes, n_blocks=mcfg.n_layers)
+
+
+# -- compute time ------------------------------------------------------------------------------
+
+# Backward relative to forward, beyond the two matmuls per forward matmul (counted by shape):
+# flash attention's backward recomputes the scores (2.5 x the forward FLOPs); an element-wise op's
+# backward reads its saved inputs and the incoming gradient and writes one (2 x the bytes);
+# autograd runs about 2 ops per forward op.
+ATTN_BWD = 2.5
+EW_BWD = 2.0
+OPS_BWD = 2.0
+
+
+def _intensity(m: float, k: float, n: float) -> float:
+    return 2 * m * k * n / (4 * (m * k + k * n + m * n))
+
+
+def _interp_log(x: float, pts: list[tuple[float, float]]) -> float:
+    """Piecewise-linear in log-log over sorted (x, y) points, clamped at the ends."""
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            f = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return pts[-1][1]
+
+
+def matmul_rate(profile: MachineProfile, m: int, k: int, n: int) -> float:
+    """FLOP/s of an (m x k) @ (k x n) matmul inside a layer on this machine: the profile's points
+    interpolated by arithmetic intensity (FLOPs per byte), times its layer efficiency. Below the
+    thinnest measured shape the rate falls in proportion to the intensity (bandwidth-bound)."""
+    if not profile.matmul:
+        raise ConfigError(f"machine profile {profile.name!r} has no matmul figures; re-run `mtc calibrate`")
+    pts = sorted((_intensity(p["m"], p["k"], p["n"]), p["tflops"] * 1e12) for p in profile.matmul)
+    x = _intensity(m, k, n)
+    rate = pts[0][1] * x / pts[0][0] if len(pts) > 1 and x < pts[0][0] else _interp_log(x, pts)
+    return rate * profile.layer_efficiency
+
+
+def _attention_rate(profile: MachineProfile, tq: int, d: int, tk: int) -> float:
+    return profile.attention_tflops * 1e12 if profile.attention_tflops else matmul_rate(profile, tq, d, tk)
+
+
+def _matmul_seconds(profile: MachineProfile, m: int, k: int, n: int) -> float:
+    """Roofline: the FLOPs at the interpolated rate, or the operands' bytes at the memory
+    bandwidth for their size, whichever is longer (thin matmuls stream their weight)."""
+    t = 2 * m * k * n / matmul_rate(profile, m, k, n)
+    if profile.memory:
+        nbytes = 4 * (m * k + k * n + m * n)
+        pts = sorted((p["mib"] * 2**20, p["gbps"] * 1e9) for p in profile.memory)
+        t = max(t, nbytes / _interp_log(nbytes, pts))
+    return t
+
+
+def elementwise_seconds(profile: MachineProfile, nbytes: float, largest: float) -> float:
+    """Seconds for an unfused op touching ``nbytes`` whose largest tensor is ``largest`` bytes
+    (0 where the profile folds element-wise work into its layer efficiency)."""
+    if not profile.elementwise or nbytes <= 0:
+        return 0.0
+    pts = sorted((p["mib"] * 2**20, p["gbps"] * 1e9) for p in profile.elementwise)
+    return nbytes / _interp_log(max(largest, 1.0), pts)
+
+
+def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool) -> tuple[float, float]:
+    """(matmul seconds, other seconds) of one micro-batch through a layer, before the profile's
+    reference-block scales: attention, element-wise traffic, op dispatch and page faults are "other"."""
+    t_mm = sum(b * _matmul_seconds(profile, m, k, n) for b, m, k, n in cost.matmuls)
+    t_at = sum(4 * bh * tq * tk * d * (0.5 if c else 1.0) / _attention_rate(profile, tq, d, tk) for bh, tq, tk, d, c in cost.attention)
+    t_ew = sum(elementwise_seconds(profile, b, big) for b, big in cost.elementwise)
+    t_op = cost.ops * profile.op_overhead_us * 1e-6
+    ft = profile.first_touch_gbps * 1e9
+    t_ft = cost.big_outputs / ft if ft else 0.0
+    other = t_at + t_ew + t_op + t_ft
+    if not backward:
+        return t_mm, other
+    # dX = dY @ W: (m x n) @ (n x k); dW = dY^T @ X: (n x m) @ (m x k)
+    t_mm_b = sum(b * (_matmul_seconds(profile, m, n, k) + _matmul_seconds(profile, n, m, k)) for b, m, k, n in cost.matmuls)
+    t_extra = sum(_memory_seconds(profile, b, big) for b, big in cost.backward_extra)
+    t_ft_b = (2 * cost.big_outputs + cost.big_weight_grads) / ft if ft else 0.0  # activation and weight gradients
+    return t_mm + t_mm_b, other + ATTN_BWD * t_at + EW_BWD * t_ew + t_extra + OPS_BWD * t_op + t_ft_b
+
+
+def compute_seconds(cost: LayerCost, profile: MachineProfile, *, backward: bool) -> float:
+    """Seconds of one micro-batch through a layer: its forward, or (``backward``) its joint:
+    forward recomputed, then backward."""
+    mm, other = _compute_parts(cost, profile, backward=backward)
+    return (mm + other) * (profile.other_scale_bwd if backward else profile.other_scale_fwd)
+
+
+def reference_scales(profile: MachineProfile) -> tuple[float, float]:
+    """Fit the cost model to the profile's measured reference block: (forward scale, joint scale),
+    the block's measured time over the modelled one. One factor for the whole layer, not for its
+    non-matmul part alone: subtracting the modelled matmuls first amplified the noise of a shared
+    machine tenfold (scales from 0.4 to 3.3 between calibrations minutes apart)."""
+    from mtc.calibrate import REFERENCE_BLOCK
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    r, ref = REFERENCE_BLOCK, profile.reference_block
+    if not ref:
+        return 1.0, 1.0
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 1, "dim": r["dim"], "ffn_dim": r["ffn_dim"], "n_heads": r["n_heads"],
+                                                      "n_kv_heads": r["n_kv_heads"]},
+                      micro_batch_size=r["micro_batch_size"], seq_len=r["seq_len"], compute_dtype="float32")
+    prog = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    cost = template_cost(prog.template_of(1))
+    scales = []
+    for backward, measured in ((False, ref["fwd_s"]), (True, ref["joint_s"])):
+        mm, other = _compute_parts(cost, profile, backward=backward)
+        scales.append(measured / (mm + other) if mm + other > 0 else 1.0)
+    return scales[0], scales[1]
+
+
+# -- step time ---------------------------------------------------------------------------------
+
+
+class _FluidSim:
+    """Tasks with dependencies on shared resources: a resource of capacity C shares itself among
+    its running tasks, each getting min(1, C / total demand) of its speed (processor sharing)."""
+
+    def __init__(self, capacity: dict[str, float]) -> None:
+        self.capacity = capacity
+        self.work: list[float] = []
+        self.resource: list[str] = []
+        self.demand: list[float] = []
+        self.deps: list[list[int]] = []
+
+    def add(self, work: float, resource: str = "", deps: Iterable[int | None] = (), demand: float = 1.0) -> int:
+        """A task of ``work`` seconds (at full speed) on ``resource`` after ``deps``; "" is a marker."""
+        self.work.append(max(0.0, work))
+        self.resource.append(resource)
+        self.demand.append(demand)
+        self.deps.append([d for d in deps if d is not None])
+        return len(self.work) - 1
+
+    def run(self) -> list[float]:
+        """End time of every task."""
+        n = len(self.work)
+        end = [math.inf] * n
+        left = list(self.work)
+        waiting = [len(d) for d in self.deps]
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i, ds in enumerate(self.deps):
+            for d in ds:
+                children[d].append(i)
+        t = 0.0
+        running: set[int] = set()
+        ready = [i for i in range(n) if not waiting[i]]
+        while ready or running:
+            while ready:  # start what is ready; markers and empty tasks end at once
+                i = ready.pop()
+                if left[i] <= 0 or not self.resource[i]:
+                    end[i] = t
+                    for ch in children[i]:
+                        waiting[ch] -= 1
+                        if not waiting[ch]:
+                            ready.append(ch)
+                else:
+                    running.add(i)
+            if not running:
+                break
+            load: dict[str, float] = {}
+            for i in running:
+                load[self.resource[i]] = load.get(self.resource[i], 0.0) + self.demand[i]
+            rate = {i: min(1.0, self.capacity.get(self.resource[i], 1.0) / load[self.resource[i]]) for i in running}
+            dt = min(left[i] / rate[i] for i in running)
+            t += dt
+            for i in list(running):
+                left[i] -= rate[i] * dt
+                if left[i] <= 1e-12 * max(1.0, self.work[i]):
+                    running.discard(i)
+                    end[i] = t
+                    for ch in children[i]:
+                        waiting[ch] -= 1
+                        if not waiting[ch]:
+                            ready.append(ch)
+        return end
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commits:
+    """How commits write state behind: bytes per commit, how often, and what they cost per step."""
+
+    bytes_per_commit: int  # ram/gpu layers' state the durability mode keeps (disk layers: written every step anyway)
+    seconds: float  # one commit's writes at the store's write rate
+    every: int  # steps between commits (0: never)
+    stall_s: float  # per step, amortised: the next updates waiting for the writes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTime:
+    """Predicted steady-state step, and each stage's busy time per step (seconds)."""
+
+    step_s: float
+    schedule_s: float  # the simulated schedule, before the PCIe both-ways bound and commit stalls
+    fwd_s: float  # forward visits (embed, blocks) over the group
+    bwd_s: float  # head (fwd + bwd) and backward visits (recompute + backward)
+    hw_flops: float  # matmul + attention FLOPs executed (with recompute)
+    h2d_weights_s: float
+    d2h_grads_s: float
+    streamed_s: float  # gpu_update layers' state over PCIe, both ways
+    pcie_bound_s: float  # all PCIe bytes over the both-ways rate (0 on a CPU machine: copies are CPU work)
+    optimizer_s: float  # CPU AdamW math (ram and disk layers)
+    gpu_optimizer_s: float  # resident-state updates on the device
+    disk_read_s: float  # disk layers' state, read
+    disk_write_s: float  # disk layers' state written back, plus every-step commits' write-behind
+    disk_read_warm: bool  # the disk-tier state fits the page cache: reads come from memory
+    cpu_work_s: float  # CPU machines: thread-seconds of all work over the cores this process gets
+    commits: Commits
+    disk_bytes_written: int  # per step, commits averaged in
+    bottleneck: str
+    stage_s: dict[str, float] = dataclasses.field(default_factory=dict)  # busy seconds per stage, per step
+
+    def stages(self) -> dict[str, float]:
+        """Each stage's busy time per step (the bottleneck is the largest)."""
+        return dict(self.stage_s)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward (with recompute) over the group."""
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def disk_s(self) -> float:
+        """Disk busy time per step (reads from the page cache are not disk time)."""
+        return (0.0 if self.disk_read_warm else self.disk_read_s) + self.disk_write_s
+
+
+def adamw_rate(profile: MachineProfile, threads: int, *, zero_grad: bool = False) -> float:
+    """CPU AdamW params/s with ``threads`` pool threads (0: all cores), the engine's impl;
+    ``zero_grad``: on all-zero gradients and moments."""
+    cores = max(1, profile.cores)
+    t = cores if threads <= 0 else min(threads, cores)
+    full, one = profile.adamw_rate, profile.adamw_one_thread_gparams_s or profile.adamw_rate / cores
+    if zero_grad:
+        full, one = full * profile.adamw_zero_grad_factor, one * profile.adamw_zero_grad_factor_one_thread
+    rate = full if t >= cores else one + (full - one) * (t - 1) / max(1, cores - 1)
+    return rate * 1e9
+
+
+def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> float:
+    """Plain memory traffic (zeroing, adding, copying) at the profile's copy bandwidth for that size."""
+    if profile.memory:
+        pts = sorted((p["mib"] * 2**20, p["gbps"] * 1e9) for p in profile.memory)
+        return nbytes / _interp_log(max(largest, 1.0), pts)
+    return nbytes / (2 * profile.h2d_gbps * 1e9) if profile.pcie_is_memcpy else 0.0
+
+
+def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
+              host_need: int = 0) -> StepTime:
+    """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring)."""
+    from mtc.runtime.tiers import state_kinds
+
+    L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
+    cuda = profile.accelerator == "cuda"
+    mb, gb = cfg.grad_accum, 1e9
+    cores = float(profile.cores)
+    # per-layer durations, alone
+    resident = [placement[i] == "gpu" and shape.fetch_numels[i] == n[i] for i in range(L)]
+    W = [0.0 if resident[i] else shape.fetch_numels[i] * c / (profile.h2d_gbps * gb) for i in range(L)]
+    G = [0.0 if placement[i] == "gpu" else n[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
+    F = [mb * compute_seconds(shape.costs[i], profile, backward=False) for i in range(L)]
+    # the executor's own work per layer: zero the gradient slab, add each micro-batch's gradient, norms
+    B = [mb * compute_seconds(shape.costs[i], profile, backward=True) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
+         for i in range(L)]
+    opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
+    cpu_rate = adamw_rate(profile, cfg.optim_threads) * (profile.adamw_with_copies if cuda else 1.0)
+    gpu_rate = (profile.gpu_adamw_gparams_s or 1e3) * gb
+    n_disk = sum(n[i] for i in range(L) if placement[i] == "disk")
+    warm = 24 * n_disk <= 0.8 * (profile.host_available_bytes - host_need)  # both generations stay in the page cache
+    read_bw = (profile.store_read_warm_gbps if warm else profile.store_read_gbps) * gb
+    write_bw = profile.store_write_gbps * gb
+    # rows of an embedding table the step's tokens do not touch have zero gradients and moments,
+    # on which the host AdamW runs at another speed (measured)
+    tokens = mb * shape.tokens_per_micro_batch
+    idle = [sum((rows - min(rows, tokens)) * width for rows, width in shape.sparse_tables[i]) for i in range(L)]
+    zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True) * (profile.adamw_with_copies if cuda else 1.0)
+    adam = [0.0 if placement[i] == "gpu" or i in gpu_update else (n[i] - idle[i]) / cpu_rate + idle[i] / zero_rate
+            for i in range(L)]
+    io_r = [12 * n[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    io_w = [12 * n[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    durable = cfg.durability != "none"
+    behind = [4 * len(state_kinds(t, cfg.durability)) * n[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
+    every_step = durable and (n_disk > 0 or cfg.commit_every == 1)
+    wb = [b / write_bw for b in behind] if every_step else [0.0] * L
+
+    # demands: what a task would use alone (its figure was measured with that many threads)
+    dem_compute = 1.0 if cuda else min(float(profile.compute_threads or 1), cores)
+    dem_opt = min(float(opt_threads), cores)
+    on = {"compute": "gpu" if cuda else "cpu", "h2d": "h2d" if cuda else "cpu", "d2h": "d2h" if cuda else "cpu"}
+    sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0})
+    visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
+    steps = 4
+    syncs: list[int] = []
+    grad: list[int | None] = [None] * L  # last step's gradient copy per layer
+    write: list[int | None] = [None] * L  # last write-behind per layer
+    h2d_last = d2h_last = None
+    for s in range(steps):
+        sync = syncs[-1] if syncs else None
+        upd: list[int | None] = [None] * L
+        dev = sync
+        if s:
+            cpu_chain = str_in = str_out = writer = sync
+            for i in range(L):
+                if not n[i]:
+                    continue
+                deps = (sync, grad[i], write[i])
+                if placement[i] == "gpu":
+                    dev = sim.add(n[i] / gpu_rate, on["compute"], (dev, *deps))
+                    upd[i] = sync
+                elif i in gpu_update:
+                    str_in = sim.add(16 * n[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
+                    str_out = upd[i] = sim.add(14 * n[i] / (profile.d2h_gbps * gb) + n[i] / gpu_rate, on["d2h"], (str_in, str_out))
+                elif placement[i] == "disk":
+                    rd = sim.add(io_r[i], "cpu" if warm else "disk", (cpu_chain, *deps))
+                    ad = sim.add(adam[i], "cpu", (rd,), dem_opt)
+                    cpu_chain = upd[i] = sim.add(io_w[i], "disk", (ad,))
+                else:
+                    cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
+                if wb[i]:
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev))
+        comp, issue, arrived = dev, sync, sync
+        ends: list[int] = []
+        for k, (phase, i) in enumerate(visits):
+            issue = sim.add(0.0, "", ((issue if cuda else arrived), upd[i] if phase != "bwd" else None))
+            if resident[i]:
+                arrived = issue
+            else:
+                h2d_last = arrived = sim.add(W[i], on["h2d"], (issue, ends[k - 2] if k >= 2 else sync, h2d_last))
+            comp = sim.add(F[i] if phase == "fwd" else B[i], on["compute"], (comp, arrived), dem_compute)
+            ends.append(comp)
+            if phase != "fwd":
+                d2h_last = grad[i] = sim.add(G[i], on["d2h"], (comp, d2h_last)) if G[i] else comp
+        syncs.append(comp)
+    end = sim.run()
+    schedule = end[syncs[-1]] - end[syncs[-2]]
+
+    h2d_b = sum(W[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + W[L - 1] * profile.h2d_gbps * gb
+    streamed = sum(n[i] for i in gpu_update)
+    h2d_b += 16 * streamed
+    d2h_b = sum(n[i] * 4 for i in range(L) if placement[i] != "gpu") + 14 * streamed
+    pcie = (h2d_b + d2h_b) / (profile.both_gbps * gb) if cuda else 0.0
+    base = max(schedule, pcie)
+    vol = sum(behind)
+    commit_s = vol / write_bw if vol else 0.0
+    if not durable or not vol:
+        commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
+    elif every_step:
+        commits = Commits(vol, commit_s, 1, 0.0)  # in the schedule already
+    else:  # written behind; paced to <= 5 % of the time (commit_every 0), or every N steps
+        every = cfg.commit_every if cfg.commit_every else max(1, math.ceil(20 * commit_s / base))
+        commits = Commits(vol, commit_s, every, max(0.0, commit_s - base) / every)
+    fwd_s, bwd_s = sum(F[: L - 1]), sum(B)
+    cpu_work = 0.0
+    if not cuda:
+        copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb) + (sum(io_r) if warm else 0.0)
+        cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
+    hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
+    hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
+    disk_r, disk_w = sum(io_r), sum(io_w) + sum(wb)
+    copies_s = (h2d_b + d2h_b) / (profile.both_gbps * gb)
+    stages = {"GPU compute" if cuda else "compute (CPU)": fwd_s + bwd_s,
+              "PCIe" if cuda else "host copies (memcpy)": copies_s,
+              "CPU optimizer": sum(adam),
+              "disk I/O": (0.0 if warm else disk_r) + disk_w}
+    if cuda:
+        stages["GPU optimizer"] = sum(n[i] for i in range(L) if placement[i] == "gpu") / gpu_rate
+    if not cuda:
+        stages["CPU cores, all work shared"] = cpu_work
+    return StepTime(
+        step_s=base + commits.stall_s, schedule_s=schedule, fwd_s=fwd_s, bwd_s=bwd_s, hw_flops=hw,
+        h2d_weights_s=sum(W[: L - 1]) * 2 + W[L - 1], d2h_grads_s=sum(G),
+        streamed_s=max(16 * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
+        pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(n[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
+        disk_read_s=disk_r, disk_write_s=disk_w, disk_read_warm=warm, cpu_work_s=cpu_work, commits=commits,
+        disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),
+        # the shared-cores total is a bound, not a stage: the bottleneck is the busiest stage
+        bottleneck=max((k for k in stages if not k.startswith("CPU cores")), key=lambda k: stages[k]), stage_s=stages,
+    )

@@ -1,0 +1,179 @@
+"""Reading a corpus for `prepare`, streamed: plain text files, JSONL and parquet.
+
+A *document* is one text file, one JSONL line or one parquet row. Nothing here holds more than one
+record (or, for a text file, one piece of about 1 MiB cut after a newline) at a time, so a corpus
+of any size streams through. SFT records become conversations: a list of ``{"role", "content"}``
+messages, from a prompt and a response field or from a ``messages`` field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtc.errors import DataError
+
+__all__ = ["FORMATS", "Message", "input_files", "iter_conversations", "iter_texts"]
+
+FORMATS = ("text", "jsonl", "parquet")
+_SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+_PIECE = 1 << 18  # characters of a text file tokenized at once (see ingest._BATCH_CHARS)
+_PARQUET_BATCH = 1024  # rows per parquet read
+
+Message = dict[str, str]
+
+
+def _format_of(p: Path) -> str | None:
+    return next((f for f, sfx in _SUFFIXES.items() if p.suffix in sfx), None)
+
+
+def input_files(inputs: Sequence[str | Path], fmt: str | None) -> list[tuple[Path, str]]:
+    """Each input file with its format: files as given, directories expanded (sorted by name) to
+    the files of the format (``fmt``, or every known suffix when None)."""
+    if fmt is not None and fmt not in FORMATS:
+        raise DataError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not inputs:
+        raise DataError("no input given; pass text files, JSONL or parquet files, or directories of them")
+    out: list[tuple[Path, str]] = []
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.is_file() and (_format_of(f) if fmt is None else _format_of(f) == fmt))
+            if not found:
+                want = ", ".join(f"*{s}" for s in (_SUFFIXES[fmt] if fmt else sum(_SUFFIXES.values(), ())))
+                raise DataError(f"no input files ({want}) in directory {p}; pass files, or --format for their kind")
+            out += [(f, fmt or _format_of(f) or "text") for f in found]
+        elif p.is_file():
+            out.append((p, fmt or _format_of(p) or "text"))
+        else:
+            raise DataError(f"input {p} does not exist; pass text, JSONL or parquet files, or directories of them")
+    return out
+
+
+def _text_pieces(path: Path) -> Iterator[str]:
+    """A UTF-8 text file in pieces of about 1 MiB, each cut after a blank line or a newline when
+    there is one, so a tokenizer rarely sees a word cut in two; ends with a newline."""
+    tail = ""
+    last = ""
+    try:
+        # utf-8-sig: a byte-order mark from a Windows editor is not text to train on.
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            while True:
+                chunk = f.read(_PIECE)
+                if not chunk:
+                    break
+                buf = tail + chunk
+                cut = buf.rfind("\n\n", 0, len(buf) - 1)
+                cut = cut + 2 if cut >= 0 else buf.rfind("\n") + 1
+                if cut <= 0:
+                    cut = len(buf)
+                piece, tail = buf[:cut], buf[cut:]
+                if piece:
+                    last = piece
+                    yield piece
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}); convert it to UTF-8 first") from None
+    if tail:
+        last = tail
+        yield tail
+    if last and not last.endswith("\n"):
+        yield "\n"
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataError(f"{path}:{n} is not a JSON object ({e}); each line of a JSONL file holds one") from None
+            yield n, rec
+
+
+def _parquet_records(path: Path, columns: list[str]) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001  (pyarrow raises ArrowInvalid, OSError and friends)
+        raise DataError(f"{path} is not a parquet file pyarrow can read ({e})") from None
+    names = pf.schema_arrow.names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise DataError(f"{path} has no column {missing[0]!r}; its columns: {', '.join(names)}; name one with --field")
+    n = 0
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
+
+
+def _records(path: Path, fmt: str, columns: list[str]) -> Iterator[tuple[str, Any]]:
+    """(where, record) of a JSONL or parquet file."""
+    if fmt == "jsonl":
+        for n, rec in _jsonl_records(path):
+            yield f"{path}:{n}", rec
+    else:
+        for n, rec in _parquet_records(path, columns):
+            yield f"{path} row {n}", rec
+
+
+def _field(rec: Any, name: str, where: str) -> str:
+    if not isinstance(rec, dict) or name not in rec:
+        keys = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
+        raise DataError(f"{where} has no field {name!r} (it has: {keys}); name the text field with --field")
+    v = rec[name]
+    if not isinstance(v, str):
+        raise DataError(f"{where}: field {name!r} is {type(v).__name__}, not text")
+    return v
+
+
+def iter_texts(files: list[tuple[Path, str]], field: str = "text") -> Iterator[tuple[str, bool]]:
+    """(text, ends_document) pieces of every document: a text file may come in several pieces."""
+    for path, fmt in files:
+        if fmt == "text":
+            for piece in _text_pieces(path):
+                yield piece, False
+            yield "", True
+        else:
+            for where, rec in _records(path, fmt, [field]):
+                yield _field(rec, field, where), True
+
+
+def _messages(v: Any, where: str, name: str) -> list[Message]:
+    if not isinstance(v, list) or not v:
+        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages")
+    out = []
+    for i, m in enumerate(v):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: message {i} of {name!r} must be an object with string 'role' and 'content'")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(f"{where}: no 'assistant' message: nothing to train on in this conversation")
+    return out
+
+
+def iter_conversations(files: list[tuple[Path, str]], *, prompt_field: str | None, response_field: str | None,
+                       messages_field: str | None) -> Iterator[list[Message]]:
+    """Each SFT record as a conversation: prompt -> user message, response -> assistant message,
+    or the record's chat ``messages`` as they are."""
+    if messages_field is None and (prompt_field is None or response_field is None):
+        raise DataError("SFT data needs --prompt-field and --response-field, or --messages-field")
+    cols = [messages_field] if messages_field is not None else [prompt_field, response_field]
+    for path, fmt in files:
+        if fmt == "text":
+            raise DataError(f"{path}: SFT data must be JSONL or parquet records, not plain text")
+        for where, rec in _records(path, fmt, cols):  # type: ignore[arg-type]
+            if messages_field is not None:
+                if not isinstance(rec, dict) or messages_field not in rec:
+                    raise DataError(f"{where} has no field {messages_field!r}; name the chat field with --messages-field")
+                yield _messages(rec[messages_field], where, messages_field)
+            else:
+                yield [{"role": "user", "content": _field(rec, prompt_field, where)},  # type: ignore[arg-type]
+                       {"role": "assistant", "content": _field(rec, response_field, where)}]  # type: ignore[arg-type]

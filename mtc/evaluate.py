@@ -1,0 +1,173 @@
+"""Validation loss: the program's layer runners, forward only, layer-major over the eval batches.
+
+Eval runs the same templates as training (the run's `LayerRunner`s, or the unfused ATen templates
+for a store opened on its own), with no autograd, one layer's weights at a time from a
+`mtc.weight_sources` source: each layer is fetched once for all eval batches, as a training step
+fetches it once for its micro-batches. The batches are the held-out split of the token file
+(`BatchSampler(split="val")`, the last 5 % of the tokens, which training never samples), batch k a
+pure function of (seed, k): the same store, data and seed give the same loss, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from mtc.data import BatchSampler, TokenFile, check_fits
+from mtc.errors import ConfigError
+from mtc.graphs.program import Program
+from mtc.runtime.runners import AutogradRunner, LayerRunner
+from mtc.runtime.executor import IGNORE_INDEX
+from mtc.weight_sources import StoreWeights, pick_step
+
+__all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
+
+SPLITS = ("val", "train", "all")
+
+
+class WeightSource(Protocol):
+    """Parameters by key on the compute device (see `mtc.weight_sources`)."""
+
+    def get(self, keys: list[str]) -> dict[str, torch.Tensor]: ...
+
+    def prefetch(self, keys: list[str]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvalResult:
+    """What an evaluation measured."""
+
+    loss: float  # mean over the eval batches of each batch's mean token loss
+    step: int
+    batches: int
+    tokens: int
+    seconds: float
+    split: str
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss) (inf when it overflows)."""
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def unfused_runners(program: Program) -> dict[str, LayerRunner]:
+    """The ATen templates' runners (what an unfused training run uses)."""
+    from mtc.runtime.executor import aux_param_dependence
+
+    aux = aux_param_dependence(program.template_of(0))
+    out: dict[str, LayerRunner] = {}
+    for call in program.layers:
+        out.setdefault(call.template, AutogradRunner(program.templates[call.template], call, aux))
+    return out
+
+
+def eval_batches(tokens: TokenFile | np.ndarray, program: Program, *, n: int, seed: int,
+                 split: str = "val") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of the plan's shape from ``split`` ("val": the held-out 5 %, "train", "all")."""
+    if split not in SPLITS:
+        raise ConfigError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if n < 1:
+        raise ConfigError(f"the number of eval batches must be >= 1, got {n}")
+    b, t = program.batch["ids"].shape
+    check_fits(tokens, t)
+    if split == "all":
+        sampler = BatchSampler(tokens, batch_size=b, seq_len=t, seed=seed, split="train", val_fraction=0.0)
+    else:
+        sampler = BatchSampler(tokens, batch_size=b, seq_len=t, seed=seed, split=split)
+    return [sampler.batch(k) for k in range(n)]
+
+
+@torch.no_grad()
+def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: WeightSource,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> float:
+    """Loss of ``batches``: the sum of per-token losses over every unmasked target divided by their
+    count (as training defines a step's loss; batches with more targets weigh more). Every layer
+    once, forward only, over all batches before the next layer."""
+    device = torch.device(device)
+    consts = {k: v.to(device) for k, v in program.constant_values.items()}
+    data = [{"ids": i.to(device), "targets": t.to(device)} for i, t in batches]
+    carry: list[torch.Tensor | None] = [None] * len(batches)
+    aux: list[list[torch.Tensor]] = [[] for _ in batches]
+    losses: list[torch.Tensor] = []
+    # the head returns a mean over its batch's unmasked targets: weight it back by their count
+    counts = [(t != IGNORE_INDEX).sum().double() for _, t in batches]
+    last = program.n_layers - 1
+    for call in program.layers:
+        keys = list(dict.fromkeys(call.param_keys()))
+        w = weights.get(keys)
+        if call.index < last:
+            weights.prefetch(list(dict.fromkeys(program.layers[call.index + 1].param_keys())))
+        tmpl = program.templates[call.template]
+        fwd = runners[call.template].forward(device)
+        for mb in range(len(batches)):
+            args = []
+            for inp in tmpl.inputs:
+                src = call.bindings[inp.name]
+                args.append(w[src.key] if src.kind == "param" else carry[mb] if src.kind == "carry"
+                            else aux[mb][src.index] if src.kind == "aux" else data[mb][src.key] if src.kind == "batch"
+                            else consts[src.key])
+            out = fwd(*args)
+            if call.index == 0:
+                carry[mb], aux[mb] = out[0], list(out[1:])
+            elif call.index == last:
+                losses.append(out[0].detach().float().reshape(()))
+                carry[mb] = None
+            else:
+                carry[mb] = out[0]
+        del w
+    n = torch.stack(counts)
+    keep = n > 0  # a batch without targets has a NaN mean and no weight
+    total = (torch.stack(losses).double().cpu()[keep] * n[keep]).sum() / n[keep].sum()
+    return float(total)  # the one sync
+
+
+def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step: int | None = None, batches: int = 8,
+                   split: str = "val", seed: int | None = None, device: str | None = None,
+                   device_budget_bytes: int | None = None) -> EvalResult:
+    """Loss of a committed step of the run in ``store_dir`` on ``data`` (read-only: works beside training).
+
+    ``seed`` defaults to the run's (so the val split gives what ``--eval-every`` logged);
+    ``device`` to the run's when it is available here, else the CPU. The compute dtype is the run's.
+    """
+    from mtc.plan import load_plan
+    from mtc.store import TensorStore
+
+    t0 = time.perf_counter()
+    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
+    with TensorStore.open(store_dir, read_only=True) as st:
+        at = pick_step(st, step)
+        cfg = at.record.config
+        program = load_plan(Path(store_dir) / "plan")
+        vocab = max((program.params[k].spec.shape[0] for k in program.layers[-1].param_keys()
+                     if len(program.params[k].spec.shape) == 2), default=0)
+        tokens.check_vocab(vocab)
+        dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
+        dtype = getattr(torch, _compute_dtype(cfg, dev))
+        bs = eval_batches(tokens, program, n=batches, seed=cfg.get("seed", 0) if seed is None else seed, split=split)
+        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes)
+        try:
+            loss = forward_loss(program, unfused_runners(program), src, bs, dev)
+        finally:
+            src.close()
+    n_tok = sum(i.numel() for i, _ in bs)
+    return EvalResult(loss=loss, step=at.step, batches=len(bs), tokens=n_tok, seconds=time.perf_counter() - t0, split=split)
+
+
+def _default_device(run_device: str) -> str:
+    return run_device if run_device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
+def _compute_dtype(cfg: dict, device: torch.device) -> str:
+    dt = cfg.get("compute_dtype", "auto")
+    if dt == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if dt == "bfloat16" and device.type == "cpu":
+        return "float32"  # bf16 matmuls on the CPU are slow and add nothing to a loss figure
+    return dt
+

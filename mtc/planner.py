@@ -1,0 +1,371 @@
+"""`mtc plan`: where a run's state goes, what it needs of each memory, whether it fits, how fast.
+
+A plan is made for one machine profile (`mtc.calibrate`: measured here, loaded from a file, or
+built in) and one run config. It takes the engine's own placement functions
+(`mtc.runtime.placement`), its bytes-per-tier table and its fit rules, so what `mtc plan` prints is
+what `mtc train` would do and check; the step time comes from `mtc.costmodel`. `mtc train` runs the
+same fit checks (`check_fit`) on the live machine before it creates anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from mtc.calibrate import MachineProfile, builtin
+from mtc.config import TrainConfig
+from mtc.costmodel import ModelShape, StepTime, model_shape, shape_from_program, step_time
+from mtc.errors import ConfigError
+from mtc.graphs.program import Program
+from mtc.runtime import placement as pl
+
+__all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "largest_fit", "make_plan",
+           "memory", "placement_for"]
+
+GiB = 2**30
+MODES = ("full", "weights", "none")
+# test hook (fault injection): pretend the store's file system has this many bytes free
+DISK_FREE_ENV = "MTC_TEST_DISK_FREE_BYTES"
+
+
+def _size(b: float) -> str:
+    """MiB below 1 GiB, GiB below 1 TB, decimal TB (as disks are sold) from there."""
+    if b < GiB:
+        return f"{b / 2**20:,.1f} MiB"
+    return f"{b / GiB:,.1f} GiB" if b < 1e12 else f"{b / 1e12:,.2f} TB"
+
+
+def compute_bytes(cfg: TrainConfig, profile: MachineProfile) -> int:
+    """Bytes per element of the compute dtype the run would use on ``profile``'s machine."""
+    dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if profile.accelerator == "cuda" else "float32")
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
+    """GPU memory besides resident state: weight ring, gradient slabs, boundary activations, the
+    head's logits, one layer's work and 2 GiB of slack (`mtc.train`'s estimate)."""
+    c = shape.compute_bytes
+    largest = max(shape.numels)
+    hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
+    acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
+    head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
+    return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB)
+
+
+def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:
+    """Where disk layers' compute copy lives (`TrainConfig.resolved_disk_compute`, for the
+    planned compute dtype rather than this machine's)."""
+    if cfg.disk_compute != "auto":
+        return cfg.disk_compute
+    return "store" if shape.compute_bytes == 4 else "ram"
+
+
+def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, *, disk_tier: bool = False) -> tuple[list[str], set[int]]:
+    """Each layer's tier and the GPU-updated `ram` layers, as `mtc.train.plan_placement` chooses
+    them, on ``profile``'s memory: the GPU first, then RAM up to the budget (less the disk
+    pipeline's fixed buffers), the rest on disk. ``disk_tier`` is kept for callers; the engine
+    uses the RAM budget on every device now."""
+    del disk_tier
+    numels = list(shape.numels)
+    cuda = profile.accelerator == "cuda"
+    auto = None
+    if cfg.placement.strip() == "auto":
+        dc = disk_compute_for(cfg, shape)
+        gpu = 0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else max(
+            0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
+        ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
+        ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
+        auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
+                                 grads_on_device=cuda)
+    placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
+    if not cuda and "gpu" in placement:
+        raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
+                          "use ram or disk")
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda)
+    return placement, gpu_update
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes per tier."""
+
+    gpu_state: int
+    gpu_workspace: int
+    host: int  # state tiers' host RAM (the fit check's figure), pinned part included
+    pinned: int  # the part of it in pinned memory (CUDA machines; nothing is pinned on the CPU)
+    disk: dict[str, int]  # store bytes (both generations) by durability mode
+
+    @property
+    def gpu_peak(self) -> int:
+        """Resident state plus workspace."""
+        return self.gpu_state + self.gpu_workspace
+
+
+def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool) -> Memory:
+    """Memory per tier of this placement (the table in `mtc.runtime.placement`)."""
+    n, c = list(shape.numels), shape.compute_bytes
+    dc = disk_compute_for(cfg, shape)
+    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda)
+    pinned = 0
+    for i, t in enumerate(placement if cuda else []):
+        if t == "ram":  # compute copy (the master itself in fp32) and gradient; streamed layers pin m and v too
+            pinned += n[i] * (4 + c + (8 if i in gpu_update else 0) + (4 if i in gpu_update and c != 4 else 0))
+        elif t == "disk":  # the compute copy when it stays in RAM (gradients wait on the GPU)
+            pinned += n[i] * pl.host_bytes_per_param("disk", c, disk_compute=dc, grads_on_device=True)
+    if cuda:
+        pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
+    host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda) + pipeline
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
+                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Check:
+    """One fit check: what is needed of a resource, what there is, and what to change if short."""
+
+    what: str  # "disk", "host RAM", "GPU memory"
+    need: int
+    have: int
+    fix: str
+
+    @property
+    def ok(self) -> bool:
+        """Whether it fits."""
+        return self.need <= self.have
+
+    def line(self) -> str:
+        """One line with the numbers (and, when it does not fit, what to change)."""
+        if self.ok:
+            return f"{self.what}: fits: needs {_size(self.need)}, has {_size(self.have)}"
+        return f"{self.what}: DOES NOT FIT: needs {_size(self.need)}, has {_size(self.have)}; {self.fix}"
+
+
+def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: Memory, *, disk_free: int | None,
+               host_available: int, gpu_total: int | None, where: str = "the store's disk") -> list[Check]:
+    """The checks `mtc train` runs before it creates anything: disk for both state generations of
+    the durability mode, host RAM for the pinned buffers and resident layers, GPU memory for the
+    resident layers plus one layer's workspace. ``disk_free`` None: no store on disk (skipped);
+    ``gpu_total`` None: no GPU (skipped)."""
+    desc = pl.describe(placement)
+    checks = []
+    if disk_free is not None:
+        fits = [m for m in MODES if mem.disk[m] <= disk_free]
+        alts = ", ".join(f"{m} {_size(mem.disk[m])}" for m in MODES)
+        fix = (f"durability {cfg.durability!r} keeps two generations of {'master, m and v' if cfg.durability == 'full' else 'the weights' if cfg.durability == 'weights' else 'the disk layers only'}"
+               f" (needs by mode: {alts}); " + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ")
+               + "free disk space, or put the store on a larger disk")
+        checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
+    have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
+    dc, cuda = disk_compute_for(cfg, shape), gpu_total is not None
+    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda)
+    least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda)
+    if least > have:
+        fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
+               "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
+               + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "") + "use a machine with more RAM or a smaller model")
+    else:
+        fix = f"put more layers on disk (--placement {_split_for(shape, have, dc, cuda)})" + (
+            " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
+    budget = "the --ram-budget-gb" if cfg.ram_budget_gb is not None else "available"
+    checks.append(Check(f"host RAM ({budget}; placement {desc})", mem.host, have, fix))
+    if gpu_total is not None:
+        checks.append(Check(f"GPU memory (resident state {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
+                            mem.gpu_peak, gpu_total,
+                            "place fewer layers on the GPU (--placement), lower --micro-batch-size, or set --activation-budget-gb"))
+    return checks
+
+
+def _host_need(shape: ModelShape, placement: list[str], disk_compute: str, cuda: bool) -> int:
+    """Host RAM of ``placement``: the state tiers plus the bounded pipeline (as `memory` counts it)."""
+    numels, c = list(shape.numels), shape.compute_bytes
+    return (pl.host_bytes_needed(placement, numels, c, disk_compute=disk_compute, grads_on_device=cuda)
+            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda))
+
+
+def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool) -> str:
+    """A placement that keeps the first layers in RAM and the rest on disk, within ``host_bytes``."""
+    n = shape.n_layers
+    k = 0
+    while k < n and _host_need(shape, ["ram"] * (k + 1) + ["disk"] * (n - k - 1), disk_compute, cuda) <= host_bytes:
+        k += 1
+    return pl.describe(["ram"] * k + ["disk"] * (n - k))
+
+
+def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_update: set[int], store_dir: Path | None, *,
+              new_run: bool) -> None:
+    """`mtc train`'s refusal, before anything is written: every check that fails, one line each."""
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    shape = shape_from_program(program, cfg.model, cbytes)
+    cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
+    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda)
+    disk_free, where = None, ""
+    if store_dir is not None and new_run:
+        probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
+        disk_free = int(os.environ[DISK_FREE_ENV]) if os.environ.get(DISK_FREE_ENV) else shutil.disk_usage(probe).free
+        where = f"free at {probe}"
+    gpu_total = torch.cuda.mem_get_info(torch.device(cfg.device))[1] if cuda else None
+    checks = fit_checks(cfg, shape, placement, mem, disk_free=disk_free, host_available=pl.available_host_bytes(),
+                        gpu_total=gpu_total, where=where)
+    bad = [c.line().replace(": DOES NOT FIT:", ":", 1) for c in checks if not c.ok]
+    if bad:
+        raise ConfigError("\n".join(f"this run does not fit: {b}" for b in bad))
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """A run's plan on one machine."""
+
+    cfg: TrainConfig
+    profile: MachineProfile
+    shape: ModelShape
+    placement: list[str]
+    gpu_update: set[int]
+    memory: Memory
+    checks: list[Check]
+    step: StepTime
+
+    @property
+    def fits(self) -> bool:
+        """Whether every fit check passes."""
+        return all(c.ok for c in self.checks)
+
+    def lines(self) -> list[str]:
+        """The report `mtc plan` prints."""
+        cfg, sh, m, st, pr = self.cfg, self.shape, self.memory, self.step, self.profile
+        tokens = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
+        dtype = {2: "bfloat16", 4: "float32"}.get(sh.compute_bytes, f"{sh.compute_bytes} B")
+        per_tier = {t: sum(n for n, p in zip(sh.numels, self.placement, strict=True) if p == t) for t in ("gpu", "ram", "disk")}
+        out = [
+            (f"model {sh.name}: {sh.n_params / 1e9:.3f}B parameters, {sh.n_layers} layers (embed, {sh.n_layers - 2} blocks, head); "
+             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens x grad_accum {cfg.grad_accum} = {tokens:,} tokens/step; compute {dtype}, state fp32"),
+            f"machine {pr.name}: {pr.device}",
+        ]
+        out += [f"  assumed: {a}" for a in pr.assumed]
+        out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
+                   f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
+        gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
+        out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
+                   f"(durability {cfg.durability})")
+        for mode in MODES:
+            what = {"full": "two generations of master, m, v: exact crash-safe resume",
+                    "weights": "two generations of the weights: resume restarts Adam's moments",
+                    "none": "nothing kept (disk layers still hold theirs): no resume"}[mode]
+            fit = "fits" if m.disk[mode] <= pr.disk_free_bytes else "DOES NOT FIT"
+            out.append(f"  durability {mode:7s} needs {_size(m.disk[mode]):>11s} of disk ({what}): {fit} in {_size(pr.disk_free_bytes)} free"
+                       + ("  <- chosen" if mode == cfg.durability else ""))
+        out += [f"fit: {c.line()}" for c in self.checks]
+        stages = st.stages()
+        out.append(f"step time (predicted): {st.step_s * 1e3:,.1f} ms = {tokens / st.step_s:,.0f} tokens/s; bottleneck: {st.bottleneck}")
+        for k, v in stages.items():
+            out.append(f"  {k:28s} {v * 1e3:10,.1f} ms busy per step")
+        if pr.accelerator == "cuda" and st.step_s > 0:
+            out.append(f"  model TFLOP/s {6 * sh.n_params * tokens / st.step_s / 1e12:,.0f} (6 x params x tokens / step)")
+        per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
+        out.append(f"disk writes: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day of training"
+                   + (f" (commits of {_size(st.commits.bytes_per_commit)} every {st.commits.every} steps included)" if st.commits.every else ""))
+        return out
+
+
+def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | None = None, shape: ModelShape | None = None,
+              disk_tier: bool = False) -> Plan:
+    """Plan ``cfg`` on ``profile``'s machine (the model from ``program``, else a trace of its preset)."""
+    cfg.validate()
+    cbytes = compute_bytes(cfg, profile)
+    if shape is None:
+        shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[cbytes], program=program)
+    placement, gpu_update = placement_for(cfg, shape, profile, disk_tier=disk_tier)
+    cuda = profile.accelerator == "cuda"
+    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda)
+    checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
+                        gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
+    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host)
+    return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st)
+
+
+# -- extrapolations and the largest model ------------------------------------------------------
+
+# Llama-shaped stand-ins (the 70b preset's vocabulary, heads of 128 and 8 KV heads); parameter
+# counts are printed as traced
+EXTRAPOLATION_MODELS = {
+    "70b": {},
+    "120b": {"dim": 10240, "n_heads": 80, "n_kv_heads": 8, "ffn_dim": 28672, "n_layers": 105},
+    "175b": {"dim": 12288, "n_heads": 96, "n_kv_heads": 8, "ffn_dim": 32768, "n_layers": 112},
+}
+# a run such machines would make: 4k sequences, 256K tokens per step, activations offloaded beyond 16 GB
+EXTRAPOLATION_RUN = {"seq_len": 4096, "micro_batch_size": 2, "grad_accum": 32, "activation_budget_gb": 16.0}
+EXTRAPOLATIONS = (("70b", "h200-1.5tb"), ("120b", "h200-1.5tb"), ("175b", "256gb-4tb-nvme"))
+
+
+def _extrapolation_cfg(model: str, durability: str) -> TrainConfig:
+    return TrainConfig(model="70b", model_overrides=dict(EXTRAPOLATION_MODELS[model]), durability=durability, **EXTRAPOLATION_RUN)
+
+
+def extrapolations() -> list[str]:
+    """70B and 120B on an H200 with 1.5 TB of RAM, 175B on 256 GB of RAM + a 4 TB NVMe: one
+    paragraph each, every durability mode said to fit or not."""
+    out: list[str] = []
+    for model, machine in EXTRAPOLATIONS:
+        prof = builtin(machine)
+        cfg = _extrapolation_cfg(model, "full")
+        shape = model_shape(cfg, "bfloat16")
+        shape = dataclasses.replace(shape, name=model)
+        plans = {mode: make_plan(_extrapolation_cfg(model, mode), prof, shape=shape) for mode in MODES}
+        p = plans["full"]
+        out.append(f"{model} ({shape.n_params / 1e9:.1f}B params) on {prof.name}: {prof.device}")
+        out.append(f"  placement {pl.describe(p.placement)}; GPU peak {_size(p.memory.gpu_peak)} of {_size(prof.gpu_memory_bytes)}, "
+                   f"host RAM {_size(p.memory.host)} of {_size(prof.host_available_bytes)}")
+        for mode, q in plans.items():
+            bad = [c for c in q.checks if not c.ok]
+            verdict = "fits" if not bad else "does NOT fit: " + "; ".join(
+                f"{c.what.split(' (')[0]} needs {_size(c.need)}, has {_size(c.have)}" for c in bad)
+            out.append(f"  durability {mode:7s} disk {_size(q.memory.disk[mode]):>10s}: {verdict}")
+        st = p.step
+        tokens = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
+        out.append(f"  step {st.step_s:,.1f} s for {tokens:,} tokens ({6 * shape.n_params * tokens / st.step_s / 1e12:,.0f} model TFLOP/s), "
+                   f"bottleneck {st.bottleneck}")
+    return out
+
+
+def largest_fit(profile: MachineProfile, *, family: str = "8b") -> dict[str, int]:
+    """The most parameters of a ``family``-shaped model (its blocks, more or fewer) whose fp32
+    master, m and v fit this machine across GPU, RAM and disk, per durability mode (0: none fits)."""
+    cfg = TrainConfig(model=family, seq_len=1024, micro_batch_size=1)
+    dtype = "bfloat16" if profile.accelerator == "cuda" else "float32"
+    one = model_shape(dataclasses.replace(cfg, model_overrides={"n_layers": 1}), dtype)
+    out: dict[str, int] = {}
+    for mode in MODES:
+        c = dataclasses.replace(cfg, durability=mode)
+
+        def fits(blocks: int, c: TrainConfig = c) -> tuple[bool, int]:
+            sh = _with_blocks(one, blocks)
+            placement, gu = placement_for(c, sh, profile, disk_tier=True)
+            mem = memory(c, sh, placement, gu, cuda=profile.accelerator == "cuda")
+            checks = fit_checks(c, sh, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
+                                gpu_total=profile.gpu_memory_bytes if profile.accelerator == "cuda" else None)
+            return all(x.ok for x in checks), sh.n_params
+
+        lo, hi = 0, 1
+        while fits(hi)[0] and hi < 1 << 16:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
+        ok, n = fits(lo)
+        out[mode] = n if ok and lo > 0 else 0
+    return out
+
+
+def _with_blocks(one: ModelShape, blocks: int) -> ModelShape:
+    """A one-block shape (embed, block, head) repeated to ``blocks`` blocks."""
+    def rep(t: tuple) -> tuple:
+        return (t[0],) + (t[1],) * blocks + (t[2],)
+
+    return dataclasses.replace(one, numels=rep(one.numels), fetch_numels=rep(one.fetch_numels), costs=rep(one.costs),
+                               sparse_tables=rep(one.sparse_tables))

@@ -1,0 +1,173 @@
+"""Real tokenizers (trained here with `tokenizers`) and the text / JSONL / parquet inputs of `prepare`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from mtc.data import ByteTokenizer, HFTokenizer, TokenFile, get_tokenizer, prepare, sources
+from mtc.errors import DataError
+from tests.data.tok_util import SENTENCES, bpe_dir, wordlevel_json
+
+DOCS = ["The fox sat by the lantern.\nIt watched the sea.", "A small boat left the harbour.", "Caf\u00e9 letters \U0001f600 arrived."]
+
+
+def _doc_ids(tf: TokenFile) -> list[np.ndarray]:
+    b = tf.docs.tolist()
+    return [np.asarray(tf.tokens[b[i]:b[i + 1]]) for i in range(len(b) - 1)]
+
+
+def test_hf_tokenizer_directory(tmp_path):
+    d = bpe_dir(tmp_path)
+    tok = get_tokenizer(str(d))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.name == "tok" and tok.spec == str(d.resolve()) and tok.vocab_size == 300
+    assert tok.eos_id == 0 and tok.token(0) == "<|endoftext|>"  # named by tokenizer_config.json
+    assert tok.sha256 == hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
+    assert tok.chat_template is None
+    text = "The fox watched the harbour. Caf\u00e9!"
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode()) and tok.decode(ids) == text  # merges learned: fewer ids than bytes
+    # a tokenizer.json given alone reads the same
+    same = get_tokenizer(str(d / "tokenizer.json"))
+    assert same.sha256 == tok.sha256 and np.array_equal(same.encode(text), ids)
+
+
+def test_tokenizer_spec_errors(tmp_path):
+    with pytest.raises(DataError, match=r"unknown tokenizer 'gpt2'.*not in the local Hugging Face cache.*known tokenizers: byte"):
+        get_tokenizer("gpt2")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="has no tokenizer.json"):
+        get_tokenizer(str(tmp_path / "empty"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DataError, match="not a tokenizer the `tokenizers` library can read"):
+        get_tokenizer(str(tmp_path / "bad.json"))
+    with pytest.raises(DataError, match="has no EOS token"):
+        get_tokenizer("byte", eos_token="</s>")
+
+
+def test_hub_id_from_the_local_cache_only(tmp_path, monkeypatch):
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abc"
+    snap.parent.mkdir(parents=True)
+    bpe_dir(snap.parent, name=snap.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    tok = get_tokenizer("acme/tiny")
+    assert tok.spec == "acme/tiny" and tok.eos_id == 0
+
+
+def test_text_round_trips_through_prepare_with_a_trained_tokenizer(tmp_path):
+    d = bpe_dir(tmp_path)
+    src = tmp_path / "texts"
+    src.mkdir()
+    for i, t in enumerate(DOCS):
+        (src / f"{i}.txt").write_text(t + "\n", encoding="utf-8")
+    tf = prepare(src, tmp_path / "out" / "c.bin", tokenizer=str(d))
+    tok = get_tokenizer(str(d))
+    h = tf.header
+    assert (h.tokenizer, h.vocab_size, h.eos_id, h.tokenizer_sha256) == ("tok", 300, 0, tok.sha256)
+    assert h.tokenizer_spec == str(d.resolve()) and h.docs["n_docs"] == 3 and h.mask is None
+    docs = _doc_ids(tf)
+    for ids, text in zip(docs, DOCS, strict=True):
+        assert ids[-1] == tok.eos_id and tok.eos_id not in ids[:-1]  # one EOS, ending the document
+        assert tok.decode(ids) == text + "\n"
+    # the tokenizer's files travel with the token file, byte for byte
+    assert tf.tokenizer_dir == tmp_path / "out" / "c.tokenizer"
+    assert sorted(p.name for p in tf.tokenizer_dir.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    again = get_tokenizer(str(tf.tokenizer_dir))
+    assert again.sha256 == h.tokenizer_sha256
+    assert TokenFile.open(tmp_path / "out" / "c").header == h
+
+
+def test_long_text_is_streamed_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
+    d = bpe_dir(tmp_path)
+    text = "\n".join(SENTENCES) + "\n\n" + " ".join(SENTENCES)
+    (tmp_path / "a.txt").write_text(text)
+    whole = prepare(tmp_path / "a.txt", tmp_path / "whole.bin", tokenizer=str(d))
+    monkeypatch.setattr(sources, "_PIECE", 50)  # about 40 pieces, cut after newlines (or mid-line when none)
+    pieces = list(sources._text_pieces(tmp_path / "a.txt"))
+    assert len(pieces) > 20 and "".join(pieces) == text + "\n"
+    part = prepare(tmp_path / "a.txt", tmp_path / "part.bin", tokenizer="byte")
+    assert ByteTokenizer().decode(part.tokens) == text + "\n\n"
+    cut = prepare(tmp_path / "a.txt", tmp_path / "cut.bin", tokenizer=str(d))
+    assert cut.header.docs["n_docs"] == 1
+    # pieces cut after a newline tokenize as the whole did, except where a line had to be cut
+    tok = get_tokenizer(str(d))
+    assert tok.decode(cut.tokens) == text + "\n" and abs(len(cut) - len(whole)) < len(whole) // 10
+
+
+def test_jsonl_and_parquet_records_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    d = bpe_dir(tmp_path)
+    recs = [{"id": i, "body": t} for i, t in enumerate(DOCS)] + [{"id": 9, "body": ""}]  # empty: no document
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "a.parquet", row_group_size=2)
+    j = prepare(tmp_path / "a.jsonl", tmp_path / "j.bin", tokenizer=str(d), field="body")
+    p = prepare(tmp_path / "a.parquet", tmp_path / "p.bin", tokenizer=str(d), field="body")
+    assert j.header.docs["n_docs"] == p.header.docs["n_docs"] == 3
+    assert np.array_equal(j.tokens, p.tokens) and j.header.sha256 == p.header.sha256
+    tok = get_tokenizer(str(d))
+    assert [tok.decode(x) for x in _doc_ids(j)] == DOCS
+    # both at once, in the order given; --format overrides the suffix
+    both = prepare([tmp_path / "a.jsonl", tmp_path / "a.parquet"], tmp_path / "b.bin", tokenizer=str(d), field="body")
+    assert both.header.docs["n_docs"] == 6 and np.array_equal(both.tokens[: len(j)], j.tokens)
+    (tmp_path / "a.data").write_bytes((tmp_path / "a.jsonl").read_bytes())
+    assert np.array_equal(prepare(tmp_path / "a.data", tmp_path / "f.bin", tokenizer=str(d), fmt="jsonl",
+                                  field="body").tokens, j.tokens)
+
+
+def test_record_errors(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"a.jsonl:2 has no field 'text' \(it has: body\); name the text field with --field"):
+        prepare(tmp_path / "a.jsonl", tmp_path / "o.bin")
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(DataError, match=r"b.jsonl:2 is not a JSON object"):
+        prepare(tmp_path / "b.jsonl", tmp_path / "o.bin")
+    (tmp_path / "c.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(DataError, match=r"field 'text' is int, not text"):
+        prepare(tmp_path / "c.jsonl", tmp_path / "o.bin")
+    pytest.importorskip("pyarrow")
+    (tmp_path / "d.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="not a parquet file"):
+        prepare(tmp_path / "d.parquet", tmp_path / "o.bin")
+    assert not list(tmp_path.glob("o.*")) and not list(tmp_path.glob(".o.*"))  # nothing left behind
+
+
+def test_a_tokenizer_without_a_named_eos_needs_one(tmp_path):
+    p = wordlevel_json(tmp_path)
+    (tmp_path / "a.txt").write_text("the fox sat by the sea\n")
+    with pytest.raises(DataError, match="names no EOS token.*--eos TOKEN"):
+        prepare(tmp_path / "a.txt", tmp_path / "o.bin", tokenizer=str(p))
+    with pytest.raises(DataError, match="--eos '<nope>' is not a token"):
+        prepare(tmp_path / "a.txt", tmp_path / "o.bin", tokenizer=str(p), eos_token="<nope>")
+    tf = prepare(tmp_path / "a.txt", tmp_path / "o.bin", tokenizer=str(p), eos_token="[EOS]")
+    tok = get_tokenizer(str(p), eos_token="[EOS]")
+    assert tf.header.eos_id == tok.eos_id and tf.tokens[-1] == tok.eos_id
+    assert tok.decode(tf.tokens) == "the fox sat by the sea"  # WordLevel joins words with spaces
+    assert sorted(x.name for x in tf.tokenizer_dir.iterdir()) == ["tokenizer.json"]
+
+
+@pytest.mark.slow
+def test_prepare_streams_a_corpus_larger_than_its_memory_use(tmp_path):
+    """64 MB of text (128 MB of uint16 tokens) prepared with peak RSS growing by far less than either."""
+    import subprocess
+    import sys
+
+    line = ("The fox sat by the lantern and watched the sea; " * 20 + "\n").encode()
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.writelines(line for _ in range(64 * 2**20 // len(line)))
+    code = (
+        "import resource, sys\n"
+        "from mtc.data import prepare\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "tf = prepare(sys.argv[1], sys.argv[2])\n"
+        "print(len(tf), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big.txt"), str(tmp_path / "big.bin")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    n, growth_mib = int(out[0]), int(out[1])
+    assert n > 64 * 10**6 and growth_mib < 32, f"peak RSS grew by {growth_mib} MiB while preparing {n:,} tokens"

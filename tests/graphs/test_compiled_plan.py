@@ -1,0 +1,91 @@
+"""Plans load, not recompile: `compile_program` stores each compiled template (graphs with kernels
+spliced in, the report, its key) and loads it back; a stale key recompiles exactly that template,
+with one line saying why. Also the CPU-countable proxy for kernel launches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mtc import compiler
+from mtc.compiler import compile_program, launches
+from mtc.models import build
+from mtc.tracer import trace
+
+# Kernel-invoking nodes per compiled graph of the 2-layer presets at micro-batch 2 x 8, measured
+# before the compiler was split into passes (forward, joint): a refactor may lower them, not raise them.
+LAUNCH_BOUNDS = {
+    "tiny": {"embed": (6, 7), "block": (15, 41), "head": (2, 5)},
+    "gpt2-tiny": {"embed": (4, 7), "block": (10, 31), "head": (2, 5)},
+}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls: list[str] = []
+    real = compiler.compile_template
+
+    def counting(t, *a, **k):
+        calls.append(t.id)
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(compiler, "compile_template", counting)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """The 2-layer tiny preset compiled once into a kernel cache (the plan test changes it last)."""
+    torch.manual_seed(0)
+    prog = trace(build("tiny", n_layers=2), 2, 8)
+    cache = tmp_path_factory.mktemp("tiny-plan")
+    return prog, cache, compile_program(prog, cache, log=None)
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_BOUNDS))
+def test_launches_per_compiled_graph(name, tmp_path, tiny_plan):
+    if name == "tiny":
+        prog, _, compiled = tiny_plan
+    else:
+        torch.manual_seed(0)
+        prog = trace(build(name, n_layers=2), 2, 8)
+        compiled = compile_program(prog, tmp_path, log=None)
+    for tid, ct in compiled.items():
+        kind = prog.templates[tid].kind
+        got = (launches(ct.forward_graph), launches(ct.joint_graph))
+        assert got[0] <= LAUNCH_BOUNDS[name][kind][0] and got[1] <= LAUNCH_BOUNDS[name][kind][1], (kind, got)
+        # the report's count of launches after fusion is what the graph calls
+        assert got == (ct.forward_report.kernels, ct.backward_report.kernels)
+
+
+def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, counted):
+    prog, tmp_path, first = tiny_plan
+    msgs: list[str] = []
+    again = compile_program(prog, tmp_path, log=msgs.append)
+    assert counted == [] and msgs == []
+    block = next(c.template for c in prog.iter_blocks())
+    for tid, ct in again.items():
+        assert ct.diff == first[tid].diff and ct.forward_report == first[tid].forward_report
+        def names(g):
+            return [getattr(n.target, "__name__", str(n.target)) for n in g.nodes]
+
+        assert names(ct.joint_graph) == names(first[tid].joint_graph) and names(ct.forward_graph) == names(first[tid].forward_graph)
+    # the loaded block computes what the freshly compiled one does (kernels re-imported from the cache)
+    t = prog.templates[block]
+    args = [torch.randn(i.spec.shape) for i in t.inputs]
+    gout = torch.randn(prog.carry.shape)
+    for a, b in zip(again[block].module("joint", "cpu")(*args, gout), first[block].module("joint", "cpu")(*args, gout), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a stale key: exactly that template is recompiled, with one line naming it and why
+    rec = tmp_path / compiler.RECORDS / f"{block}.json"
+    doc = json.loads(rec.read_text())
+    doc["key"]["torch"] = "0.0.1"
+    rec.write_text(json.dumps(doc))
+    compile_program(prog, tmp_path, log=msgs.append)
+    assert counted == [block]
+    assert msgs == [f"recompiling template {block}: stale (torch 0.0.1 -> {torch.__version__})"]
+    counted.clear()
+    compile_program(prog, tmp_path, log=msgs.append)  # rewritten with the current key: fresh again
+    assert counted == [] and len(msgs) == 1

@@ -1,0 +1,158 @@
+"""transformers' model classes trace as they are (random tiny configs, no downloads): the
+templates' forward gives the module's logits, and one trains a step under mtc matching torch."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from mtc.graphs.program import Program
+from torch import fx
+
+from mtc.config import OptimConfig, TrainConfig
+from mtc.data import write_token_file
+from mtc.runtime.state import read_params
+from mtc.tracer import LossModel, trace
+from mtc.train import train
+from tests.reference import reference_train
+
+tr = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _tiny(name: str) -> torch.nn.Module:
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                bos_token_id=0, eos_token_id=0))
+    cls, cfg, extra = {
+        "llama": (tr.LlamaForCausalLM, tr.LlamaConfig, {"num_key_value_heads": 2}),
+        "mistral": (tr.MistralForCausalLM, tr.MistralConfig, {"num_key_value_heads": 2}),
+        "qwen2": (tr.Qwen2ForCausalLM, tr.Qwen2Config, {"num_key_value_heads": 2}),
+        "gemma": (tr.GemmaForCausalLM, tr.GemmaConfig, {"num_key_value_heads": 1, "head_dim": 8}),
+        "phi": (tr.PhiForCausalLM, tr.PhiConfig, {}),
+    }[name]
+    model = cls(cfg(**common, **extra, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return model
+
+
+def _logits_program(program: Program, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Run the templates (every weight resident) and return the logits the head's loss reads."""
+    carry, aux = None, []
+    batch = {"ids": ids, "targets": ids}
+    for call in program.layers:
+        t = program.templates[call.template]
+        args = []
+        for inp in t.inputs:
+            s = call.bindings[inp.name]
+            if s.kind == "carry":
+                args.append(carry)
+            elif s.kind == "aux":
+                args.append(aux[s.index])
+            else:
+                args.append({"param": params, "batch": batch, "const": program.constant_values}[s.kind][s.key])
+        gm = t.module("cpu")
+        if t.kind == "head":  # the head ends in the loss: return what cross-entropy reads instead
+            g = fx.Graph()
+            env: dict[fx.Node, fx.Node] = {}
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and n.target is torch.ops.aten.cross_entropy_loss.default:
+                    g.output(env[n.args[0]])
+                    break
+                env[n] = g.node_copy(n, env.__getitem__)
+            return fx.GraphModule(torch.nn.Module(), g)(*args)
+        out = gm(*args)
+        if t.kind == "embed":
+            carry, aux = out[0], list(out[1:])
+        else:
+            carry = out[0]
+    raise AssertionError("no head")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma", "phi", "gpt2"])
+def test_transformers_class_traces_as_is(name):
+    model = _tiny(name).eval()
+    prog = trace(model, 2, 8)
+    kinds = [prog.templates[c.template].kind for c in prog.layers]
+    assert kinds == ["embed", "block", "block", "head"]
+    assert len({c.template for c in prog.iter_blocks()}) == 1
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits.reshape(-1, VOCAB).float()
+        got = _logits_program(prog, dict(model.named_parameters()), ids)
+        loss = LossModel(model)(ids, ids)
+    assert got.shape == want.shape
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    if name != "gpt2":  # rotary tables (computed under @torch.no_grad()) are aux values of the embed stage
+        assert prog.aux, "the rotary cos/sin tables should cross from the embed stage to the blocks"
+    del loss
+
+
+def test_no_grad_region_is_inlined_and_keeps_its_semantics():
+    # A @torch.no_grad() forward becomes a subgraph in torch.export's graph; the tracer inlines it
+    # (before, the embed stage failed on it), detaching what it computes from a parameter so that
+    # no gradient flows there, as in the module.
+    from torch import nn
+
+    from tests.graphs.test_trace import run_program
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.tensor(0.3))
+
+        @torch.no_grad()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.s.exp()
+
+    class Res(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + super().forward(x)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.scale = nn.Embedding(16, 8), Scale()
+            self.blocks = nn.ModuleList(Res(8, 8) for _ in range(2))
+            self.out = nn.Linear(8, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids) + self.scale(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)
+
+    m = M()
+    prog = trace(m, 2, 4)
+    embed = prog.template_of(0)
+    targets = {str(n.target) for n in embed.graph.nodes}
+    assert "aten.detach.default" in targets and not any("wrap_with_set_grad_enabled" in t for t in targets)
+    ids = torch.randint(0, 16, (2, 4))
+    params = {k: v.detach().requires_grad_() for k, v in m.named_parameters()}
+    loss = run_program(prog, params, ids, ids)
+    torch.testing.assert_close(loss, LossModel(m)(ids, ids), rtol=0, atol=0)
+    loss.backward()
+    assert params["scale.s"].grad is None and params["emb.weight"].grad is not None
+
+
+def test_hf_llama_trains_a_step_like_torch(tmp_path):
+    model = _tiny("llama")
+    toks = np.random.default_rng(2).integers(0, VOCAB, 4_000).astype(np.uint16)
+    tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=VOCAB, tokenizer="byte")
+    cfg = TrainConfig(steps=2, micro_batch_size=2, seq_len=8, grad_accum=1, kernels="unfused",
+                      optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
+    ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(model))
+    res = train(cfg, None, tf, model=model)
+    try:
+        for a, b in zip(res.losses, ref_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * b
+        got = read_params(res.program, res.store, res.generation)
+        for k, v in ref_weights.items():
+            assert ((got[k] - v).norm() / v.norm()).item() < 1e-5, k
+    finally:
+        res.store.close()

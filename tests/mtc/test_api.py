@@ -1,0 +1,222 @@
+"""The Python API on a user's own model: training it without a preset, weight-decay groups and
+the schedule against plain PyTorch / transformers, iterable data, and runs that change on resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import mtc
+from mtc.config import OptimConfig
+from mtc.data import BatchSampler
+from mtc.errors import ConfigError, DataError
+from mtc.runtime.schedule import lr_at
+from mtc.runtime.state import read_params
+from mtc.tracer import LossModel
+from tests.mtc.custom_models import TinyLM, build
+from tests.runtime.engine_util import skewed_tokens
+
+SHAPE = {"micro_batch_size": 2, "seq_len": 16}
+OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.5, "clip_norm": 0.5}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "t.bin")
+
+
+@pytest.fixture(scope="module")
+def program():
+    """TinyLM traced once (tracing is most of a tiny run's time); runs take it as plan=."""
+    return mtc.trace(TinyLM(), SHAPE["micro_batch_size"], SHAPE["seq_len"])
+
+
+def torch_reference(model, batches, lrs, decay, o=OPTIM, grad_accum=1):
+    """torch.optim.AdamW with two param groups (``decay`` names, the rest) + clip_grad_norm_."""
+    model = copy.deepcopy(model)
+    lm = LossModel(model)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for k, p in params.items() if k in decay], "weight_decay": o["weight_decay"]},
+         {"params": [p for k, p in params.items() if k not in decay], "weight_decay": 0.0}],
+        lr=o["lr"], betas=(0.9, 0.95), eps=1e-8,
+    )
+    it = iter(batches)
+    for lr in lrs:
+        for g in opt.param_groups:
+            g["lr"] = lr
+        for _ in range(grad_accum):
+            ids, tg = next(it)
+            (lm(ids, tg) / grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), o["clip_norm"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach() for k, v in params.items()}
+
+
+def weights(res):
+    try:
+        return {k: v.clone() for k, v in read_params(res.program, res.store, res.generation).items()}
+    finally:
+        res.store.close()
+
+
+def assert_close(got, ref):
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def batches(tokens, n, seed=0):
+    s = BatchSampler(tokens, batch_size=SHAPE["micro_batch_size"], seq_len=SHAPE["seq_len"], seed=seed)
+    return [s.batch(i) for i in range(n)]
+
+
+NAMES = [k for k, _ in TinyLM().named_parameters()]
+
+
+@pytest.mark.parametrize("no_decay, min_ndim, expect", [
+    # (the default rule, ndim >= 2, is the parity tests' in tests/runtime/test_parity.py)
+    # patterns take the embeddings out as well
+    ("tok.*,pos", 2, {k for k in NAMES if k.endswith("weight") and "norm" not in k and k != "tok.weight"}),
+    # the transformers Trainer's rule: everything but biases and norms
+    ("*.bias,*norm*", 0, {k for k in NAMES if not k.endswith("bias") and "norm" not in k}),
+])
+def test_custom_model_trains_like_torch_adamw_with_its_decay_groups(tokens, program, no_decay, min_ndim, expect):
+    torch.manual_seed(1)
+    model = TinyLM()
+    steps = 3
+    optim = {**OPTIM, "no_decay": no_decay, "decay_min_ndim": min_ndim}
+    res = mtc.train(model=model, plan=program, data=tokens, steps=steps, seed=7, optim=optim)
+    assert {k for k, p in res.program.params.items() if p.decay} == expect
+    assert res.records[0].lr == 0.0  # transformers' warmup: step 0 at lr 0
+    ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**optim)) for s in range(steps)], expect)
+    assert_close(weights(res), ref)
+
+
+def test_a_no_decay_pattern_that_matches_nothing_is_refused(tokens, program):
+    with pytest.raises(ConfigError, match=r"optim.no_decay: pattern '\*\.baias' matches no parameter"):
+        mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, optim={"no_decay": "*.baias"})
+
+
+def test_schedule_is_transformers_cosine_with_warmup():
+    tf = pytest.importorskip("transformers")
+    for lr, min_lr, warmup, steps in [(1.0, 0.0, 4, 20), (3e-3, 3e-4, 5, 37), (1e-3, 1e-4, 0, 10), (2.0, 0.5, 10, 10)]:
+        cfg = OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=warmup)
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+        if min_lr == 0:
+            sch = tf.get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=steps)
+        else:
+            sch = tf.get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=steps,
+                                                                 min_lr=min_lr)
+        theirs = []
+        for _ in range(steps + 1):  # one past the last step: where the decay ends
+            theirs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sch.step()
+        ours = [lr_at(s, steps, cfg) for s in range(steps + 1)]
+        assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15), (lr, min_lr, warmup, steps)
+        if warmup < steps:
+            assert math.isclose(ours[-1], min_lr, abs_tol=1e-12)
+
+
+def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, program, tmp_path):
+    data = batches(tokens, 8)
+    full = weights(mtc.train(model=build, plan=program, data=data, steps=4, grad_accum=2, optim=OPTIM))
+    drawn = []
+
+    def gen():  # a fresh generator each call, as the resume rule asks
+        for i, b in enumerate(data):
+            drawn.append(i)
+            yield b
+
+    store = tmp_path / "s"
+    res = mtc.train(model=build, plan=program, data=gen(), store=store, steps=4, grad_accum=2, stop_after=2, optim=OPTIM)
+    res.store.close()
+    drawn.clear()
+    res = mtc.train(data=gen(), store=store)  # resume: config and model from the store
+    assert res.start_step == 2 and drawn[:4] == [0, 1, 2, 3] and 4 in drawn
+    assert_close(weights(res), full)
+
+
+def test_iterable_data_errors_are_one_line(tokens, program):
+    with pytest.raises(DataError, match="ended after 2 batches"):
+        mtc.train(model=build, plan=program, data=iter(batches(tokens, 2)), steps=2, grad_accum=2)
+    bad = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
+    with pytest.raises(DataError, match=r"shape \(2, 8\), the model was traced for \(2, 16\)"):
+        mtc.train(model=build, plan=program, data=bad, steps=1)
+    wide = [(torch.full((2, 16), 300), torch.zeros(2, 16, dtype=torch.long))]
+    with pytest.raises(DataError, match="outside 0-255"):
+        mtc.train(model=build, plan=program, data=wide, steps=1)
+
+
+def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
+    base = {"model": build, "plan": program, "data": tokens, "steps": 8, "optim": OPTIM}
+    full = weights(mtc.train(**base))
+    mtc.train(**base, store=tmp_path / "s", stop_after=4).store.close()
+    res = mtc.train(data=tokens, store=tmp_path / "s")
+    assert res.start_step == 4
+    assert_close(weights(res), full)
+
+
+def test_extending_steps_replans_the_schedule_and_is_recorded(tokens, program, tmp_path, capsys):
+    torch.manual_seed(3)
+    model = TinyLM()
+    store = tmp_path / "s"
+    mtc.train(model=model, plan=program, data=tokens, store=store, steps=4, optim=OPTIM).store.close()
+    with pytest.raises(ConfigError, match=r"differs in: steps 4 -> 8.*--allow-change steps"):
+        mtc.train(data=tokens, store=store, steps=8)
+    res = mtc.train(data=tokens, store=store, steps=8, allow_change=["steps"])
+    assert [r.lr for r in res.records] == [lr_at(s, 8, OptimConfig(**OPTIM)) for s in range(4, 8)]
+    # exact: the first 4 steps on the 4-step schedule, the next 4 on the 8-step one
+    lrs = [lr_at(s, 4, OptimConfig(**OPTIM)) for s in range(4)] + [lr_at(s, 8, OptimConfig(**OPTIM)) for s in range(4, 8)]
+    decay = {k for k, p in res.program.params.items() if p.decay}
+    assert_close(weights(res), torch_reference(model, batches(tokens, 8), lrs, decay))
+    from mtc.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(store)]) == 0
+    assert "changed from step 4: steps 4 -> 8" in capsys.readouterr().out
+
+
+def test_changes_that_would_corrupt_the_state_are_refused_with_the_reason(tokens, program, tmp_path):
+    store = tmp_path / "s"
+    mtc.train(model=build, plan=program, data=tokens, store=store, steps=1).store.close()
+    with pytest.raises(ConfigError, match="seq_len 16 -> 8.*traced at this sequence length"):
+        mtc.train(data=tokens, store=store, seq_len=8)
+    with pytest.raises(ConfigError, match="optim.no_decay: the weight-decay groups decide the flat layout"):
+        mtc.train(data=tokens, store=store, allow_change=["optim.no_decay"], optim={"no_decay": "*.bias"})
+    with pytest.raises(ConfigError, match="do not match the model of store"):
+        mtc.train(model=TinyLM(d=8), data=tokens, store=store)
+
+
+def test_a_plan_needs_weights_and_fixes_the_shape(tokens, program):
+    with pytest.raises(ConfigError, match="initial weights"):
+        mtc.train(plan=program, data=tokens, steps=1)
+    with pytest.raises(ConfigError, match="traced for seq_len=16, not 32"):
+        mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, seq_len=32)
+    with pytest.raises(ConfigError, match="do not match the traced program|do not match plan"):
+        mtc.train(model=TinyLM(d=8), plan=program, data=tokens, steps=1)
+
+
+def test_a_model_alone_is_traced_at_the_configured_shape(tokens):
+    torch.manual_seed(4)
+    model = TinyLM()
+    res = mtc.train(model=model, data=tokens, steps=2, micro_batch_size=1, seq_len=8, optim=OPTIM)
+    assert res.program.batch["ids"].shape == (1, 8)
+    s = BatchSampler(tokens, batch_size=1, seq_len=8, seed=0)
+    decay = {k for k, p in res.program.params.items() if p.decay}
+    lrs = [lr_at(i, 2, OptimConfig(**OPTIM)) for i in range(2)]
+    assert_close(weights(res), torch_reference(model, [s.batch(i) for i in range(2)], lrs, decay))
+
+
+def test_mtc_train_is_the_api_function_after_importing_the_submodule():
+    import importlib
+
+    importlib.import_module("mtc.train")
+    assert mtc.train.__module__ == "mtc.api" and callable(mtc.compile)
+    assert np.all(np.array([callable(getattr(mtc, n)) for n in ("trace", "save_plan", "load_plan")]))

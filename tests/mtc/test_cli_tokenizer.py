@@ -1,0 +1,62 @@
+"""`mtc prepare --tokenizer` and `mtc train`: data from another tokenizer than the model's is refused
+in one line, before anything is written, and a resumed run cannot switch tokenizers."""
+
+from __future__ import annotations
+
+import json
+
+from mtc.store import TensorStore
+
+from mtc.cli import main
+from tests.data.tok_util import SENTENCES, bpe_dir
+from tests.runtime.engine_util import small_config
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, [ln for ln in out.err.splitlines() if ln.strip()]
+
+
+def test_prepare_then_train_refuses_a_tokenizer_that_does_not_match(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("\n".join(SENTENCES * 3))
+    tok_a, tok_b = bpe_dir(tmp_path, name="tok_a"), bpe_dir(tmp_path, vocab_size=290, name="tok_b")
+    code, out, err = _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "a.bin", "--tokenizer", tok_a)
+    assert code == 0 and not err and "1 documents" in out and "tokenizer tok_a, vocab 300, EOS 0" in out, out
+    assert (tmp_path / "a.tokenizer" / "tokenizer.json").is_file()
+    assert _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "b.bin", "--tokenizer", tok_b)[0] == 0
+
+    # the tiny model embeds 256 ids; the tokenizer has 300
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=1).to_dict()))
+    code, _, err = _run(capsys, "train", "--config", cfg, "--store", tmp_path / "s0", "--data", tmp_path / "a.bin")
+    assert code == 2 and len(err) == 1 and err[0].startswith("mtc: error: token file") and "model_overrides.vocab_size" in err[0]
+    assert not (tmp_path / "s0").exists()
+
+    # a model of 320 ids trains on it; resuming on data from another tokenizer is refused, even with
+    # --allow-change data, and the store keeps its commit
+    wide = small_config(steps=1, model_overrides={"n_layers": 2, "vocab_size": 320})
+    cfg.write_text(json.dumps(wide.to_dict()))
+    store = tmp_path / "s"
+    assert _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / "a.bin")[0] == 0
+    wide.steps = 2
+    cfg.write_text(json.dumps(wide.to_dict()))
+    for other in ("b.bin", "byte.bin"):
+        if other == "byte.bin":
+            assert _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / other)[0] == 0
+        code, _, err = _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / other,
+                            "--allow-change", "steps,data")
+        assert code == 2 and len(err) == 1 and "was tokenized by" in err[0] and "tok_a" in err[0], err
+    with TensorStore.open(store, read_only=True) as st:
+        assert st.last_commit().step == 1
+    # the same tokenizer's data passes
+    assert _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / "a.bin",
+                "--allow-change", "steps")[0] == 0
+
+    # a store holding RUN/tokenizer/ (as `mtc import` writes it) takes only data from that tokenizer
+    (store / "tokenizer").mkdir()
+    (store / "tokenizer" / "tokenizer.json").write_bytes((tok_b / "tokenizer.json").read_bytes())
+    wide.steps = 3
+    cfg.write_text(json.dumps(wide.to_dict()))
+    code, _, err = _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / "a.bin", "--allow-change", "steps")
+    assert code == 2 and len(err) == 1 and "not by the run's tokenizer" in err[0], err

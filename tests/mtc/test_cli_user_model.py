@@ -1,0 +1,100 @@
+"""A user's model on the command line: `mtc compile --model`, `mtc train --plan` of a plan saved
+from Python, `mtc train --model`, resuming with changes, and one-line errors for bad import paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from mtc.store import TensorStore
+
+import mtc
+from mtc.cli import main
+from mtc.runtime.state import read_params
+from tests.mtc.custom_models import TinyLM, build
+from tests.runtime.engine_util import skewed_tokens
+
+FACTORY = "tests.mtc.custom_models:build"
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "t.bin")
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("path, says", [
+    ("nosuch.mod:f", "cannot import module 'nosuch.mod'"),
+    ("tests.mtc.custom_models:nothere", "has no attribute 'nothere'; it defines: Block, TinyLM, broken, build"),
+    ("tests.mtc.custom_models:broken", "raised RuntimeError: weights file missing"),
+    ("tests.mtc.custom_models:NOT_CALLABLE", "NOT_CALLABLE is not callable"),
+    ("tests/mtc:x", "neither a preset nor an import path"),
+])
+def test_bad_import_paths_are_one_line(tmp_path, capsys, path, says):
+    code, _, err = _run(capsys, "compile", "--model", path, "-o", tmp_path / "p")
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.slow
+def test_compile_by_import_path_then_train_and_extend_the_plan(tmp_path, tokens, capsys):
+    plan, store = tmp_path / "plan", tmp_path / "s"
+    code, out, err = _run(capsys, "compile", "--model", FACTORY, "-o", plan, "--seq-len", 16, "--micro-batch-size", 2)
+    assert code == 0 and "block-" in out and "fwd kernels" in out, err
+    rec = json.loads((plan / "model.json").read_text())
+    assert rec["factory"] == FACTORY and rec["model"] == FACTORY and rec["seq_len"] == 16
+    common = ["train", "--plan", plan, "--store", store, "--data", tokens.path, "--unfused"]
+    assert _run(capsys, *common, "--steps", 2)[0] == 0
+    # the factory made the initial weights, seeded like a preset: the same as the Python API's run
+    with TensorStore.open(store, read_only=True) as st:
+        assert st.last_commit().config["model"] == FACTORY
+    code, _, err = _run(capsys, *common, "--steps", 3)
+    assert code == 2 and "differs in: steps 2 -> 3" in err and "--allow-change steps" in err
+    assert _run(capsys, *common, "--steps", 3, "--allow-change", "steps")[0] == 0
+    code, out, _ = _run(capsys, "inspect", store)
+    assert code == 0 and "changed from step 2: steps 2 -> 3" in out and f"model {FACTORY}" in out
+
+
+def test_a_plan_saved_from_python_trains_from_the_cli(tmp_path, tokens, capsys):
+    torch.manual_seed(2)
+    model = TinyLM()
+    program = mtc.trace(model, 2, 16)
+    bare, store = tmp_path / "bare", tmp_path / "s"
+    mtc.save_plan(program, bare)
+    common = ["--store", store, "--data", tokens.path, "--unfused"]
+    # no factory recorded: nothing can make the initial weights, said in one line before any store exists
+    code, _, err = _run(capsys, "train", "--plan", bare, *common, "--steps", 2)
+    assert code == 2 and "factory" in err and len(err.strip().splitlines()) == 1 and not store.exists(), err
+    # start it from Python with the model's own weights, resume it from the CLI with the same plan
+    res = mtc.train(model=model, plan=bare, data=tokens, store=store, steps=2)
+    res.store.close()
+    assert _run(capsys, "train", "--plan", bare, *common, "--steps", 4, "--allow-change", "steps")[0] == 0
+    # another model's plan is refused on resume
+    other = mtc.save_plan(mtc.trace(TinyLM(n_layers=3), 2, 16), tmp_path / "other")
+    code, _, err = _run(capsys, "train", "--plan", other, *common, "--steps", 4)
+    assert code == 2 and "is not the plan store" in err, err
+    # with a factory recorded, the same plan starts new runs from the CLI
+    withf = mtc.save_plan(program, tmp_path / "withf", factory=build)
+    assert _run(capsys, "train", "--plan", withf, "--store", tmp_path / "s2", "--data", tokens.path, "--unfused",
+                "--steps", 1)[0] == 0
+    with pytest.raises(mtc.MTCError, match="no import path"):
+        mtc.save_plan(program, tmp_path / "x", factory=lambda: TinyLM())
+
+
+def test_train_model_by_import_path_matches_the_python_api(tmp_path, tokens, capsys):
+    args = ["--data", tokens.path, "--steps", 2, "--micro-batch-size", 2, "--seq-len", 16, "--unfused"]
+    assert _run(capsys, "train", "--model", FACTORY, "--store", tmp_path / "cli", *args)[0] == 0
+    res = mtc.train(model=build, data=tokens, store=tmp_path / "py", steps=2, micro_batch_size=2, seq_len=16)
+    res.store.close()
+    got = []
+    for s in ("cli", "py"):
+        with TensorStore.open(tmp_path / s, read_only=True) as st:
+            got.append(read_params(res.program, st, st.last_commit().generation))
+    for k in got[1]:
+        assert torch.equal(got[0][k], got[1][k]), k

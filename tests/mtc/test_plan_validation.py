@@ -1,0 +1,131 @@
+"""The planner's step time against real training on this machine (issue 11, must 3).
+
+A profile is calibrated in the test (`mtc calibrate`), then three small runs whose bottlenecks
+differ (compute, CPU optimizer, disk) train a few steps through `mtc.train` (unfused, the CPU
+engine with its copy, fetch and optimizer threads); the median step time after warm-up must be
+within 15 % of the plan's prediction, and the plan must name the bottleneck the config was built
+for.
+
+The 2-core CI boxes are shared: another job can halve this process's speed for seconds at a time.
+The test therefore times a fixed probe (a 512^3 matmul, as calibrate measured it) before and after
+each run (and, around the disk-bound run, the store's write rate, since other jobs share the
+disk too); an attempt in which the machine ran more than 15 % slower or faster than calibrated
+says nothing about the model and is repeated (calibration included) while the time budget lasts. An
+attempt with all three within 15 % passes; a quiet attempt that misses fails; if every attempt was
+noisy and missed, the test is skipped with the figures.
+
+Calibration and runs use one intra-op thread (the engine's copy and optimizer threads run beside
+it, so compute and optimizer still share the two cores): with two, a busy neighbour stalls
+OpenMP's barriers and a reference block ran 5-8x slower than with one (measured on the 2-core box
+under load 8), which no profile can predict; with one, a neighbour slows the run in proportion,
+and the probe sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import pytest
+import torch
+
+from mtc.calibrate import MachineProfile
+from mtc.cli import main
+from mtc.config import OptimConfig, TrainConfig
+from mtc.planner import make_plan
+from mtc.train import train
+from tests.runtime.engine_util import skewed_tokens
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 0.15
+BUDGET_S = 100  # attempts start only within this time (one attempt takes ~45 s on the 2-core box)
+STEPS, WARMUP = 9, 3
+
+_BASE = {"model": "tiny", "kernels": "unfused", "durability": "none", "steps": STEPS, "optim": OptimConfig(lr=1e-3, warmup_steps=1)}
+CONFIGS = {
+    # many tokens through a small model: forward + backward dominate
+    "compute": {"model_overrides": {"n_layers": 2, "dim": 384, "ffn_dim": 1024, "n_heads": 6, "n_kv_heads": 2},
+                    "micro_batch_size": 8, "seq_len": 128, "placement": "ram"},
+    # GPT-2 style with a 32K-row learned position table (12.6M of 13.5M parameters): a step reads 16
+    # rows of it, but AdamW (one thread) updates every row
+    "CPU optimizer": {"model": "gpt2-tiny", "model_overrides": {"n_layers": 2, "dim": 384, "n_heads": 6, "max_seq_len": 32768},
+                      "micro_batch_size": 1, "seq_len": 16, "placement": "ram", "optim_threads": 1},
+    # the same state on disk: read, updated and written back (fsync) every step
+    "disk I/O": {"model_overrides": {"n_layers": 2, "dim": 768, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 2},
+                     "micro_batch_size": 1, "seq_len": 16, "placement": "disk"},
+}
+
+
+def _probe() -> float:
+    """TFLOP/s of a 512^3 fp32 matmul, median of 5 (calibrate measured the same shape)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    torch.mm(a, b)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * 512**3 / statistics.median(times) / 1e12
+
+
+def _disk_probe(root) -> float:
+    """GB/s of the store writing a disk layer's three arrays (24 MiB), as calibrate measured it."""
+    from mtc.calibrate import _store_rates
+
+    root.mkdir(exist_ok=True)
+    return _store_rates(torch, root, 24, 1, 4)[0]
+
+
+def _measure(cfg: TrainConfig, store, data) -> float:
+    res = train(cfg, store, data, overwrite=True)
+    res.store.close()
+    return statistics.median(r.seconds for r in res.records[WARMUP:])
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
+    data = skewed_tokens(tmp_path / "d.bin", 100_000)
+    t_start, report, attempt = time.perf_counter(), [], 0
+    while attempt == 0 or time.perf_counter() - t_start < BUDGET_S:
+        assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
+        prof = MachineProfile.load(tmp_path / "machine.json")
+        base = next(p["tflops"] for p in prof.matmul if p["m"] == 512)
+        results, quiet = {}, True
+        for want, fields in CONFIGS.items():
+            cfg = TrainConfig(**{**_BASE, **fields})
+            plan = make_plan(cfg, dataclasses.replace(prof, disk_dir=str(tmp_path)))
+            probes = [_probe()]
+            disks = [_disk_probe(tmp_path / "probe")] if want == "disk I/O" else []
+            measured = _measure(cfg, tmp_path / f"s-{attempt}", data)
+            probes.append(_probe())
+            if disks:
+                disks.append(_disk_probe(tmp_path / "probe"))
+            # how much slower than calibrated the machine ran (negative: faster, i.e. calibrated in a slow spell)
+            drift = [1 - p / base for p in probes] + [1 - d / prof.store_write_gbps for d in disks]
+            slow = max(drift, key=abs)
+            quiet = quiet and abs(slow) <= TOLERANCE
+            results[want] = (plan.step.step_s, measured, plan.step.bottleneck, slow)
+        lines = [f"attempt {attempt} ({'quiet' if quiet else 'noisy'}):"] + [
+            f"  {k:14s} predicted {p * 1e3:7.1f} ms, measured {m * 1e3:7.1f} ms ({p / m - 1:+.0%}), bottleneck {b}, "
+            f"machine {d:+.0%} slower than calibrated" for k, (p, m, b, d) in results.items()]
+        report.append("\n".join(lines))
+        print(report[-1])
+        for want, (_, _, bottleneck, _) in results.items():
+            assert bottleneck == want, report[-1]  # the plan must name what the config was built to be bound by
+        within = all(abs(pred / meas - 1) <= TOLERANCE for pred, meas, _, _ in results.values())
+        if within:  # all three within 15 % in one attempt (noisy or not): the model holds
+            return
+        assert not quiet, report[-1]  # a quiet machine and a miss: the model is wrong
+
+        attempt += 1
+    pytest.skip(f"the machine ran more than {TOLERANCE:.0%} slower or faster than calibrated during every attempt: nothing to "
+                "conclude about the model\n" + "\n".join(report))

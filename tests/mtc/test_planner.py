@@ -1,0 +1,176 @@
+"""`mtc plan`, `mtc calibrate` and the early fit refusals of `mtc train` (issue 11, musts 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from mtc.calibrate import MachineProfile, builtin, calibrate
+from mtc.cli import main
+from mtc.config import TrainConfig
+from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
+from tests.runtime.engine_util import skewed_tokens
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "d.bin"
+    skewed_tokens(path)
+    return path
+
+
+def _train(tmp_path, data, *extra):
+    return main(["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(data), "--unfused", "--steps", "1",
+                 "--micro-batch-size", "2", "--seq-len", "16", *extra])
+
+
+def test_train_refuses_a_small_disk_before_creating_the_store(tmp_path, data, capsys, monkeypatch):
+    monkeypatch.setenv(DISK_FREE_ENV, str(5 * 2**20))  # 5 MiB: 'full' needs 18.4, 'weights' 6.1
+    assert _train(tmp_path, data) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("mtc: error: this run does not fit: disk")
+    assert "needs 18.4 MiB, has 5.0 MiB" in err[0] and "choose --durability none" in err[0]
+    assert not (tmp_path / "s").exists()
+    monkeypatch.setenv(DISK_FREE_ENV, str(7 * 2**20))  # now 'weights' fits: the message names it
+    assert _train(tmp_path, data) == 2
+    assert "choose --durability weights" in capsys.readouterr().err
+    assert _train(tmp_path, data, "--durability", "weights") == 0
+    assert (tmp_path / "s" / "commit.json").exists()
+
+
+def test_train_refuses_a_small_ram_budget_and_names_a_placement_that_fits(tmp_path, data, capsys, monkeypatch):
+    # 14 blocks: deep enough that disk layers (4 B/param on the CPU, plus fixed pipeline buffers)
+    # need less host RAM than ram layers (16 B/param): all-disk ~24 MiB, all-ram ~45 MiB
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 14}, micro_batch_size=2, seq_len=16, steps=1, kernels="unfused")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+
+    def run(*extra):
+        return main(["train", "--config", str(cfg_file), "--store", str(tmp_path / "s"), "--data", str(data), *extra])
+
+    monkeypatch.setenv(DISK_FREE_ENV, str(2**20))
+    assert run("--ram-budget-gb", "0.001") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err  # both resources are short: one line each
+    assert "disk" in err[0] and "host RAM" in err[1] and "even with every layer on disk the run needs" in err[1], err
+    assert not (tmp_path / "s").exists()
+    monkeypatch.delenv(DISK_FREE_ENV)
+    assert run("--ram-budget-gb", "0.03", "--placement", "ram") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host RAM" in err[0] and "has 30.7 MiB" in err[0], err
+    assert not (tmp_path / "s").exists()
+    suggested = err[0].split("--placement ")[1].split(")")[0]
+    assert "disk" in suggested and "ram" in suggested, suggested
+    # what the message says to change makes the run fit
+    assert run("--ram-budget-gb", "0.03", "--placement", suggested) == 0
+    assert (tmp_path / "s" / "commit.json").exists()
+
+
+def test_gpu_too_small_for_one_layers_workspace_is_a_failed_check():
+    cfg = TrainConfig(model="8b", seq_len=8192, micro_batch_size=16, placement="ram", durability="none")
+    plan = make_plan(cfg, builtin("h100-box"))
+    gpu = [c for c in plan.checks if c.what.startswith("GPU memory")]
+    assert len(gpu) == 1 and not gpu[0].ok
+    assert gpu[0].need > 80 * 2**30 and "--micro-batch-size" in gpu[0].line()
+    assert not plan.fits
+
+
+def test_plan_cli_on_a_builtin_machine(capsys):
+    rc = main(["plan", "8b", "--machine", "h100-box", "--seq-len", "4096", "--micro-batch-size", "2", "--grad-accum", "8",
+               "--no-extrapolate"])
+    out = capsys.readouterr().out
+    assert rc == 1  # 'full' needs ~180 GiB of disk, the box has 60
+    assert "placement gpu:" in out and "durability full    needs   179.5 GiB" in out
+    # the RAM budget (122 GiB less a 15 % margin) leaves ~2.5B parameters on disk, whose state
+    # every mode keeps: only 'none' fits the 60 GiB
+    assert "DOES NOT FIT" in out and "choose --durability none" in out and ",disk:" in out
+    assert "bottleneck:" in out and "per day of training" in out
+    for stage in ("GPU compute", "PCIe", "CPU optimizer", "disk I/O"):
+        assert stage in out
+    assert main(["plan", "8b", "--machine", "h100-box", "--seq-len", "4096", "--micro-batch-size", "2", "--grad-accum", "8",
+                 "--durability", "none", "--no-extrapolate"]) == 0
+
+
+def test_plan_cli_errors_are_one_line(capsys, tmp_path):
+    assert main(["plan", "tiny", "--machine", "nope"]) == 2
+    assert main(["plan", "tiny", "--machine", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x", "bogus": 1}))
+    assert main(["plan", "tiny", "--machine", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("mtc: error: ") for e in err)
+    assert "mtc calibrate" in err[1] and "unknown field" in err[2]
+
+
+def test_extrapolations_say_plainly_what_does_not_fit():
+    lines = extrapolations()
+    text = "\n".join(lines)
+    assert "70b (70.6B params) on h200-1.5tb" in text and "119.3B params" in text and "175.1B params" in text
+    block_175 = text[text.index("175b"):]
+    assert "durability full    disk    4.20 TB: does NOT fit: disk needs 4.20 TB, has 4.00 TB" in block_175
+    block_70 = text[text.index("70b"):text.index("120b")]
+    assert "durability full    disk    1.69 TB: fits" in block_70
+
+
+def test_largest_model_on_the_h100_box():
+    sizes = largest_fit(builtin("h100-box"))
+    assert sizes["none"] >= sizes["weights"] >= sizes["full"] > 0
+    # two generations of master, m and v (24 B/param) in a 60 GiB disk: ~2.3-2.7B (issue 11)
+    assert 2.0e9 < sizes["full"] < 2.8e9
+
+
+def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
+    t = time.perf_counter()
+    prof = calibrate(directory=tmp_path, copy_mb=8, disk_mb=8, adamw_numel=500_000, matmul_size=256, repeats=1)
+    assert 0 < prof.calibrate_s <= time.perf_counter() - t < 120  # ~5 s on the 2-core box when it is quiet
+    assert prof.pcie_is_memcpy and any("memcpy" in a for a in prof.assumed)
+    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.adamw_rate, prof.matmul_tflops):
+        assert v > 0
+    assert prof.identity["host"] and prof.identity["torch"]
+    assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # its files are removed
+    back = MachineProfile.load(prof.save(tmp_path / "p.json"))
+    assert back == prof
+
+
+def test_stage_watch_warns_once_when_the_disk_is_slower_than_planned(tmp_path, data):
+    import dataclasses
+
+    from mtc.stagewatch import StageWatch
+    from mtc.train import train
+    from tests.runtime.engine_util import small_config
+
+    cfg = small_config(steps=6, placement="disk", durability="none")
+    fast_disk = dataclasses.replace(builtin("h100-box"), name="claims-1000GBps", accelerator="cpu", gpu_memory_bytes=0,
+                                    store_write_gbps=1000.0)
+    watch = StageWatch(make_plan(cfg, fast_disk))
+    said: list[str] = []
+    res = train(cfg, tmp_path / "s", data, watch=watch, notify=said.append)
+    res.store.close()
+    assert len(said) == 1, said
+    assert "the disk writes at" in said[0] and "the plan assumed 1000.00 GB/s" in said[0]
+    summary = watch.summary()
+    assert any(s.startswith("disk writes: measured") for s in summary) and any(s.startswith("compute:") for s in summary)
+    # a profile whose disk matches what the run sees stays quiet
+    rate = min(watch.write_rates) / 1e9
+    calm = StageWatch(make_plan(cfg, dataclasses.replace(fast_disk, store_write_gbps=rate * 0.2)))
+    said.clear()
+    res = train(cfg, tmp_path / "s2", data, watch=calm, notify=said.append)
+    res.store.close()
+    assert said == []
+
+
+@pytest.mark.slow  # compiling the plan generates its kernels
+def test_plan_cli_takes_a_plan_directory_and_a_config_file(tmp_path, capsys):
+    assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "32", "--micro-batch-size", "2"]) == 0
+    (tmp_path / "run.json").write_text(json.dumps({"model": "tiny", "seq_len": 64, "micro_batch_size": 4, "durability": "weights"}))
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "plan"), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x 32 tokens" in out and "compute float32" in out  # the plan's shapes and dtype, as compiled
+    assert main(["plan", "--config", str(tmp_path / "run.json"), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.endswith("<- chosen")]
+    assert "4 x 64 tokens" in out and len(chosen) == 1 and chosen[0].startswith("  durability weights")

@@ -1,0 +1,259 @@
+"""A run you can watch: --eval-every, mtc eval, mtc generate (streamed, KV cache), metrics, progress, plot, TensorBoard."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+from mtc.store import TensorStore
+
+from mtc.cli import main
+from mtc.config import TrainConfig
+from mtc.data import ByteTokenizer
+from mtc.errors import ConfigError
+from mtc.evaluate import evaluate_store
+from mtc.generate import generate, generate_from_store
+from mtc.metrics import FlopCounter, model_flops, peak_rate
+from mtc.plan import load_plan
+from mtc.progress import ProgressBar
+from mtc.runtime.state import load_into_module
+from mtc.train import build_model
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+
+def _metrics(store) -> list[dict]:
+    return [json.loads(ln) for ln in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 5-step run (commits at 2, 4 and 5) with the validation loss every 2 steps and at the end."""
+    root = tmp_path_factory.mktemp("watch")
+    tokens = skewed_tokens(root / "tok.bin")
+    cfg = root / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=5, commit_every=2, eval_every=2, eval_batches=2).to_dict()))
+    store = root / "s"
+    assert main(["train", "--config", str(cfg), "--store", str(store), "--data", str(tokens.path)]) == 0
+    return store, tokens.path
+
+
+def test_eval_every_logs_the_val_loss_of_each_steps_weights(run):
+    store, data = run
+    recs = _metrics(store)
+    assert [r["step"] for r in recs if r["val_loss"] is not None] == [2, 4, 5]
+    val = {r["step"]: r["val_loss"] for r in recs}
+    # an independent eval of the committed weights (read back from the store) gives the same number:
+    # the in-run eval waited for the step's updates and read nothing older or newer
+    for step in (5, 4):
+        res = evaluate_store(store, data, step=step, batches=2)
+        assert res.step == step and res.loss == pytest.approx(val[step], rel=1e-6, abs=1e-7)
+    assert val[4] != val[5]
+
+
+def test_eval_every_on_disk_layers_reads_the_updated_weights(tmp_path):
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = small_config(steps=3, eval_every=1, eval_batches=1, placement="ram:0-1,disk:2-3", grad_accum=1)
+    from mtc.train import train
+
+    res = train(cfg, tmp_path / "s", tokens)
+    res.store.close()
+    val = [r.val_loss for r in res.records]
+    assert len(set(val)) == 3
+    assert evaluate_store(tmp_path / "s", tokens.path, batches=1).loss == pytest.approx(val[-1], rel=1e-6)
+
+
+def test_cli_eval_is_repeatable_and_names_the_available_steps(run, capsys):
+    store, data = run
+    outs = []
+    for _ in range(2):
+        assert main(["eval", str(store), "--data", str(data), "--batches", "2"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1].replace(outs[1].split("tokens, ")[1], outs[0].split("tokens, ")[1])  # timings aside
+    assert outs[0].startswith("step 5: val loss ") and "perplexity" in outs[0]
+    assert main(["eval", str(store), "--data", str(data), "--step", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mtc: error: step 3 is not in store")
+    assert "5 (last commit), 4 (previous commit)" in err
+
+
+def test_cli_eval_all_split_differs_and_bad_data_is_one_line(run, tmp_path, capsys):
+    store, data = run
+    assert main(["eval", str(store), "--data", str(data), "--batches", "2", "--split", "all"]) == 0
+    assert "all loss" in capsys.readouterr().out
+    assert main(["eval", str(store), "--data", str(tmp_path / "nope.bin")]) == 2
+    assert capsys.readouterr().err.startswith("mtc: error: ")
+
+
+def test_metrics_fields_are_present_and_sane(run):
+    store, _ = run
+    recs = _metrics(store)
+    cfg = small_config(steps=5, commit_every=2, eval_every=2, eval_batches=2)
+    counter = FlopCounter.of(load_plan(store / "plan"), cfg.seq_len)
+    for r in recs:
+        assert r["tokens"] == cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert r["tflops"] == pytest.approx(counter.flops(r["tokens"]) / r["seconds"] / 1e12)
+        assert r["host_rss_bytes"] > 50 * 2**20
+        assert r["gpu_peak_bytes"] is None  # the CPU
+        assert (r["mfu"] is None) == (r["peak_tflops"] is None)
+        if r["mfu"] is not None:  # a machine profile of this CPU exists
+            assert r["mfu"] == pytest.approx(r["tflops"] / r["peak_tflops"])
+        assert r["phase_s"]["compute"] > 0 and all(v >= 0 for v in r["phase_s"].values())
+        assert sum(r["phase_s"].values()) < 8 * r["seconds"]  # spans clipped to the step (a few threads at most)
+    resolved = json.loads((store / "logs" / "config-step0.json").read_text())
+    assert resolved["mfu_denominator"].startswith(("n/a", "calibrated"))
+
+
+def test_model_flops_formula_and_counter():
+    cfg = small_config()
+    program = load_plan_of(cfg)
+    c = FlopCounter.of(program, cfg.seq_len)
+    m = build_model(cfg)
+    total = sum(p.numel() for p in m.parameters())
+    assert c.n_params == total - m.embed.weight.numel()  # an untied embedding is a lookup
+    assert (c.n_blocks, c.width) == (2, 128)
+    assert model_flops(10, n_params=100, n_blocks=2, width=8, seq_len=16) == 10 * (600 + 12 * 2 * 16 * 8)
+    tied = small_config(model="gpt2-tiny", model_overrides={})
+    ct = FlopCounter.of(load_plan_of(tied), tied.seq_len)
+    mt = build_model(tied)
+    assert ct.n_params == sum(p.numel() for p in mt.parameters()) - mt.wpe.weight.numel()  # wte is the head too
+
+
+def load_plan_of(cfg: TrainConfig):
+    from mtc.tracer import trace
+
+    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
+
+
+def test_peak_rate_sources(tmp_path, monkeypatch):
+    none = tmp_path / "none.json"
+    assert peak_rate("cpu", "float32", profile=none).tflops is None
+    assert peak_rate("cpu", "float32", profile=none).source.startswith("n/a")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert peak_rate("cuda", "bfloat16", profile=none).tflops == 989.4
+    assert peak_rate("cuda", "float32", profile=none).tflops == 494.7  # TF32
+    assert peak_rate("cuda", "float32", allow_tf32=False, profile=none).tflops == 66.9
+    prof = tmp_path / "machine.json"
+    prof.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "matmul_dtype": "bfloat16",
+                                "matmul": [{"tflops": 700.0}, {"tflops": 780.0}, {"tflops": 790.0}]}))
+    p = peak_rate("cuda", "bfloat16", profile=prof)
+    assert p.tflops == 780.0 and p.source.startswith("calibrated") and p.mfu(390.0) == 0.5
+    assert peak_rate("cuda", "float32", allow_tf32=False, profile=prof).tflops == 66.9  # other dtype: datasheet
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
+    assert peak_rate("cuda", "bfloat16", profile=none).tflops is None
+
+
+@pytest.fixture(scope="module", params=["tiny", "gpt2-tiny"])
+def gen_run(request, tmp_path_factory):
+    """A 2-step run with a wide init, so greedy decoding does not collapse to one repeated token."""
+    root = tmp_path_factory.mktemp("gen")
+    tokens = skewed_tokens(root / "tok.bin")
+    overrides = {"n_layers": 2, "init_std": 0.5}
+    cfg = small_config(model=request.param, model_overrides=overrides, steps=2, seq_len=32)
+    from mtc.train import train
+
+    res = train(cfg, root / "s", tokens)
+    res.store.close()
+    return root / "s", cfg
+
+
+def test_generate_with_kv_cache_equals_without_and_the_resident_model(gen_run):
+    store, cfg = gen_run
+    prompt = "The sea at"
+    cached = generate_from_store(store, prompt, max_new_tokens=12, temperature=0)
+    streamed = generate_from_store(store, prompt, max_new_tokens=12, temperature=0, kv_cache=False, device_budget_bytes=0)
+    assert cached.tokens == streamed.tokens and len(set(cached.tokens)) > 3
+    assert (cached.resident_layers, cached.streamed_layers) == (4, 0)
+    assert (streamed.resident_layers, streamed.streamed_layers) == (0, 4)
+    assert cached.step == 2 and cached.tokens_per_s > 0 and cached.text == ByteTokenizer().decode(cached.tokens)
+    # the plain forward of the whole model, loaded from the store, picks the same tokens
+    with TensorStore.open(store, read_only=True) as st:
+        model = build_model(cfg)
+        load_into_module(model, load_plan(store / "plan"), st, st.last_commit().generation)
+    ref = generate(model, list(ByteTokenizer().encode(prompt)), max_new_tokens=12, context=32, temperature=0)
+    assert ref == cached.tokens
+    # sampling: the same seed gives the same text with and without the cache
+    a = generate_from_store(store, prompt, max_new_tokens=8, temperature=0.9, top_k=20, seed=7)
+    b = generate_from_store(store, prompt, max_new_tokens=8, temperature=0.9, top_k=20, seed=7, kv_cache=False)
+    assert a.tokens == b.tokens
+
+
+def test_generate_past_the_window_refills_the_cache(gen_run):
+    store, _ = gen_run
+    r = generate_from_store(store, "abc", max_new_tokens=20, temperature=0, context=12)
+    assert len(r.tokens) == 20
+
+
+def test_cli_generate_prints_text_and_speed_and_refuses_a_missing_step(gen_run, capsys):
+    store, _ = gen_run
+    assert main(["generate", str(store), "--prompt", "Once", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Once") and "tokens/s" in err and "KV cache on" in err
+    assert main(["generate", str(store), "--prompt", "Once", "--step", "7"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step 7 is not in store" in err and "2 (last commit)" in err
+    assert main(["generate", str(store), "--prompt", "Once", "--context", "1000"]) == 2
+    assert "max_seq_len" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(run, tmp_path, capsys):
+    store, _ = run
+    out = tmp_path / "run.png"
+    assert main(["plot", str(store), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_tensorboard_sink_writes_events_or_says_how_to_install(run, tmp_path, monkeypatch, capsys):
+    _, data = run
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=2).to_dict()))
+    args = ["train", "--config", str(cfg), "--store", str(tmp_path / "s"), "--data", str(data), "--tensorboard", str(tmp_path / "tb")]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert main(args) == 0
+        events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+        assert events and events[0].stat().st_size > 0
+        capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    from mtc.tensorboard import TensorBoardSink
+
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        TensorBoardSink(tmp_path / "tb2")
+    assert main([*args[:4], str(tmp_path / "s2"), *args[5:]]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "mtc: error: --tensorboard needs the tensorboard package: pip install tensorboard"
+    assert not (tmp_path / "s2" / "commit.json").exists()
+
+
+def test_progress_bar_lines_off_a_terminal_and_tqdm_on_one():
+    buf = io.StringIO()
+    bar = ProgressBar(40, initial=0, stream=buf)
+    for s in range(1, 41):
+        bar.update(s, loss=2.0, **{"tok/s": 1000.0, "TFLOP/s": 0.5, "MFU": "n/a"})
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert 15 <= len(lines) <= 22 and "\r" not in buf.getvalue()
+    assert all("loss=2" in ln and "tok/s=1000" in ln and "MFU=n/a" in ln for ln in lines)
+    assert lines[-1].startswith("train: 100%") and "40/40" in lines[-1]
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    bar = ProgressBar(5, initial=2, stream=tty)
+    for s in range(3, 6):
+        bar.update(s, loss=1.5)
+    bar.close()
+    bar.close()
+    text = tty.getvalue()
+    assert "\r" in text and "5/5" in text and text.endswith("\n") and text.count("\n") == 1

@@ -1,0 +1,163 @@
+"""The disk tier: placement from a RAM budget, bit-identical training with state on disk, bounded
+host RAM per parameter, reads ahead of write-behind, and the raw vs store throughput measurement."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from mtc.store.diskbench import raw_throughput, store_throughput
+from mtc.store.fastio import PRIORITY_READ, PRIORITY_READ_AHEAD, PRIORITY_WRITE, PriorityPool
+
+from mtc.runtime import placement as pl
+from mtc.runtime.state import read_params
+from mtc.train import build_model, train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
+
+
+def _weights(res):
+    return read_params(res.program, res.store, res.generation)
+
+
+# -- placement from budgets ------------------------------------------------------------------------
+
+
+def test_auto_placement_fills_gpu_then_ram_then_disk_within_the_budgets():
+    numels = [10, 10, 10, 10]
+    # fp32 compute on the CPU device: ram 16 B/param, disk 4 (gradient; compute copy read per visit)
+    kw = {"gpu_bytes": 0, "disk_compute": "store", "grads_on_device": False}
+    assert pl.auto_placement(numels, 4, ram_bytes=16 * 40, **kw) == ["ram"] * 4
+    assert pl.auto_placement(numels, 4, ram_bytes=4 * 40, **kw) == ["disk"] * 4
+    assert pl.auto_placement(numels, 4, ram_bytes=0, **kw) == ["disk"] * 4  # does not fit at all: the fit check refuses
+    # 2 ram layers (2 x 160) + 2 disk layers (2 x 40) = 400 bytes
+    assert pl.auto_placement(numels, 4, ram_bytes=400, **kw) == ["ram", "ram", "disk", "disk"]
+    assert pl.auto_placement(numels, 4, ram_bytes=399, **kw) == ["ram", "disk", "disk", "disk"]
+    # CUDA, bf16: gpu first; disk layers' gradients wait on the GPU, their bf16 copy in RAM (2 B/param)
+    got = pl.auto_placement(numels, 2, gpu_bytes=18 * 10 + 4 * 30, ram_bytes=18 * 10 + 2 * 20, disk_compute="ram", grads_on_device=True)
+    assert got == ["gpu", "ram", "disk", "disk"]
+    need = pl.host_bytes_needed(got, numels, 2, disk_compute="ram", grads_on_device=True)
+    assert need == 18 * 10 + 2 * 20
+
+
+def test_host_bytes_per_param_and_pipeline():
+    assert pl.host_bytes_per_param("disk", 4, disk_compute="store", grads_on_device=True) == 0
+    assert pl.host_bytes_per_param("disk", 4, disk_compute="store", grads_on_device=False) == 4
+    assert pl.host_bytes_per_param("disk", 2, disk_compute="ram", grads_on_device=True) == 2
+    assert pl.host_bytes_per_param("ram", 4) == 16
+    # the pipeline depends on the largest disk layer, not on the depth
+    shallow = pl.pipeline_host_bytes(["disk"] * 4, [100] * 4, disk_compute="store", device_is_cuda=True)
+    deep = pl.pipeline_host_bytes(["disk"] * 40, [100] * 40, disk_compute="store", device_is_cuda=True)
+    assert shallow == deep == 3 * 16 * 100 + 2 * 2 * 4 * 100
+    assert pl.pipeline_host_bytes(["ram"] * 4, [100] * 4, device_is_cuda=True) == 0
+
+
+def test_default_ram_budget_keeps_a_margin():
+    assert pl.default_ram_budget(10 * GIB) == 8 * GIB  # at least 2 GiB
+    assert pl.default_ram_budget(100 * GIB) == 85 * GIB  # 15 %
+    assert pl.default_ram_budget(GIB) == 0
+    assert 0 < pl.default_ram_budget() < pl.available_host_bytes()
+
+
+# -- training with state on disk -------------------------------------------------------------------
+
+
+# many narrow layers: the disk pipeline's fixed buffers (a few layers' worth) stay small beside the state
+_DEEP = {"n_layers": 14, "dim": 64, "ffn_dim": 176, "n_heads": 4, "n_kv_heads": 2}
+
+
+def test_a_small_ram_budget_puts_state_on_disk_and_training_is_bit_identical(tokens, tmp_path):
+    base = small_config(steps=2, model_overrides=_DEEP)
+    fp32_state = 12 * sum(p.numel() for p in build_model(base).parameters())  # master, m, v
+    budget = 0.9 * fp32_state  # the model's fp32 state exceeds the budget
+    small = train(small_config(steps=2, model_overrides=_DEEP, placement="auto", ram_budget_gb=budget / GIB),
+                  tmp_path / "budget", tokens)
+    ram = train(small_config(steps=2, model_overrides=_DEEP, placement="ram"), None, tokens)
+    try:
+        assert "disk" in small.placement and "ram" in small.placement, small.placement
+        assert small.host_state_bytes <= budget
+        assert ram.host_state_bytes > budget
+        assert small.losses == ram.losses
+        w_small, w_ram = _weights(small), _weights(ram)
+        assert all(torch.equal(w_small[k], w_ram[k]) for k in w_ram)
+    finally:
+        small.store.close()
+        ram.store.close()
+
+
+@pytest.mark.parametrize("disk_compute", ["store", "ram"])
+def test_all_disk_is_bit_identical_to_all_ram_on_a_local_store(tokens, tmp_path, disk_compute):
+    disk = train(small_config(steps=3, placement="disk", disk_compute=disk_compute), tmp_path / "disk", tokens)
+    ram = train(small_config(steps=3, placement="ram"), None, tokens)
+    try:
+        assert disk.losses == ram.losses
+        w_disk, w_ram = _weights(disk), _weights(ram)
+        assert all(torch.equal(w_disk[k], w_ram[k]) for k in w_ram)
+        # the read-ahead ran: every disk update found its state read (a span per layer and step)
+        waits = disk.timeline.spans("disk_read_wait")
+        assert len(waits) == 3 * sum(1 for s in disk.tiers.layers if s.numel)
+        if disk_compute == "store":  # weights came from the store at each visit, no compute copy in RAM
+            assert disk.timeline.spans("visit_read")
+            assert all(s.compute is None for s in disk.tiers.layers)
+    finally:
+        disk.store.close()
+
+
+def test_host_ram_per_parameter_with_all_state_on_disk_is_bounded(tokens, tmp_path):
+    fixed = []
+    for n_layers in (2, 6):
+        cfg = small_config(steps=1, placement="disk", model_overrides={"n_layers": n_layers})
+        res = train(cfg, tmp_path / f"s{n_layers}", tokens)
+        try:
+            numels = [s.numel for s in res.tiers.layers]
+            params = sum(numels)
+            pipeline = sum(res.tiers.pipeline_bytes.values())
+            # per parameter only the gradient (the CPU device's memory is host memory); no compute copy
+            assert all(s.compute is None and s.master is None for s in res.tiers.layers)
+            assert res.tiers.host_bytes() - pipeline == 4 * params
+            # the rest is the bounded pipeline (read-ahead ring, visit staging, device rings): a few layers' worth
+            assert pipeline <= pl.pipeline_host_bytes(res.placement, numels, disk_compute="store") <= 100 * max(numels)
+            assert res.tiers.host_bytes() <= 4 * params + 100 * max(numels)
+            fixed.append(pipeline)
+        finally:
+            res.store.close()
+    assert fixed[0] == fixed[1]  # three times the depth, the same fixed pipeline
+
+
+# -- I/O ordering and throughput -------------------------------------------------------------------
+
+
+def test_reads_that_gate_compute_run_before_read_ahead_and_write_behind():
+    pool = PriorityPool(1, "test-io")
+    gate = threading.Event()
+    order: list[str] = []
+    try:
+        pool.submit(gate.wait, PRIORITY_READ)  # occupies the only worker while the queue fills
+        futs = [pool.submit(lambda k=k: order.append(k), p) for k, p in
+                [("w1", PRIORITY_WRITE), ("ahead1", PRIORITY_READ_AHEAD), ("w2", PRIORITY_WRITE), ("read", PRIORITY_READ),
+                 ("ahead2", PRIORITY_READ_AHEAD)]]
+        gate.set()
+        for f in futs:
+            f.result(timeout=10)
+        assert order == ["read", "ahead1", "ahead2", "w1", "w2"]
+    finally:
+        pool.shutdown()
+
+
+def test_raw_and_store_throughput_are_measured_on_the_same_disk(tmp_path):
+    raw = raw_throughput(tmp_path, 32 * 2**20, depth=16)
+    st = store_throughput(tmp_path, 32 * 2**20, io_threads=4)
+    for r in (raw, st):
+        for k in ("write_GBps", "read_GBps", "mix_GBps"):
+            assert r[k] > 0
+    assert raw["block"] >= 2**20 and raw["depth"] >= 16
+    assert list(tmp_path.iterdir()) == []  # scratch files removed
+    with pytest.raises(ValueError):
+        raw_throughput(tmp_path, 2**20, block=4096)
