@@ -144,9 +144,15 @@ def test_cli_import_train_export_loads_in_transformers_with_mtcs_logits(tmp_path
     hf = _llama_like("qwen2")  # q/k/v biases, GQA, untied
     _save(hf, tmp_path / "hf", "20KB")
     _tokenizer_files(tmp_path / "hf")
-    run, data = tmp_path / "run", _tokens(tmp_path / "d.bin")
+    run, data = tmp_path / "run", tmp_path / "d.bin"
     assert main(["import", str(tmp_path / "hf"), "--store", str(run)]) == 0
     assert (run / "tokenizer" / "tokenizer.json").is_file()
+    # the run holds its tokenizer: only data made by it trains the run (byte data is refused)
+    code = main(["train", "--store", str(run), "--data", str(_tokens(tmp_path / "bytes.bin")), "--steps", "3", "--unfused",
+                 "--micro-batch-size", "1", "--seq-len", "64"])
+    assert code == 2 and "not by the run's tokenizer" in capsys.readouterr().err
+    (tmp_path / "text.txt").write_text("hello world hello hello world\n" * 3000)
+    assert main(["prepare", str(tmp_path / "text.txt"), "-o", str(data), "--tokenizer", str(run / "tokenizer"), "--eos", "[UNK]"]) == 0
     assert main(["verify", str(run)]) == 0  # zero Adam state is written: a healthy store
     before = load_state_dict(run)
     # no --preset: the model comes from the store
