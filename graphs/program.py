@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 __all__ = [
+    "aux_param_dependence",
     "COMPUTE_DEVICE",
     "LayerCall",
     "ParamSpec",
@@ -133,6 +134,25 @@ class Template:
     def input_names(self, kind: InputKind) -> list[str]:
         """Names of the inputs of one kind, in graph order."""
         return [i.name for i in self.inputs if i.kind == kind]
+
+
+def aux_param_dependence(embed: Template) -> tuple[bool, ...]:
+    """For each aux output of the embed template (after the carried hidden state): does it depend
+    on a parameter input? Those outputs need gradients flowing back into the embed stage."""
+    params = set(embed.input_names("param"))
+    out_node = next(n for n in embed.graph.nodes if n.op == "output")
+    result = []
+    for o in out_node.args[0][1:]:
+        todo, seen, dep = [o], set(), False
+        while todo and not dep:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            dep = n.op == "placeholder" and n.name in params
+            todo.extend(n.all_input_nodes)
+        result.append(dep)
+    return tuple(result)
 
 
 def _map_devices(arg: Any, fn: Any) -> Any:

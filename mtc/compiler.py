@@ -43,6 +43,7 @@ from torch import fx
 from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
 from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
+from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
 from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
@@ -386,22 +387,8 @@ def _stderr(msg: str) -> None:
 
 
 def aux_param_dependence(program: Program) -> tuple[bool, ...]:
-    """For each aux output of the embed stage: does it depend on a parameter?"""
-    embed = program.template_of(0)
-    params = set(embed.input_names("param"))
-    out_node = next(n for n in embed.graph.nodes if n.op == "output")
-    result = []
-    for o in out_node.args[0][1:]:
-        todo, seen, dep = [o], set(), False
-        while todo and not dep:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            dep = n.op == "placeholder" and n.name in params
-            todo.extend(n.all_input_nodes)
-        result.append(dep)
-    return tuple(result)
+    """For each aux output of the program's embed stage: does it depend on a parameter?"""
+    return graphs_aux_param_dependence(program.template_of(0))
 
 
 def compile_program(

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from mtc.errors import PlanError
-from mtc.graphs.program import LayerCall, Program, Template
+from mtc.graphs.program import LayerCall, Program, Template, aux_param_dependence
 from mtc.runtime.activations import ActivationStore
 from mtc.runtime.buffers import DeviceRing, Slot
 from mtc.runtime.runners import AutogradRunner, LayerRunner
@@ -433,21 +433,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def aux_param_dependence(embed: Template) -> list[bool]:
-    """For each aux output of the embed template: does it depend on a parameter input?"""
-    params = {n for n in embed.graph.nodes if n.op == "placeholder" and n.name in set(embed.input_names("param"))}
-    out_node = next(n for n in embed.graph.nodes if n.op == "output")
-    result = []
-    for o in out_node.args[0][1:]:
-        todo, seen, dep = [o], set(), False
-        while todo and not dep:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            dep = n in params
-            todo.extend(n.all_input_nodes)
-        result.append(dep)
-    return result

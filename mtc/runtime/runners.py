@@ -14,7 +14,7 @@ the compiler.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,7 +59,7 @@ class AutogradRunner:
     blocks take its gradient and the embed stage receives it as an extra grad output).
     """
 
-    def __init__(self, template: Template, call: LayerCall, aux_needs_grad: list[bool]) -> None:
+    def __init__(self, template: Template, call: LayerCall, aux_needs_grad: Sequence[bool]) -> None:
         self.template = template
         self.embed = template.kind == "embed"
         self.n_out = 1 + template.n_aux_out
