@@ -119,10 +119,10 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
             f"machine {d:+.0%} slower than calibrated" for k, (p, m, b, d) in results.items()]
         report.append("\n".join(lines))
         print(report[-1])
-        for want, (_, _, bottleneck, _) in results.items():
-            assert bottleneck == want, report[-1]  # the plan must name what the config was built to be bound by
+        # the plan must name what each config was built to be bound by ("compute (CPU)" for compute)
+        named = all(bottleneck.startswith(want) for want, (_, _, bottleneck, _) in results.items())
         within = all(abs(pred / meas - 1) <= TOLERANCE for pred, meas, _, _ in results.values())
-        if within:  # all three within 15 % in one attempt (noisy or not): the model holds
+        if named and within:  # all three within 15 % in one attempt (noisy or not): the model holds
             return
         assert not quiet, report[-1]  # a quiet machine and a miss: the model is wrong
 

@@ -118,7 +118,7 @@ def test_resume_parity_new_process(tokens, reference, tmp_path):
         assert_weights_close(read_params(program, st, last.generation), ref_weights)
 
 
-@pytest.mark.parametrize("extra", [{"commit_every": 1}, {"commit_every": 3, "gpu_update": "1-2"}], ids=["every-step", "every-3-gpu-update"])
+@pytest.mark.parametrize("extra", [{"commit_every": 1}, {"commit_every": 3, "gpu_update": "1"}], ids=["every-step", "every-3-gpu-update"])
 def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path, extra):
     # The state committed at step k is never overwritten before a later commit is durable (two
     # generations), so a run killed at any moment resumes from its last commit and ends where an
