@@ -3,9 +3,10 @@
 Side by side, same inputs: a traced template run eagerly under autograd (what `--unfused` plans
 do), mtc's compiled joint graph (generated kernels, flash attention, fused linear + cross-entropy;
 recompute + backward in one call), on CUDA also mtc fused with torch's SDPA kernels instead of
-mtc's flash attention, and torch.compile of the same template. Reports median ms, TFLOP/s (matmul
-+ attention FLOPs, x3 for forward + backward), kernel counts, peak memory; one JSON record per
-architecture and part.
+mtc's flash attention, mtc fused replayed as a CUDA graph (one launch per call), and
+torch.compile of the same template. Reports median ms, TFLOP/s (matmul + attention FLOPs, x3 for
+forward + backward), kernel counts, launches per block (the CPU proxy everywhere, profiled kernels
+on CUDA), CUDA-graph capture time and pool, peak memory; one JSON record per architecture and part.
 
     python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
     python bench/bench_fusion.py --arch qwen2 gpt2 --part block
@@ -159,6 +160,14 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         rels[vname] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
                           for a, b in zip(got, want, strict=True))
         variants[vname] = fused
+    graph_runner = None
+    if device.type == "cuda":  # the same joint graph replayed as a CUDA graph (mtc.runtime.graph_replay)
+        from launch_count import graph_variant
+
+        variants["mtc_fused_graph"], graph_runner = graph_variant(compiled_t["flash"][0], t, args, gout, device)
+        got = variants["mtc_fused_graph"]()[1:]  # the first call captures
+        rels["mtc_fused_graph"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+                                      for a, b in zip(got, want, strict=True))
     del want
     if use_compile:
         cgm = torch.compile(gm)
@@ -186,6 +195,19 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         ts = _time(fn, device, warmup, reps)
         med = statistics.median(ts)
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
+    from launch_count import profiled_kernels, proxy_launches
+
+    # launches per block (forward + backward): the CPU proxy, and on CUDA the kernels the profiler sees
+    rec["launches_per_block"] = {"unfused_aten_ops": ct.backward_report.aten_ops, **proxy_launches(ct, t)}
+    if device.type == "cuda":
+        rec["launches_per_block"].update({f"{v}_profiled_kernels": profiled_kernels(variants[v])
+                                          for v in ("unfused", "mtc_fused", "torch_compile") if v in variants})
+    if graph_runner is not None:
+        st = graph_runner.stats["joint"]
+        rec["cuda_graph"] = {"warmup_s": st.warmup_s, "capture_s": st.capture_s, "pool_bytes": st.pool_bytes,
+                             "input_buffer_bytes": st.static_bytes, "fallback": st.fallback,
+                             "speedup_vs_fused_eager": rec["results"]["mtc_fused"]["median_ms"]
+                             / rec["results"]["mtc_fused_graph"]["median_ms"]}
     if profile and device.type == "cuda":
         rec["profile"] = {v: _kernel_table(variants[v]) for v in ("unfused", "mtc_fused")}
     if trace_dir and device.type == "cuda":
@@ -246,6 +268,12 @@ def main() -> None:
             print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
+        print(f"{arch:12s} launches per block: {rec['launches_per_block']}")
+        if "cuda_graph" in rec:
+            cg = rec["cuda_graph"]
+            print(f"{arch:12s} CUDA-graph replay vs eager fused {cg['speedup_vs_fused_eager']:.2f}x; warm-up {cg['warmup_s']:.2f} s, "
+                  f"capture {cg['capture_s']:.2f} s, pool {cg['pool_bytes'] / 2**20:.0f} MiB"
+                  + (f"; FELL BACK: {cg['fallback']}" if cg["fallback"] else ""))
         for v, prof in rec.get("profile", {}).items():
             print(f"  {v}: GPU busy {prof['gpu_ms_total']:.2f} ms of {rec['results'][v]['median_ms']:.2f} ms; top kernels:")
             for r in prof["top"]:

@@ -25,10 +25,11 @@ log="$out/gpu_session.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending (the engine's gpu tests and bench_train; bench_fusion was measured on
-# 2026-11-23); a 10-minute device call holds about one train part, so name parts per call, e.g.
-#   call 1: tests train/P1-16   call 2: train/P1-48   call 3: train/P3 train/P5
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48 train/P3 train/P5)
+# default: what is pending (the gpu tests, bench_fusion's Llama block with CUDA-graph replay and
+# launches per block, bench_train); a 10-minute device call holds about one train part, so name
+# parts per call, e.g.
+#   call 1: tests llama/block train/P1-16   call 2: train/P1-48   call 3: train/P3 train/P5
+[ ${#parts[@]} -eq 0 ] && parts=(tests llama/block train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))

@@ -35,6 +35,7 @@ _TRAIN_FLAGS = (
     "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
     "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+    "cuda_graphs",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -158,6 +159,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
     res.store.close()
     if res.losses:
         print(f"steps {res.start_step}->{res.end_step}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, {res.wall_s:.1f} s")
+    for line in res.graph_report:  # compile time and CUDA-graph replay per template
+        print(line)
     if watch is not None and watch.summary():
         print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary()))
     return 0

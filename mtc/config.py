@@ -230,6 +230,10 @@ class TrainConfig:
     eval_every: int = field(0, ge=0, help="log the validation loss every N steps and at the last step; 0: never")
     eval_batches: int = field(8, ge=1, help="held-out batches (of micro_batch_size x seq_len) per validation")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer settings")
+    # Fused plans on CUDA: each compiled forward / joint graph replayed as a CUDA graph (one launch per
+    # layer call); a graph that cannot be captured runs eagerly and the run says why.
+    cuda_graphs: str = field("auto", choices=("auto", "off"),
+                             help="replay compiled layers as CUDA graphs: auto (fused plans on CUDA) or off")
 
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""

@@ -40,6 +40,7 @@ from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
+from mtc.runtime.graph_replay import graph_report, replay_graphs
 from mtc.runtime.optimizer import StepStats, StreamingAdamW
 from mtc.runtime.runners import CompiledRunner, LayerRunner
 from mtc.runtime.schedule import lr_at
@@ -124,6 +125,7 @@ class TrainResult:
     host_state_bytes: int
     tiers: StateTiers
     compiled: dict | None = None
+    graph_report: list[str] = dataclasses.field(default_factory=list)  # CUDA-graph replay per template (runtime/graph_replay.py)
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
@@ -158,7 +160,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32", "eval_every", "eval_batches")
+                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -469,10 +471,14 @@ def train(
             sampler = tokens.sampler(cfg.micro_batch_size, cfg.seq_len)
         else:
             sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        compile_s = time.perf_counter()
         compiled = _compile(cfg, program, st)
+        compile_s = time.perf_counter() - compile_s
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
+            runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
+                                    log=notify)
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
@@ -540,6 +546,11 @@ def train(
                 )
         opt.wait()
         host_bytes = tiers.host_bytes()
+        graph_lines = graph_report(eng.executor.runners)
+        if compiled is not None:
+            graph_lines.insert(0, f"compiled plan: {len(compiled)} templates compiled or loaded in {compile_s:.2f} s")
+        if graph_lines and st.path is not None:
+            (st.path / "logs" / f"cuda_graphs-step{last.step}.txt").write_text("\n".join(graph_lines) + "\n")
     except BaseException as e:
         opt = next((p for p in parts if isinstance(p, StreamingAdamW)), None)
         if not isinstance(e, Exception) and notify is not None and opt is not None and not opt.commit_future.done():
@@ -560,7 +571,7 @@ def train(
     return TrainResult(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
-        host_state_bytes=host_bytes, tiers=tiers, compiled=compiled,
+        host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, graph_report=graph_lines,
     )
 
 

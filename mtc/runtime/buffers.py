@@ -90,6 +90,11 @@ class DeviceRing:
         if isinstance(r, Transfer):
             engine.wait_on_compute(r)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The device buffer of every slot allocated so far."""
+        with self._lock:
+            return [s.device for s in self._all]
+
     @property
     def allocated_bytes(self) -> int:
         """Bytes of all slots allocated so far."""

@@ -143,6 +143,11 @@ class StreamingExecutor:
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-fetch")
         self._last_user = program.last_backward_user()
         self._consts = {k: v.to(self.device) for k, v in program.constant_values.items()}
+        self._stable: tuple[int, set[int]] = (-1, set())
+        for r in self.runners.values():  # replayed CUDA graphs read these buffers in place (runtime/graph_replay.py)
+            bind = getattr(r, "bind_stable", None)
+            if bind is not None:
+                bind(self.stable_buffer)
         self.live_weights: weakref.WeakSet[LayerWeights] = weakref.WeakSet()
         self.on_visit = on_visit  # test hook: called as (phase, layer) after each layer's group visit
         for name in program.batch:
@@ -250,6 +255,17 @@ class StreamingExecutor:
     def _release(self, w: LayerWeights) -> None:
         if w.slot is not None:
             self.ring.release(w.slot, self.engine.marker())
+
+    def stable_buffer(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in a buffer that keeps its address and role while the executor lives:
+        a weight-ring slot, a resident compute copy or a constant."""
+        slots = self.ring.buffers()
+        if self._stable[0] != len(slots):  # ring slots are allocated on first use off CUDA
+            ptrs = {b.untyped_storage().data_ptr() for b in slots}
+            ptrs |= {c.untyped_storage().data_ptr() for c in self._consts.values()}
+            ptrs |= {s.compute.untyped_storage().data_ptr() for s in self.tiers.layers if s.tier == "gpu" and s.compute is not None}
+            self._stable = (len(slots), ptrs)
+        return t.untyped_storage().data_ptr() in self._stable[1]
 
     # -- running --------------------------------------------------------------------------------
 

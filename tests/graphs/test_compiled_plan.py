@@ -60,6 +60,21 @@ def test_launches_per_compiled_graph(name, tmp_path, tiny_plan):
         assert got == (ct.forward_report.kernels, ct.backward_report.kernels)
 
 
+def test_replayed_graphs_launch_a_few_kernels_per_call(tiny_plan):
+    # CUDA-graph replay (mtc.runtime.graph_replay): copies in + one graph launch + clones out
+    from mtc.runtime.graph_replay import capture_blocker, launches_per_replay
+
+    prog, _, compiled = tiny_plan
+    for tid, ct in compiled.items():
+        t = prog.templates[tid]
+        for which, g in (("forward", ct.forward_graph), ("joint", ct.joint_graph)):
+            assert capture_blocker(g) is None, (tid, which)
+            per_call = launches_per_replay(g, t, which, ct.diff, 1 + t.n_aux_out)
+            assert per_call <= 8, (tid, which, per_call)
+            if t.kind == "block":  # eager: one launch per kernel-invoking node
+                assert 2 * per_call < launches(g), (which, per_call, launches(g))
+
+
 def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, counted):
     prog, tmp_path, first = tiny_plan
     msgs: list[str] = []

@@ -1,0 +1,56 @@
+"""Kernel launches per layer call, and the CUDA-graph replay variant of a compiled joint graph
+(helpers of bench_fusion.py).
+
+Launches are counted two ways: on any machine, the CPU-countable proxy (kernel-invoking nodes of
+a compiled graph, `mtc.compiler.launches`; for a replayed graph, its input copies + one graph
+launch + its output clones, `mtc.runtime.graph_replay.launches_per_replay`); on CUDA, also the
+kernels the profiler sees in one call (torch.compile's included: its count cannot be read off a
+graph). A replayed graph's kernels still show one by one in the profiler, but the host issues one
+launch for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mtc.compiler import launches
+from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, launches_per_replay
+from mtc.runtime.runners import CompiledRunner
+
+
+def profiled_kernels(fn: Callable[[], Any]) -> int:
+    """GPU kernels (not copies or memsets) that one call of ``fn`` runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
+
+
+def proxy_launches(ct: Any, t: Any) -> dict[str, int]:
+    """The CPU proxy of one forward + backward call of a compiled template (its joint graph):
+    eager (one launch per kernel-invoking node) and replayed as a CUDA graph."""
+    n_out = 1 + t.n_aux_out
+    return {"mtc_fused": launches(ct.joint_graph), "mtc_fused_graph": launches_per_replay(ct.joint_graph, t, "joint", ct.diff, n_out)}
+
+
+def graph_variant(ct: Any, t: Any, args: list[torch.Tensor], gout: torch.Tensor,
+                  device: torch.device) -> tuple[Callable[[], Any], GraphRunner]:
+    """The compiled joint graph replayed as a CUDA graph, weights read in place (as the executor's
+    ring slots are), activations and the incoming gradient copied in; and its runner (stats)."""
+    weights = {a.untyped_storage().data_ptr() for a, i in zip(args, t.inputs, strict=True) if i.kind in ("param", "const")}
+    runner = GraphRunner(CompiledRunner(ct, t), t, CudaGraphCapture(device))
+    runner.bind_stable(lambda x: x.untyped_storage().data_ptr() in weights)
+    joint = runner.joint(device)
+
+    def replayed() -> Any:
+        return joint(*args, gout)
+
+    return replayed, runner

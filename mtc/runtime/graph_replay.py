@@ -1,0 +1,353 @@
+"""CUDA-graph replay of compiled layer templates: one launch per layer call, not one per node.
+
+A compiled template's forward and joint graphs run as FX GraphModules: every node is a Python
+call that launches a kernel, and between launches the GPU idles (~2 ms of a 22 ms Llama layer on
+the H100). `GraphRunner` wraps a template's runner and replays each graph as a CUDA graph instead:
+
+- **Inputs.** Weights and constants that live in buffers the executor keeps for its whole life
+  (its weight-ring slots, resident compute copies, constants: `bind_stable`) are read in place;
+  a captured graph is keyed by their addresses, so each ring slot gets its own graph. Everything
+  else (activations, aux inputs, the batch, incoming gradients, weights from anywhere else) is
+  copied into the graph's fixed input buffers before each replay, on the compute stream.
+- **Outputs.** A replay overwrites the same output buffers, and all graphs share one memory pool
+  (a later capture may place its buffers where an earlier graph keeps temporaries). So every
+  output that outlives the next replay is cloned right after it: forward outputs, the joint's
+  recomputed outputs and the gradients of activations (kept until the next layer's backward).
+  Parameter gradients are returned as the graph's own buffers: the executor adds them into the
+  layer's fp32 gradient slab before it issues anything else on the compute stream. No graph
+  writes a slab, so a slab's device-to-host copy stays ordered by the executor's slab ring (the
+  slab is not written again before that copy has finished), and gradients accumulate across
+  micro-batches exactly as in eager execution.
+- **Capture.** The first call of a key warms the graph up on a side stream (cuBLAS/cuDNN handles,
+  Triton JIT compilation and kernel tuning happen here, never under capture), then captures on
+  that same stream in ``thread_local`` mode (the fetch and optimizer threads keep issuing copies
+  meanwhile). Capturing synchronises the device once per key, during the first step or two;
+  replays never synchronise the host.
+- **Fallback.** A graph that calls an op known to synchronise the host (``nonzero``, ``.item()``,
+  boolean-mask indexing, ...) is never captured; a capture that fails anyway (an op that syncs,
+  allocates host memory or reads a CPU tensor) runs that graph eagerly for the rest of the run.
+  Either way the reason is logged once and kept in `report_lines`. Calls whose argument shapes
+  differ from the captured ones (a plan is static, so only foreign callers) run eagerly too.
+
+The capture itself is a small `Capture` backend: `CudaGraphCapture` on CUDA; `EmulatedCapture`
+reproduces a graph's buffer semantics on the CPU (fixed input buffers read at replay, fixed
+output buffers overwritten at each replay) so the CPU tests exercise every rule above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+
+from mtc.graphs.program import Template
+from mtc.runtime.runners import LayerRunner
+
+__all__ = [
+    "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphRunner", "ReplayStats", "capture_blocker",
+    "graph_report", "launches_per_replay", "replay_graphs",
+]
+
+# ATen ops that make the host wait for the device (a data-dependent output size or a value read
+# back): CUDA graphs cannot capture them
+SYNCING_OPS = frozenset({
+    "aten.nonzero", "aten._local_scalar_dense", "aten.item", "aten.masked_select", "aten.unique", "aten._unique",
+    "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.is_nonzero", "aten.equal", "aten.allclose",
+    "aten.masked_scatter", "aten.bincount", "aten.histc", "aten.argwhere",
+})
+
+
+def capture_blocker(graph: fx.Graph) -> str | None:
+    """Why ``graph`` cannot be captured as a CUDA graph (the first op that syncs the host), or None."""
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = ".".join(str(n.target).split(".")[:2])
+        if name in SYNCING_OPS:
+            return f"{n.name} calls {name}, which synchronises the host"
+        if name == "aten.repeat_interleave" and n.kwargs.get("output_size") is None and str(n.target).endswith(".Tensor"):
+            return f"{n.name} calls aten.repeat_interleave without output_size, which synchronises the host"
+        if name == "aten.index" and len(n.args) > 1:
+            for idx in n.args[1] or ():
+                val = idx.meta.get("val") if isinstance(idx, fx.Node) else None
+                if isinstance(val, torch.Tensor) and val.dtype == torch.bool:
+                    return f"{n.name} indexes with a boolean mask, which synchronises the host"
+    return None
+
+
+class Capture(Protocol):
+    """Records ``fn(*args)`` once and replays it on the same buffers."""
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
+        """(replay, outputs, figures): ``replay()`` recomputes ``fn`` from the current contents of
+        ``args`` into ``outputs``; figures: ``warmup_s``, ``capture_s``, ``pool_bytes``."""
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph capture on one side stream, every graph in one shared memory pool."""
+
+    def __init__(self, device: torch.device, *, warmup: int = 2) -> None:
+        self.device, self.warmup = torch.device(device), warmup
+        self.stream = torch.cuda.Stream(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
+        """Warm up ``fn`` on the side stream, then capture it there (see the module docstring)."""
+        cur = torch.cuda.current_stream(self.device)
+        t0 = time.perf_counter()
+        self.stream.wait_stream(cur)  # the static inputs were filled on the compute stream
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.warmup):  # JIT compilation, kernel tuning, library handles: not under capture
+                fn(*args)
+        cur.wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        torch.cuda.empty_cache()  # so the reserved-bytes difference is what the capture added to the pool
+        before = torch.cuda.memory_reserved(self.device)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                out = fn(*args)
+        except BaseException:
+            try:  # leave the device usable for the eager fallback
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                pass
+            raise
+        t2 = time.perf_counter()
+        figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
+                   "pool_bytes": float(max(0, torch.cuda.memory_reserved(self.device) - before))}
+        return g.replay, out, figures
+
+
+class EmulatedCapture:
+    """A CUDA graph's buffer semantics without CUDA, for the CPU tests: replay recomputes from the
+    fixed input buffers captured with and overwrites the fixed output buffers in place, so a caller
+    that keeps a replay's outputs past the next replay sees them change, as on the GPU."""
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
+        """Run ``fn`` once; its outputs become the fixed output buffers."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        static = list(out) if isinstance(out, (tuple, list)) else [out]
+
+        def replay() -> None:
+            new = fn(*args)
+            for buf, val in zip(static, list(new) if isinstance(new, (tuple, list)) else [new], strict=True):
+                if isinstance(buf, torch.Tensor):
+                    buf.copy_(val)
+
+        nbytes = sum(t.numel() * t.element_size() for t in static if isinstance(t, torch.Tensor))
+        return replay, out, {"warmup_s": 0.0, "capture_s": time.perf_counter() - t0, "pool_bytes": float(nbytes)}
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayStats:
+    """What one graph (forward or joint) of a template did in this run."""
+
+    captured: int = 0  # graphs captured (keys: one per weight-ring slot, plus copy-in graphs)
+    replays: int = 0
+    eager_calls: int = 0  # calls run as the plain GraphModule (fallback, or shapes not captured)
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    pool_bytes: int = 0  # GPU memory the captures added to the shared pool (reserved bytes)
+    static_bytes: int = 0  # the graphs' fixed input buffers
+    launches_per_call: int = 0  # input copies + 1 graph launch + output clones, of the last capture
+    fallback: str | None = None  # why this graph runs eagerly, when it does
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    replay: Callable[[], None]
+    static_in: list[torch.Tensor | None]  # the fixed buffer of each copied input; None: read in place
+    keep_alive: tuple[torch.Tensor, ...]  # the bound inputs: their memory must not be reused while the graph lives
+    outputs: list[Any]
+
+
+class _Replayer:
+    """The callable the executor gets for one (template, forward|joint, device)."""
+
+    def __init__(self, owner: GraphRunner, which: str, fn: Callable[..., Any], n_in: int, alias: frozenset[int],
+                 stats: ReplayStats) -> None:
+        self.owner, self.which, self.fn, self.n_in, self.alias, self.stats = owner, which, fn, n_in, alias, stats
+        self.entries: dict[tuple[Any, ...], _Entry] = {}
+        self.copy_in_shapes: tuple[Any, ...] | None = None  # the signature of the copy-in graph, once made
+
+    def __call__(self, *args: Any) -> Any:
+        st = self.stats
+        if st.fallback is not None or not all(isinstance(a, torch.Tensor) for a in args):
+            st.eager_calls += 1
+            return self.fn(*args)
+        bound = self.owner._bindable(self.which, args)
+        shapes = tuple((a.shape, a.dtype, a.device) for a in args)
+        key = (shapes, tuple((args[k].data_ptr(), args[k].stride()) if k in bound else None for k in range(len(args))))
+        e = self.entries.get(key)
+        if e is None and bound and sum(1 for k in self.entries if any(k[1])) >= self.owner.max_graphs:
+            bound, key = frozenset(), (shapes, (None,) * len(args))  # too many addresses: one graph that copies all
+            e = self.entries.get(key)
+        if e is None:
+            if self.copy_in_shapes is not None and shapes != self.copy_in_shapes or (
+                    self.entries and shapes != next(iter(self.entries))[0]):
+                st.eager_calls += 1  # a plan's shapes are static: only a foreign caller gets here
+                return self.fn(*args)
+            e = self._capture(key, args, bound)
+            if e is None:
+                st.eager_calls += 1
+                return self.fn(*args)
+            if not any(key[1]):
+                self.copy_in_shapes = shapes
+        for buf, a in zip(e.static_in, args, strict=True):
+            if buf is not None and buf.data_ptr() != a.data_ptr():
+                buf.copy_(a)
+        e.replay()
+        st.replays += 1
+        return tuple(o if (j in self.alias or not isinstance(o, torch.Tensor)) else o.clone() for j, o in enumerate(e.outputs))
+
+    def _capture(self, key: tuple[Any, ...], args: Sequence[torch.Tensor], bound: frozenset[int]) -> _Entry | None:
+        st = self.stats
+        static_in = [None if k in bound else torch.empty_like(a).copy_(a) for k, a in enumerate(args)]
+        call_args = [a if s is None else s for a, s in zip(args, static_in, strict=True)]
+        try:
+            replay, out, fig = self.owner.backend.capture(self.fn, call_args)
+        except Exception as e:  # noqa: BLE001  (whatever breaks capture: run this graph eagerly from now on)
+            self.owner._fall_back(self.which, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return None
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        e = _Entry(replay, static_in, tuple(args[k] for k in bound), outputs)
+        self.entries[key] = e
+        st.captured += 1
+        st.warmup_s += fig["warmup_s"]
+        st.capture_s += fig["capture_s"]
+        st.pool_bytes += int(fig["pool_bytes"])
+        st.static_bytes += sum(s.numel() * s.element_size() for s in static_in if s is not None)
+        copies = sum(1 for s in static_in if s is not None)
+        clones = sum(1 for j, o in enumerate(outputs) if isinstance(o, torch.Tensor) and j not in self.alias)
+        st.launches_per_call = copies + 1 + clones
+        return e
+
+
+class GraphRunner:
+    """A `LayerRunner` whose forward and joint callables replay CUDA graphs (see the module docstring).
+
+    ``inner``: the runner whose callables are captured (a `CompiledRunner`); ``template``: its
+    template (which inputs are weights, which outputs are parameter gradients); ``graphs``: the
+    FX graphs behind ``inner``'s callables by name ('forward', 'joint'), checked for ops that
+    cannot be captured; ``backend``: how to capture; ``max_graphs``: graphs per callable keyed by
+    weight addresses (one per weight-ring slot), beyond which one graph copies its weights in;
+    ``log``: receives one line per fallback.
+    """
+
+    def __init__(self, inner: LayerRunner, template: Template, backend: Capture, *,
+                 graphs: dict[str, fx.Graph] | None = None, max_graphs: int = 2,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.inner, self.template, self.backend = inner, template, backend
+        self.diff, self.n_out = list(inner.diff), inner.n_out
+        self.max_graphs, self.log = max_graphs, log
+        self.stats = {"forward": ReplayStats(), "joint": ReplayStats()}
+        self._stable: Callable[[torch.Tensor], bool] | None = None
+        self._replayers: dict[tuple[str, str], _Replayer] = {}
+        # weights and constants may be read in place; activations, aux and batch inputs never
+        self._weights = frozenset(k for k, i in enumerate(template.inputs) if i.kind in ("param", "const"))
+        for which, g in (graphs or {}).items():
+            why = capture_blocker(g)
+            if why is not None:
+                self._fall_back(which, why)
+
+    def bind_stable(self, stable: Callable[[torch.Tensor], bool]) -> None:
+        """``stable(t)``: whether ``t`` lives in a buffer that keeps its address for the caller's
+        life (the executor's ring slots, resident copies, constants): graphs may read it in place."""
+        self._stable = stable
+
+    def forward(self, device: torch.device) -> Callable[..., Any]:
+        """The forward, replayed."""
+        return self._replayer("forward", device)
+
+    def joint(self, device: torch.device) -> Callable[..., Any]:
+        """Recompute + backward, replayed; parameter gradients are returned as graph buffers."""
+        return self._replayer("joint", device)
+
+    def _replayer(self, which: str, device: torch.device) -> _Replayer:
+        key = (which, str(device))
+        r = self._replayers.get(key)
+        if r is None:
+            fn = self.inner.forward(device) if which == "forward" else self.inner.joint(device)
+            n_in = len(self.template.inputs)
+            # joint outputs: n_out recomputed outputs, then one gradient per diff input
+            alias = frozenset(self.n_out + j for j, k in enumerate(self.diff)
+                              if self.template.inputs[k].kind == "param") if which == "joint" else frozenset()
+            r = self._replayers[key] = _Replayer(self, which, fn, n_in, alias, self.stats[which])
+        return r
+
+    def _bindable(self, which: str, args: Sequence[torch.Tensor]) -> frozenset[int]:
+        if self._stable is None:
+            return frozenset()
+        return frozenset(k for k in self._weights if k < len(args) and self._stable(args[k]))
+
+    def _fall_back(self, which: str, why: str) -> None:
+        st = self.stats[which]
+        if st.fallback is None:
+            st.fallback = why
+            if self.log is not None:
+                self.log(f"cuda graphs: template {self.template.id} {which} runs without graph replay ({why})")
+
+    def report_lines(self) -> list[str]:
+        """One line per graph: replayed (how many graphs, launches per call, time, memory) or why not."""
+        lines = []
+        for which, st in self.stats.items():
+            head = f"{self.template.id} {which}:"
+            if st.fallback is not None:
+                lines.append(f"{head} eager ({st.fallback}), {st.eager_calls} calls")
+            elif st.captured:
+                eager = f", {st.eager_calls} eager calls (shapes not captured)" if st.eager_calls else ""
+                lines.append(f"{head} {st.captured} graphs, {st.replays} replays, {st.launches_per_call} launches per call; "
+                             f"warm-up {st.warmup_s:.2f} s, capture {st.capture_s:.2f} s; pool {st.pool_bytes / 2**20:.0f} MiB, "
+                             f"input buffers {st.static_bytes / 2**20:.0f} MiB{eager}")
+        return lines
+
+
+def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: Sequence[int], n_out: int) -> int:
+    """Kernel launches of one replayed call of a compiled ``graph`` (a CPU-countable proxy, like
+    `mtc.compiler.launches` for eager calls), with its weights read in place: one copy per other
+    input, the graph launch, one clone per output that is kept past the next replay."""
+    placeholders = sum(1 for n in graph.nodes if n.op == "placeholder")
+    weights = sum(1 for i in template.inputs if i.kind in ("param", "const"))
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    n_outputs = len(out) if isinstance(out, (tuple, list)) else 1
+    aliased = sum(1 for k in diff if template.inputs[k].kind == "param") if which == "joint" else 0
+    return (placeholders - weights) + 1 + (n_outputs - aliased)
+
+
+def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template], compiled: dict[str, Any],
+                  device: torch.device, *, mode: str = "auto", backend: Capture | None = None,
+                  log: Callable[[str], None] | None = None) -> dict[str, LayerRunner]:
+    """``runners`` with each compiled template's runner wrapped in a `GraphRunner`, where graph
+    replay applies: ``mode`` 'auto' on a CUDA device (or with an explicit ``backend``); 'off' or
+    another device returns ``runners`` unchanged. ``compiled``: template id -> compiled template
+    (its ``forward_graph`` and ``joint_graph`` are checked for ops that cannot be captured)."""
+    if mode == "off" or (backend is None and torch.device(device).type != "cuda"):
+        return runners
+    if backend is None:
+        backend = CudaGraphCapture(torch.device(device))
+    out: dict[str, LayerRunner] = {}
+    for tid, r in runners.items():
+        ct = compiled.get(tid)
+        graphs = {"forward": ct.forward_graph, "joint": ct.joint_graph} if ct is not None else None
+        out[tid] = GraphRunner(r, templates[tid], backend, graphs=graphs, log=log) if ct is not None else r
+    return out
+
+
+def graph_report(runners: dict[str, LayerRunner]) -> list[str]:
+    """The report lines of every `GraphRunner` among ``runners`` (empty when none replays graphs)."""
+    lines: list[str] = []
+    for r in runners.values():
+        if isinstance(r, GraphRunner):
+            lines.extend(r.report_lines())
+    if lines:
+        total = sum(st.pool_bytes + st.static_bytes for r in runners.values() if isinstance(r, GraphRunner)
+                    for st in r.stats.values())
+        lines.insert(0, f"cuda graphs: {total / 2**20:.0f} MiB of GPU memory in graph pools and input buffers")
+    return lines
