@@ -22,6 +22,7 @@ from mtc.costmodel import ModelShape, StepTime, model_shape, shape_from_program,
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
+from mtc.runtime.graph_replay import graph_memory_bytes
 
 __all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "largest_fit", "make_plan",
            "memory", "placement_for"]
@@ -47,13 +48,15 @@ def compute_bytes(cfg: TrainConfig, profile: MachineProfile) -> int:
 
 def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
     """GPU memory besides resident state: weight ring, gradient slabs, boundary activations, the
-    head's logits, one layer's work and 2 GiB of slack (`mtc.train`'s estimate)."""
+    head's logits, one layer's work, the fixed buffers of replayed CUDA graphs (fused plans) and 2 GiB of
+    slack (`mtc.train`'s estimate)."""
     c = shape.compute_bytes
     largest = max(shape.numels)
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
     acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
     head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
-    return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB)
+    graphs = graph_memory_bytes(largest, c, hidden) if cfg.kernels != "unfused" and cfg.cuda_graphs != "off" else 0
+    return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
 
 
 def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:

@@ -49,7 +49,7 @@ from mtc.runtime.runners import LayerRunner
 
 __all__ = [
     "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphRunner", "ReplayStats", "capture_blocker",
-    "graph_report", "launches_per_replay", "replay_graphs",
+    "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs",
 ]
 
 # ATen ops that make the host wait for the device (a data-dependent output size or a value read
@@ -321,6 +321,15 @@ def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: S
     return (placeholders - weights) + 1 + (n_outputs - aliased)
 
 
+def graph_memory_bytes(largest_numel: int, compute_bytes: int, activation_bytes: int, *, slots: int = 2) -> int:
+    """GPU memory that graph replay adds to a run's workspace (an estimate for the planner; runs
+    report what their captures measured): the joint graph of each weight-ring slot keeps its
+    parameter gradients and its activation outputs as fixed buffers, where eager execution frees
+    them after each call. The graphs' temporaries share one pool sized like one layer's work,
+    which eager execution needs as much of."""
+    return slots * (largest_numel * compute_bytes + 3 * activation_bytes)
+
+
 def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template], compiled: dict[str, Any],
                   device: torch.device, *, mode: str = "auto", backend: Capture | None = None,
                   log: Callable[[str], None] | None = None) -> dict[str, LayerRunner]:
@@ -347,7 +356,9 @@ def graph_report(runners: dict[str, LayerRunner]) -> list[str]:
         if isinstance(r, GraphRunner):
             lines.extend(r.report_lines())
     if lines:
-        total = sum(st.pool_bytes + st.static_bytes for r in runners.values() if isinstance(r, GraphRunner)
-                    for st in r.stats.values())
-        lines.insert(0, f"cuda graphs: {total / 2**20:.0f} MiB of GPU memory in graph pools and input buffers")
+        stats = [st for r in runners.values() if isinstance(r, GraphRunner) for st in r.stats.values()]
+        total = sum(st.pool_bytes + st.static_bytes for st in stats)
+        lines.insert(0, f"cuda graphs: {sum(st.captured for st in stats)} captured in {sum(st.capture_s for st in stats):.2f} s "
+                        f"(after {sum(st.warmup_s for st in stats):.2f} s of warm-up: JIT compilation and kernel tuning), "
+                        f"{total / 2**20:.0f} MiB of GPU memory in graph pools and input buffers")
     return lines

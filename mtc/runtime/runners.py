@@ -9,7 +9,9 @@ A runner gives two callables per device:
 Compiled templates (`mtc.compiler.CompiledTemplate`: generated kernels, joint graph from the
 compiler) already have this shape; `AutogradRunner` gives it to an unfused ATen template through
 ``torch.autograd.grad``. The executor therefore has one backward path for both, and never imports
-the compiler.
+the compiler. On CUDA, `mtc.runtime.graph_replay.GraphRunner` wraps a compiled template's runner
+and replays its callables as CUDA graphs, behind the same interface (plus ``bind_stable``, through
+which the executor names the buffers a graph may read in place).
 """
 
 from __future__ import annotations

@@ -233,3 +233,17 @@ def test_replayed_steps_are_bit_identical_to_eager(tokens, placement):
                                                         ("block", "joint"), ("head", "joint")])
     lines = graph_report(runners)
     assert lines[0].startswith("cuda graphs: ") and len(lines) == 1 + 5
+
+
+def test_the_planner_counts_graph_buffers_in_the_gpu_workspace():
+    from mtc.costmodel import model_shape
+    from mtc.planner import gpu_workspace
+    from mtc.runtime.graph_replay import graph_memory_bytes
+
+    cfg = small_config(device="cuda", kernels="fused")
+    shape = model_shape(cfg, "bfloat16")
+    hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * shape.compute_bytes
+    extra = graph_memory_bytes(max(shape.numels), shape.compute_bytes, hidden)
+    assert extra > 0
+    for off in ({"kernels": "fused", "cuda_graphs": "off"}, {"kernels": "unfused"}):
+        assert gpu_workspace(cfg, shape) - gpu_workspace(small_config(device="cuda", **off), shape) == extra
