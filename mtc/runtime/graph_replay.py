@@ -157,7 +157,8 @@ class ReplayStats:
     pool_bytes: int = 0  # GPU memory the captures added to the shared pool (reserved bytes)
     static_bytes: int = 0  # the graphs' fixed input buffers
     launches_per_call: int = 0  # input copies + 1 graph launch + output clones, of the last capture
-    fallback: str | None = None  # why this graph runs eagerly, when it does
+    fallback: str | None = None  # why this graph cannot be replayed, when it cannot
+    skipped: str | None = None  # why replaying it would not pay (it runs eagerly by choice)
 
 
 @dataclasses.dataclass(slots=True)
@@ -179,7 +180,7 @@ class _Replayer:
 
     def __call__(self, *args: Any) -> Any:
         st = self.stats
-        if st.fallback is not None or not all(isinstance(a, torch.Tensor) for a in args):
+        if st.fallback is not None or st.skipped is not None or not all(isinstance(a, torch.Tensor) for a in args):
             st.eager_calls += 1
             return self.fn(*args)
         bound = self.owner._bindable(self.which, args)
@@ -236,14 +237,17 @@ class GraphRunner:
     ``inner``: the runner whose callables are captured (a `CompiledRunner`); ``template``: its
     template (which inputs are weights, which outputs are parameter gradients); ``graphs``: the
     FX graphs behind ``inner``'s callables by name ('forward', 'joint'), checked for ops that
-    cannot be captured; ``backend``: how to capture; ``max_graphs``: graphs per callable keyed by
-    weight addresses (one per weight-ring slot), beyond which one graph copies its weights in;
-    ``log``: receives one line per fallback.
+    cannot be captured; ``eager_launches``: their kernel launches per eager call (the compile
+    report's count): a graph whose replay would not launch fewer runs eagerly (a head: the fused
+    linear + cross-entropy is already a few launches, and replay would add copies);
+    ``backend``: how to capture; ``max_graphs``: graphs per callable keyed by weight addresses
+    (one per weight-ring slot), beyond which one graph copies its weights in; ``log``: receives
+    one line per fallback.
     """
 
     def __init__(self, inner: LayerRunner, template: Template, backend: Capture, *,
-                 graphs: dict[str, fx.Graph] | None = None, max_graphs: int = 2,
-                 log: Callable[[str], None] | None = None) -> None:
+                 graphs: dict[str, fx.Graph] | None = None, eager_launches: dict[str, int] | None = None,
+                 max_graphs: int = 2, log: Callable[[str], None] | None = None) -> None:
         self.inner, self.template, self.backend = inner, template, backend
         self.diff, self.n_out = list(inner.diff), inner.n_out
         self.max_graphs, self.log = max_graphs, log
@@ -256,6 +260,10 @@ class GraphRunner:
             why = capture_blocker(g)
             if why is not None:
                 self._fall_back(which, why)
+            eager = (eager_launches or {}).get(which)
+            per_call = launches_per_replay(g, template, which, self.diff, self.n_out)
+            if eager is not None and per_call >= eager:
+                self.stats[which].skipped = f"replay would launch {per_call} kernels per call, eager {eager}"
 
     def bind_stable(self, stable: Callable[[torch.Tensor], bool]) -> None:
         """``stable(t)``: whether ``t`` lives in a buffer that keeps its address for the caller's
@@ -301,6 +309,8 @@ class GraphRunner:
             head = f"{self.template.id} {which}:"
             if st.fallback is not None:
                 lines.append(f"{head} eager ({st.fallback}), {st.eager_calls} calls")
+            elif st.skipped is not None:
+                lines.append(f"{head} not replayed ({st.skipped})")
             elif st.captured:
                 eager = f", {st.eager_calls} eager calls (shapes not captured)" if st.eager_calls else ""
                 lines.append(f"{head} {st.captured} graphs, {st.replays} replays, {st.launches_per_call} launches per call; "
@@ -345,7 +355,8 @@ def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template
     for tid, r in runners.items():
         ct = compiled.get(tid)
         graphs = {"forward": ct.forward_graph, "joint": ct.joint_graph} if ct is not None else None
-        out[tid] = GraphRunner(r, templates[tid], backend, graphs=graphs, log=log) if ct is not None else r
+        eager = {"forward": ct.forward_report.kernels, "joint": ct.backward_report.kernels} if ct is not None else None
+        out[tid] = GraphRunner(r, templates[tid], backend, graphs=graphs, eager_launches=eager, log=log) if ct is not None else r
     return out
 
 

@@ -161,7 +161,8 @@ def test_a_graph_that_syncs_is_never_captured():
 def test_replay_graphs_wraps_compiled_templates_on_cuda_or_with_a_backend():
     t = _toy_template()
     compiled = {"toy": SimpleNamespace(forward_graph=_graph_of(torch.ops.aten.relu.default),
-                                       joint_graph=_graph_of(torch.ops.aten.nonzero.default))}
+                                       joint_graph=_graph_of(torch.ops.aten.nonzero.default),
+                                       forward_report=SimpleNamespace(kernels=9), backward_report=SimpleNamespace(kernels=9))}
     runners = {"toy": _ToyRunner(), "other": _ToyRunner()}
     cpu = torch.device("cpu")
     assert replay_graphs(runners, {"toy": t}, compiled, cpu) is runners  # no CUDA: as they were
@@ -170,6 +171,21 @@ def test_replay_graphs_wraps_compiled_templates_on_cuda_or_with_a_backend():
     got = replay_graphs(runners, {"toy": t}, compiled, cpu, backend=EmulatedCapture(), log=msgs.append)
     assert isinstance(got["toy"], GraphRunner) and got["other"] is runners["other"]  # only compiled templates
     assert got["toy"].stats["joint"].fallback is not None and len(msgs) == 1  # decided before any call
+
+
+def test_a_graph_whose_replay_would_not_launch_fewer_kernels_runs_eagerly():
+    g = torch.fx.Graph()  # the toy layer's forward: x @ w, one output
+    x, w = g.placeholder("x"), g.placeholder("w")
+    g.output((g.call_function(torch.ops.aten.mm.default, (x, w)),))
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    for eager, replayed in ((3, False), (4, True)):  # replay: copy x, launch, clone y = 3
+        r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(), graphs={"forward": g},
+                        eager_launches={"forward": eager})
+        assert torch.equal(r.forward(torch.device("cpu"))(x, w)[0], x @ w)
+        st = r.stats["forward"]
+        assert (st.captured, st.eager_calls, st.skipped is None) == ((1, 0, True) if replayed else (0, 1, False))
+        if not replayed:
+            assert r.report_lines() == ["toy forward: not replayed (replay would launch 3 kernels per call, eager 3)"]
 
 
 # -- the executor fills the buffers: a training step, replayed, is bit-identical ---------------

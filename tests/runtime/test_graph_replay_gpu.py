@@ -115,8 +115,9 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     assert msgs == []
     for r in runners.values():
         assert isinstance(r, GraphRunner)
-        for st in r.stats.values():
-            assert st.fallback is None and st.eager_calls == 0
+        for st in r.stats.values():  # the head's joint is not replayed: it would not launch fewer kernels
+            assert st.fallback is None and (st.skipped is not None or st.eager_calls == 0)
+    assert sum(st.replays for r in runners.values() for st in r.stats.values()) > 0
     pool = sum(st.pool_bytes for r in runners.values() for st in r.stats.values())
     assert 0 < pool <= torch.cuda.memory_reserved()
     assert graph_report(runners)[0].startswith("cuda graphs: ")
