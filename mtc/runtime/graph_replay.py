@@ -48,7 +48,7 @@ from mtc.graphs.program import Template
 from mtc.runtime.runners import LayerRunner
 
 __all__ = [
-    "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphRunner", "ReplayStats", "capture_blocker",
+    "MIN_LAUNCHES_SAVED", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphRunner", "ReplayStats", "capture_blocker",
     "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs",
 ]
 
@@ -59,6 +59,13 @@ SYNCING_OPS = frozenset({
     "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.is_nonzero", "aten.equal", "aten.allclose",
     "aten.masked_scatter", "aten.bincount", "aten.histc", "aten.argwhere",
 })
+
+
+# Replay holds a graph's outputs (a layer's parameter gradients among them: 1 GiB for a Llama 3
+# embedding table) for the whole run, where eager execution frees them after each call; a graph
+# is replayed only when that saves at least this many launches per call (a block: ~45 -> 7; an
+# embed stage or a head: at most one or two, or none)
+MIN_LAUNCHES_SAVED = 3
 
 
 def capture_blocker(graph: fx.Graph) -> str | None:
@@ -238,8 +245,8 @@ class GraphRunner:
     template (which inputs are weights, which outputs are parameter gradients); ``graphs``: the
     FX graphs behind ``inner``'s callables by name ('forward', 'joint'), checked for ops that
     cannot be captured; ``eager_launches``: their kernel launches per eager call (the compile
-    report's count): a graph whose replay would not launch fewer runs eagerly (a head: the fused
-    linear + cross-entropy is already a few launches, and replay would add copies);
+    report's count): a graph whose replay would save fewer than `MIN_LAUNCHES_SAVED` runs eagerly
+    (a head: the fused linear + cross-entropy is already a few launches, and replay adds copies);
     ``backend``: how to capture; ``max_graphs``: graphs per callable keyed by weight addresses
     (one per weight-ring slot), beyond which one graph copies its weights in; ``log``: receives
     one line per fallback.
@@ -262,7 +269,7 @@ class GraphRunner:
                 self._fall_back(which, why)
             eager = (eager_launches or {}).get(which)
             per_call = launches_per_replay(g, template, which, self.diff, self.n_out)
-            if eager is not None and per_call >= eager:
+            if eager is not None and eager - per_call < MIN_LAUNCHES_SAVED:
                 self.stats[which].skipped = f"replay would launch {per_call} kernels per call, eager {eager}"
 
     def bind_stable(self, stable: Callable[[torch.Tensor], bool]) -> None:

@@ -173,19 +173,19 @@ def test_replay_graphs_wraps_compiled_templates_on_cuda_or_with_a_backend():
     assert got["toy"].stats["joint"].fallback is not None and len(msgs) == 1  # decided before any call
 
 
-def test_a_graph_whose_replay_would_not_launch_fewer_kernels_runs_eagerly():
+def test_a_graph_whose_replay_would_save_few_launches_runs_eagerly():
     g = torch.fx.Graph()  # the toy layer's forward: x @ w, one output
     x, w = g.placeholder("x"), g.placeholder("w")
     g.output((g.call_function(torch.ops.aten.mm.default, (x, w)),))
     x, w = torch.randn(4, 3), torch.randn(3, 3)
-    for eager, replayed in ((3, False), (4, True)):  # replay: copy x, launch, clone y = 3
+    for eager, replayed in ((5, False), (6, True)):  # replay: copy x, launch, clone y = 3 (it must save 3)
         r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(), graphs={"forward": g},
                         eager_launches={"forward": eager})
         assert torch.equal(r.forward(torch.device("cpu"))(x, w)[0], x @ w)
         st = r.stats["forward"]
         assert (st.captured, st.eager_calls, st.skipped is None) == ((1, 0, True) if replayed else (0, 1, False))
         if not replayed:
-            assert r.report_lines() == ["toy forward: not replayed (replay would launch 3 kernels per call, eager 3)"]
+            assert r.report_lines() == ["toy forward: not replayed (replay would launch 3 kernels per call, eager 5)"]
 
 
 # -- the executor fills the buffers: a training step, replayed, is bit-identical ---------------
