@@ -27,7 +27,8 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   boolean-mask indexing, ...) is never captured; a capture that fails anyway (an op that syncs,
   allocates host memory or reads a CPU tensor) runs that graph eagerly for the rest of the run.
   Either way the reason is logged once and kept in `report_lines`. Calls whose argument shapes
-  differ from the captured ones (a plan is static, so only foreign callers) run eagerly too.
+  differ from the captured ones (a plan is static, so only foreign callers), or whose weights are
+  not in the executor's buffers (an evaluation's), run eagerly too.
 
 The capture itself is a small `Capture` backend: `CudaGraphCapture` on CUDA; `EmulatedCapture`
 reproduces a graph's buffer semantics on the CPU (fixed input buffers read at replay, fixed
@@ -191,6 +192,11 @@ class _Replayer:
             st.eager_calls += 1
             return self.fn(*args)
         bound = self.owner._bindable(self.which, args)
+        if not bound and self.owner._stable is not None and self.owner._weights:
+            # weights from outside the executor's buffers (an evaluation's): a graph for them would
+            # hold a copy of the layer's weights all run long, for a call made now and then
+            st.eager_calls += 1
+            return self.fn(*args)
         shapes = tuple((a.shape, a.dtype, a.device) for a in args)
         key = (shapes, tuple((args[k].data_ptr(), args[k].stride()) if k in bound else None for k in range(len(args))))
         e = self.entries.get(key)
@@ -319,7 +325,7 @@ class GraphRunner:
             elif st.skipped is not None:
                 lines.append(f"{head} not replayed ({st.skipped})")
             elif st.captured:
-                eager = f", {st.eager_calls} eager calls (shapes not captured)" if st.eager_calls else ""
+                eager = f", {st.eager_calls} eager calls (weights outside the executor's buffers, or shapes not captured)" if st.eager_calls else ""
                 lines.append(f"{head} {st.captured} graphs, {st.replays} replays, {st.launches_per_call} launches per call; "
                              f"warm-up {st.warmup_s:.2f} s, capture {st.capture_s:.2f} s; pool {st.pool_bytes / 2**20:.0f} MiB, "
                              f"input buffers {st.static_bytes / 2**20:.0f} MiB{eager}")

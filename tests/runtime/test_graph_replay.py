@@ -135,6 +135,14 @@ def test_unstable_weights_are_copied_in():
     assert st.captured == 1 and st.launches_per_call == 2 + 1 + 1
 
 
+def test_weights_outside_the_executors_buffers_run_eagerly():
+    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture())
+    r.bind_stable(lambda t: False)  # an executor is bound, but these weights are not in its buffers
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    assert torch.equal(r.forward(torch.device("cpu"))(x, w)[0], x @ w)
+    assert r.stats["forward"].captured == 0 and r.stats["forward"].eager_calls == 1
+
+
 def test_failed_capture_falls_back_once_and_says_why():
     msgs: list[str] = []
     r = GraphRunner(_ToyRunner(), _toy_template(), _Failing(), log=msgs.append)

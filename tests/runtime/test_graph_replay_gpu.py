@@ -52,6 +52,9 @@ def test_replay_equals_eager_bit_for_bit(tmp_path, dtype):
     g = torch.randn_like(args[0])
     want_f = ct.module("forward", dev)(*args)
     want_j = ct.module("joint", dev)(*args, g)
+    again = ct.module("joint", dev)(*args, g)
+    if not all(torch.equal(a, b) for a, b in zip(again, want_j, strict=True) if a is not None):
+        pytest.skip("two eager calls differ (a nondeterministic kernel was chosen): nothing to compare bit for bit")
     for _ in range(3):  # the first call captures, every call replays
         got_f, got_j = r.forward(dev)(*args), r.joint(dev)(*args, g)
         assert all(torch.equal(a, b) for a, b in zip(got_f, want_f, strict=True))
