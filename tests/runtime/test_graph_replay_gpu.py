@@ -8,7 +8,7 @@ import torch
 
 from mtc.compiler import compile_program
 from mtc.data import BatchSampler
-from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report, replay_graphs
+from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report, launches_per_replay, replay_graphs
 from mtc.runtime.runners import CompiledRunner
 from mtc.runtime.state import flatten_layer, read_params
 from mtc.runtime.tiers import StateTiers
@@ -121,6 +121,11 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
         for st in r.stats.values():  # the head's joint is not replayed: it would not launch fewer kernels
             assert st.fallback is None and (st.skipped is not None or st.eager_calls == 0)
     assert sum(st.replays for r in runners.values() for st in r.stats.values()) > 0
+    for tid, r in runners.items():  # the CPU proxy is what a replayed call issues
+        ct, t = compiled[tid], prog.templates[tid]
+        for which, g in (("forward", ct.forward_graph), ("joint", ct.joint_graph)):
+            if r.stats[which].captured:
+                assert r.stats[which].launches_per_call == launches_per_replay(g, t, which, ct.diff, 1 + t.n_aux_out)
     pool = sum(st.pool_bytes for r in runners.values() for st in r.stats.values())
     assert 0 < pool <= torch.cuda.memory_reserved()
     assert graph_report(runners)[0].startswith("cuda graphs: ")
