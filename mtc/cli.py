@@ -374,7 +374,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 # run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
 _PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "durability",
-               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads")
+               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs")
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:

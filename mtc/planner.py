@@ -55,7 +55,9 @@ def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
     acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
     head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
-    graphs = graph_memory_bytes(largest, c, hidden) if cfg.kernels != "unfused" and cfg.cuda_graphs != "off" else 0
+    # replayed graphs are the blocks' (embed stages and heads save too few launches to be replayed)
+    block = max(shape.numels[1:-1], default=largest)
+    graphs = graph_memory_bytes(block, c, hidden) if cfg.kernels != "unfused" and cfg.cuda_graphs != "off" else 0
     return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
 
 

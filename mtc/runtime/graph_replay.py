@@ -344,13 +344,15 @@ def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: S
     return (placeholders - weights) + 1 + (n_outputs - aliased)
 
 
-def graph_memory_bytes(largest_numel: int, compute_bytes: int, activation_bytes: int, *, slots: int = 2) -> int:
-    """GPU memory that graph replay adds to a run's workspace (an estimate for the planner; runs
-    report what their captures measured): the joint graph of each weight-ring slot keeps its
-    parameter gradients and its activation outputs as fixed buffers, where eager execution frees
-    them after each call. The graphs' temporaries share one pool sized like one layer's work,
-    which eager execution needs as much of."""
-    return slots * (largest_numel * compute_bytes + 3 * activation_bytes)
+def graph_memory_bytes(block_numel: int, compute_bytes: int, activation_bytes: int, *, slots: int = 2) -> int:
+    """GPU memory that graph replay adds to a run's workspace beyond eager execution (an estimate
+    for the planner; runs report what their captures measured). The joint graph of each
+    weight-ring slot keeps its block's parameter gradients as fixed buffers, where eager execution
+    needs one such set at a time (a joint call returns them all at once): ``slots - 1`` sets more;
+    the forward and joint graphs of each slot keep their activation outputs and input buffers
+    (about three activations each); the graphs' temporaries share one pool, sized like the one
+    layer's work eager execution needs anyway."""
+    return (slots - 1) * block_numel * compute_bytes + slots * 3 * activation_bytes
 
 
 def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template], compiled: dict[str, Any],
