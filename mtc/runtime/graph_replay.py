@@ -159,7 +159,7 @@ class ReplayStats:
 
     captured: int = 0  # graphs captured (keys: one per weight-ring slot, plus copy-in graphs)
     replays: int = 0
-    eager_calls: int = 0  # calls run as the plain GraphModule (fallback, or shapes not captured)
+    eager_calls: int = 0  # calls run as the plain GraphModule (fallback, skipped, foreign weights or shapes)
     warmup_s: float = 0.0
     capture_s: float = 0.0
     pool_bytes: int = 0  # GPU memory the captures added to the shared pool (reserved bytes)
@@ -180,9 +180,8 @@ class _Entry:
 class _Replayer:
     """The callable the executor gets for one (template, forward|joint, device)."""
 
-    def __init__(self, owner: GraphRunner, which: str, fn: Callable[..., Any], n_in: int, alias: frozenset[int],
-                 stats: ReplayStats) -> None:
-        self.owner, self.which, self.fn, self.n_in, self.alias, self.stats = owner, which, fn, n_in, alias, stats
+    def __init__(self, owner: GraphRunner, which: str, fn: Callable[..., Any], alias: frozenset[int], stats: ReplayStats) -> None:
+        self.owner, self.which, self.fn, self.alias, self.stats = owner, which, fn, alias, stats
         self.entries: dict[tuple[Any, ...], _Entry] = {}
         self.copy_in_shapes: tuple[Any, ...] | None = None  # the signature of the copy-in graph, once made
 
@@ -296,11 +295,10 @@ class GraphRunner:
         r = self._replayers.get(key)
         if r is None:
             fn = self.inner.forward(device) if which == "forward" else self.inner.joint(device)
-            n_in = len(self.template.inputs)
             # joint outputs: n_out recomputed outputs, then one gradient per diff input
             alias = frozenset(self.n_out + j for j, k in enumerate(self.diff)
                               if self.template.inputs[k].kind == "param") if which == "joint" else frozenset()
-            r = self._replayers[key] = _Replayer(self, which, fn, n_in, alias, self.stats[which])
+            r = self._replayers[key] = _Replayer(self, which, fn, alias, self.stats[which])
         return r
 
     def _bindable(self, which: str, args: Sequence[torch.Tensor]) -> frozenset[int]:
