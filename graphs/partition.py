@@ -26,7 +26,7 @@ import torch
 from mtc.graphs.program import external_inputs
 from torch import fx
 
-__all__ = ["CAT", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
+__all__ = ["CAT", "RECOMPUTE", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
 
 aten = torch.ops.aten
 
@@ -115,6 +115,7 @@ def is_column_reduction(node: fx.Node) -> bool:
 
 
 CAT = aten.cat.default
+RECOMPUTE = "mtc_recompute"  # node meta key: a copy made to be recomputed by its consumer (graphs/recompute.py)
 Frame = tuple[int, int]  # (first column, width): the window of the iteration shape's last dim a value lives in
 
 
@@ -276,9 +277,12 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
         gid, next_id = next_id, next_id + 1
         group_of[n], members[gid] = gid, [n]
         shape_of[gid] = _iter_shape([n], red)
-        # try to join the groups of fusible producers (in order), if shapes agree and no cycle
+        # try to join the groups of fusible producers (in order), if shapes agree and no cycle;
+        # a recomputed copy never joins its producers' group (it exists to run in its consumer's)
         for a in n.all_input_nodes:
             if a not in group_of or group_of[a] == group_of[n]:
+                continue
+            if n.meta.get(RECOMPUTE) and not a.meta.get(RECOMPUTE):
                 continue
             ga, gn = group_of[a], group_of[n]
             merged = members[ga] + members[gn]

@@ -13,6 +13,8 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
+    recompute joint     cheap fp32 values a forward group stores only for backward groups are
+                        recomputed there instead (graphs/recompute.py)
     fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
     fuse joint          splice the kernels into the graph
 
@@ -46,6 +48,7 @@ from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
 from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
+from mtc.graphs.recompute import recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
 from mtc.kernels.matmul_fusion import fuse_matmuls
@@ -254,6 +257,10 @@ def _fuse_matmul_edges(w: Work) -> None:
     fuse_matmuls(w.joint, w.matmul_fusion, w.cache)
 
 
+def _recompute_joint(w: Work) -> None:
+    recompute_cheap(w.joint, FUSIBLE)
+
+
 def _fuse_forward(w: Work) -> None:
     w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
 
@@ -269,6 +276,7 @@ PASSES: list[Pass] = [
     Pass("flash attention", _flash_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),
     Pass("fuse matmul edges", _fuse_matmul_edges),
+    Pass("recompute joint", _recompute_joint),
     Pass("fuse forward", _fuse_forward),
     Pass("fuse joint", _fuse_joint),
 ]
