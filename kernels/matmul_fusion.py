@@ -107,13 +107,15 @@ def match_norm(xn: fx.Node) -> Prologue | None:
         return None
     K, rows = v.shape[-1], tuple(v.shape[:-1])
     n, b, w = xn, None, None
+    if _cast(n) and tuple(_val(n.args[0]).shape) == tuple(v.shape):
+        n = n.args[0]  # half precision: the norm computes in fp32 and casts its result (the kernel casts too)
     if _call(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2 and _vec(n.args[1], K):
         n, b = n.args[0], n.args[1]
     parts = _mul_parts(n)
     if parts and _vec(parts[1], K) or parts and _vec(parts[0], K):
         n, w = (parts[0], parts[1]) if _vec(parts[1], K) else (parts[1], parts[0])
     round_norm = False
-    if _call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and _val(n).dtype == v.dtype:
+    if _cast(n) and _val(n).dtype == v.dtype and _val(n.args[0]).dtype != v.dtype:
         n, round_norm = n.args[0], True
     parts = _mul_parts(n)
     if parts is None:
@@ -126,7 +128,14 @@ def match_norm(xn: fx.Node) -> Prologue | None:
         d, mean = d.args[0], d.args[1]
     if w is None and b is None and not round_norm:
         return None  # a bare (x - mean) * rstd: nothing worth a prologue (and too loose a match)
+    if _cast(d) and _val(d).dtype == torch.float32:
+        d = d.args[0]  # the kernel upcasts what it loads: read x itself, not its fp32 copy
     return Prologue(xn, d, mean, rstd, w, b, round_norm)
+
+
+def _cast(n: object) -> bool:
+    """A plain dtype conversion (``_to_copy`` with at most a dtype)."""
+    return _call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and isinstance(n.args[0], fx.Node)
 
 
 def _single_user(n: fx.Node) -> fx.Node | None:

@@ -98,3 +98,16 @@ def test_timing_choice_per_shape_is_kept_in_the_cache(tmp_path):
     # ... and where the fused kernel wins, it takes the site
     assert len(fuse_matmuls(g, "auto", device=cpu, choices=Choices(tmp_path / "a", bench=never))) == len(sites)
     assert len(_fused_calls(g)) == len(sites)
+
+
+def test_half_precision_norms_match_with_their_casts():
+    # bf16 (meta: nothing runs): LayerNorm computes in fp32 and casts its result; the prologue reads
+    # the bf16 input itself and RMSNorm's cast before the weight becomes round_norm
+    for name, norm in (("gpt2-tiny", "layer"), ("tiny", "rms+round")):
+        with torch.device("meta"):
+            model = build(name, n_layers=1).to(torch.bfloat16)
+        prog = trace(model, 2, 8)
+        t = prog.templates[prog.layers[1].template]
+        pro = [s for s in find_sites(forward_graph(t).graph) if s.prologue is not None]
+        assert pro and all(f"norm={norm} " in s.key() for s in pro)
+        assert all(s.prologue.x.meta["val"].dtype == torch.bfloat16 for s in pro)
