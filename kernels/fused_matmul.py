@@ -2,7 +2,8 @@
 
 ``fused_mm(a, b, ...) = residual + act(norm(a) @ b + bias)`` for 2-D operands of any strides:
 
-* prologue (optional): the rows of ``a`` are normalised while they are loaded,
+* prologue (optional): the rows of ``a`` (or, ``norm_on_b``, of ``b``: the weight gradient's
+  ``dy^T @ xn``) are normalised while they are loaded,
   ``((a - mean[m]) * rstd[m]) * norm_w[k] + norm_b[k]`` (RMSNorm: no mean, no norm_b), cast to the
   matmul's operand dtype (what ATen's normalised tensor would hold) before the dot. The per-row
   statistics come from a cheap pre-pass (the norm's own row kernel, which then writes two floats
@@ -44,7 +45,7 @@ def _fused_mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, res_ptr, mean_ptr, rstd_ptr, nw_ptr, nb_ptr,
     M, N, K,
     s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, s_mean, s_rstd,
-    NORM: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
+    NORM: tl.constexpr, NORM_B: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
     ROUND_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -63,18 +64,24 @@ def _fused_mm_kernel(
     mmask = rm < M
     nmask = rn < N
     op_ty = b_ptr.dtype.element_ty  # the matmul's operand dtype (ATen's normalised tensor holds it)
-    if NORM:
+    if NORM and not NORM_B:
         rstd = tl.load(rstd_ptr + rm * s_rstd, mask=mmask, other=0.0).to(tl.float32)
         if HAS_MEAN:
             mean = tl.load(mean_ptr + rm * s_mean, mask=mmask, other=0.0).to(tl.float32)
+    if NORM and NORM_B:  # b's rows are the normalised rows: per-row terms by k, per-column by n
+        if HAS_NW:
+            nw = tl.load(nw_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        if HAS_NB:
+            nb = tl.load(nb_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         kmask = rk < K
         amask = mmask[:, None] & kmask[None, :]
+        bmask = kmask[:, None] & nmask[None, :]
         a = tl.load(a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak, mask=amask, other=0.0)
-        b = tl.load(b_ptr + rk[:, None] * s_bk + rn[None, :] * s_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if NORM:
+        b = tl.load(b_ptr + rk[:, None] * s_bk + rn[None, :] * s_bn, mask=bmask, other=0.0)
+        if NORM and not NORM_B:
             x = a.to(tl.float32)
             if HAS_MEAN:
                 x = x - mean[:, None]
@@ -86,6 +93,19 @@ def _fused_mm_kernel(
             if HAS_NB:
                 x = x + tl.load(nb_ptr + rk, mask=kmask, other=0.0).to(tl.float32)[None, :]
             a = tl.where(amask, x, 0.0).to(op_ty)  # padding lanes stay 0 (the norm bias would fill them)
+        if NORM and NORM_B:
+            x = b.to(tl.float32)
+            rs = tl.load(rstd_ptr + rk * s_rstd, mask=kmask, other=0.0).to(tl.float32)
+            if HAS_MEAN:
+                x = x - tl.load(mean_ptr + rk * s_mean, mask=kmask, other=0.0).to(tl.float32)[:, None]
+            x = x * rs[:, None]
+            if ROUND_NORM:
+                x = x.to(op_ty).to(tl.float32)
+            if HAS_NW:
+                x = x * nw[None, :]
+            if HAS_NB:
+                x = x + nb[None, :]
+            b = tl.where(bmask, x, 0.0).to(op_ty)
         if IEEE:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -120,7 +140,7 @@ def _tiles(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, named: dict[str, torch.Tensor | None], act: str) -> None:
+def _check(a: torch.Tensor, b: torch.Tensor, named: dict[str, torch.Tensor | None], act: str, norm_on_b: bool) -> None:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise KernelInputError(f"fused_mm: expected a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
     if act not in ACTIVATIONS:
@@ -128,7 +148,8 @@ def _check(a: torch.Tensor, b: torch.Tensor, named: dict[str, torch.Tensor | Non
     if not b.dtype.is_floating_point or not a.dtype.is_floating_point:
         raise KernelInputError(f"fused_mm: floating operands needed, got {a.dtype} and {b.dtype}")
     M, N = a.shape[0], b.shape[1]
-    want = {"bias": (N,), "residual": (M, N), "mean": (M,), "rstd": (M,), "norm_w": (a.shape[1],), "norm_b": (a.shape[1],)}
+    rows, cols = (b.shape[0], N) if norm_on_b else (M, a.shape[1])  # the normalised operand's rows and columns
+    want = {"bias": (N,), "residual": (M, N), "mean": (rows,), "rstd": (rows,), "norm_w": (cols,), "norm_b": (cols,)}
     for name, t in named.items():
         if t is None:
             continue
@@ -151,10 +172,12 @@ def _flat(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
 def fused_mm(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
     mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
-    norm_b: torch.Tensor | None = None, act: str = "none", round_norm: bool = False,
+    norm_b: torch.Tensor | None = None, act: str = "none", round_norm: bool = False, norm_on_b: bool = False,
 ) -> torch.Tensor:
-    """``residual + act(norm(a) @ b + bias)`` in one kernel, (M, N) of ``b``'s dtype (see module doc)."""
-    _check(a, b, {"bias": bias, "residual": residual, "mean": mean, "rstd": rstd, "norm_w": norm_w, "norm_b": norm_b}, act)
+    """``residual + act(norm(a) @ b + bias)`` in one kernel, (M, N) of ``b``'s dtype (see module doc);
+    with ``norm_on_b`` the prologue normalises the rows of ``b`` instead: ``a @ norm(b)``."""
+    _check(a, b, {"bias": bias, "residual": residual, "mean": mean, "rstd": rstd, "norm_w": norm_w, "norm_b": norm_b},
+           act, norm_on_b)
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=b.dtype, device=a.device)
@@ -173,7 +196,7 @@ def fused_mm(
         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         s_mean, s_rstd,
-        NORM=rstd is not None, HAS_MEAN=mean is not None, HAS_NW=norm_w is not None, HAS_NB=norm_b is not None,
+        NORM=rstd is not None, NORM_B=bool(norm_on_b), HAS_MEAN=mean is not None, HAS_NW=norm_w is not None, HAS_NB=norm_b is not None,
         ROUND_NORM=bool(round_norm), HAS_BIAS=bias is not None, ACT=ACTIVATIONS[act], HAS_RES=residual is not None,
         IEEE=ieee, **cfg,
     )
@@ -184,24 +207,24 @@ def fused_mm(
 def _fused_mm_op(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
     mean: torch.Tensor | None, rstd: torch.Tensor | None, norm_w: torch.Tensor | None, norm_b: torch.Tensor | None,
-    act: str, round_norm: bool,
+    act: str, round_norm: bool, norm_on_b: bool,
 ) -> torch.Tensor:
-    return fused_mm(a, b, bias, residual, mean, rstd, norm_w, norm_b, act, round_norm)
+    return fused_mm(a, b, bias, residual, mean, rstd, norm_w, norm_b, act, round_norm, norm_on_b)
 
 
 @_fused_mm_op.register_fake
-def _(a, b, bias, residual, mean, rstd, norm_w, norm_b, act, round_norm):
+def _(a, b, bias, residual, mean, rstd, norm_w, norm_b, act, round_norm, norm_on_b):
     return b.new_empty((a.shape[0], b.shape[1]))
 
 
 def fused_mm_ref(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
     mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None, norm_w: torch.Tensor | None = None,
-    norm_b: torch.Tensor | None = None, act: str = "none", round_norm: bool = False,
+    norm_b: torch.Tensor | None = None, act: str = "none", round_norm: bool = False, norm_on_b: bool = False,
 ) -> torch.Tensor:
     """Pure-torch reference of `fused_mm`: the separate ATen ops it replaces."""
     if rstd is not None:
-        x = a.float()
+        x = (b if norm_on_b else a).float()
         if mean is not None:
             x = x - mean.reshape(-1, 1).float()
         x = x * rstd.reshape(-1, 1).float()
@@ -211,7 +234,10 @@ def fused_mm_ref(
             x = x * norm_w.float()
         if norm_b is not None:
             x = x + norm_b.float()
-        a = x.to(b.dtype)
+        if norm_on_b:
+            b = x.to(b.dtype)
+        else:
+            a = x.to(b.dtype)
     c = a @ b if bias is None else torch.addmm(bias, a, b)
     if act == "gelu":
         c = torch.nn.functional.gelu(c)

@@ -8,10 +8,11 @@ A *site* is an ``mm`` or ``addmm`` (bias) of a lowered graph, its output seen th
   user, then a residual ``add`` of a same-shape tensor that is the previous value's only user
   (values with other users, e.g. a pre-activation the backward reads, stay in memory and keep
   their op outside);
-* prologue: the A operand is ``view(xn)`` where ``xn = ((x - mean) * rstd) [cast] * w [+ b]`` is a
-  LayerNorm or RMSNorm with per-row ``mean`` / ``rstd``; taken only when every user of ``xn`` is
-  the A operand of a site (then ``xn`` is never written: the norm's row kernel writes two floats
-  per row and each matmul normalises its rows while loading them).
+* prologue: an operand is ``view(xn)`` where ``xn = ((x - mean) * rstd) [cast] * w [+ b]`` is a
+  LayerNorm or RMSNorm with per-row ``mean`` / ``rstd``: the A operand of the matmuls the norm
+  feeds, and in joint graphs the B operand of their weight gradients (``dy^T @ xn``); taken only
+  when every user of ``xn`` is such an operand (then ``xn`` is never written: the norm's row
+  kernel writes two floats per row and each matmul normalises rows while loading them).
 
 Whether a site is fused is chosen per shape by timing on CUDA, both ways on random inputs of the
 site's shapes (the fused kernel against cuBLAS followed by the separate torch ops), and the choice
@@ -74,12 +75,14 @@ class Site:
     residual: fx.Node | None = None
     last: fx.Node | None = None
     prologue: Prologue | None = None
+    prologue_on: str = "a"  # which operand is the normalised one ('b': a weight gradient dy^T @ xn)
 
     def key(self) -> str:
         """What the timing choice depends on: shapes, dtypes and which parts are fused."""
         a, b = _val(self.a), _val(self.b)
         p = self.prologue
-        norm = "none" if p is None else ("layer" if p.mean is not None else "rms") + ("+round" if p.round_norm else "")
+        norm = "none" if p is None else (("layer" if p.mean is not None else "rms") + ("+round" if p.round_norm else "")
+                                         + ("@b" if self.prologue_on == "b" else ""))
         return (f"M{a.shape[0]} K{a.shape[1]} N{b.shape[1]} {str(b.dtype).removeprefix('torch.')} norm={norm} "
                 f"bias={self.bias is not None} act={self.act} residual={self.residual is not None}")
 
@@ -186,20 +189,28 @@ def find_sites(graph: fx.Graph) -> list[Site]:
         site = Site(n, a, b, bias)
         _epilogue(site)
         sites.append(site)
-    # prologues: a norm whose every user (through one view) is the A operand of a site
-    by_a: dict[fx.Node, list[Site]] = {}
+    # prologues: a norm whose every user is, through a (rows, K) view, an operand of sites: the A
+    # operand of the matmuls it feeds, the B operand of the weight gradients (dy^T @ xn) in joint graphs
+    uses: dict[fx.Node, list[tuple[Site, str]]] = {}
     for s in sites:
-        if _call(s.a, aten.view.default, aten._unsafe_view.default) and _single_user(s.a) is s.mm:
-            by_a.setdefault(s.a.args[0], []).append(s)
-    for xn, group in by_a.items():
-        views = {s.a for s in group}
-        if set(xn.users) != views or not isinstance(xn, fx.Node):
+        for side in ("a", "b"):
+            v = getattr(s, side)
+            if _call(v, aten.view.default, aten._unsafe_view.default) and isinstance(v.args[0], fx.Node):
+                uses.setdefault(v.args[0], []).append((s, side))
+    for xn, group in uses.items():
+        views = {getattr(s, side) for s, side in group}
+        vx = _val(xn)
+        if vx is None or set(xn.users) != views or any(s.prologue is not None for s, _ in group):
+            continue
+        if any(set(v.users) - {s.mm for s, _ in group} for v in views):
+            continue  # a view of xn also feeds something else: xn is written anyway
+        if any(tuple(_val(v).shape) != (vx.numel() // vx.shape[-1], vx.shape[-1]) for v in views):
             continue
         p = match_norm(xn)
-        if p is None or not (_val(p.x).is_contiguous() and _val(xn).is_contiguous()):
+        if p is None or not (_val(p.x).is_contiguous() and vx.is_contiguous()):
             continue
-        for s in group:
-            s.prologue = p
+        for s, side in group:
+            s.prologue, s.prologue_on = p, side
     return sites
 
 
@@ -208,9 +219,15 @@ def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(fused, unfused) launches of ``site`` on random inputs of its shapes: the Triton kernel, and
-    cuBLAS followed by the separate ops in torch (the norm's own kernel included)."""
-    from mtc.kernels.fused_matmul import fused_mm, fused_mm_ref
+    """(fused, unfused) launches of ``site`` on random inputs of its shapes.
+
+    fused: the Triton kernel. unfused: what the graph runs without it, by memory traffic: the norm's
+    row kernel writing the normalised tensor (a copy of x: the statistics pass both sides share is
+    left out), cuBLAS (with its bias), then one elementwise pass reading the product (and the
+    residual) and writing the result, as the generated kernel after the matmul would.
+    """
+    import torch.nn.functional as F
+    from mtc.kernels.fused_matmul import fused_mm
 
     a2 = _random(_val(site.a), device)
     b = _random(_val(site.b), device)
@@ -220,8 +237,12 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], 
     if site.residual is not None:
         kw["residual"] = _random(_val(site.residual), device).reshape(a2.shape[0], b.shape[1])
     p = site.prologue
+    on_b = p is not None and site.prologue_on == "b"
     if p is not None:
-        a2 = _random(_val(p.x), device).reshape(a2.shape)
+        if on_b:
+            b = _random(_val(p.x), device).reshape(b.shape)
+        else:
+            a2 = _random(_val(p.x), device).reshape(a2.shape)
         kw["rstd"] = torch.rand(_val(p.rstd).shape, device=device, dtype=_val(p.rstd).dtype) + 0.5
         if p.mean is not None:
             kw["mean"] = _random(_val(p.mean), device)
@@ -231,10 +252,21 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], 
     round_norm = bool(p and p.round_norm)
 
     def fused() -> object:
-        return fused_mm(a2, b, act=site.act, round_norm=round_norm, **kw)
+        return fused_mm(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
+
+    raw = b if on_b else a2
+    xn = torch.empty(raw.shape, dtype=b.dtype, device=device) if p is not None else raw
+    act = {"gelu": F.gelu, "gelu_tanh": F.gelu, "silu": F.silu, "relu": torch.relu}.get(site.act)
+    bias, res = kw["bias"], kw["residual"]
 
     def unfused() -> object:
-        return fused_mm_ref(a2, b, act=site.act, round_norm=round_norm, **kw)
+        if p is not None:
+            xn.copy_(raw)
+        lhs, rhs = (a2, xn) if on_b else (xn, b)
+        c = torch.mm(lhs, rhs) if bias is None else torch.addmm(bias, lhs, rhs)
+        if res is not None:
+            return torch.add(c, res)  # act + residual: one generated kernel, the same bytes as this add
+        return act(c) if act is not None else c
 
     return fused, unfused
 
@@ -292,12 +324,14 @@ def _rewrite(graph: fx.Graph, site: Site, with_prologue: bool, moved: dict[fx.No
     va, vb = _val(site.a), _val(site.b)
     M, N = va.shape[0], vb.shape[1]
     p = site.prologue if with_prologue else None
+    on_b = p is not None and site.prologue_on == "b"
     with graph.inserting_before(site.last):
-        a = _view(graph, now(p.x), [M, va.shape[1]]) if p is not None else now(site.a)
+        a = _view(graph, now(p.x), list(va.shape)) if p is not None and not on_b else now(site.a)
+        b = _view(graph, now(p.x), list(vb.shape)) if on_b else now(site.b)
         res = _view(graph, now(site.residual), [M, N]) if site.residual is not None else None
         norm = tuple(map(now, (p.mean, p.rstd, p.w, p.b))) if p is not None else (None, None, None, None)
         call = graph.call_function(torch.ops.mtc.fused_mm.default,
-                                   (a, now(site.b), now(site.bias), res, *norm, site.act, bool(p and p.round_norm)))
+                                   (a, b, now(site.bias), res, *norm, site.act, bool(p and p.round_norm), on_b))
         call.meta["val"] = torch.empty((M, N), dtype=vb.dtype, device="meta")
         out = _view(graph, call, list(_val(site.last).shape)) if tuple(_val(site.last).shape) != (M, N) else call
     site.last.replace_all_uses_with(out)

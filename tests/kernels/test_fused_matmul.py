@@ -51,9 +51,21 @@ def test_transposed_operands_and_strided_stats():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_prologue_on_b_for_the_weight_gradient(norm):
+    # dW = dy^T @ norm(x): the normalised operand is b, (tokens, features), read through a view
+    x, dy = torch.randn(37, 24), torch.randn(37, 19)
+    kw = _norm_args(x, norm)
+    got = fused_mm(dy.t(), x, norm_on_b=True, round_norm=norm == "rms", **kw)
+    want = fused_mm_ref(dy.t(), x, norm_on_b=True, round_norm=norm == "rms", **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(KernelInputError, match="rstd has shape"):
+        fused_mm(dy.t(), x, rstd=torch.ones(19), norm_on_b=True)
+
+
 def test_op_is_registered_and_checks_inputs():
     a, b = torch.randn(4, 6), torch.randn(6, 5)
-    out = torch.ops.mtc.fused_mm(a, b, None, None, None, None, None, None, "relu", False)
+    out = torch.ops.mtc.fused_mm(a, b, None, None, None, None, None, None, "relu", False, False)
     torch.testing.assert_close(out, torch.relu(a @ b), rtol=1e-5, atol=1e-5)
     with pytest.raises(KernelInputError, match="act must be"):
         fused_mm(a, b, act="tanh")

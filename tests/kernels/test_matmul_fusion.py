@@ -10,6 +10,7 @@ import torch
 from mtc.graphs.lower import forward_graph, joint_graph
 from mtc.kernels.matmul_fusion import CHOICES, Choices, find_sites, fuse_matmuls
 
+from mtc import compiler
 from mtc.compiler import compile_template, launches
 from mtc.models import build
 from mtc.tracer import trace
@@ -41,9 +42,14 @@ def test_sites_in_gpt2_and_llama_blocks():
     # RMSNorm feeds q, k, v (all three take the prologue) and gate, up; o and down take the residual
     assert sum(s.prologue is not None for s in fwd) == 5
     assert sum(s.residual is not None for s in fwd) == 2
-    # in the joint graph the normalised input also feeds the weight gradient: no prologue there
-    joint = find_sites(joint_graph(t)[0].graph)
-    assert not any(s.prologue for s in joint)
+    # in the joint graph the normalised input also feeds the weight gradients dy^T @ xn: they take
+    # it as a B-operand prologue, so the normalised tensor is never written there either
+    jg = joint_graph(t)[0].graph
+    joint = find_sites(jg)
+    assert sorted(s.prologue_on for s in joint if s.prologue) == ["a"] * 5 + ["b"] * 5
+    normalised = {s.prologue.xn for s in joint if s.prologue}
+    assert len(fuse_matmuls(jg, "on")) == sum(1 for s in joint if s.prologue or s.act != "none" or s.residual)
+    assert not normalised & set(jg.nodes)  # fused away: nothing computes the normalised tensors any more
     # o and down take the block's residual; backward matmuls take the add that sums two gradient parts
     assert sum(s.residual is not None for s in joint) >= 2
 
@@ -57,6 +63,9 @@ def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
     assert not _fused_calls(off.forward_graph)
     assert launches(ct.forward_graph) < launches(off.forward_graph)
     assert launches(ct.joint_graph) < launches(off.joint_graph)
+    # a stored plan keeps the fused matmuls (op name, None and string arguments round-trip)
+    loaded = compiler._load_record(json.loads(json.dumps(compiler._record(ct, {}))), tmp_path / "on" / compiler.cache_key())
+    assert len(_fused_calls(loaded.forward_graph)) == len(_fused_calls(ct.forward_graph))
 
 
 def test_auto_fuses_nothing_on_the_cpu(tmp_path):
