@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -218,8 +219,8 @@ def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.randn(v.shape, dtype=v.dtype, device=device) if v.dtype.is_floating_point else torch.zeros(v.shape, device=device)
 
 
-def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(fused, unfused) launches of ``site`` on random inputs of its shapes.
+def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], torch.Tensor], Callable[[], object], Callable[[], torch.Tensor]]:
+    """(fused, unfused, reference) launches of ``site`` on random inputs of its shapes.
 
     fused: the Triton kernel. unfused: what the graph runs without it, by memory traffic: the norm's
     row kernel writing the normalised tensor (a copy of x: the statistics pass both sides share is
@@ -227,7 +228,7 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], 
     residual) and writing the result, as the generated kernel after the matmul would.
     """
     import torch.nn.functional as F
-    from mtc.kernels.fused_matmul import fused_mm
+    from mtc.kernels.fused_matmul import fused_mm, fused_mm_ref
 
     a2 = _random(_val(site.a), device)
     b = _random(_val(site.b), device)
@@ -251,8 +252,11 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], 
                 kw[name] = _random(_val(node), device)
     round_norm = bool(p and p.round_norm)
 
-    def fused() -> object:
+    def fused() -> torch.Tensor:
         return fused_mm(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
+
+    def reference() -> torch.Tensor:
+        return fused_mm_ref(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
 
     raw = b if on_b else a2
     xn = torch.empty(raw.shape, dtype=b.dtype, device=device) if p is not None else raw
@@ -268,7 +272,7 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], object], 
             return torch.add(c, res)  # act + residual: one generated kernel, the same bytes as this add
         return act(c) if act is not None else c
 
-    return fused, unfused
+    return fused, unfused, reference
 
 
 class Choices:
@@ -285,16 +289,26 @@ class Choices:
                 self.known = {}  # a torn or foreign file: time again
 
     def fused(self, site: Site, device: torch.device) -> bool:
-        """Whether the fused kernel is faster for ``site`` (timing it on first sight of its key)."""
+        """Whether the fused kernel is right and faster for ``site`` (checked against its torch
+        reference and timed on first sight of its key; a disagreement warns and keeps cuBLAS)."""
         key = site.key()
         if key not in self.known:
-            fused, unfused = _site_runs(site, device)
+            fused, unfused, reference = _site_runs(site, device)
+            err: float | None = None
+            tf: float | None = None
             try:
-                tf = self.bench(fused)
-            except Exception:  # noqa: BLE001  (a kernel that cannot launch here just loses)
-                tf = None
+                got, want = fused().float(), reference().float()
+                err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+                if err <= _tolerance(want.device, _val(site.b).dtype):
+                    tf = self.bench(fused)
+                else:
+                    warnings.warn(f"fused matmul disagrees with its reference at {key} (relative error {err:.2e}); "
+                                  f"mtc keeps cuBLAS there", stacklevel=2)
+            except Exception as e:  # noqa: BLE001  (a kernel that cannot launch here just loses)
+                warnings.warn(f"fused matmul cannot run at {key} ({type(e).__name__}: {str(e)[:160]}); "
+                              f"mtc keeps cuBLAS there", stacklevel=2)
             tu = self.bench(unfused)
-            self.known[key] = {"fused_ms": tf, "unfused_ms": tu, "fused": tf is not None and tf < tu}
+            self.known[key] = {"fused_ms": tf, "unfused_ms": tu, "rel_err": err, "fused": tf is not None and tf < tu}
             self._save()
         return bool(self.known[key]["fused"])
 
@@ -305,6 +319,14 @@ class Choices:
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.known, indent=1, sort_keys=True))
         tmp.replace(self.path)
+
+
+def _tolerance(device: torch.device, dtype: torch.dtype) -> float:
+    """Relative (norm) error a fused matmul may show against its reference: products rounded to
+    half precision, TF32 where torch allows it, plain fp32 otherwise."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2
+    return 5e-3 if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else 1e-4
 
 
 def _view(graph: fx.Graph, n: fx.Node, shape: list[int]) -> fx.Node:

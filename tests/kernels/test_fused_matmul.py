@@ -75,3 +75,25 @@ def test_op_is_registered_and_checks_inputs():
         fused_mm(a, b, residual=torch.randn(5, 4))
     with pytest.raises(KernelInputError, match="needs rstd"):
         fused_mm(a, b, norm_w=torch.randn(6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm,act,res,on_b", [("rms", "none", False, False), ("layer", "gelu_tanh", False, False),
+                                               ("none", "silu", True, False), ("rms", "none", False, True)])
+def test_half_precision_on_gpu(dtype, norm, act, res, on_b):
+    # Llama-ish shapes, ragged at the edges; bf16 is only right on the GPU (the interpreter's bf16 is not)
+    M, K, N = 1000, 1024, 1500
+    x = torch.randn(K if on_b else M, N if on_b else K, device="cuda")
+    kw = {k: v.cuda().to(dtype) if k.startswith("norm") else v.cuda() for k, v in _norm_args(x, norm).items()}
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(K, N, device="cuda", dtype=dtype) / K**0.5
+    if norm != "none":
+        if on_b:
+            b = x.to(dtype)
+        else:
+            a = x.to(dtype)
+    kw["residual"] = torch.randn(M, N, device="cuda", dtype=dtype) if res else None
+    got = fused_mm(a, b, act=act, norm_on_b=on_b, round_norm=norm == "rms", **kw).float()
+    want = fused_mm_ref(a, b, act=act, norm_on_b=on_b, round_norm=norm == "rms", **kw).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
