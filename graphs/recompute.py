@@ -94,6 +94,7 @@ def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
             # each consumer reads at most one full-size tensor it does not read already in o's place
             if any(len(big_roots - set(p.groups[c].inputs)) > 1 for c in consumers):
                 continue
+            copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]] = []
             for users in consumers.values():
                 first = min(users, key=order.__getitem__)
                 env: dict[fx.Node, fx.Node] = {}
@@ -103,11 +104,31 @@ def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
                         env[n].meta[RECOMPUTE] = True
                 for u in users:
                     u.replace_input_with(o, env[o])
-            done += 1
+                copies.append((users, env))
+            if _joined(graph, fusible, copies):
+                done += 1
+            else:
+                _undo(graph, o, copies)
     if done:
         graph.eliminate_dead_code()
         graph.lint()
     return done
+
+
+def _joined(graph: fx.Graph, fusible: FusibleOps, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> bool:
+    """Did every copy land in its consumers' kernel? (Shape or cycle rules may keep it apart: then
+    it would be one more kernel storing the same value.)"""
+    group_of = {n: i for i, g in enumerate(partition(graph, fusible).groups) for n in g.nodes}
+    return all(group_of.get(c) is not None and all(group_of.get(u) == group_of[c] for u in users)
+               for users, env in copies for c in env.values())
+
+
+def _undo(graph: fx.Graph, o: fx.Node, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> None:
+    for users, env in copies:
+        for u in users:
+            u.replace_input_with(env[o], o)
+        for c in reversed(list(env.values())):
+            graph.erase_node(c)
 
 
 def stored_between_groups(graph: fx.Graph, fusible: FusibleOps) -> tuple[int, int]:
