@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_record
 from mtc.kernels.matmul_fusion import CHOICES
 
-from mtc.compiler import cache_key, compile_template
+from mtc.compiler import cache_key, compile_template, launches
 from mtc.models import build, model_config
 from mtc.tracer import trace
 
@@ -166,7 +166,8 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         got = fused()[1:]
         vname = ("mtc_fused" if mode == "flash" else "mtc_fused_sdpa") + ("" if mm == "auto" else f"_mm_{mm}")
         mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
-                           "joint": ct.backward_report.hand_tuned.get("fused_mm", 0)}
+                           "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
+                           "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)}}
         choices = cache / cache_key() / CHOICES
         if mm == "auto" and choices.is_file():
             mm_fused[vname]["timed"] = json.loads(choices.read_text())
@@ -195,7 +196,8 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
                              "torch_compile_generated": compile_kernels if use_compile else None},
                  "hand_tuned": ct.backward_report.hand_tuned,
-                 # fused matmuls per variant (forward graph, joint graph) and, for 'auto', each site's timing
+                 # per variant: fused matmuls and kernel launches (forward graph, joint graph) and, for
+                 # 'auto', each site's check and timing
                  "matmul_fusion": mm_fused,
                  "results": {}}
     for vname, fn in variants.items():
@@ -260,7 +262,9 @@ def main() -> None:
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in rec["max_rel_grad_diff_vs_unfused"].items())
         if rec["attention_choices"]:
             print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
-        print(f"{arch:12s} fused matmuls (forward, joint): {rec['matmul_fusion']}")
+        print(f"{arch:12s} fused matmuls and launches: "
+              + "; ".join(f"{v} {m['forward']}/{m['joint']} of {m['launches']['forward']}/{m['launches']['joint']}"
+                          for v, m in rec["matmul_fusion"].items()))
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
         for v, prof in rec.get("profile", {}).items():
