@@ -216,7 +216,10 @@ def find_sites(graph: fx.Graph) -> list[Site]:
 
 
 def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.randn(v.shape, dtype=v.dtype, device=device) if v.dtype.is_floating_point else torch.zeros(v.shape, device=device)
+    """Random values laid out as the graph's value is (a weight's transpose stays transposed: the
+    kernels' speed depends on it)."""
+    t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+    return t.normal_() if v.dtype.is_floating_point else t.zero_()
 
 
 def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], torch.Tensor], Callable[[], object], Callable[[], torch.Tensor]]:
