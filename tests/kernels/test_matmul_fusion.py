@@ -3,6 +3,8 @@ keeps compiled blocks equal to ATen (fp32, interpreter), and the per-shape timin
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 
 import pytest
@@ -26,13 +28,23 @@ def _block(name):
     return model, prog, prog.templates[prog.layers[1].template]
 
 
+@functools.cache
+def _gpt2_forward():
+    """The gpt2-tiny block's lowered forward graph, lowered once for this module (lowering is slow)."""
+    return forward_graph(_block("gpt2-tiny")[2])
+
+
+def _gpt2_fwd_graph():
+    """A fresh copy of it (the passes rewrite graphs in place)."""
+    return copy.deepcopy(_gpt2_forward()).graph
+
+
 def _fused_calls(graph):
     return [n for n in graph.nodes if str(n.target) == FUSED]
 
 
 def test_sites_in_gpt2_and_llama_blocks():
-    _, _, t = _block("gpt2-tiny")
-    sites = {s.mm.name: s for s in find_sites(forward_graph(t).graph)}
+    sites = {s.mm.name: s for s in find_sites(_gpt2_fwd_graph())}
     # ln_1 -> c_attn (prologue, bias); c_proj + residual; ln_2 -> c_fc + gelu(tanh); mlp c_proj + residual
     described = sorted((s.prologue is not None, s.bias is not None, s.act, s.residual is not None) for s in sites.values())
     assert described == [(False, True, "none", True), (False, True, "none", True),
@@ -69,8 +81,7 @@ def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
 
 
 def test_auto_fuses_nothing_on_the_cpu(tmp_path):
-    _, _, t = _block("gpt2-tiny")
-    g = forward_graph(t).graph
+    g = _gpt2_fwd_graph()
     assert fuse_matmuls(g, "auto", tmp_path, device=torch.device("cpu")) == []
     assert not _fused_calls(g)
     with pytest.raises(ValueError, match="mode"):
@@ -78,8 +89,7 @@ def test_auto_fuses_nothing_on_the_cpu(tmp_path):
 
 
 def test_timing_choice_per_shape_is_kept_in_the_cache(tmp_path):
-    _, _, t = _block("gpt2-tiny")
-    sites = [s for s in find_sites(forward_graph(t).graph) if s.act != "none" or s.residual is not None or s.prologue]
+    sites = [s for s in find_sites(_gpt2_fwd_graph()) if s.act != "none" or s.residual is not None or s.prologue]
     cpu = torch.device("cpu")
 
     def clock(winner):
@@ -101,7 +111,7 @@ def test_timing_choice_per_shape_is_kept_in_the_cache(tmp_path):
 
     assert all(Choices(tmp_path / "a", bench=never).fused(s, cpu) for s in sites)
     # the pass follows the choices: cuBLAS wins everywhere -> the graph keeps its matmuls
-    g = forward_graph(t).graph
+    g = _gpt2_fwd_graph()
     assert fuse_matmuls(g, "auto", device=cpu, choices=Choices(tmp_path / "b", bench=clock("unfused"))) == []
     assert not _fused_calls(g)
     # ... and where the fused kernel wins, it takes the site
@@ -125,8 +135,7 @@ def test_half_precision_norms_match_with_their_casts():
 def test_a_fused_kernel_that_disagrees_keeps_cublas(tmp_path, monkeypatch):
     from mtc.kernels import matmul_fusion
 
-    _, _, t = _block("gpt2-tiny")
-    site = next(s for s in find_sites(forward_graph(t).graph) if s.act != "none")
+    site = next(s for s in find_sites(_gpt2_fwd_graph()) if s.act != "none")
     fused, unfused, reference = matmul_fusion._site_runs(site, torch.device("cpu"))
     monkeypatch.setattr(matmul_fusion, "_site_runs", lambda s, d: (lambda: fused() + 1.0, unfused, reference))
     choices = Choices(tmp_path, bench=lambda fn: 1.0 if fn.__name__ == "<lambda>" else 2.0)
