@@ -3,6 +3,9 @@ groups are recomputed there; fewer bytes cross between kernels and the values ar
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 from mtc.graphs.lower import joint_graph
@@ -17,13 +20,20 @@ from mtc.tracer import trace
 
 
 def _joint(name: str):
+    """(template, a fresh copy of its joint graph); each lowered once per module (lowering is slow)."""
+    t, gm = _lowered(name)
+    return t, copy.deepcopy(gm).graph
+
+
+@functools.cache
+def _lowered(name: str):
     torch.manual_seed(0)
     prog = trace(build(name, n_layers=1), 2, 8)
     t = prog.templates[prog.layers[1].template]
-    g = joint_graph(t, TEMPLATE_SWAPS)[0].graph
-    for n in g.nodes:
+    gm = joint_graph(t, TEMPLATE_SWAPS)[0]
+    for n in gm.graph.nodes:
         n.args, n.kwargs = devices_to_marker(n.args), devices_to_marker(n.kwargs)
-    return t, g
+    return t, gm
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2-tiny"])
