@@ -70,11 +70,12 @@ def test_sites_in_gpt2_and_llama_blocks():
 def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
     model, prog, t = _block(name)
     ct = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path / "on", matmul_fusion="on")
-    off = compile_template(t, tmp_path / "off", matmul_fusion="off")
     assert _fused_calls(ct.forward_graph) and _fused_calls(ct.joint_graph)
-    assert not _fused_calls(off.forward_graph)
-    assert launches(ct.forward_graph) < launches(off.forward_graph)
-    assert launches(ct.joint_graph) < launches(off.joint_graph)
+    if name == "tiny":  # the launch proxy needs a second compile: only in the slow case
+        off = compile_template(t, tmp_path / "off", matmul_fusion="off")
+        assert not _fused_calls(off.forward_graph)
+        assert launches(ct.forward_graph) < launches(off.forward_graph)
+        assert launches(ct.joint_graph) < launches(off.joint_graph)
     # a stored plan keeps the fused matmuls (op name, None and string arguments round-trip)
     loaded = compiler._load_record(json.loads(json.dumps(compiler._record(ct, {}))), tmp_path / "on" / compiler.cache_key())
     assert len(_fused_calls(loaded.forward_graph)) == len(_fused_calls(ct.forward_graph))
