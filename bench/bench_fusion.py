@@ -3,10 +3,12 @@
 Side by side, same inputs: a traced template run eagerly under autograd (what `--unfused` plans
 do), mtc's compiled joint graph (generated kernels, flash attention, fused linear + cross-entropy;
 recompute + backward in one call), on CUDA also mtc fused with torch's SDPA kernels instead of
-mtc's flash attention, mtc fused replayed as a CUDA graph (one launch per call), and
-torch.compile of the same template. Reports median ms, TFLOP/s (matmul + attention FLOPs, x3 for
-forward + backward), kernel counts, launches per block (the CPU proxy everywhere, profiled kernels
-on CUDA), CUDA-graph capture time and pool, peak memory; one JSON record per architecture and part.
+mtc's flash attention, mtc fused replayed as a CUDA graph (one launch per call), mtc fused with
+matmul prologue/epilogue fusion forced on and off (the plain fused variant takes it per shape where
+it timed faster), and torch.compile of the same template. Reports median ms, TFLOP/s (matmul +
+attention FLOPs, x3 for forward + backward), kernel counts, launches per block (the CPU proxy
+everywhere, profiled kernels on CUDA), CUDA-graph capture time and pool, peak memory; one JSON
+record per architecture and part.
 
     python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
     python bench/bench_fusion.py --arch qwen2 gpt2 --part block
@@ -16,6 +18,7 @@ on CUDA), CUDA-graph capture time and pool, peak memory; one JSON record per arc
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -31,8 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_record
+from mtc.kernels.matmul_fusion import CHOICES
 
-from mtc.compiler import compile_template
+from mtc.compiler import cache_key, compile_template, launches
 from mtc.models import build, model_config
 from mtc.tracer import trace
 
@@ -142,12 +146,18 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     compiled_t = {}
     # mtc fused with its flash-attention kernels, and (blocks on CUDA) with torch's SDPA kernels
     attn_modes = ["flash", "aten"] if part == "block" and device.type == "cuda" else ["flash"]
+    # matmul prologue/epilogue fusion (kernels/matmul_fusion.py): 'auto' (mtc_fused) takes it where
+    # it timed faster per shape; forced on and off beside it show what each side costs
+    configs = [(mode, "auto") for mode in attn_modes] + [("flash", "on"), ("flash", "off")]
     want = unfused()
     rels = {}
-    for mode in attn_modes:
+    mm_fused = {}
+    for mode, mm in configs:
         t0 = time.perf_counter()
-        ct = compile_template(t, Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-")), attention=mode)
-        compiled_t[mode] = (ct, time.perf_counter() - t0)
+        cache = Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-"))
+        ct = compile_template(t, cache, attention=mode, matmul_fusion=mm)
+        if mm == "auto":
+            compiled_t[mode] = (ct, time.perf_counter() - t0)
         joint = ct.module("joint", device)
 
         def fused(joint=joint):
@@ -156,7 +166,13 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
 
         # correctness before speed: the fused gradients must match the unfused ones
         got = fused()[1:]
-        vname = "mtc_fused" if mode == "flash" else "mtc_fused_sdpa"
+        vname = ("mtc_fused" if mode == "flash" else "mtc_fused_sdpa") + ("" if mm == "auto" else f"_mm_{mm}")
+        mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
+                           "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
+                           "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)}}
+        choices = cache / cache_key() / CHOICES
+        if mm == "auto" and choices.is_file():
+            mm_fused[vname]["timed"] = json.loads(choices.read_text())
         rels[vname] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
                           for a, b in zip(got, want, strict=True))
         variants[vname] = fused
@@ -190,6 +206,9 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
                              "torch_compile_generated": compile_kernels if use_compile else None},
                  "hand_tuned": ct.backward_report.hand_tuned,
+                 # per variant: fused matmuls and kernel launches (forward graph, joint graph) and, for
+                 # 'auto', each site's check and timing
+                 "matmul_fusion": mm_fused,
                  "results": {}}
     for vname, fn in variants.items():
         ts = _time(fn, device, warmup, reps)
@@ -266,6 +285,9 @@ def main() -> None:
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in rec["max_rel_grad_diff_vs_unfused"].items())
         if rec["attention_choices"]:
             print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
+        print(f"{arch:12s} fused matmuls and launches: "
+              + "; ".join(f"{v} {m['forward']}/{m['joint']} of {m['launches']['forward']}/{m['launches']['joint']}"
+                          for v, m in rec["matmul_fusion"].items()))
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
         print(f"{arch:12s} launches per block: {rec['launches_per_block']}")

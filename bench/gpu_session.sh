@@ -4,6 +4,8 @@
 # of the time budget (BENCH_BUDGET_S, default 520 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling)
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
+#   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
+#                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
 #                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
 #   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
@@ -50,6 +52,9 @@ for p in "${parts[@]}"; do
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+    fusion)
+      if [ "$left" -lt 120 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
+      timeout "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
     *)
       if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;

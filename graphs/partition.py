@@ -26,7 +26,7 @@ import torch
 from mtc.graphs.program import external_inputs
 from torch import fx
 
-__all__ = ["CAT", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
+__all__ = ["CAT", "RECOMPUTE", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
 
 aten = torch.ops.aten
 
@@ -115,6 +115,7 @@ def is_column_reduction(node: fx.Node) -> bool:
 
 
 CAT = aten.cat.default
+RECOMPUTE = "mtc_recompute"  # node meta key: a copy made to be recomputed by its consumer (graphs/recompute.py)
 Frame = tuple[int, int]  # (first column, width): the window of the iteration shape's last dim a value lives in
 
 
@@ -276,9 +277,12 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
         gid, next_id = next_id, next_id + 1
         group_of[n], members[gid] = gid, [n]
         shape_of[gid] = _iter_shape([n], red)
-        # try to join the groups of fusible producers (in order), if shapes agree and no cycle
+        # try to join the groups of fusible producers (in order), if shapes agree and no cycle;
+        # a recomputed copy never joins its producers' group (it exists to run in its consumer's)
         for a in n.all_input_nodes:
             if a not in group_of or group_of[a] == group_of[n]:
+                continue
+            if n.meta.get(RECOMPUTE) and not a.meta.get(RECOMPUTE):
                 continue
             ga, gn = group_of[a], group_of[n]
             merged = members[ga] + members[gn]
@@ -294,6 +298,7 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
             members[ga] = sorted(merged, key=order.__getitem__)
             shape_of[ga] = shape
             del members[gn], shape_of[gn]
+    _merge_sibling_columns(members, shape_of, red, order)
     groups = []
     for gid, ms in members.items():
         inside = set(ms)
@@ -308,6 +313,31 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
         fallbacks=[n for n in nodes if kind[n] == "fallback"],
         views=[n for n in nodes if kind[n] == "view"],
     )
+
+
+def _merge_sibling_columns(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], red: frozenset[Any],
+                           order: dict[fx.Node, int]) -> None:
+    """Column-reduction groups over one shape that read a common input become one group: a norm's
+    weight and bias gradients (sum(dy * xhat) and sum(dy)) then read dy once, in one launch.
+    Unconnected groups are siblings only here; everything else merges through a shared node."""
+    def columns(ms: list[fx.Node]) -> bool:
+        reds = [m for m in ms if m.target in red]
+        return bool(reds) and all(is_column_reduction(m) for m in reds)
+
+    cols = [g for g in members if columns(members[g])]
+    for i, ga in enumerate(cols):
+        if ga not in members:
+            continue
+        for gb in cols[i + 1:]:
+            if gb not in members or shape_of[gb] != shape_of[ga]:
+                continue
+            if not set(external_inputs(members[ga])) & set(external_inputs(members[gb])):
+                continue
+            merged = sorted(members[ga] + members[gb], key=order.__getitem__)
+            if not _reductions_ok(merged, shape_of[ga], red) or _creates_cycle(set(merged), order):
+                continue
+            members[ga] = merged
+            del members[gb], shape_of[gb]
 
 
 def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:

@@ -9,9 +9,10 @@ Three kernel shapes cover what `mtc.graphs.partition` groups (from the ops `FUSI
   nodes broadcast against full rows;
 * ``column``: groups ending in reductions over every leading dim (weight and bias gradients):
   programs on a (column blocks, row chunks) grid, each looping over [BLOCK_M, BLOCK] tiles of
-  its rows and accumulating in fp32; the pointwise producers of the reduced value are computed
-  in the same loop. Each chunk writes an fp32 partial per column and the launcher combines the
-  partials in a fixed order (deterministic, unlike atomics).
+  its rows and accumulating them elementwise in an fp32 tile, reduced across rows once after the
+  loop; the pointwise producers of the reduced value are computed in the same loop. Each chunk
+  writes an fp32 partial per column and a second small kernel (kernels/column_reduce.py)
+  combines the partials in a fixed order (deterministic, unlike atomics), scales and casts.
 
 A cat along the last dim is computed in place: its inputs are computed in their column windows
 of S (loads at shifted columns, masked to the window) and picked per column with ``tl.where``.
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from mtc.graphs.partition import CAT, Frame, FusibleOps, FusionGroup, arg_frames, is_column_reduction
+from mtc.kernels.column_reduce import combine_partials
 from torch import fx
 
 from mtc.errors import KernelInputError
@@ -233,6 +235,7 @@ class _Emitter:
         self.body: list[str] = []
         self.epilogue: list[str] = []
         self.acc: list[str] = []
+        self.finish: list[str] = []  # column mode: after the row loop, each accumulator tile reduced to (BLOCK,)
         self.names: dict[tuple[fx.Node, Frame], str] = {}
         self.masks: dict[Frame, str] = {self.full: "mask"}
         self.scalar: set[fx.Node] = set()  # row mode: per-row values (reductions and what only they feed)
@@ -311,10 +314,13 @@ class _Emitter:
                 self.line(f"{var} = {var} / {self.S[-1]}")
             self.scalar.add(n)
             return var
-        # column: accumulate this chunk's rows in fp32; the launcher combines chunks (and divides a mean)
-        init = "tl.full([BLOCK], float('-inf'), tl.float32)" if is_max else "tl.zeros([BLOCK], dtype=tl.float32)"
+        # column: accumulate this chunk's tiles elementwise in a [BLOCK_M, BLOCK] fp32 tile and reduce
+        # across its rows once after the loop (a cross-warp reduction per tile would serialise the
+        # loop); the launcher's second stage combines the chunks (and divides a mean)
+        init = "tl.full([BLOCK_M, BLOCK], float('-inf'), tl.float32)" if is_max else "tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)"
         self.acc.append(f"{var} = {init}")
-        self.line(f"{var} = tl.maximum({var}, tl.max({masked}, axis=0))" if is_max else f"{var} += tl.sum({masked}, axis=0)")
+        self.line(f"{var} = tl.maximum({var}, {masked})" if is_max else f"{var} += {masked}")
+        self.finish.append(f"{var} = tl.{'max' if is_max else 'sum'}({var}, axis=0)")
         return var
 
 
@@ -352,7 +358,7 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     if "%ACC%" in head:
         k = head.index("%ACC%")
         head[k:k + 1] = em.acc
-    L += ["    " + line for line in head + em.body + em.epilogue]
+    L += ["    " + line for line in head + em.body + em.finish + em.epilogue]
     return "\n".join(L) + "\n", mode
 
 
@@ -435,8 +441,8 @@ class FusedKernel:
         done = []
         for o, (s, dt), c in zip(outs, self.out_specs, self.combine, strict=True):
             if c is not None:
-                o = o.amax(0) if c == "amax" else o.sum(0) / M if c == "mean" else o.sum(0)
-                o = o.to(dt).reshape(s)
+                # second stage: one small launch sums the chunks in a fixed order, scales and casts
+                o = combine_partials(o, c, M, dt).reshape(s)
             done.append(o)
         return tuple(done)
 

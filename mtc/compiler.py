@@ -11,6 +11,10 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     mark devices        device arguments become a marker bound when the graph is instantiated
     flash attention     mtc::attention -> the Triton flash-attention kernels (optional)
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
+    fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
+                        where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
+    recompute joint     cheap fp32 values a forward group stores only for backward groups are
+                        recomputed there instead (graphs/recompute.py)
     fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
     fuse joint          splice the kernels into the graph
 
@@ -44,8 +48,10 @@ from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
 from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
+from mtc.graphs.recompute import recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
+from mtc.kernels.matmul_fusion import fuse_matmuls
 from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
 
 __all__ = [
@@ -205,6 +211,7 @@ class Work:
     diff: list[int] = dataclasses.field(default_factory=list)
     unfused_ops: tuple[int, int] = (0, 0)
     reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)
+    matmul_fusion: str = "auto"  # kernels/matmul_fusion.MODES: 'auto' times on CUDA; 'on' forces (CPU tests)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +252,15 @@ def _fold_ce_grad_scale(w: Work) -> None:
     fold_ce_grad_scale(w.joint)
 
 
+def _fuse_matmul_edges(w: Work) -> None:
+    fuse_matmuls(w.forward, w.matmul_fusion, w.cache)
+    fuse_matmuls(w.joint, w.matmul_fusion, w.cache)
+
+
+def _recompute_joint(w: Work) -> None:
+    recompute_cheap(w.joint, FUSIBLE)
+
+
 def _fuse_forward(w: Work) -> None:
     w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
 
@@ -259,23 +275,28 @@ PASSES: list[Pass] = [
     Pass("mark devices", _mark_devices),
     Pass("flash attention", _flash_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),
+    Pass("fuse matmul edges", _fuse_matmul_edges),
+    Pass("recompute joint", _recompute_joint),
     Pass("fuse forward", _fuse_forward),
     Pass("fuse joint", _fuse_joint),
 ]
 
 
 def compile_template(
-    t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = ()
+    t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
+    matmul_fusion: str = "auto",
 ) -> CompiledTemplate:
     """Run `PASSES` over one template (kernels cached under ``cache_dir``).
 
     ``attention``: "flash" runs mtc's Triton flash-attention kernels; "aten" keeps torch's SDPA
     kernels (``mtc::attention``), for comparison. ``grad_aux``: for each aux output of the embed
     stage, whether it depends on a parameter (its gradient then flows back through the blocks).
+    ``matmul_fusion``: 'auto' fuses matmul prologues/epilogues where they time faster on CUDA
+    (never on the CPU), 'on' wherever they match, 'off' nowhere.
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
-    w = Work(t, Path(cache_dir) / cache_key(), attention, tuple(grad_aux))
+    w = Work(t, Path(cache_dir) / cache_key(), attention, tuple(grad_aux), matmul_fusion=matmul_fusion)
     for p in PASSES:
         p.run(w)
     return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"])
@@ -355,6 +376,7 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
     """A compiled template from its record; raises (any error) when it cannot be rebuilt."""
     # the mtc ops compiled graphs call must be registered before their names resolve
     import mtc.kernels.flash_attention
+    import mtc.kernels.fused_matmul
     import mtc.kernels.linear_cross_entropy  # noqa: F401
 
     graphs = {}

@@ -12,10 +12,10 @@ def graph_targets(graph: torch.fx.Graph) -> set[str]:
     return {str(n.target) for n in graph.nodes if n.op == "call_function"}
 
 
-def check_compiled(prog, params, call, tmp_path):
+def check_compiled(prog, params, call, tmp_path, **compile_kw):
     """Compile ``call``'s template; its forward and joint graphs must match the ATen template."""
     t = prog.templates[call.template]
-    ct = compile_template(t, tmp_path)
+    ct = compile_template(t, tmp_path, **compile_kw)
     # kernels are generated wherever there are fusion groups (a plain linear + CE head has none
     # left: the fused CE op computes its gradients)
     for rep in (ct.forward_report, ct.backward_report):

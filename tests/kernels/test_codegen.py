@@ -205,6 +205,16 @@ def test_column_reductions_without_keepdim_and_extra_outputs(tmp_path):
     assert _check_groups(f, g, b, tmp_path=tmp_path) == ["column"]
 
 
+def test_sibling_column_sums_share_one_kernel(tmp_path):
+    # a LayerNorm's weight and bias gradients, sum(dy * xhat) and sum(dy): not connected by any
+    # node, but both read dy over one shape, so one kernel reads it once
+    def f(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (g * x).sum([0, 1]), g.sum([0, 1])
+
+    g, x = torch.randn(3, 5, 19), torch.randn(3, 5, 19)
+    assert _check_groups(f, g, x, tmp_path=tmp_path) == ["column"]
+
+
 def test_cat_that_cannot_be_fused_stays_on_aten():
     from mtc.graphs.partition import classify
     from torch._decomp import core_aten_decompositions

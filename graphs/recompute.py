@@ -1,0 +1,145 @@
+"""Recompute cheap fp32 intermediates in the fusion groups that consume them instead of saving them.
+
+In a joint forward+backward graph a forward fusion group often stores a value only because a
+backward group reads it later: RMSNorm's ``x * rstd`` (for the weight gradient), LayerNorm's
+``(x - mean) * rstd``, a rotary product. When that value is a short pointwise chain over tensors
+that exist anyway (graph inputs, outputs of other kernels) and per-row or per-column values (a
+few bytes per row), the consumer can compute it again from those: the producer no longer writes
+it and the consumer reads at most one full-size tensor in its place, which it often reads
+already. Each consumer group gets its own copy of the chain (marked ``mtc_recompute`` so that
+`partition` puts it with its consumer, not back with its producer).
+
+Only fp32 values are recomputed: a stored half-precision value is rounded, its recomputation
+would not be, and the compiled graph must compute what the unfused one does. Pure graph surgery.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from mtc.graphs.partition import RECOMPUTE, FusibleOps, partition
+from torch import fx
+
+__all__ = ["MAX_CHAIN", "recompute_cheap", "stored_between_groups"]
+
+MAX_CHAIN = 12  # pointwise ops copied per recomputed value: beyond that the copy is not cheap
+
+
+def _val(n: object) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _small(n: fx.Node, big: torch.Tensor) -> bool:
+    """A per-row / per-column value (or a scalar): costs a few bytes per row to keep."""
+    v = _val(n)
+    return v is not None and v.numel() * 8 <= big.numel()
+
+
+def _chain(o: fx.Node, inside: set[fx.Node], fusible: FusibleOps) -> tuple[list[fx.Node], set[fx.Node]] | None:
+    """(pointwise nodes computing ``o`` from roots, in graph order; its full-size roots) or None.
+
+    Roots are values from outside the group (materialised anyway) or small values inside it (the
+    group then stores them: a few bytes per row). Anything else (a reduction over full rows, a
+    cat, a large intermediate not pointwise) stops the chain.
+    """
+    vo = _val(o)
+    chain: list[fx.Node] = []
+    big_roots: set[fx.Node] = set()
+    stack, seen = [o], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is not o and (n not in inside or _small(n, vo)):
+            if not _small(n, vo):
+                big_roots.add(n)
+            continue
+        if n.target not in fusible.pointwise or _val(n) is None or _val(n).dtype != torch.float32:
+            return None
+        chain.append(n)
+        if len(chain) > MAX_CHAIN:
+            return None
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(o.graph.nodes)}
+    return sorted(chain, key=order.__getitem__), big_roots
+
+
+def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
+    """Copy each cheap fp32 value a fusion group stores only for other fusion groups into those
+    groups; returns how many values are no longer stored. Run `partition` again afterwards."""
+    p = partition(graph, fusible)
+    group_of = {n: i for i, g in enumerate(p.groups) for n in g.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for gi, g in enumerate(p.groups):
+        inside = set(g.nodes)
+        for o in g.outputs:
+            vo = _val(o)
+            outside = [u for u in o.users if u not in inside]
+            # stored only for other fusion groups (an anchor or the graph's output needs it whole)
+            if vo is None or vo.dtype != torch.float32 or _small(o, vo) or not outside:
+                continue
+            if any(group_of.get(u, gi) == gi for u in outside):
+                continue
+            found = _chain(o, inside, fusible)
+            if found is None:
+                continue
+            chain, big_roots = found
+            consumers: dict[int, list[fx.Node]] = {}
+            for u in outside:
+                consumers.setdefault(group_of[u], []).append(u)
+            # each consumer reads at most one full-size tensor it does not read already in o's place
+            if any(len(big_roots - set(p.groups[c].inputs)) > 1 for c in consumers):
+                continue
+            copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]] = []
+            for users in consumers.values():
+                first = min(users, key=order.__getitem__)
+                env: dict[fx.Node, fx.Node] = {}
+                with graph.inserting_before(first):
+                    for n in chain:
+                        env[n] = graph.node_copy(n, lambda a, env=env: env.get(a, a))
+                        env[n].meta[RECOMPUTE] = True
+                for u in users:
+                    u.replace_input_with(o, env[o])
+                copies.append((users, env))
+            if _joined(graph, fusible, copies):
+                done += 1
+            else:
+                _undo(graph, o, copies)
+    if done:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return done
+
+
+def _joined(graph: fx.Graph, fusible: FusibleOps, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> bool:
+    """Did every copy land in its consumers' kernel? (Shape or cycle rules may keep it apart: then
+    it would be one more kernel storing the same value.)"""
+    group_of = {n: i for i, g in enumerate(partition(graph, fusible).groups) for n in g.nodes}
+    return all(group_of.get(c) is not None and all(group_of.get(u) == group_of[c] for u in users)
+               for users, env in copies for c in env.values())
+
+
+def _undo(graph: fx.Graph, o: fx.Node, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> None:
+    for users, env in copies:
+        for u in users:
+            u.replace_input_with(env[o], o)
+        for c in reversed(list(env.values())):
+            graph.erase_node(c)
+
+
+def stored_between_groups(graph: fx.Graph, fusible: FusibleOps) -> tuple[int, int]:
+    """(values, bytes) fusion groups store for other fusion groups to read: what recomputation saves."""
+    p = partition(graph, fusible)
+    group_of = {n: i for i, g in enumerate(p.groups) for n in g.nodes}
+    count = nbytes = 0
+    for gi, g in enumerate(p.groups):
+        for o in g.outputs:
+            if any(group_of.get(u, gi) != gi for u in o.users if u in group_of):
+                v = _val(o)
+                count += 1
+                nbytes += math.prod(v.shape) * v.element_size() if v is not None else 0
+    return count, nbytes

@@ -1,0 +1,68 @@
+"""Recompute instead of save: cheap fp32 intermediates a forward group stores only for backward
+groups are recomputed there; fewer bytes cross between kernels and the values are unchanged."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from mtc.graphs.lower import joint_graph
+from mtc.graphs.partition import RECOMPUTE, partition
+from mtc.graphs.program import devices_to_marker, instantiate
+from mtc.graphs.recompute import recompute_cheap, stored_between_groups
+from mtc.kernels.codegen import FUSIBLE
+
+from mtc.compiler import TEMPLATE_SWAPS
+from mtc.models import build
+from mtc.tracer import trace
+
+
+def _joint(name: str):
+    """(template, a fresh copy of its joint graph); each lowered once per module (lowering is slow)."""
+    t, gm = _lowered(name)
+    return t, copy.deepcopy(gm).graph
+
+
+@functools.cache
+def _lowered(name: str):
+    torch.manual_seed(0)
+    prog = trace(build(name, n_layers=1), 2, 8)
+    t = prog.templates[prog.layers[1].template]
+    gm = joint_graph(t, TEMPLATE_SWAPS)[0]
+    for n in gm.graph.nodes:
+        n.args, n.kwargs = devices_to_marker(n.args), devices_to_marker(n.kwargs)
+    return t, gm
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny"])
+def test_recompute_stores_fewer_bytes_and_keeps_values(name):
+    t, g = _joint(name)
+    before = instantiate(g, "cpu")
+    _, bytes0 = stored_between_groups(g, FUSIBLE)
+    assert recompute_cheap(g, FUSIBLE) >= 1
+    _, bytes1 = stored_between_groups(g, FUSIBLE)
+    assert bytes1 < bytes0, (bytes0, bytes1)
+    # the copies run in their consumers' kernels, never back in the producer's
+    p = partition(g, FUSIBLE)
+    copies = [n for n in g.nodes if n.meta.get(RECOMPUTE)]
+    assert copies
+    for grp in p.groups:
+        if any(n in grp.nodes for n in copies):
+            assert any(not n.meta.get(RECOMPUTE) and any(a in copies for a in n.all_input_nodes) for n in grp.nodes)
+    args = [torch.randn(i.spec.shape) for i in t.inputs]
+    gout = torch.randn(t.inputs[0].spec.shape) if t.kind == "block" else torch.randn(())
+    want, got = before(*args, gout), instantiate(g, "cpu")(*args, gout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same fp32 ops in the same order
+
+
+def test_half_precision_values_are_not_recomputed():
+    # a stored bf16 value is rounded; recomputing it in fp32 would change the result
+    _, g = _joint("tiny")
+    for n in g.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
+            n.meta["val"] = v.to(torch.bfloat16)
+    assert recompute_cheap(g, FUSIBLE) == 0

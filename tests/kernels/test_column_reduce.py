@@ -1,0 +1,27 @@
+"""The column reductions' second stage against its torch reference (interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtc.kernels.column_reduce import combine_partials, combine_partials_ref
+
+from mtc.errors import KernelInputError
+
+
+@pytest.mark.parametrize("split,n", [(1, 7), (3, 19), (5, 1031)])
+@pytest.mark.parametrize("how", ["sum", "mean", "amax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_combine_matches_reference(split, n, how, dtype):
+    parts = torch.randn(split, n)
+    got = combine_partials(parts, how, 37, dtype)
+    want = combine_partials_ref(parts, how, 37, dtype)
+    assert got.dtype == dtype and got.shape == (n,)
+    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
+
+
+def test_combine_rejects_bad_partials():
+    with pytest.raises(KernelInputError, match="fp32"):
+        combine_partials(torch.randn(2, 3, dtype=torch.float16), "sum", 2, torch.float32)
+    with pytest.raises(KernelInputError, match="how"):
+        combine_partials(torch.randn(2, 3), "prod", 2, torch.float32)
