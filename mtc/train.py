@@ -440,7 +440,11 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute)
+        numels = [program.layer_numel(i) for i in range(program.n_layers)]
+        spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
+                                     disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda")
+        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
+                           spill_grads=spill)
         durable = cfg.durability != "none"
         tiers.create_arrays(st, cfg.durability)
         if run.last is None:  # a new run: initial state from the model, committed as step 0

@@ -133,8 +133,10 @@ class StreamingExecutor:
         # weights whose accumulation spans other layers' visits
         tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
         n_open = 2 + len(tied)
-        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram layers
-        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t == "ram"), default=1)
+        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram
+        # layers, and disk layers whose gradient is spilled to the store (`mtc.runtime.grad_spill`)
+        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers) if s.tier == "ram" or s.grad is None),
+                         default=1)
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
             self.ring.preallocate()
@@ -389,7 +391,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if st.tier in ("gpu", "disk"):  # their gradient buffer is on the device, kept until the update
+            if st.tier in ("gpu", "disk") and st.grad is not None:  # their own buffer on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -414,6 +416,9 @@ class StreamingExecutor:
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
         if st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
+        elif st.grad is None:  # spilled: written to the store; the slab is free again once the write has read it
+            assert self.tiers.spill is not None
+            st.grad_ready = Transfer(future=self.tiers.spill.write(owner, acc))
         self._close_slab(owner, st.grad_ready)
         sink.grad_final(owner, norms)
 
