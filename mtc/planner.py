@@ -111,7 +111,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     dc = disk_compute_for(cfg, shape)
     # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold them
     budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
-    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda)
+    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda,
+                                 gpu_bytes=int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else None)
     pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
@@ -122,7 +123,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
 
 

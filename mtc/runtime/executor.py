@@ -416,9 +416,9 @@ class StreamingExecutor:
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
         if st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
-        elif st.grad is None:  # spilled: written to the store; the slab is free again once the write has read it
+        elif st.grad is None:  # spilled to the store; the slab is free again once copied out
             assert self.tiers.spill is not None
-            st.grad_ready = Transfer(future=self.tiers.spill.write(owner, acc))
+            st.grad_ready = Transfer(future=self.tiers.spill.write(owner, acc, self.engine, self.engine.marker()))
         self._close_slab(owner, st.grad_ready)
         sink.grad_final(owner, norms)
 

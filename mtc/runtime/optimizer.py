@@ -385,6 +385,8 @@ class StreamingAdamW:
             pool.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self.tiers.spill is not None:
+            self.tiers.spill.close()
 
 
 def _when_all(futs: list[Future[None]], then: Callable[[BaseException | None], None]) -> None:

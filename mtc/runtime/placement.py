@@ -148,18 +148,22 @@ def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute
         return device
     chunk = StateTiers.disk_chunk_numel if disk_chunk_numel is None else disk_chunk_numel
     ring = disk_slots * (16 if device_is_cuda or grad_spill else 12) * min(max(disk), chunk)
+    ring += 2 * _FP32 * min(max(disk), chunk) if grad_spill else 0  # the spill's two staging chunks
     staging = weight_slots * _FP32 * slot if disk_compute == "store" else 0
     return ring + staging + device
 
 
 def choose_grad_spill(placement: list[str], numels: list[int], compute_bytes: int, *, ram_bytes: int, disk_compute: str = "ram",
-                      device_is_cuda: bool = False) -> bool:
+                      device_is_cuda: bool = False, gpu_bytes: int | None = None) -> bool:
     """Whether disk layers' gradients wait in the store's scratch arrays (`mtc.runtime.grad_spill`)
-    rather than in host memory: on the CPU device (on CUDA they wait in GPU memory) when the RAM
-    budget cannot hold them beside the state tiers and the pipeline. Spilling costs 8 bytes per
-    disk parameter of disk traffic per step (a write and a read) and saves 4 of host RAM."""
-    if device_is_cuda or not any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
+    rather than where they were accumulated: on the CPU device when the RAM budget cannot hold
+    them beside the state tiers and the pipeline; on CUDA when ``gpu_bytes`` cannot hold them
+    beside the resident layers. Spilling costs 8 bytes per disk parameter of disk traffic per
+    step (a write and a read) and saves 4 of host (CPU) or GPU memory."""
+    if not any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
         return False
+    if device_is_cuda:
+        return gpu_bytes is not None and gpu_state_bytes(placement, numels, compute_bytes) > gpu_bytes
     keep = (host_bytes_needed(placement, numels, compute_bytes, disk_compute=disk_compute)
             + pipeline_host_bytes(placement, numels, disk_compute=disk_compute))
     return keep > ram_bytes

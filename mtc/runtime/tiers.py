@@ -10,8 +10,8 @@ program's flat-parameter order). The placement puts every layer in one tier:
 - ``disk``: master, m, v in the store, read ahead into a bounded ring of host buffers for the
   update and written behind into the other generation (`mtc.runtime.disk_tier`); the gradient
   stays where it was accumulated (GPU memory on CUDA) until the update copies it into the ring, or,
-  with ``spill_grads`` (the CPU device, when the RAM budget cannot hold 4 B/param of gradients),
-  waits in a scratch array of the store (`mtc.runtime.grad_spill`; ``grad`` is None then);
+  with ``spill_grads`` (when the budget cannot hold 4 B/param of gradients: RAM on the CPU
+  device, GPU memory on CUDA), waits in a scratch array of the store (`mtc.runtime.grad_spill`; ``grad`` is None then);
   the compute copy is kept in pinned RAM (``disk_compute="ram"``) or read from the store at each
   visit (``"store"``: no host RAM per parameter at all).
 
@@ -83,9 +83,6 @@ class StateTiers:
         if disk_compute not in DISK_COMPUTE:
             raise ValueError(f"disk_compute must be one of {DISK_COMPUTE}, got {disk_compute!r}")
         self.disk_compute = disk_compute
-        if spill_grads and device.type != "cpu":
-            raise ValueError("spilling disk layers' gradients to the store is implemented for the CPU device only; "
-                             "on CUDA they wait in GPU memory")
         self.spill_grads = spill_grads and any(t == "disk" for t in placement)
         self.spill: GradSpill | None = None  # set by `create_arrays` when spilling
         self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
@@ -174,7 +171,9 @@ class StateTiers:
                         store.create_array(name, (s.numel,), STATE_DTYPE, chunk_rows=rows)
         if self.spill_grads and not store.read_only:
             self.spill = GradSpill(store, {s.layer: s.numel for s in self.layers if s.tier == "disk"},
+                                   chunk_numel=self.disk_chunk_numel, pinned=self.cuda,
                                    chunk_rows=None if self.disk_chunk_numel == DISK_CHUNK_NUMEL else self.disk_chunk_numel)
+            self.pipeline_bytes["grad_spill"] = self.spill.staging_bytes
 
     def load(self, store: TensorStore, generation: int, durability: str) -> None:
         """Read the committed generation into RAM/GPU (and disk layers' compute copies)."""

@@ -104,3 +104,23 @@ def test_fixed_host_buffers_do_not_grow_with_depth_and_the_planner_counts_them(t
         finally:
             res.store.close()
     assert held[0] == held[1] and planned[0] == planned[1]  # twice the depth, the same bytes
+
+
+def test_gradients_are_spilled_only_when_the_budget_cannot_hold_them():
+    numels, disk = [100] * 8, ["disk"] * 8
+    kw = {"disk_compute": "store", "disk_chunk_numel": 4096}
+    keep = pl.host_bytes_needed(disk, numels, 4, disk_compute="store") + pl.pipeline_host_bytes(disk, numels, **kw)
+    cpu = {"disk_compute": "store"}
+    assert not pl.choose_grad_spill(disk, numels, 4, ram_bytes=keep, **cpu)
+    assert pl.choose_grad_spill(disk, numels, 4, ram_bytes=keep - 1, **cpu)
+    assert not pl.choose_grad_spill(["ram"] * 8, numels, 4, ram_bytes=0, **cpu)  # no disk layer: nothing to spill
+    # CUDA: disk layers' gradients wait in GPU memory (4 B/param) unless the GPU budget cannot hold them
+    gpu = {"ram_bytes": 0, "device_is_cuda": True}
+    assert not pl.choose_grad_spill(disk, numels, 2, gpu_bytes=4 * 800, **gpu)
+    assert pl.choose_grad_spill(disk, numels, 2, gpu_bytes=4 * 800 - 1, **gpu)
+    assert not pl.choose_grad_spill(disk, numels, 2, gpu_bytes=None, **gpu)  # no budget known: as before
+    # spilling trades the 4 B/param for two staging chunks and a gradient buffer per ring set
+    big = [10**7] * 8
+    spilled = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True, grad_spill=True)
+    kept = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True)
+    assert spilled - kept == 2 * 4 * 4 * 2**20  # ring sets are one 4M-element chunk, not a 10M-element layer
