@@ -124,7 +124,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
     return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
-                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
+                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -156,7 +156,9 @@ class StreamingExecutor:
         # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
         self._staging: list[torch.Tensor] = []
         self._staging_read: list[Transfer | None] = [None] * slots
-        if any(s.compute is None and s.numel for s in tiers.layers):
+        # on the CPU in fp32 the weight slot itself is host memory of the store's dtype: read into it
+        self._read_into_slot = self.device.type == "cpu" and self.ring.dtype == torch.float32
+        if any(s.compute is None and s.numel for s in tiers.layers) and not self._read_into_slot:
             pin = self.device.type == "cuda"
             self._staging = [torch.empty(ring_numel, dtype=torch.float32, pin_memory=pin) for _ in range(slots)]
             tiers.pipeline_bytes["visit_staging"] = sum(t.numel() * 4 for t in self._staging)
@@ -210,9 +212,9 @@ class StreamingExecutor:
         if from_store:
             self._read_from_store(layer, slot, from_store)
         copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel],
-                   self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
+                   self._stage(slot)[s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
                    else self.tiers[s.owner].compute[s.start : s.start + s.numel])
-                  for s in plan.segments]
+                  for s in plan.segments if not (self._read_into_slot and self.tiers[s.owner].compute is None)]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
             # a resident owner is updated on the compute stream: copy only after what is queued there
@@ -236,10 +238,14 @@ class StreamingExecutor:
         gen = self.tiers.disk_generation
         with self.timeline.span("visit_read", layer):
             futs = [store.read_rows_into_async(state_array_name(s.owner, "master", gen), s.start,
-                                               self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel])
+                                               self._stage(slot)[s.slot_offset : s.slot_offset + s.numel])
                     for s in segments]
             for f in futs:
                 f.result()
+
+    def _stage(self, slot: Slot) -> torch.Tensor:
+        """Where a visit's reads from the store land: the slot's staging buffer, or the slot itself."""
+        return slot.device if self._read_into_slot else self._staging[slot.index]
 
     def _wait(self, fut: Future[LayerWeights], layer: int) -> LayerWeights:
         with self.timeline.span("weights_wait", layer):

@@ -149,7 +149,8 @@ def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute
     chunk = StateTiers.disk_chunk_numel if disk_chunk_numel is None else disk_chunk_numel
     ring = disk_slots * (16 if device_is_cuda or grad_spill else 12) * min(max(disk), chunk)
     ring += 2 * _FP32 * min(max(disk), chunk) if grad_spill else 0  # the spill's two staging chunks
-    staging = weight_slots * _FP32 * slot if disk_compute == "store" else 0
+    # on the CPU (fp32) a visit reads straight into its weight slot: no staging
+    staging = weight_slots * _FP32 * slot if disk_compute == "store" and device_is_cuda else 0
     return ring + staging + device
 
 
@@ -176,10 +177,11 @@ def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int,
                for t, n in zip(placement, numels, strict=True))
 
 
-def disk_bytes_needed(placement: list[str], numels: list[int], durability: str) -> int:
-    """Store bytes for both generations of the state the durability mode keeps."""
+def disk_bytes_needed(placement: list[str], numels: list[int], durability: str, *, grad_spill: bool = False) -> int:
+    """Store bytes for both generations of the state the durability mode keeps (and the gradient
+    scratch of disk layers when their gradients are spilled)."""
     per_mode = {"full": 24, "weights": 8, "none": 0}[durability]
-    return sum((24 if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
+    return sum((24 + (4 if grad_spill else 0) if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
 
 
 def available_host_bytes() -> int:
