@@ -9,15 +9,26 @@ One JSON record under bench/results/ (bench_disk_tier-...json) with:
   train     a Llama shape with every layer on disk (durability full: the store is the tier),
             trained in a child process: median step time, model TFLOP/s (6 x params x tokens / step
             time), tokens per step (<= 1M), the store bytes per step and the GB/s they imply, and
-            host RAM: peak RSS per parameter, and, when a cgroup memory limit can be applied, the
-            cgroup's peak usage (which counts the page cache) under that limit, with cold caches
-            (the store reads and writes with O_DIRECT or drops its pages).
+            host RAM per parameter (below).
+
+Host RAM per parameter: the run is created (initial state written, one step) in one child
+process; a second child resumes it and trains the measured steps. That child imports torch and
+mtc, notes its RSS (the fixed baseline: interpreter, libraries), then joins a fresh cgroup v1
+memory group limited to --limit-bytes-per-param x params (default 4), page cache included, and
+drops the store's pages from the cache first (posix_fadvise DONTNEED on every store file): cold
+caches, and the page cache cannot hold the state for it (the store reads and writes with O_DIRECT,
+or drops its pages where O_DIRECT is refused). Everything the run allocates or caches after
+joining is charged to the group: its peak (memory.max_usage_in_bytes) per parameter is the figure
+(goal <= 4), with the group's cache/rss split at the end, its failcnt (times the limit forced
+reclaim), the process's peak RSS over the baseline (VmHWM), and the engine's own count of its host
+buffers (state tiers + fixed pipeline, by owner). Where no cgroup can be made, the record says so
+and reports RSS over baseline plus the store files' resident page-cache pages (mincore).
 
 Gradient accumulation: a stated rule until the planner (`mtc plan`) lands: enough tokens per step
 that the model's compute at --target-tflops takes as long as the step's disk traffic at the raw
 mixed throughput measured above, capped at 1M tokens per step.
 
-    python bench/bench_disk_tier.py --smoke      # CPU, ~40M parameters (~0.5 GB fp32 state), a few minutes
+    python bench/bench_disk_tier.py --smoke      # CPU, 48 layers, ~142M parameters (1.7 GB fp32 state), ~10 minutes
     python bench/bench_disk_tier.py              # CUDA: the 4.6B shape, all on disk (needs ~110 GB of disk)
     python bench/bench_disk_tier.py --shape 2.3b # CUDA: the largest whose two generations fit a 64 GB disk
 """
@@ -25,12 +36,10 @@ mixed throughput measured above, capped at 1M tokens per step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -42,6 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostmem
 from common import median, write_record
 from mtc.store.diskbench import raw_throughput, store_throughput
 
@@ -52,10 +62,11 @@ LLAMA = "8b"  # base preset; every shape field is overridden
 SHAPES = {
     "4.6b": {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20, "vocab_size": 32000},
     "2.3b": {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 9, "vocab_size": 32000},
-    "smoke": {"dim": 512, "ffn_dim": 1408, "n_heads": 8, "n_kv_heads": 4, "n_layers": 12, "vocab_size": 256, "max_seq_len": 256},
+    # 48 narrow layers: the largest layer is 1/48 of the model (at h=4096, 2.3B has 9 blocks of 218M
+    # parameters; its fixed buffers are one 4M-element update chunk per ring set, not a whole layer)
+    "smoke": {"dim": 512, "ffn_dim": 1408, "n_heads": 8, "n_kv_heads": 4, "n_layers": 48, "vocab_size": 256, "max_seq_len": 256},
 }
 GOAL_TFLOPS, GOAL_RATIO, GOAL_BYTES_PER_PARAM = 150.0, 0.9, 4.0
-_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
 # -- disk ---------------------------------------------------------------------------------------
@@ -82,80 +93,77 @@ def measure_disk(directory: Path, nbytes: int, io_threads: list[int], rounds: in
             "goal_store_over_raw": GOAL_RATIO, "goal_met": all(v >= GOAL_RATIO for v in ratio.values())}
 
 
-# -- host memory under a cgroup -----------------------------------------------------------------
+# -- the training children ----------------------------------------------------------------------
 
 
-def _cgroup_open(limit: int) -> Path | None:
-    """A cgroup v1 memory group limited to ``limit`` bytes (page cache included), or None."""
-    if not (_CGROUP_ROOT / "memory.limit_in_bytes").exists():
-        return None
-    cg = _CGROUP_ROOT / f"mtc-bench-{os.getpid()}"
+def _child(fn: str, args: dict[str, Any], q: mp.Queue) -> None:
     try:
-        cg.mkdir(exist_ok=True)
-        (cg / "memory.limit_in_bytes").write_text(str(limit))
-        if int((cg / "memory.limit_in_bytes").read_text()) > limit * 1.01:
-            raise OSError("the limit did not take")
-        return cg
-    except OSError:
-        with contextlib.suppress(OSError):
-            cg.rmdir()
-        return None
-
-
-def _cgroup_join(cg: Path) -> bool:
-    try:
-        (cg / "tasks").write_text(str(os.getpid()))
-        return str(os.getpid()) in (cg / "tasks").read_text().split()
-    except OSError:
-        return False
-
-
-def _rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-# -- the training child -------------------------------------------------------------------------
-
-
-def _child(args: dict[str, Any], q: mp.Queue) -> None:
-    try:
-        q.put(_train(args))
+        q.put({"prepare": _prepare, "train": _train}[fn](args))
     except BaseException as e:  # noqa: BLE001 -- reported in the record
         import traceback
 
         q.put({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})
 
 
-def _train(a: dict[str, Any]) -> dict[str, Any]:
+def _config(a: dict[str, Any]) -> TrainConfig:
+    return TrainConfig(**a["cfg"], optim=OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=1, clip_norm=1.0))
+
+
+def _prepare(a: dict[str, Any]) -> dict[str, Any]:
+    """Create the run: build the model, write its initial state (both generations' arrays), one step."""
     from mtc.train import train
 
-    baseline_rss = _rss_now()  # torch, mtc and (on CUDA) the CUDA context: the process's fixed overhead
-    joined = False
-    if a["cgroup"] is not None:
-        joined = _cgroup_join(Path(a["cgroup"]))
-    cfg = TrainConfig(**a["cfg"], optim=OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=1, clip_norm=1.0))
+    res = train(_config(a), a["store"], a["data"], overwrite=True, stop_after=1)
+    res.store.close()
+    return {"params": sum(s.numel for s in res.tiers.layers)}
+
+
+def _train(a: dict[str, Any]) -> dict[str, Any]:
+    """Resume the run and train the measured steps inside the memory group (see the module doc)."""
+    from mtc.train import train
+
+    baseline_rss = hostmem.rss_now()  # interpreter, torch, mtc: the process's fixed overhead
+    group = hostmem.MemGroup(Path(a["cgroup"]), a["cgroup_version"]) if a["cgroup"] else None
+    dropped = hostmem.drop_file_cache(Path(a["store"]))  # cold caches: the store's pages left the cache
+    cached_before = hostmem.resident_file_bytes(Path(a["store"]))
+    joined = group.join() if group is not None else False
+    hwm_reset = hostmem.reset_peak_rss()
     marks: list[float] = []
     rss: list[int] = []
-    res = train(cfg, a["store"], a["data"], overwrite=True,
-                on_step=lambda r: (marks.append(r.seconds), rss.append(_rss_now())))
+    cached: list[int] = []
+    store_dir = Path(a["store"])
+    res = train(_config(a), a["store"], a["data"],
+                on_step=lambda r: (marks.append(r.seconds), rss.append(hostmem.rss_now()),
+                                   cached.append(hostmem.resident_file_bytes(store_dir))))
     params = sum(s.numel for s in res.tiers.layers)
-    placement = list(res.placement)
-    host_bytes = res.tiers.host_bytes()
-    pipeline = dict(res.tiers.pipeline_bytes)
+    out: dict[str, Any] = {
+        "params": params, "placement": list(res.placement), "grads_spilled": res.tiers.spill is not None,
+        "step_s": marks, "rss_by_step": rss, "store_cached_by_step": cached, "rss_baseline": baseline_rss,
+        "rss_peak": hostmem.peak_rss(), "rss_peak_reset": hwm_reset, "store_files_dropped": dropped,
+        "store_cached_at_start": cached_before, "engine_host_bytes": res.tiers.host_bytes(),
+        "pipeline_bytes": dict(res.tiers.pipeline_bytes), "cgroup_joined": joined,
+    }
     res.store.close()
-    out: dict[str, Any] = {"params": params, "placement": placement, "step_s": marks, "rss_by_step": rss,
-                           "rss_peak": _rss_peak(), "rss_baseline": baseline_rss, "engine_host_bytes": host_bytes,
-                           "pipeline_bytes": pipeline, "cgroup_joined": joined}
     if joined:
-        cg = Path(a["cgroup"])
-        out["cgroup_peak"] = int((cg / "memory.max_usage_in_bytes").read_text())
-        out["cgroup_limit"] = int((cg / "memory.limit_in_bytes").read_text())
-        out["cgroup_failcnt"] = int((cg / "memory.failcnt").read_text())
+        assert group is not None
+        out.update(cgroup_peak=group.peak, cgroup_limit=group.limit, cgroup_limit_hits=group.hits,
+                   cgroup_stat_at_end=group.stat(), cgroup_version=group.version)
+    return out
+
+
+def _run_child(fn: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(fn, args, q))
+    p.start()
+    try:
+        out = q.get(timeout=max(60.0, timeout))
+    except Exception:  # noqa: BLE001 -- a hung or killed child (e.g. by the memory limit): say so
+        p.join(timeout=5)
+        out = {"error": f"{fn}: no result within the time limit or the child died (exit code {p.exitcode}; "
+                        "-9: killed, e.g. by the memory group's OOM killer)"}
+        p.kill()
+    p.join(timeout=30)
     return out
 
 
@@ -179,6 +187,8 @@ def main() -> int:
     ap.add_argument("--grad-accum", type=int, default=None, help="override the rule")
     ap.add_argument("--time-limit-s", type=float, default=480)
     ap.add_argument("--disk-compute", choices=("store", "ram"), default="store", help="disk layers' compute copy (TrainConfig.disk_compute)")
+    ap.add_argument("--limit-bytes-per-param", type=float, default=GOAL_BYTES_PER_PARAM,
+                    help="the memory group's limit (page cache included) and the run's RAM budget, per parameter")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     if not cuda and not a.smoke:
@@ -202,13 +212,12 @@ def main() -> int:
                 "durability": "full", "device": "cuda" if cuda else "cpu", "io_threads": disk["io_threads"], "kernels": "unfused" if not cuda else "auto"}
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(TrainConfig(**base, steps=1)).parameters())
-    # read per visit: no host RAM per parameter for the compute copy (a bf16 copy in RAM would be 2 B/param,
-    # beside a 3-set read-ahead ring of 16 B x the largest layer: over the 4 B/param goal at 20 layers)
+    # read per visit: no host RAM per parameter for the compute copy (a bf16 copy in RAM would be 2 B/param)
     disk_compute = a.disk_compute
     per_param = 24 + (8 if disk_compute == "store" else 0)  # read + write master, m, v; + two visit reads of the fp32 master
     accum = a.grad_accum or (2 if a.smoke else grad_accum_rule(params, mbs * seq, per_param * params, disk["raw"]["mix_GBps"], a.target_tflops))
     steps = a.steps or (3 if a.smoke else 4)
-    need = 24 * params * 1.05
+    need = 28 * params * 1.05  # two generations of master, m, v, and the gradients' scratch when spilled
     free = shutil.disk_usage(root).free
     record: dict[str, Any] = {"mode": "smoke" if a.smoke else "cuda", "shape": shape, "params": params, "disk": disk,
                               "disk_dir": str(root), "disk_compute": disk_compute, "grad_accum": accum,
@@ -220,44 +229,49 @@ def main() -> int:
         tokens = root / "tokens.bin"
         rng = np.random.default_rng(0)
         vocab = SHAPES[shape]["vocab_size"]
-        write_token_file(tokens, rng.integers(0, vocab, size=max(200_000, 4 * accum * mbs * seq * (steps + 1))).astype(np.uint16 if vocab < 65536 else np.uint32),
+        write_token_file(tokens, rng.integers(0, vocab, size=max(200_000, 4 * accum * mbs * seq * (steps + 2))).astype(np.uint16 if vocab < 65536 else np.uint32),
                          vocab_size=vocab, tokenizer="byte" if vocab == 256 else "synthetic")
-        cfg = dict(base, steps=steps, grad_accum=accum, disk_compute=disk_compute, compute_dtype="float32" if not cuda else "bfloat16")
-        # the limit: 4 B/param over the process's fixed overhead (torch, CUDA context), page cache included
-        limit = int(GOAL_BYTES_PER_PARAM * params + (1.5e9 if cuda else 0.6e9))
-        cg = _cgroup_open(limit)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_child, args=({"cfg": cfg, "store": str(root / "store"), "data": str(tokens),
-                                               "cgroup": str(cg) if cg else None}, q))
-        p.start()
-        try:
-            out = q.get(timeout=max(60.0, a.time_limit_s - (time.perf_counter() - t0)))
-        except Exception:  # noqa: BLE001 -- a hung or killed child: say so
-            out = {"error": f"no result within the time limit (exit code {p.exitcode})"}
-            p.kill()
-        p.join(timeout=30)
-        if cg is not None:
-            with contextlib.suppress(OSError):
-                cg.rmdir()
+        # the run's RAM budget is the limit: the engine fits itself to it (gradients of disk layers go
+        # to the store on the CPU when 4 B/param cannot also hold them)
+        limit = int(a.limit_bytes_per_param * params)
+        cfg = dict(base, steps=steps + 1, grad_accum=accum, disk_compute=disk_compute, compute_dtype="float32" if not cuda else "bfloat16",
+                   ram_budget_gb=limit / 2**30)
+        child = {"cfg": cfg, "store": str(root / "store"), "data": str(tokens)}
+        left = a.time_limit_s - (time.perf_counter() - t0)
+        out = _run_child("prepare", child, left / 2)
+        if "error" not in out:
+            group = hostmem.MemGroup.open(f"mtc-bench-{os.getpid()}", limit)
+            out = _run_child("train", dict(child, cgroup=str(group.path) if group else None, cgroup_version=group.version if group else 0),
+                             a.time_limit_s - (time.perf_counter() - t0))
+            if group is not None:
+                group.remove()
         if "error" not in out:
             steady = out["step_s"][1:] or out["step_s"]
             step_s = median(steady)
             tok = accum * mbs * seq
-            store_bytes = per_param * params
+            spill = 8 if out["grads_spilled"] else 0  # the gradient's write to scratch and read back
+            store_bytes = (per_param + spill) * params
+            above = out["rss_peak"] - out["rss_baseline"]
             out.update(
                 step_s_median=step_s, model_tflops=6 * params * tok / step_s / 1e12, tokens_per_s=tok / step_s,
                 store_bytes_per_step=store_bytes, train_disk_GBps=store_bytes / step_s / 1e9,
                 train_disk_over_raw_mix=store_bytes / step_s / 1e9 / disk["raw"]["mix_GBps"],
-                rss_peak_per_param=out["rss_peak"] / params,
-                rss_peak_above_baseline_per_param=(out["rss_peak"] - out["rss_baseline"]) / params,
+                rss_peak_above_baseline_per_param=above / params,
+                store_cached_max_per_param=max(out["store_cached_by_step"], default=0) / params,
                 engine_host_bytes_per_param=out["engine_host_bytes"] / params,
-                memory_limit=("cgroup v1 memory.limit_in_bytes (page cache included), "
-                              f"{limit / 1e9:.2f} GB = {GOAL_BYTES_PER_PARAM} B/param + fixed overhead") if out.get("cgroup_joined")
-                else "no cgroup memory limit could be applied here: RSS reported; the store's I/O bypasses or drops the page cache",
+                limit_bytes=limit, limit_bytes_per_param=a.limit_bytes_per_param,
             )
             if out.get("cgroup_joined"):
-                out["cgroup_peak_per_param"] = out["cgroup_peak"] / params
+                out["host_bytes_per_param"] = out["cgroup_peak"] / params
+                out["method"] = (f"cgroup v{out['cgroup_version']} memory limit {limit / 1e9:.3f} GB "
+                                 f"({a.limit_bytes_per_param} B/param), page cache included, joined after the process's "
+                                 "fixed start-up; store pages dropped first (cold); figure: the group's peak usage")
+            else:
+                out["host_bytes_per_param"] = (above + max(out["store_cached_by_step"], default=0)) / params
+                out["method"] = ("no memory cgroup could be made here: peak RSS over the start-up baseline plus the most "
+                                 "store page-cache bytes seen after a step (mincore); store pages dropped first (cold)")
+            out["goal_bytes_per_param"] = GOAL_BYTES_PER_PARAM
+            out["goal_met_bytes_per_param"] = out["host_bytes_per_param"] <= GOAL_BYTES_PER_PARAM
             out["goal_tflops"] = GOAL_TFLOPS if cuda else None
         record["train"] = out
         for f in (tokens, tokens.with_suffix(".json")):
@@ -268,12 +282,13 @@ def main() -> int:
     if "error" in tr or "skipped" in tr:
         print(f"train: {tr.get('error') or tr.get('skipped')}")
     else:
-        print(f"train: {params / 1e6:.1f}M params all on disk, {record['tokens_per_step']} tokens/step, "
+        print(f"train: {params / 1e6:.1f}M params all on disk ({len(tr['placement'])} layers), {record['tokens_per_step']} tokens/step, "
               f"{tr['step_s_median']:.2f} s/step, {tr['model_tflops']:.3f} model TFLOP/s, store {tr['train_disk_GBps']:.3f} GB/s "
-              f"({tr['train_disk_over_raw_mix']:.2f} of raw mix); host RSS peak {tr['rss_peak_per_param']:.2f} B/param "
-              f"({tr['rss_peak_above_baseline_per_param']:.2f} above the process baseline), engine buffers "
-              f"{tr['engine_host_bytes_per_param']:.2f} B/param"
-              + (f"; cgroup peak {tr['cgroup_peak_per_param']:.2f} B/param under {tr['cgroup_limit'] / 1e9:.2f} GB" if tr.get("cgroup_joined") else "; no cgroup limit"))
+              f"({tr['train_disk_over_raw_mix']:.2f} of raw mix); gradients {'spilled to the store' if tr['grads_spilled'] else 'in memory'}")
+        print(f"host RAM: {tr['host_bytes_per_param']:.2f} B/param (goal <= {GOAL_BYTES_PER_PARAM}); {tr['method']}; "
+              f"RSS peak over baseline {tr['rss_peak_above_baseline_per_param']:.2f} B/param, engine buffers "
+              f"{tr['engine_host_bytes_per_param']:.2f} B/param {json.dumps(tr['pipeline_bytes'])}"
+              + (f"; group at end {json.dumps(tr['cgroup_stat_at_end'])}, limit reached {tr['cgroup_limit_hits']} times" if tr.get("cgroup_joined") else ""))
     print(f"wrote {path}")
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)

@@ -114,7 +114,11 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     """Memory per tier of this placement (the table in `mtc.runtime.placement`)."""
     n, c = list(shape.numels), shape.compute_bytes
     dc = disk_compute_for(cfg, shape)
-    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda)
+    # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold them
+    budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
+    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda,
+                                 gpu_bytes=int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else None)
+    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
         if t == "ram":  # compute copy (the master itself in fp32) and gradient; streamed layers pin m and v too
@@ -123,9 +127,9 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
             pinned += n[i] * pl.host_bytes_per_param("disk", c, disk_compute=dc, grads_on_device=True)
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
-    host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda) + pipeline
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
-                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m) for m in MODES})
+    host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
+                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,7 +171,7 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
     dc, cuda = disk_compute_for(cfg, shape), gpu_total is not None
     per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda)
-    least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda)
+    least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda, spill=not cuda)  # on the CPU gradients can go to disk
     if least > have:
         fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
                "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
@@ -184,11 +188,11 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     return checks
 
 
-def _host_need(shape: ModelShape, placement: list[str], disk_compute: str, cuda: bool) -> int:
+def _host_need(shape: ModelShape, placement: list[str], disk_compute: str, cuda: bool, *, spill: bool = False) -> int:
     """Host RAM of ``placement``: the state tiers plus the bounded pipeline (as `memory` counts it)."""
     numels, c = list(shape.numels), shape.compute_bytes
-    return (pl.host_bytes_needed(placement, numels, c, disk_compute=disk_compute, grads_on_device=cuda)
-            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda))
+    return (pl.host_bytes_needed(placement, numels, c, disk_compute=disk_compute, grads_on_device=cuda, grad_spill=spill)
+            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda, grad_spill=spill))
 
 
 def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool) -> str:

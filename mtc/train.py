@@ -208,6 +208,11 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
     return placement, gpu_update
 
 
+def _gpu_budget(cfg: TrainConfig, program: Program, cbytes: int) -> int:
+    """GPU bytes for state: ``--gpu-budget-gb``, else free memory less one layer's workspace."""
+    return int(cfg.gpu_budget_gb * 2**30) if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
+
+
 def _ram_budget(cfg: TrainConfig) -> int:
     """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin."""
     return int(cfg.ram_budget_gb * 2**30) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
@@ -442,7 +447,12 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute)
+        numels = [program.layer_numel(i) for i in range(program.n_layers)]
+        spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
+                                     disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda",
+                                     gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
+        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
+                           spill_grads=spill)
         durable = cfg.durability != "none"
         tiers.create_arrays(st, cfg.durability)
         if run.last is None:  # a new run: initial state from the model, committed as step 0

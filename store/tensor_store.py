@@ -475,6 +475,13 @@ class TensorStore:
         info = self.array_info(name)
         self._wait(self._write_rows(info, start_row, tensor, whole=False))
 
+    def write_rows_async(self, name: str, start_row: int, tensor: torch.Tensor, *, priority: int = PRIORITY_WRITE) -> Future[None]:
+        """Start `write_rows` on the I/O threads; the Future completes once the rows are durable.
+        Chunk-aligned ranges (or ones ending at the array's end) take the direct path; keep one
+        writer per chunk."""
+        info = self.array_info(name)
+        return self._write_rows(info, start_row, tensor, whole=False, priority=priority)
+
     def _write_rows(self, info: ArrayInfo, start_row: int, tensor: torch.Tensor, *, whole: bool,
                     priority: int = PRIORITY_WRITE) -> Future[None]:
         self._check_writable()

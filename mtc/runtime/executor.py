@@ -133,8 +133,10 @@ class StreamingExecutor:
         # weights whose accumulation spans other layers' visits
         tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
         n_open = 2 + len(tied)
-        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram layers
-        slab_numel = max((program.layer_numel(i) for i, t in enumerate(tiers.placement) if t == "ram"), default=1)
+        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram
+        # layers, and disk layers whose gradient is spilled to the store (`mtc.runtime.grad_spill`)
+        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers) if s.tier == "ram" or s.grad is None),
+                         default=1)
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
             self.ring.preallocate()
@@ -159,7 +161,9 @@ class StreamingExecutor:
         # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
         self._staging: list[torch.Tensor] = []
         self._staging_read: list[Transfer | None] = [None] * slots
-        if any(s.compute is None and s.numel for s in tiers.layers):
+        # on the CPU in fp32 the weight slot itself is host memory of the store's dtype: read into it
+        self._read_into_slot = self.device.type == "cpu" and self.ring.dtype == torch.float32
+        if any(s.compute is None and s.numel for s in tiers.layers) and not self._read_into_slot:
             pin = self.device.type == "cuda"
             self._staging = [torch.empty(ring_numel, dtype=torch.float32, pin_memory=pin) for _ in range(slots)]
             tiers.pipeline_bytes["visit_staging"] = sum(t.numel() * 4 for t in self._staging)
@@ -213,9 +217,9 @@ class StreamingExecutor:
         if from_store:
             self._read_from_store(layer, slot, from_store)
         copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel],
-                   self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
+                   self._stage(slot)[s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
                    else self.tiers[s.owner].compute[s.start : s.start + s.numel])
-                  for s in plan.segments]
+                  for s in plan.segments if not (self._read_into_slot and self.tiers[s.owner].compute is None)]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
             # a resident owner is updated on the compute stream: copy only after what is queued there
@@ -239,10 +243,14 @@ class StreamingExecutor:
         gen = self.tiers.disk_generation
         with self.timeline.span("visit_read", layer):
             futs = [store.read_rows_into_async(state_array_name(s.owner, "master", gen), s.start,
-                                               self._staging[slot.index][s.slot_offset : s.slot_offset + s.numel])
+                                               self._stage(slot)[s.slot_offset : s.slot_offset + s.numel])
                     for s in segments]
             for f in futs:
                 f.result()
+
+    def _stage(self, slot: Slot) -> torch.Tensor:
+        """Where a visit's reads from the store land: the slot's staging buffer, or the slot itself."""
+        return slot.device if self._read_into_slot else self._staging[slot.index]
 
     def _wait(self, fut: Future[LayerWeights], layer: int) -> LayerWeights:
         with self.timeline.span("weights_wait", layer):
@@ -405,7 +413,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if st.tier in ("gpu", "disk"):  # their gradient buffer is on the device, kept until the update
+            if st.tier in ("gpu", "disk") and st.grad is not None:  # their own buffer on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -430,6 +438,9 @@ class StreamingExecutor:
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
         if st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
+        elif st.grad is None:  # spilled to the store; the slab is free again once copied out
+            assert self.tiers.spill is not None
+            st.grad_ready = Transfer(future=self.tiers.spill.write(owner, acc, self.engine, self.engine.marker()))
         self._close_slab(owner, st.grad_ready)
         sink.grad_final(owner, norms)
 

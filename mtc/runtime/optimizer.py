@@ -11,11 +11,12 @@ and clipping stays exact. Per layer, by tier:
 - ``ram``: the host AdamW on all cores (chunks over a thread pool), writing the new compute copy in
   the same pass; or, for the layers ``gpu_update`` names, on the GPU: state and gradient stream
   over PCIe through pinned buffers on the copy streams, the kernel runs, the state streams back.
-- ``disk``: master, m, v of the current generation were read ahead into a buffer set of the disk
-  ring (`mtc.runtime.disk_tier`, started at `begin_step`, during the forward); the gradient is
-  copied from the compute device into the set, the host updates it, and the new state is written
-  behind into the other generation while the next layers update; the set returns to the ring
-  once its writes are durable.
+- ``disk``: master, m, v of the current generation were read ahead, chunk by chunk, into buffer
+  sets of the disk ring (`mtc.runtime.disk_tier`, started at `begin_step`, during the forward); the
+  gradient's chunk is copied from the compute device into the set (or was read back from the
+  store's scratch array it was spilled to), the host updates the chunk, and the new state is
+  written behind into the other generation while the next chunks update; a set returns to the
+  ring once its writes are durable.
 
 A step whose loss or gradient norm is not finite updates nothing (its batches are consumed and
 it counts as a step); `StepStats.skipped` says so. Write-behind: on a commit step each layer's new
@@ -109,7 +110,7 @@ class StreamingAdamW:
         has_disk = any(s.tier == "disk" and s.numel for s in tiers.layers)
         if has_disk and store is None:
             raise ValueError("disk-tier layers need the store")
-        self.disk = DiskRing(tiers, store, slots=disk_slots) if has_disk else None
+        self.disk = DiskRing(tiers, store, slots=disk_slots, spill=tiers.spill) if has_disk else None
 
     @property
     def disk_generation(self) -> int:
@@ -238,54 +239,72 @@ class StreamingAdamW:
 
     def _update_disk(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, w_gen: int, prev_commit: Future[None],
                      tstep: int, skip: bool, written: Future[None]) -> None:
-        """Update a disk layer in its read-ahead set and start writing it behind; ``written``
-        completes once the new state is durable in ``w_gen`` (then the set goes back to the ring)."""
+        """Update a disk layer chunk by chunk in its read-ahead sets and start writing each chunk
+        behind; ``written`` completes once the whole new state is durable in ``w_gen`` (each set
+        goes back to the ring as soon as its chunk is)."""
         s = self.tiers[i]
         assert self.disk is not None
         try:
-            _wait_all(self.timeline, i, deps, tstep)  # the last H2D read of its compute copy
-            with self.timeline.span("disk_read_wait", i, step=tstep):
-                st, reads = self.disk.take(i)
-                for f in reads:
-                    f.result()
-            master, m, v = st.views(s.numel)
-            grad = s.grad
-            if grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
-                assert st.grad is not None
-                tr = self.engine.d2h([(st.grad[: s.numel], s.grad)], layer=i, stage="grad_d2h")
-                tr.wait()
-                grad = st.grad[: s.numel]
-            if not skip:  # a skipped step only carries the state over into the next generation
-                with self.timeline.span("update", i, step=tstep):
-                    adamw_flat_(master, grad, m, v, grad_scale=coef, compute_out=s.compute, pool=self._chunks,
-                                impl=self.host_impl, **hp, **self._hyper())
-            prev_commit.result()  # never overwrite the generation the last durable commit names
-            t0 = time.perf_counter()
-            futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
+            chunks: list[Future | None] = list(self.disk.take(i))
         except BaseException as e:
-            if not written.done():
-                written.set_exception(e)
+            written.set_exception(e)
             raise
-        left = [len(futs)]
+        left = [len(chunks)]
         lock = threading.Lock()
         errors: list[BaseException] = []
+        t0 = time.perf_counter()
 
-        def one_done(f: Future[None]) -> None:
+        def chunk_done(st: object | None, error: BaseException | None) -> None:
             with lock:
-                if f.exception() is not None:
-                    errors.append(f.exception())
+                if error is not None:
+                    errors.append(error)
                 left[0] -= 1
                 last = left[0] == 0
+            if st is not None:
+                self.disk.release(st)
             if last:
                 self.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
-                self.disk.release(st)
                 if errors:
                     written.set_exception(errors[0])
                 else:
                     written.set_result(None)
 
-        for f in futs:
-            f.add_done_callback(one_done)
+        try:
+            _wait_all(self.timeline, i, deps, tstep)  # the last H2D read of its compute copy
+            for k, cf in enumerate(chunks):
+                with self.timeline.span("disk_read_wait", i, step=tstep):
+                    st, lo, hi, reads = cf.result()
+                    for f in reads:
+                        f.result()
+                n = hi - lo
+                master, m, v = st.views(n)
+                if s.grad is None:  # spilled: the read-ahead brought it back with the state
+                    assert st.grad is not None
+                    grad = st.grad[:n]
+                elif s.grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
+                    assert st.grad is not None
+                    tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h")
+                    tr.wait()
+                    grad = st.grad[:n]
+                else:
+                    grad = s.grad[lo:hi]
+                if not skip:  # a skipped step only carries the state over into the next generation
+                    with self.timeline.span("update", i, step=tstep):
+                        # AdamW is element-wise: a chunk's result is the whole layer's, bit for bit
+                        adamw_flat_(master, grad, m, v, grad_scale=coef, pool=self._chunks, impl=self.host_impl,
+                                    compute_out=s.compute[lo:hi] if s.compute is not None else None,
+                                    **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)), **self._hyper())
+                prev_commit.result()  # never overwrite the generation the last durable commit names
+                futs = [self.store.write_rows_async(state_array_name(i, kind, w_gen), lo, t)
+                        for kind, t in zip(("master", "m", "v"), (master, m, v), strict=True)]
+                _when_all(futs, lambda err, st=st: chunk_done(st, err))
+                chunks[k] = None  # taken: an error from here on must not count it twice
+        except BaseException as e:
+            for cf in chunks:  # the chunks not reached: their sets go back once their reads end
+                if cf is not None:
+                    cf.add_done_callback(lambda f: _release_after_reads(self.disk, f))
+                    chunk_done(None, e)
+            raise
 
     def _update_on_device(self, i: int, coef: torch.Tensor | None, hp: dict) -> None:
         s = self.tiers[i]
@@ -366,6 +385,35 @@ class StreamingAdamW:
             pool.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self.tiers.spill is not None:
+            self.tiers.spill.close()
+
+
+def _when_all(futs: list[Future[None]], then: Callable[[BaseException | None], None]) -> None:
+    """Call ``then(first error or None)`` once every future in ``futs`` is done."""
+    left = [len(futs)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def one(f: Future[None]) -> None:
+        with lock:
+            if f.exception() is not None:
+                errors.append(f.exception())
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then(errors[0] if errors else None)
+
+    for f in futs:
+        f.add_done_callback(one)
+
+
+def _release_after_reads(ring: DiskRing, chunk: Future) -> None:
+    """A chunk the update never reached: its set goes back to the ring once its reads are done."""
+    if chunk.exception() is not None:
+        return  # the read-ahead gave its set back itself
+    st, _lo, _hi, reads = chunk.result()
+    _when_all(reads, lambda _err: ring.release(st))
 
 
 def _wait_all(timeline: Timeline, layer: int, deps: tuple, step: int) -> None:

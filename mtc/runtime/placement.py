@@ -8,13 +8,15 @@ is the compute copy):
 |---|---|---|---|
 | gpu  | 16 + (c if c != 4) | 0 (+12 pinned staging at commits) | full 24, weights 8, none 0 |
 | ram  | 0 | 12 + 4 (pinned gradient) + (c if c != 4) | full 24, weights 8, none 0 |
-| disk | 4 (gradient, CUDA) | c (compute copy in RAM) or 0 (read per visit); + 4 on the CPU device (gradient) | 24 always (it is the tier) |
+| disk | 4 (gradient, CUDA) | c (compute copy in RAM) or 0 (read per visit); + 4 on the CPU device (gradient) unless spilled | 24 always (it is the tier); + 4 of gradient scratch when spilled |
 
 Disk layers also need a bounded pipeline in host RAM, independent of depth (`pipeline_host_bytes`):
-a ring of read-ahead sets (master, m, v and on CUDA the gradient's host copy) of the largest disk
-layer, and, when the compute copy is read per visit, one fp32 staging buffer per weight slot. So
-with every layer on disk and the compute copy read per visit, host RAM per parameter is 0 on CUDA
-(4 on the CPU, where the gradient is host memory) plus that fixed pipeline.
+a ring of read-ahead sets (master, m, v and on CUDA or when spilled the gradient's host copy) of
+one update chunk (the smaller of the largest disk layer and `DISK_CHUNK_NUMEL`: at h=4096 a whole
+layer would be 3.5 GB per set), and, when the compute copy is read per visit, one fp32 staging
+buffer per weight slot. So with every layer on disk and the compute copy read per visit, host RAM
+per parameter is 0 on CUDA (on the CPU too when the gradients are spilled to the store, which
+`choose_grad_spill` picks when the budget cannot hold them) plus that fixed pipeline.
 
 A RAM budget (`default_ram_budget`: available memory minus a margin, or the user's) drives
 `auto_placement`: every layer starts on disk, then layers move up to the GPU and to RAM in
@@ -32,11 +34,13 @@ import os
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
+from mtc.runtime.tiers import StateTiers
 
 __all__ = [
     "auto_placement",
     "available_host_bytes",
     "choose_gpu_update",
+    "choose_grad_spill",
     "default_ram_budget",
     "disk_bytes_needed",
     "host_bytes_needed",
@@ -101,39 +105,69 @@ def _c(compute_bytes: int) -> int:
     return 0 if compute_bytes == _FP32 else compute_bytes
 
 
-def host_bytes_per_param(tier: str, compute_bytes: int, *, disk_compute: str = "ram", grads_on_device: bool = False) -> int:
+def host_bytes_per_param(tier: str, compute_bytes: int, *, disk_compute: str = "ram", grads_on_device: bool = False,
+                         grad_spill: bool = False) -> int:
     """Host RAM per parameter of a layer in ``tier`` (the table above). ``grads_on_device``: disk
-    layers' gradients wait in GPU memory (CUDA) rather than host memory (the CPU device)."""
+    layers' gradients wait in GPU memory (CUDA) rather than host memory (the CPU device);
+    ``grad_spill``: they wait in the store's scratch arrays."""
     if tier == "gpu":
         return 0
     if tier == "ram":
         return 16 + _c(compute_bytes)
     if tier == "disk":
-        return (compute_bytes if disk_compute == "ram" else 0) + (0 if grads_on_device else 4)
+        return (compute_bytes if disk_compute == "ram" else 0) + (0 if grads_on_device or grad_spill else 4)
     raise ValueError(f"unknown tier {tier!r}")
 
 
 def host_bytes_needed(placement: list[str], numels: list[int], compute_bytes: int, *, disk_compute: str = "ram",
-                      grads_on_device: bool = False) -> int:
+                      grads_on_device: bool = False, grad_spill: bool = False) -> int:
     """Host RAM for the state tiers (see the table in this module's docstring), without the
     fixed pipeline (`pipeline_host_bytes`)."""
-    return sum(host_bytes_per_param(t, compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
+    return sum(host_bytes_per_param(t, compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device,
+                                    grad_spill=grad_spill) * n
                for t, n in zip(placement, numels, strict=True))
 
 
 def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute: str = "ram", device_is_cuda: bool = False,
-                        disk_slots: int = 3, weight_slots: int = 2) -> int:
+                        disk_slots: int = 3, weight_slots: int = 2, grad_spill: bool = False,
+                        disk_chunk_numel: int | None = None, tied_weights: bool = True) -> int:
     """Host RAM of the bounded pipeline: the disk tier's read-ahead ring and visit staging (and on
-    the CPU device the executor's device buffers, which are host memory there)."""
+    the CPU device the executor's device buffers, which are host memory there). Independent of the
+    depth; the ring is independent of the layer size too, beyond one update chunk
+    (``disk_chunk_numel``, default the engine's `StateTiers.disk_chunk_numel`). ``tied_weights``
+    (the safe default): a layer also reads a weight another layer owns (tied embeddings), so a
+    weight slot and its staging hold up to two layers and one more gradient slab stays open."""
     disk = [n for t, n in zip(placement, numels, strict=True) if t == "disk" and n]
-    # on the CPU device the executor's weight ring and gradient slabs are host memory too (a weight
-    # slot may hold a layer plus a tied weight: counted as two layers)
-    device = 0 if device_is_cuda else (weight_slots * 2 + 3) * _FP32 * max(numels, default=0)
+    # on the CPU device the executor's weight ring and gradient slabs are host memory too (slabs
+    # serve ram layers and spilled disk layers: two open, plus one for a tied owner)
+    slot = (2 if tied_weights else 1) * max(numels, default=0)
+    slab_layers = [n for t, n in zip(placement, numels, strict=True) if t == "ram" or (t == "disk" and grad_spill)]
+    slabs = (3 if tied_weights else 2) * _FP32 * max(slab_layers, default=1)
+    device = 0 if device_is_cuda else weight_slots * _FP32 * slot + slabs
     if not disk:
         return device
-    ring = disk_slots * (16 if device_is_cuda else 12) * max(disk)
-    staging = weight_slots * 2 * _FP32 * max(numels) if disk_compute == "store" else 0
+    chunk = StateTiers.disk_chunk_numel if disk_chunk_numel is None else disk_chunk_numel
+    ring = disk_slots * (16 if device_is_cuda or grad_spill else 12) * min(max(disk), chunk)
+    ring += 2 * _FP32 * min(max(disk), chunk) if grad_spill else 0  # the spill's two staging chunks
+    # on the CPU (fp32) a visit reads straight into its weight slot: no staging
+    staging = weight_slots * _FP32 * slot if disk_compute == "store" and device_is_cuda else 0
     return ring + staging + device
+
+
+def choose_grad_spill(placement: list[str], numels: list[int], compute_bytes: int, *, ram_bytes: int, disk_compute: str = "ram",
+                      device_is_cuda: bool = False, gpu_bytes: int | None = None) -> bool:
+    """Whether disk layers' gradients wait in the store's scratch arrays (`mtc.runtime.grad_spill`)
+    rather than where they were accumulated: on the CPU device when the RAM budget cannot hold
+    them beside the state tiers and the pipeline; on CUDA when ``gpu_bytes`` cannot hold them
+    beside the resident layers. Spilling costs 8 bytes per disk parameter of disk traffic per
+    step (a write and a read) and saves 4 of host (CPU) or GPU memory."""
+    if not any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
+        return False
+    if device_is_cuda:
+        return gpu_bytes is not None and gpu_state_bytes(placement, numels, compute_bytes) > gpu_bytes
+    keep = (host_bytes_needed(placement, numels, compute_bytes, disk_compute=disk_compute)
+            + pipeline_host_bytes(placement, numels, disk_compute=disk_compute))
+    return keep > ram_bytes
 
 
 def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int, *, disk_grads_on_gpu: bool = True) -> int:
@@ -143,10 +177,11 @@ def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int,
                for t, n in zip(placement, numels, strict=True))
 
 
-def disk_bytes_needed(placement: list[str], numels: list[int], durability: str) -> int:
-    """Store bytes for both generations of the state the durability mode keeps."""
+def disk_bytes_needed(placement: list[str], numels: list[int], durability: str, *, grad_spill: bool = False) -> int:
+    """Store bytes for both generations of the state the durability mode keeps (and the gradient
+    scratch of disk layers when their gradients are spilled)."""
     per_mode = {"full": 24, "weights": 8, "none": 0}[durability]
-    return sum((24 if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
+    return sum((24 + (4 if grad_spill else 0) if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
 
 
 def available_host_bytes() -> int:

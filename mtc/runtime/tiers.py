@@ -9,7 +9,9 @@ program's flat-parameter order). The placement puts every layer in one tier:
   updates the layer (or the GPU, streaming the state, when the cost model picks it).
 - ``disk``: master, m, v in the store, read ahead into a bounded ring of host buffers for the
   update and written behind into the other generation (`mtc.runtime.disk_tier`); the gradient
-  stays where it was accumulated (GPU memory on CUDA) until the update copies it into the ring;
+  stays where it was accumulated (GPU memory on CUDA) until the update copies it into the ring, or,
+  with ``spill_grads`` (when the budget cannot hold 4 B/param of gradients: RAM on the CPU
+  device, GPU memory on CUDA), waits in a scratch array of the store (`mtc.runtime.grad_spill`; ``grad`` is None then);
   the compute copy is kept in pinned RAM (``disk_compute="ram"``) or read from the store at each
   visit (``"store"``: no host RAM per parameter at all).
 
@@ -26,12 +28,16 @@ import torch
 
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
+from mtc.runtime.grad_spill import GradSpill
 from mtc.runtime.transfer import Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
-__all__ = ["DISK_COMPUTE", "TIERS", "LayerState", "StateTiers", "state_kinds"]
+__all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "TIERS", "LayerState", "StateTiers", "state_kinds"]
 
 TIERS = ("gpu", "ram", "disk")
+# a disk layer's update moves through host RAM this many elements at a time (16 MiB per fp32 array:
+# the store's own chunk, which reads fastest; NOTES.md)
+DISK_CHUNK_NUMEL = 4 * 2**20
 DISK_COMPUTE = ("ram", "store")  # where a disk layer's compute copy lives: pinned RAM, or read per visit
 
 
@@ -56,7 +62,8 @@ class LayerState:
     m: torch.Tensor | None
     v: torch.Tensor | None
     compute: torch.Tensor | None  # what the GPU reads: the compute-dtype copy (may alias master; None: read from the store)
-    grad: torch.Tensor  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu` and `disk`)
+    grad: torch.Tensor | None  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu` and
+    # `disk`; None for a disk layer whose gradient is spilled to the store)
     last_read: Transfer | None = None  # the last copy that read `compute` (an update waits for it)
     grad_ready: Transfer | None = None  # the gradient's device-to-host copy
     update: Future[None] | None = None  # this step's update (the next fetch waits for it)
@@ -67,13 +74,17 @@ class LayerState:
 class StateTiers:
     """Every layer's `LayerState`, allocated once for the run (no allocation per step)."""
 
+    disk_chunk_numel = DISK_CHUNK_NUMEL  # elements per disk-tier array chunk (the store's and the update's)
+
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
-                 streamed: set[int] | None = None, disk_compute: str = "ram") -> None:
+                 streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         if disk_compute not in DISK_COMPUTE:
             raise ValueError(f"disk_compute must be one of {DISK_COMPUTE}, got {disk_compute!r}")
         self.disk_compute = disk_compute
+        self.spill_grads = spill_grads and any(t == "disk" for t in placement)
+        self.spill: GradSpill | None = None  # set by `create_arrays` when spilling
         self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
         self.disk_generation = 0  # the generation holding disk layers' newest state (the optimizer flips it)
         self.pipeline_bytes: dict[str, int] = {}  # host buffers of the I/O pipeline (ring, staging), by owner
@@ -106,7 +117,8 @@ class StateTiers:
             return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
         # disk: the gradient stays on the compute device (a bounded ring of host buffers takes it at the update)
         compute = self._host(n, self.compute_dtype, pinned=True) if self.disk_compute == "ram" else None
-        return LayerState(i, tier, n, nd, None, None, None, compute, torch.zeros(n, dtype=STATE_DTYPE, device=self.device))
+        grad = None if self.spill_grads else torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
+        return LayerState(i, tier, n, nd, None, None, None, compute, grad)
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -155,7 +167,13 @@ class StateTiers:
                         if info.shape != (s.numel,) or info.dtype != STATE_DTYPE:
                             raise StoreError(f"array {name} holds {info.shape} {info.dtype}, the plan needs ({s.numel},) float32")
                     else:
-                        store.create_array(name, (s.numel,), STATE_DTYPE)
+                        rows = None if self.disk_chunk_numel == DISK_CHUNK_NUMEL or s.tier != "disk" else self.disk_chunk_numel
+                        store.create_array(name, (s.numel,), STATE_DTYPE, chunk_rows=rows)
+        if self.spill_grads and not store.read_only:
+            self.spill = GradSpill(store, {s.layer: s.numel for s in self.layers if s.tier == "disk"},
+                                   chunk_numel=self.disk_chunk_numel, pinned=self.cuda,
+                                   chunk_rows=None if self.disk_chunk_numel == DISK_CHUNK_NUMEL else self.disk_chunk_numel)
+            self.pipeline_bytes["grad_spill"] = self.spill.staging_bytes
 
     def load(self, store: TensorStore, generation: int, durability: str) -> None:
         """Read the committed generation into RAM/GPU (and disk layers' compute copies)."""

@@ -1,0 +1,126 @@
+"""Host RAM with all state on disk: gradients spilled to the store, disk updates in bounded chunks,
+fixed buffers that do not grow with depth, and the planner's count of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtc.runtime import placement as pl
+from mtc.runtime.grad_spill import grad_scratch_name
+from mtc.runtime.state import read_params
+from mtc.runtime.tiers import StateTiers
+from mtc.train import build_model, train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+GIB = 2**30
+_DEPTH = {"n_layers": 4}  # deep enough that spilled gradients (4 B/param) outweigh the slabs they need (3 layers' worth)
+_CHUNK = 4096  # disk update chunk (elements) in these tests: every layer of the tiny model updates in several
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
+
+
+@pytest.fixture(scope="module")
+def all_ram(tokens):
+    res = train(small_config(steps=2, placement="ram", model_overrides=_DEPTH), None, tokens)
+    yield res
+    res.store.close()
+
+
+def _numels(cfg) -> list[int]:
+    """The program's layer sizes of the tiny Llama: embed, each block, then the final norm and head."""
+    with torch.device("meta"):
+        params = dict(build_model(cfg).named_parameters())
+    blocks = cfg.model_overrides["n_layers"]
+    out = [0] * (blocks + 2)
+    for name, p in params.items():
+        i = 0 if name.startswith("embed.") else int(name.split(".")[1]) + 1 if name.startswith("layers.") else blocks + 1
+        out[i] += p.numel()
+    return out
+
+
+def _weights(res):
+    return read_params(res.program, res.store, res.generation)
+
+
+def _spill_budget_gb(numels: list[int]) -> float:
+    """A RAM budget that holds all-disk with spilled gradients but not with kept ones."""
+    disk = ["disk"] * len(numels)
+    kw = {"disk_compute": "store", "disk_chunk_numel": _CHUNK}
+    spill = pl.pipeline_host_bytes(disk, numels, grad_spill=True, **kw)
+    keep = pl.host_bytes_needed(disk, numels, 4, disk_compute="store") + pl.pipeline_host_bytes(disk, numels, **kw)
+    assert spill < keep
+    return (spill + keep) / 2 / GIB
+
+
+def _assert_same_training(res, ref):
+    assert res.losses == ref.losses
+    w, w_ref = _weights(res), _weights(ref)
+    assert all(torch.equal(w[k], w_ref[k]) for k in w_ref)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_chunked_disk_updates_with_or_without_spilled_gradients_are_bit_identical_to_all_ram(tokens, tmp_path, all_ram, monkeypatch, spill):
+    monkeypatch.setattr(StateTiers, "disk_chunk_numel", _CHUNK)
+    numels = [s.numel for s in all_ram.tiers.layers]
+    kw = {"ram_budget_gb": _spill_budget_gb(numels)} if spill else {}
+    res = train(small_config(steps=2, placement="disk", model_overrides=_DEPTH, **kw), tmp_path / "c", tokens)
+    try:
+        assert (res.tiers.spill is not None) == spill
+        if spill:  # no host byte per parameter: everything the engine holds is the fixed pipeline
+            assert all(s.grad is None and s.master is None and s.compute is None for s in res.tiers.layers)
+            assert res.tiers.host_bytes() == sum(res.tiers.pipeline_bytes.values())
+            assert res.store.has_array(grad_scratch_name(1))
+        # the ring's sets are one chunk each, however large the layers
+        assert res.tiers.pipeline_bytes["disk_ring"] == 3 * (16 if spill else 12) * _CHUNK
+        chunks = sum(-(-n // _CHUNK) for n in numels if n)
+        assert len(res.timeline.spans("disk_read_wait")) == 2 * chunks
+        _assert_same_training(res, all_ram)
+    finally:
+        res.store.close()
+
+
+def test_fixed_host_buffers_do_not_grow_with_depth_and_the_planner_counts_them(tokens, tmp_path, monkeypatch):
+    monkeypatch.setattr(StateTiers, "disk_chunk_numel", _CHUNK)
+    held, planned = [], []
+    for n_layers in (3, 6):
+        cfg = small_config(steps=1, placement="disk", model_overrides={"n_layers": n_layers})
+        numels = _numels(cfg)
+        res = train(cfg.__class__(**{**cfg.to_dict(), "optim": cfg.optim, "ram_budget_gb": _spill_budget_gb(numels)}),
+                    tmp_path / f"d{n_layers}", tokens)
+        try:
+            assert res.tiers.spill is not None and [s.numel for s in res.tiers.layers] == numels
+            engine = res.tiers.host_bytes()
+            plan = pl.pipeline_host_bytes(res.placement, numels, disk_compute="store", grad_spill=True, disk_chunk_numel=_CHUNK,
+                                          tied_weights=False)
+            assert engine == plan  # the planner counts exactly what the engine allocates (this model ties no weight)
+            # by default it leaves room for tied weights: never less
+            assert pl.pipeline_host_bytes(res.placement, numels, disk_compute="store", grad_spill=True, disk_chunk_numel=_CHUNK) > plan
+            held.append(engine)
+            planned.append(plan)
+        finally:
+            res.store.close()
+    assert held[0] == held[1] and planned[0] == planned[1]  # twice the depth, the same bytes
+
+
+def test_gradients_are_spilled_only_when_the_budget_cannot_hold_them():
+    numels, disk = [100] * 8, ["disk"] * 8
+    kw = {"disk_compute": "store", "disk_chunk_numel": 4096}
+    keep = pl.host_bytes_needed(disk, numels, 4, disk_compute="store") + pl.pipeline_host_bytes(disk, numels, **kw)
+    cpu = {"disk_compute": "store"}
+    assert not pl.choose_grad_spill(disk, numels, 4, ram_bytes=keep, **cpu)
+    assert pl.choose_grad_spill(disk, numels, 4, ram_bytes=keep - 1, **cpu)
+    assert not pl.choose_grad_spill(["ram"] * 8, numels, 4, ram_bytes=0, **cpu)  # no disk layer: nothing to spill
+    # CUDA: disk layers' gradients wait in GPU memory (4 B/param) unless the GPU budget cannot hold them
+    gpu = {"ram_bytes": 0, "device_is_cuda": True}
+    assert not pl.choose_grad_spill(disk, numels, 2, gpu_bytes=4 * 800, **gpu)
+    assert pl.choose_grad_spill(disk, numels, 2, gpu_bytes=4 * 800 - 1, **gpu)
+    assert not pl.choose_grad_spill(disk, numels, 2, gpu_bytes=None, **gpu)  # no budget known: as before
+    # spilling trades the 4 B/param for two staging chunks and a gradient buffer per ring set
+    big = [10**7] * 8
+    spilled = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True, grad_spill=True)
+    kept = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True)
+    assert spilled - kept == 2 * 4 * 4 * 2**20  # ring sets are one 4M-element chunk, not a 10M-element layer
