@@ -446,17 +446,36 @@ _WHY = {
 }
 
 
+def stuck_stages(steps: dict[int, StepTime]) -> list[str]:
+    """Stages whose busy time per rank does not shrink with N (not even halfway to 1/N from the
+    smallest to the largest N): shared host resources, the collectives. Busiest at the largest N first."""
+    lo, hi = min(steps), max(steps)
+    first, last = steps[lo].stages(), steps[hi].stages()
+
+    def shrinks(k: str) -> bool:
+        return first.get(k, 0.0) > 0 and last[k] * hi / lo <= 0.5 * (1 + hi / lo) * first[k]
+
+    stuck = [k for k in last if last[k] > 0 and not shrinks(k) and not k.startswith("CPU cores")]
+    return sorted(stuck, key=lambda k: -last[k])
+
+
+def limiting_stage(steps: dict[int, StepTime]) -> str:
+    """The stage that limits scaling: the bottleneck at the largest N if it does not shrink with N,
+    else the busiest stage that does not, else the bottleneck (the run scales until another binds)."""
+    bottleneck, stuck = steps[max(steps)].bottleneck, stuck_stages(steps)
+    return bottleneck if bottleneck in stuck or not stuck else stuck[0]
+
+
 def scaling(cfg: TrainConfig, profile: MachineProfile, shape: ModelShape, ranks_per_host: int,
             worlds: tuple[int, ...] = SCALING_WORLDS) -> list[str]:
     """The same run (same global batch) at each world size, ``ranks_per_host`` ranks per host at
-    most: step time, tokens/s per GPU and in all, and which stage limits it."""
+    most: step time, tokens/s per GPU and in all, each stage's busy time, and which stage limits it."""
     unit = "GPU" if profile.accelerator == "cuda" else "rank"
     out = [(f"scaling (predicted; the global batch of {cfg.grad_accum} x {cfg.micro_batch_size} sequences split by rank, "
             f"up to {ranks_per_host} rank(s) per host):"),
            f"  {'N':>3s} {'hosts x ranks':>13s} {'step ms':>10s} {'tok/s/' + unit:>12s} {'tok/s all':>12s} {'vs linear':>9s}  fits  bottleneck"]
     tokens = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
-    base = None
-    last: tuple[int, str, float] | None = None
+    steps: dict[int, StepTime] = {}
     for w in worlds:
         r = min(w, ranks_per_host)
         nodes = -(-w // r)
@@ -465,18 +484,28 @@ def scaling(cfg: TrainConfig, profile: MachineProfile, shape: ModelShape, ranks_
         except ConfigError as e:
             out.append(f"  {w:3d} {'':>13s} skipped: {e}")
             continue
-        st = p.step
+        st = steps[w] = p.step
         total = tokens / st.step_s
-        base = base if base is not None else (total if w == 1 else None)
+        base = tokens / steps[1].step_s if 1 in steps else None
         eff = f"{total / (w * base):9.0%}" if base else f"{'-':>9s}"
         out.append(f"  {w:3d} {f'{nodes} x {r}':>13s} {st.step_s * 1e3:10,.1f} {total / w:12,.0f} {total:12,.0f} {eff}  "
                    f"{'yes ' if p.fits else 'NO  '}  {st.bottleneck}")
-        last = (w, st.bottleneck, total / (w * base) if base else 0.0)
-    if last is not None and last[0] > 1:
-        key = next((k for k in _WHY if last[1].startswith(k)), None)
-        why = _WHY.get(key, "the collectives' link" if last[1].startswith("collectives") else "")
-        out.append(f"  limits scaling at N={last[0]}: {last[1]}" + (f" ({why})" if why else "")
-                   + (f"; {last[2]:.0%} of linear" if last[2] else ""))
+    if len(steps) < 2:
+        return out
+    names = list(dict.fromkeys(k for st in steps.values() for k in st.stages()))
+    out.append(f"  {'busy ms per step, per rank':40s}" + "".join(f"{f'N={w}':>10s}" for w in steps))
+    for k in names:
+        out.append(f"  {k:40s}" + "".join(f"{st.stages().get(k, 0.0) * 1e3:10,.1f}" for st in steps.values()))
+    lo, hi = min(steps), max(steps)
+    name = limiting_stage(steps)
+    key = next((k for k in _WHY if name.startswith(k)), None)
+    why = _WHY.get(key, "the collectives' link: their bytes per rank do not shrink with N" if name.startswith("collectives") else "")
+    eff = f" ({tokens / steps[hi].step_s / (hi * tokens / steps[1].step_s):.0%} of linear)" if 1 in steps else ""
+    out.append(f"  limits scaling at N={hi}{eff}: {name}" + (f": {why}" if why else ""))
+    stuck = stuck_stages(steps)
+    if stuck:
+        out.append(f"  busy time that does not shrink with N (N={lo} -> N={hi}): " + ", ".join(
+            f"{k} {steps[lo].stages().get(k, 0.0) * 1e3:,.0f} -> {steps[hi].stages()[k] * 1e3:,.0f} ms" for k in stuck))
     return out
 
 

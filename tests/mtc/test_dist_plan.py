@@ -1,0 +1,178 @@
+"""`mtc plan --world-size N` and the per-rank fit check (issue 13: the planner's part)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mtc.calibrate import builtin
+from mtc.cli import main
+from mtc.config import TrainConfig
+from mtc.costmodel import adamw_rate, model_shape, step_time
+from mtc.dist_plan import (
+    DistPlan,
+    Layout,
+    Link,
+    RankDist,
+    check_fit_ranks,
+    make_dist_plan,
+    rank_memory,
+    rank_profile,
+    ring_bytes,
+    shard_numels,
+)
+from mtc.errors import ConfigError
+from mtc.planner import DISK_FREE_ENV, check_fit, make_plan
+
+# the tiny preset (~0.5M params), 8 micro-batches per step: splits over 1, 2, 4 and 8 ranks
+CFG = TrainConfig(model="tiny", micro_batch_size=2, seq_len=16, grad_accum=8, durability="full")
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return model_shape(CFG, "bfloat16")
+
+
+def _two_gpu_host():
+    """The H100 box with two GPUs behind one PCIe uplink (the planner's host-sharing inputs)."""
+    return dataclasses.replace(builtin("h100-box"), name="2x-h100", gpus_per_host=2, pcie_uplinks=1, peer_gbps=100.0)
+
+
+def _cpu_host():
+    """A 16-core CPU machine (gloo ranks), compute figures measured with all 16 threads."""
+    return dataclasses.replace(builtin("h100-box"), name="cpu16", accelerator="cpu", gpu_memory_bytes=0, pcie_is_memcpy=True,
+                               compute_threads=16, adamw_impl="exact")
+
+
+def test_world_size_one_is_the_single_process_plan(shape, capsys):
+    prof = builtin("h100-box")
+    one = make_dist_plan(CFG, prof, 1, shape=shape)
+    assert not isinstance(one, DistPlan) and one.lines() == make_plan(CFG, prof, shape=shape).lines()
+    # the cost model's rank path at one rank (shards = layers, no collective time) times the same step
+    p = make_plan(dataclasses.replace(CFG, placement="ram", gpu_update="none"), prof, shape=shape)
+    d = RankDist(1, 1, shape.numels, True, Link("x", 100.0, 10.0), 0.0)
+    st = step_time(p.cfg, shape, p.placement, p.gpu_update, prof, host_need=p.memory.host, dist=d)
+    assert st.step_s == p.step.step_s and st.stages() == {**p.step.stages(), "x": 0.0}
+    args = ["plan", "tiny", "--machine", "h100-box", "--seq-len", "16", "--micro-batch-size", "2", "--no-extrapolate"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--world-size", "1"]) == 0
+    assert capsys.readouterr().out == plain and "world:" not in plain
+
+
+def test_ranks_divide_the_state(shape):
+    assert shard_numels((10, 8, 7), 4) == (3, 2, 2)  # ceil: the last shard is padded
+    prof = _two_gpu_host()
+    cfg = dataclasses.replace(CFG, placement="ram", gpu_update="none")
+    one = make_plan(cfg, prof, shape=shape)
+    for w, nodes in ((2, 1), (4, 2), (8, 4)):
+        p = make_dist_plan(cfg, prof, w, nodes=nodes, shape=shape)
+        s = shard_numels(shape.numels, w)
+        assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
+        assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
+        # the rank's CPU AdamW updates its shard only; ranks on separate hosts each have a whole host's rate
+        per_host = p.layout.ranks_per_host
+        assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * per_host / w, rel=0.01)
+        # host RAM per rank: 12 B (master, m, v) + 4 B (gradient shard) of the shard + the whole gathered bf16 copy
+        c = shape.compute_bytes
+        assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
+
+
+def test_ranks_on_one_host_share_its_cpu(shape):
+    prof = _two_gpu_host()
+    host = adamw_rate(prof, 0)
+    rank = adamw_rate(rank_profile(prof, Layout.of(2, 1, prof)), 0)
+    assert rank == pytest.approx(host / 2)  # two ranks together: the host's rate, not double it
+    assert adamw_rate(rank_profile(prof, Layout.of(2, 2, prof)), 0) == host  # one rank per host: all of it
+    cfg = dataclasses.replace(CFG, placement="ram", gpu_update="none")
+    one = make_plan(cfg, prof, shape=shape).step.optimizer_s
+    shared = make_dist_plan(cfg, prof, 2, nodes=1, shape=shape).step.optimizer_s
+    apart = make_dist_plan(cfg, prof, 2, nodes=2, shape=shape).step.optimizer_s
+    assert shared == pytest.approx(one, rel=0.01) and apart == pytest.approx(one / 2, rel=0.01)
+    # one uplink for both GPUs: each rank gets half of it
+    assert rank_profile(prof, Layout.of(2, 1, prof)).both_gbps == prof.both_gbps / 2
+    # CPU ranks split the cores; compute measured with 16 threads runs slower on 8
+    cpu = _cpu_host()
+    r = rank_profile(cpu, Layout.of(2, 1, cpu))
+    assert r.cores == 8 and r.compute_threads == 8 and r.other_scale_fwd == 2 * cpu.other_scale_fwd
+    assert r.store_write_gbps == cpu.store_write_gbps / 2 and r.host_available_bytes == cpu.host_available_bytes // 2
+
+
+def test_collective_bytes_follow_the_ring_formula(shape):
+    for n in (2, 3, 8):
+        assert ring_bytes("all_reduce", 1000.0, n) == pytest.approx(2 * (n - 1) / n * 1000)
+        assert ring_bytes("reduce_scatter", 1000.0, n) == ring_bytes("all_gather", 1000.0, n) == pytest.approx((n - 1) / n * 1000)
+    link = Link("l", 50.0, 20.0)
+    assert link.seconds("all_reduce", 4e9, 4) == pytest.approx(1.5 * 4e9 / 50e9 + 6 * 20e-6)
+    assert link.seconds("all_gather", 4e9, 1) == 0.0
+    prof = _two_gpu_host()
+    p = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
+    padded = 4 * sum(shard_numels(shape.numels, 4))
+    assert p.collective_bytes() == {"gradient reduce-scatter (fp32)": pytest.approx(0.75 * 4 * padded),
+                                    "weights all-gather (bf16)": pytest.approx(0.75 * 2 * padded)}
+    link = p.dist.link  # two hosts of two ranks: the slower of NVLink-or-peer and the network
+    assert link.gbps == min(prof.peer_gbps, 12.5) and any("network" in a for a in p.assumed)
+    busy = sum(link.seconds("reduce_scatter", 4 * 4 * s, 4) + link.seconds("all_gather", 2 * 4 * s, 4)
+               for s in shard_numels(shape.numels, 4) if s)
+    assert p.step.stages()[link.name] == pytest.approx(busy)
+    # gloo (CPU) has no reduce-scatter: the gradient is all-reduced, 2(N-1)/N of it
+    g = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
+    assert g.layout.backend == "gloo" and next(iter(g.collective_bytes())) == "gradient all-reduce (fp32)"
+
+
+def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
+    placement = ["ram"] * shape.n_layers
+    one = check_fit_ranks(CFG, shape, placement, 2, 1, disk_free=10**12, host_available=10**12, gpu_total=80 * 2**30, where="x")
+    two = check_fit_ranks(CFG, shape, placement, 2, 2, disk_free=10**12, host_available=10**12, gpu_total=80 * 2**30, where="x")
+    need = {c.what.split(" (")[0]: c.need for c in one}
+    need2 = {c.what.split(" (")[0]: c.need for c in two}
+    assert need2["disk"] == 2 * need["disk"] and need2["host RAM"] == 2 * need["host RAM"]
+    assert need2["GPU memory per rank"] == need["GPU memory per rank"]
+    mem = rank_memory(dataclasses.replace(CFG, grad_accum=4), shape, placement, 2, cuda=True)
+    assert need["disk"] == mem.disk["full"] and need["host RAM"] == mem.host
+    # `mtc train`'s preflight under torchrun: two ranks on this host, a disk that holds one rank's store
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    cfg = dataclasses.replace(CFG, placement="ram", compute_dtype="float32", device="cpu")
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    cpu_need = rank_memory(dataclasses.replace(cfg, grad_accum=4), model_shape(cfg, "float32", program=program), placement, 2,
+                           cuda=False).disk["full"]
+    store = tmp_path / "store"
+    monkeypatch.setenv(DISK_FREE_ENV, str(int(1.5 * cpu_need)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per host: its own store fits
+    check_fit(cfg, program, placement, set(), store, new_run=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # both ranks' stores on this disk: they do not
+    with pytest.raises(ConfigError, match=r"this run does not fit: disk .*2 rank\(s\)") as e:
+        check_fit(cfg, program, placement, set(), store, new_run=True)
+    assert "--nodes 2" in str(e.value)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="put the store on a larger disk"):  # one process keeps the whole state
+        check_fit(cfg, program, placement, set(), store, new_run=True)
+
+
+def test_plan_cli_world_size(capsys):
+    base = ["plan", "tiny", "--machine", "h100-box", "--seq-len", "16", "--micro-batch-size", "2", "--grad-accum", "8",
+            "--no-extrapolate"]
+    assert main([*base, "--world-size", "2", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "world: 2 ranks = 2 host(s) x 1 rank(s), nccl" in out and "collectives per step" in out
+    assert "tokens/s per GPU" in out and "per host (1 ranks)" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip() and line.split()[0] in ("1", "2", "4", "8")]
+    assert rows == ["1", "2", "4", "8"] and "limits scaling at N=8" in out
+    assert "assumed: network 12.5 GB/s per host" in out
+    for bad, words in ((["--world-size", "2"], "--nodes 2"), (["--world-size", "3", "--nodes", "2"], "multiple of the node count"),
+                       (["--world-size", "3", "--nodes", "3"], "--grad-accum a multiple of 3")):
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mtc: error: ") and words in err[0], err
+
+
+def test_layout_refuses_more_ranks_than_gpus():
+    with pytest.raises(ConfigError, match="8x-h100"):
+        Layout.of(4, 1, builtin("h100-box"))
+    assert Layout.of(8, 1, builtin("8x-h100")).ranks_per_host == 8
+    assert Layout.of(16, 2, builtin("8x-h100")).backend == "nccl"
