@@ -176,3 +176,60 @@ def test_layout_refuses_more_ranks_than_gpus():
         Layout.of(4, 1, builtin("h100-box"))
     assert Layout.of(8, 1, builtin("8x-h100")).ranks_per_host == 8
     assert Layout.of(16, 2, builtin("8x-h100")).backend == "nccl"
+
+
+# -- bench_train.py --world-size (bench/dp_runs.py): the parts that need no launch ---------------
+
+
+def _dp_runs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import dp_runs
+
+    return dp_runs
+
+
+def test_bench_world_size_commands_and_metrics(tmp_path):
+    dp = _dp_runs()
+    assert [n for n, _ in dp.settings(2)] == ["plain", "torchrun-1", "torchrun-2"] and len(dp.settings(1)) == 2
+    plain = dp.train_argv(tmp_path / "run.json", tmp_path / "s", tmp_path / "d.bin", None)
+    two = dp.train_argv(tmp_path / "run.json", tmp_path / "s", tmp_path / "d.bin", 2)
+    assert plain[1:3] == ["-m", "mtc"] and two[1:3] == ["-m", "torch.distributed.run"]
+    assert two[two.index("--nproc-per-node") + 1] == "2" and two[-8:] == plain[-8:]  # the same `mtc train` flags
+    # two ranks' metrics (any layout under the store): warm-up dropped, the slower rank sets the step
+    for rank, secs in ((0, [9.0, 1.0, 1.2, 1.1]), (1, [9.0, 1.3, 1.4, 1.5])):
+        logs = tmp_path / "s" / f"rank{rank}" / "logs"
+        logs.mkdir(parents=True)
+        (logs / "metrics.jsonl").write_text("".join(f'{{"step": {i + 1}, "seconds": {x}}}\n' for i, x in enumerate(secs)))
+    per_file = dp.step_seconds(tmp_path / "s", warmup=1)
+    assert per_file == {"rank0/logs/metrics.jsonl": [1.0, 1.2, 1.1], "rank1/logs/metrics.jsonl": [1.3, 1.4, 1.5]}
+    s = dp.summarize("torchrun-2", 2, per_file, tokens_per_step=1000)
+    assert s["median_step_s"] == 1.4 and s["tokens_per_s_per_rank"] == pytest.approx(500 / 1.4)
+    assert "error" in dp.summarize("x", 1, {"a": []}, 1000)
+    runs = [{"setting": "plain", "tokens_per_s_per_rank": 100.0}, {"setting": "torchrun-1", "tokens_per_s_per_rank": 99.0},
+            {"setting": "torchrun-2", "error": "no engine"}]
+    assert dp.ratios(runs, 2) == {"torchrun_1_over_plain": 0.99, "goal_torchrun_1_over_plain": 0.98,
+                                  "torchrun_2_per_rank_over_plain": None}
+    best = dp.best_round([{"tokens_per_s_per_rank": 5.0, "median_step_s": 2.0}, {"tokens_per_s_per_rank": 8.0, "median_step_s": 1.0}])
+    assert best["median_step_s"] == 1.0 and best["rounds_median_step_s"] == [2.0, 1.0]
+    import importlib.util
+
+    assert (dp.dist_engine_missing() is None) == (importlib.util.find_spec("mtc.dist") is not None)
+
+
+@pytest.mark.slow  # one real `python -m mtc train` (~10 s)
+def test_bench_world_size_reads_a_real_runs_metrics(tmp_path):
+    import json
+
+    from tests.runtime.engine_util import skewed_tokens
+
+    dp = _dp_runs()
+    skewed_tokens(tmp_path / "d.bin")
+    cfg = dataclasses.replace(CFG, grad_accum=2, steps=3, durability="none", device="cpu", compute_dtype="float32")
+    (tmp_path / "run.json").write_text(json.dumps(cfg.to_dict()))
+    r = dp.run_setting("plain", None, config=tmp_path / "run.json", data=tmp_path / "d.bin", root=tmp_path, warmup=1,
+                       tokens_per_step=2 * 2 * 16, timeout_s=300)
+    assert r["returncode"] == 0 and list(r["median_step_s_by_file"]) == ["logs/metrics.jsonl"], r
+    assert r["tokens_per_s_per_rank"] == pytest.approx(64 / r["median_step_s"])
