@@ -413,11 +413,12 @@ def _plan_world(a: argparse.Namespace, cfg: object, profile: object, program: ob
     """`mtc plan --world-size N [--nodes K]`: one rank's plan, its host's totals and the scaling table."""
     from mtc.dist_plan import DistPlan, make_dist_plan, scaling
 
-    plan = make_dist_plan(cfg, profile, a.world_size, nodes=a.nodes, program=program)
+    plan = make_dist_plan(cfg, profile, a.world_size, nodes=a.nodes, program=program, engine=a.dp_model)
     print("\n".join(plan.lines()))
     per_host = plan.layout.ranks_per_host if isinstance(plan, DistPlan) else 1
     print()
-    print("\n".join(scaling(cfg, profile, plan.shape, max(per_host, profile.gpus_per_host if a.nodes == 1 else per_host))))
+    print("\n".join(scaling(cfg, profile, plan.shape, max(per_host, profile.gpus_per_host if a.nodes == 1 else per_host),
+                            engine=a.dp_model)))
     return 0 if plan.fits else 1
 
 
@@ -641,6 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan one rank of a data-parallel run of N ranks (torchrun --nproc-per-node), its host's totals and "
                          "the scaling at 1, 2, 4, 8 ranks (default 1: the single-process plan)")
     pl.add_argument("--nodes", type=int, default=1, metavar="K", help="hosts the N ranks are spread over (default 1)")
+    pl.add_argument("--dp-model", choices=["engine", "design"], default="engine",
+                    help="with --world-size: model the data-parallel engine as built (gloo collectives in host memory, rank 0 "
+                         "writes the store, ram tier only; default) or issue 13's design (NCCL on the GPUs, a store per rank)")
     pl.set_defaults(fn=_cmd_plan)
 
     ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")

@@ -1,27 +1,33 @@
 """`mtc plan --world-size N`: one data-parallel rank's plan, the host it shares, and the scaling.
 
-The sharding rule the engine follows (issue 13, `mtc.dist`): each layer's flat fp32 state is split
-into N contiguous shards of ``ceil(numel / N)`` parameters (the last one padded), and each rank
-owns one shard's master, m and v and runs its AdamW update. Every rank computes the whole layer
-on its own micro-batches; the layer's gradient is then reduced so that each rank receives its
-shard (NCCL: reduce-scatter on the device, then the shard crosses PCIe; gloo, which has no
-reduce-scatter: the whole gradient crosses, then an all-reduce in host memory), and after the
-update the compute-dtype shards are all-gathered into every rank's compute copy before the
-layer's next visit. The run's global batch (micro_batch_size x grad_accum) is split by rank:
-each rank runs grad_accum / N micro-batches.
+The sharding rule (issue 13, `mtc.dist`, `mtc.runtime.collectives`): each layer's flat fp32
+state is split into N contiguous shards of ``ceil(numel / N)`` parameters (the last ones padded),
+and each rank owns one shard's master, m and v and runs its AdamW update. Every rank computes the
+whole layer on its own micro-batches: the run's global batch (micro_batch_size x grad_accum) is
+split by rank, grad_accum / N micro-batches each. The layer's gradient is reduced so that each
+rank has its shard, and after the update the compute-dtype shards are all-gathered into every
+rank's compute copy before the layer's next visit.
+
+Two ways of doing that are modelled (`ENGINES`): ``engine``, what `torchrun ... mtc train` does
+today: the whole gradient crosses to the host, gloo all-reduces it and all-gathers the shards in
+host memory (also on CUDA), rank 0 gathers the shards at a commit and writes the one store, and
+only the ram tier is sharded; and ``design``, issue 13's target (not built): on CUDA NCCL
+reduce-scatters the gradient on the GPUs (only the shard crosses PCIe) and all-gathers the
+updated shards there (the shard goes up, the others' come down into the host copy), each rank
+keeps its shard in its own store, every tier.
 
 What a rank needs, per layer of n parameters and shard s (c: compute-dtype bytes):
 
 | tier | GPU | host RAM | disk (both generations, by durability) |
 |---|---|---|---|
 | gpu  | 12 s + 4 n (gradient) + c n (gathered copy) | 0 | full 24 s, weights 8 s, none 0 |
-| ram  | 0 | 12 s + 4 s (NCCL) or 4 n (gloo) + c n | full 24 s, weights 8 s, none 0 |
+| ram  | 0 | 12 s + 4 n (4 s: NCCL reduce-scatter) + c n | full 24 s, weights 8 s, none 0 |
 | disk | 4 n (gradient, CUDA) | c n (+ 4 n on the CPU device) | 24 s |
 
 plus the disk tier's read-ahead ring of the largest shard and, on the CPU device, the executor's
-buffers of the largest layer (`mtc.runtime.placement.pipeline_host_bytes`, at shard size). The
-compute copy is gathered into host RAM even where one rank alone would read it from the store
-per visit (fp32): the store holds only the rank's shard.
+buffers of the largest layer (as `mtc.runtime.placement.pipeline_host_bytes`). The compute copy is
+whole in every rank's RAM (in fp32 too, where one process reads its master in place). With the
+engine's one store, rank 0's disk holds the single-process store (the ranks' shards gathered).
 
 Ranks on one host share it; the plan divides, not multiplies (`rank_profile`):
 - CPU cores: each rank gets cores / R (R ranks per host); CPU compute slows when a rank has
@@ -29,16 +35,19 @@ Ranks on one host share it; the plan divides, not multiplies (`rank_profile`):
 - host AdamW: the host-wide rate (all cores) is split between the ranks: it is bound by DRAM
   bandwidth, so R ranks update R shards no faster than one process updates one.
 - PCIe: GPUs behind one host uplink share its rate (``pcie_uplinks``).
-- disk: one store file system per host; its rates are split between the ranks.
+- disk: one store file system per host; its rates are split between the ranks that write it
+  (with the engine's one store, rank 0 writes alone).
 - host RAM: the available memory is split for the placement; the fit checks add the ranks up.
 - host DRAM bandwidth (``host_memory_gbps``, where the profile has it): every rank's PCIe copies,
   AdamW traffic and disk reads go through it; the step is at least their sum over it.
 
 Collectives use the ring algorithm: a reduce-scatter or all-gather of S bytes sends (N-1)/N x S per
 rank in N-1 steps, an all-reduce 2(N-1)/N x S in 2(N-1) steps, at the slowest hop's bus bandwidth:
-the profile's ``peer_gbps`` within a host (NVLink, PCIe peer; gloo: host memory), its
-``network_gbps`` between hosts (a flat ring crosses each host boundary once, over all its NICs),
-plus ``collective_latency_us`` per step. Figures a profile lacks are assumed and listed.
+within a host the profile's ``peer_gbps`` for NCCL on the GPUs (NVLink, PCIe peer) and gloo's
+loopback rate for host memory (a CPU profile's ``peer_gbps``), between hosts ``network_gbps`` (a
+flat ring crosses each host boundary once, over all its NICs), plus ``collective_latency_us`` per
+step. A commit's gather to rank 0 is counted with rank 0's writes. Figures a profile lacks are
+assumed and listed.
 """
 
 from __future__ import annotations
@@ -54,8 +63,8 @@ from mtc.graphs.program import Program
 from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan
 from mtc.runtime import placement as pl
 
-__all__ = ["DistPlan", "Layout", "Link", "RankDist", "check_fit_ranks", "make_dist_plan", "rank_memory", "rank_profile",
-           "ring_bytes", "scaling", "shard_numels", "world_from_env"]
+__all__ = ["ENGINES", "DistPlan", "Engine", "Layout", "Link", "RankDist", "check_fit_ranks", "make_dist_plan", "rank_memory",
+           "rank_profile", "ring_bytes", "scaling", "shard_numels", "world_from_env"]
 
 GiB = 2**30
 SCALING_WORLDS = (1, 2, 4, 8)
@@ -64,6 +73,26 @@ PCIE_PEER_FRACTION = 0.5  # GPU-to-GPU through the host's PCIe: half the one-way
 GLOO_GBPS = 2.0  # gloo over loopback TCP on one host
 NETWORK_GBPS = 12.5  # one 100 Gb/s NIC per host
 LATENCY_US = {"nccl": 20.0, "gloo": 50.0}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Engine:
+    """How a data-parallel engine moves and keeps the sharded state (what the plan models)."""
+
+    name: str
+    device_collectives: bool  # CUDA: NCCL reduce-scatter / all-gather on the GPUs; else gloo in host memory
+    root_store: bool  # rank 0 gathers the shards at a commit and writes the one store; else a store per rank
+    tiers: tuple[str, ...]  # the tiers it shards
+    summary: str
+
+
+ENGINES = {
+    "engine": Engine("engine", False, True, ("ram",),
+                     "the engine as built (mtc.runtime.collectives): gloo all-reduces gradients and all-gathers weights in host "
+                     "memory, also on CUDA; rank 0 writes the one store; ram tier only"),
+    "design": Engine("design", True, False, ("gpu", "ram", "disk"),
+                     "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier"),
+}
 
 
 def shard_numels(numels: tuple[int, ...] | list[int], world: int) -> tuple[int, ...]:
@@ -125,31 +154,32 @@ class Link:
         return ring_bytes(kind, nbytes, world) / (self.gbps * 1e9) + steps * self.latency_us * 1e-6
 
 
-def link_for(profile: MachineProfile, lay: Layout) -> tuple[Link, list[str]]:
+def link_for(profile: MachineProfile, lay: Layout, engine: Engine) -> tuple[Link, list[str]]:
     """The collectives' link for ``lay`` on ``profile``'s hosts, and what had to be assumed."""
     assumed: list[str] = []
-    cuda = lay.backend == "nccl"
-    intra = profile.peer_gbps
+    nccl = engine.device_collectives and lay.backend == "nccl"
+    transport = "nccl" if nccl else "gloo"
+    intra = profile.peer_gbps if nccl or profile.accelerator == "cpu" else 0.0  # a GPU profile's peer_gbps is NVLink's
     if not intra:
-        intra = PCIE_PEER_FRACTION * profile.h2d_gbps if cuda else GLOO_GBPS
+        intra = PCIE_PEER_FRACTION * profile.h2d_gbps if nccl else GLOO_GBPS
         if lay.ranks_per_host > 1:
             assumed.append(f"collectives within a host at {intra:g} GB/s per rank ("
-                           + (f"PCIe peer: {PCIE_PEER_FRACTION:g} x the {profile.h2d_gbps:g} GB/s host copy rate" if cuda
-                              else "gloo over loopback") + "; the profile has no peer_gbps)")
+                           + (f"PCIe peer: {PCIE_PEER_FRACTION:g} x the {profile.h2d_gbps:g} GB/s host copy rate" if nccl
+                              else "gloo over loopback TCP in host memory") + ")")
     net = profile.network_gbps
     if lay.nodes > 1 and not net:
         net = NETWORK_GBPS
         assumed.append(f"network {net:g} GB/s per host (one 100 Gb/s NIC; the profile has no network_gbps)")
-    lat = profile.collective_latency_us
+    lat = profile.collective_latency_us if nccl or profile.accelerator == "cpu" else 0.0
     if not lat:
-        lat = LATENCY_US[lay.backend]
+        lat = LATENCY_US[transport]
         if lay.world_size > 1:
-            assumed.append(f"{lat:g} us per ring step ({lay.backend}; the profile has no collective_latency_us)")
+            assumed.append(f"{lat:g} us per ring step ({transport})")
     if lay.nodes > 1 and lay.ranks_per_host > 1:
-        return Link(f"collectives ({lay.backend}: ring over hosts, slowest hop)", min(intra, net), lat), assumed
+        return Link(f"collectives ({transport}: ring over hosts, slowest hop)", min(intra, net), lat), assumed
     if lay.nodes > 1:
-        return Link(f"collectives ({lay.backend}: network)", net, lat), assumed
-    return Link(f"collectives ({lay.backend}: within the host)", intra, lat), assumed
+        return Link(f"collectives ({transport}: network)", net, lat), assumed
+    return Link(f"collectives ({transport}: within the host)", intra, lat), assumed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,6 +192,7 @@ class RankDist:
     reduce_scatter: bool  # NCCL: gradient reduce-scattered on the device; gloo: all-reduced in host memory
     link: Link
     host_memory_gbps: float  # the host's DRAM, shared by its ranks (0: not modelled)
+    commit_numels: tuple[int, ...] = ()  # what this rank writes of each layer at a commit (rank 0 of one store: all of it)
 
     @property
     def link_stage(self) -> str:
@@ -177,6 +208,12 @@ class RankDist:
         """The all-gather of one layer's updated compute-dtype copy."""
         return self.link.seconds("all_gather", compute_bytes * self.world_size * -(-numel // self.world_size), self.world_size)
 
+    def commit_gather_seconds(self, nbytes: float) -> float:
+        """Rank 0 receiving the other ranks' shards of ``nbytes`` of state at a commit (one store)."""
+        if not self.commit_numels or self.world_size <= 1:
+            return 0.0
+        return self.link.seconds("all_gather", nbytes, self.world_size)
+
     def host_memory_seconds(self, pcie_bytes: float, updated: int, disk_bytes: float, compute_bytes: int) -> float:
         """The host's DRAM time per step for all its ranks: their copies, their CPU AdamW (read
         master, m, v, gradient; write master, m, v and the compute copy) and disk traffic."""
@@ -186,8 +223,9 @@ class RankDist:
         return self.ranks_per_host * per_rank / (self.host_memory_gbps * 1e9)
 
 
-def rank_profile(profile: MachineProfile, lay: Layout) -> MachineProfile:
-    """One rank's share of a host of ``profile``'s kind (see the module docstring)."""
+def rank_profile(profile: MachineProfile, lay: Layout, engine: Engine = ENGINES["design"]) -> MachineProfile:
+    """One rank's share of a host of ``profile``'s kind (see the module docstring); with the
+    engine's one store rank 0 writes (and reads) it alone, at the disk's whole rate."""
     r = lay.ranks_per_host
     if r == 1:
         return profile
@@ -198,11 +236,12 @@ def rank_profile(profile: MachineProfile, lay: Layout) -> MachineProfile:
     slow = threads / min(threads, cores) if profile.accelerator == "cpu" and threads else 1.0
     pcie = {} if profile.accelerator == "cpu" else {
         "h2d_gbps": profile.h2d_gbps / share, "d2h_gbps": profile.d2h_gbps / share, "both_gbps": profile.both_gbps / share}
+    d = 1 if engine.root_store else r
     return dataclasses.replace(
         profile, cores=cores, host_available_bytes=profile.host_available_bytes // r, **pcie,
-        store_write_gbps=profile.store_write_gbps / r, store_read_gbps=profile.store_read_gbps / r,
-        store_read_warm_gbps=profile.store_read_warm_gbps / r,
-        disk_write_gbps=profile.disk_write_gbps / r, disk_read_gbps=profile.disk_read_gbps / r,
+        store_write_gbps=profile.store_write_gbps / d, store_read_gbps=profile.store_read_gbps / d,
+        store_read_warm_gbps=profile.store_read_warm_gbps / d,
+        disk_write_gbps=profile.disk_write_gbps / d, disk_read_gbps=profile.disk_read_gbps / d,
         adamw_gparams_s=adamw, adamw_one_thread_gparams_s=min(profile.adamw_one_thread_gparams_s, adamw[profile.adamw_impl]),
         compute_threads=min(threads, cores) if threads else 0,
         other_scale_fwd=profile.other_scale_fwd * slow, other_scale_bwd=profile.other_scale_bwd * slow)
@@ -219,12 +258,13 @@ def _rank_cfg(cfg: TrainConfig, world: int) -> TrainConfig:
 # -- memory per rank ---------------------------------------------------------------------------
 
 
-def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool) -> tuple[int, int]:
-    """(GPU, host RAM) bytes of one layer of ``n`` parameters, shard ``s``, in ``tier`` (the table above)."""
+def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False) -> tuple[int, int]:
+    """(GPU, host RAM) bytes of one layer of ``n`` parameters, shard ``s``, in ``tier`` (the table
+    above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU)."""
     if tier == "gpu":
         return 12 * s + 4 * n + c * n, 0
     if tier == "ram":
-        return 0, 12 * s + (4 * s if cuda else 4 * n) + c * n
+        return 0, 12 * s + (4 * s if grad_shard else 4 * n) + c * n
     if tier == "disk":
         return (4 * n if cuda else 0), c * n + (0 if cuda else 4 * n)
     raise ValueError(f"unknown tier {tier!r}")
@@ -237,28 +277,42 @@ def _pipeline(placement: list[str], numels: list[int], shards: tuple[int, ...], 
     return device + (3 * (16 if cuda else 12) * max(disk) if disk else 0)
 
 
-def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world: int, *, cuda: bool) -> Memory:
-    """One rank's memory per tier (``cfg``: the rank's config)."""
+def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world: int, *, cuda: bool,
+                engine: Engine = ENGINES["engine"]) -> Memory:
+    """One rank's memory per tier (``cfg``: the rank's config); disk: the store rank 0 writes (the
+    engine's one store) or this rank's own."""
     n, c = list(shape.numels), shape.compute_bytes
     s = shard_numels(n, world)
     gpu = host = pinned = 0
     for i, t in enumerate(placement):
-        g, h = _tier_bytes(t, n[i], s[i], c, cuda)
+        g, h = _tier_bytes(t, n[i], s[i], c, cuda, grad_shard=cuda and engine.device_collectives)
         gpu, host = gpu + g, host + h
         if cuda and t != "gpu":  # the gradient shard and the gathered compute copy are pinned
             pinned += h
     pipe = _pipeline(placement, n, s, cuda)
-    disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * s[i] for i, t in enumerate(placement))
+    own = n if engine.root_store else s
+    disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * own[i] for i, t in enumerate(placement))
             for m in MODES}
     return Memory(gpu_state=gpu, gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0, host=host + pipe,
                   pinned=pinned + (pipe if cuda else 0), disk=disk)
 
 
-def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int) -> tuple[list[str], set[int]]:
+def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
+                   engine: Engine = ENGINES["design"]) -> tuple[list[str], set[int]]:
     """Each layer's tier for one rank (auto: the GPU first, then the rank's share of RAM, the rest
-    on disk, with the per-rank bytes above) and the ram layers the GPU updates."""
+    on disk, with the per-rank bytes above; every layer in RAM where the engine shards only that
+    tier) and the ram layers the GPU updates (none there)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
     s = shard_numels(n, world)
+    if engine.tiers == ("ram",):
+        placement = pl.resolve_placement(cfg.placement, len(n), auto=["ram"] * len(n))
+        other = sorted({t for i, t in enumerate(placement) if t != "ram" and n[i]})
+        named = cfg.gpu_update.strip() not in ("auto", "none", "")
+        if other or named:
+            what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
+            raise ConfigError(f"the data-parallel engine keeps every layer's state sharded in host RAM, but the {what}; pass "
+                              "--placement ram and --gpu-update none (or plan issue 13's design with --dp-model design)")
+        return placement, set()
     auto = None
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
@@ -272,7 +326,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
         for i in range(len(n)):  # as `placement.auto_placement`: up to the GPU, else to RAM, in forward order
             dg, dh = _tier_bytes("disk", n[i], s[i], c, cuda)
             gg, _ = _tier_bytes("gpu", n[i], s[i], c, cuda)
-            _, rh = _tier_bytes("ram", n[i], s[i], c, cuda)
+            _, rh = _tier_bytes("ram", n[i], s[i], c, cuda, grad_shard=cuda)
             if cuda and g_left >= 0 and gg - dg <= g_left:
                 auto[i], g_left, r_left = "gpu", g_left - (gg - dg), r_left + dh
             elif r_left >= 0 and rh - dh <= r_left:
@@ -287,13 +341,22 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
 
 
 def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout, *, disk_free: int | None, host_available: int,
-                gpu_total: int | None, where: str) -> list[Check]:
+                gpu_total: int | None, where: str, engine: Engine = ENGINES["engine"]) -> list[Check]:
     """Fit checks for one rank and for the R ranks sharing its host: GPU memory per rank, host
-    RAM and the stores' disk for the host's ranks together (``None``: skipped)."""
+    RAM and the stores' disk for the host's ranks together (the engine's one store: rank 0's)
+    (``None``: skipped)."""
     r, desc = lay.ranks_per_host, pl.describe(placement)
     more_hosts = f"spread the ranks over more hosts (--nodes {lay.nodes * 2})" if r > 1 else "use hosts with more"
     checks = []
-    if disk_free is not None:
+    if disk_free is not None and engine.root_store:
+        modes = [m for m in MODES if m != "none"]  # the other ranks start from rank 0's step-0 commit
+        fits = [m for m in modes if mem.disk[m] <= disk_free]
+        alts = ", ".join(f"{m} {_size(mem.disk[m])}" for m in modes)
+        fix = (f"rank 0 writes the whole store, every rank's shards gathered (needs by mode: {alts}); "
+               + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ")
+               + "free disk space, or put the store on a larger disk")
+        checks.append(Check(f"disk ({where}; rank 0's store)", mem.disk[cfg.durability], disk_free, fix))
+    elif disk_free is not None:
         fits = [m for m in MODES if r * mem.disk[m] <= disk_free]
         alts = ", ".join(f"{m} {_size(r * mem.disk[m])}" for m in MODES)
         fix = (f"{r} rank(s) of this host keep their shards' generations on it (needs by mode: {alts}); "
@@ -304,8 +367,10 @@ def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout
     if cfg.ram_budget_gb is not None:
         checks.append(Check(f"host RAM per rank (the --ram-budget-gb; placement {desc})", mem.host, int(cfg.ram_budget_gb * GiB),
                             "raise --ram-budget-gb or put more layers on disk (--placement)"))
-    checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host)}; placement {desc})", r * mem.host, host_available,
-                        f"put more layers on disk (--placement), or {more_hosts}" + (" RAM" if r == 1 else "")))
+    fewer = ("more ranks hold smaller shards of master, m and v (the gradient and the compute copy stay whole), or "
+             + more_hosts + (" RAM" if r == 1 else "")) if engine.tiers == ("ram",) else (
+        f"put more layers on disk (--placement), or {more_hosts}" + (" RAM" if r == 1 else ""))
+    checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host)}; placement {desc})", r * mem.host, host_available, fewer))
     if gpu_total is not None:
         checks.append(Check(f"GPU memory per rank (resident state {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
                             mem.gpu_peak, gpu_total,
@@ -333,6 +398,7 @@ class DistPlan:
     checks: list[Check]
     step: StepTime
     assumed: list[str]
+    engine: Engine = ENGINES["engine"]
 
     @property
     def fits(self) -> bool:
@@ -366,8 +432,9 @@ class DistPlan:
             f"machine {pr.name} (one host): {pr.device}",
         ]
         out += [f"  assumed: {a}" for a in pr.assumed + self.assumed]
-        out.append(f"world: {w} ranks = {lay.nodes} host(s) x {r} rank(s), {lay.backend}; each rank owns 1/{w} of every layer's "
+        out.append(f"world: {w} ranks = {lay.nodes} host(s) x {r} rank(s); each rank owns 1/{w} of every layer's "
                    f"fp32 master, m, v and its update ({pad:,} padding parameters over all layers)")
+        out.append(f"  modelled: {self.engine.summary} (--dp-model {self.engine.name})")
         share = (f"  shared by the {r} ranks of a host (per rank): CPU cores {pr.cores} -> {rp.cores}, host AdamW "
                  f"{pr.adamw_rate:g} -> {rp.adamw_rate:.3g} G params/s, store write/read {pr.store_write_gbps:g}/{pr.store_read_gbps:g} "
                  f"-> {rp.store_write_gbps:.3g}/{rp.store_read_gbps:.3g} GB/s, RAM {_size(pr.host_available_bytes)} -> "
@@ -384,12 +451,19 @@ class DistPlan:
                    f"disk {per_tier['disk'] / 1e9:.3f}B params (each rank holds 1/{w} of their state)"
                    + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
-        out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
-                   f"(durability {cfg.durability}); per host ({r} ranks): host RAM {_size(r * m.host)}, disk {_size(r * m.disk[cfg.durability])}")
+        root = self.engine.root_store
+        disk_host = m.disk[cfg.durability] if root else r * m.disk[cfg.durability]
+        out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}); per host ({r} ranks): host RAM "
+                   f"{_size(r * m.host)}; disk {_size(disk_host)} " + ("(rank 0's store, " if root else "(per host, ")
+                   + f"durability {cfg.durability})")
         for mode in MODES:
-            fit = "fits" if r * m.disk[mode] <= pr.disk_free_bytes else "DOES NOT FIT"
-            out.append(f"  durability {mode:7s} needs {_size(m.disk[mode]):>11s} per rank, {_size(r * m.disk[mode]):>11s} per host: "
-                       f"{fit} in {_size(pr.disk_free_bytes)} free" + ("  <- chosen" if mode == cfg.durability else ""))
+            need = m.disk[mode] if root else r * m.disk[mode]
+            fit = "fits" if need <= pr.disk_free_bytes else "DOES NOT FIT"
+            if root and mode == "none":
+                fit = "not possible on several ranks (they start from rank 0's step-0 commit)"
+            what = "on rank 0's host" if root else f"per host ({_size(m.disk[mode])} per rank)"
+            out.append(f"  durability {mode:7s} needs {_size(need):>11s} {what}: {fit} in {_size(pr.disk_free_bytes)} free"
+                       + ("  <- chosen" if mode == cfg.durability else ""))
         out += [f"fit: {c.line()}" for c in self.checks]
         coll = self.collective_bytes()
         out.append("collectives per step, sent by each rank (ring: (N-1)/N of the tensor per reduce-scatter or all-gather, "
@@ -400,36 +474,44 @@ class DistPlan:
         for k, v in st.stages().items():
             out.append(f"  {k:40s} {v * 1e3:10,.1f} ms busy per step")
         per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
-        out.append(f"disk writes per rank: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day; per host x {r}")
+        who = "rank 0 (it writes the store)" if root else f"each rank (x {r} per host)"
+        out.append(f"disk writes by {who}: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day")
         return out
 
 
-def _dist_for(shape: ModelShape, lay: Layout, prof: MachineProfile) -> tuple[RankDist, list[str]]:
-    link, assumed = link_for(prof, lay)
-    return RankDist(lay.world_size, lay.ranks_per_host, shard_numels(shape.numels, lay.world_size), lay.backend == "nccl", link,
-                    prof.host_memory_gbps), assumed
+def _dist_for(shape: ModelShape, lay: Layout, prof: MachineProfile, engine: Engine) -> tuple[RankDist, list[str]]:
+    link, assumed = link_for(prof, lay, engine)
+    shards = shard_numels(shape.numels, lay.world_size)
+    return RankDist(lay.world_size, lay.ranks_per_host, shards, engine.device_collectives and lay.backend == "nccl", link,
+                    prof.host_memory_gbps, commit_numels=shape.numels if engine.root_store else shards), assumed
 
 
 def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *, nodes: int = 1, program: Program | None = None,
-                   shape: ModelShape | None = None) -> Plan | DistPlan:
-    """Plan ``cfg`` at ``world_size`` ranks over ``nodes`` hosts of ``profile``'s kind; at one rank
-    exactly `mtc.planner.make_plan`."""
+                   shape: ModelShape | None = None, engine: str = "engine") -> Plan | DistPlan:
+    """Plan ``cfg`` at ``world_size`` ranks over ``nodes`` hosts of ``profile``'s kind, as
+    ``engine`` (a key of `ENGINES`) would run it; at one rank exactly `mtc.planner.make_plan`."""
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown data-parallel model {engine!r}; choose {' or '.join(ENGINES)}")
+    eng = ENGINES[engine]
     lay = Layout.of(world_size, nodes, profile)
     if world_size == 1:
         return make_plan(cfg, profile, program=program, shape=shape)
     cfg.validate()
+    if eng.root_store and cfg.durability == "none":
+        raise ConfigError("durability 'none' cannot run on several ranks: the other ranks start from rank 0's step-0 commit; "
+                          "use --durability weights or full")
     if shape is None:
         shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[compute_bytes(cfg, profile)], program=program)
     rcfg = _rank_cfg(cfg, world_size)
-    rprof = rank_profile(profile, lay)
-    placement, gpu_update = rank_placement(rcfg, shape, rprof, world_size)
+    rprof = rank_profile(profile, lay, eng)
+    placement, gpu_update = rank_placement(rcfg, shape, rprof, world_size, eng)
     cuda = profile.accelerator == "cuda"
-    mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda)
+    mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda, engine=eng)
     checks = rank_checks(rcfg, mem, placement, lay, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
-                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
-    dist, assumed = _dist_for(shape, lay, profile)
+                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}", engine=eng)
+    dist, assumed = _dist_for(shape, lay, profile, eng)
     st = step_time(rcfg, shape, placement, gpu_update, rprof, host_need=mem.host, dist=dist)
-    return DistPlan(cfg, rcfg, profile, rprof, lay, dist, shape, placement, gpu_update, mem, checks, st, assumed)
+    return DistPlan(cfg, rcfg, profile, rprof, lay, dist, shape, placement, gpu_update, mem, checks, st, assumed, eng)
 
 
 # -- scaling -----------------------------------------------------------------------------------
@@ -467,7 +549,7 @@ def limiting_stage(steps: dict[int, StepTime]) -> str:
 
 
 def scaling(cfg: TrainConfig, profile: MachineProfile, shape: ModelShape, ranks_per_host: int,
-            worlds: tuple[int, ...] = SCALING_WORLDS) -> list[str]:
+            worlds: tuple[int, ...] = SCALING_WORLDS, *, engine: str = "engine") -> list[str]:
     """The same run (same global batch) at each world size, ``ranks_per_host`` ranks per host at
     most: step time, tokens/s per GPU and in all, each stage's busy time, and which stage limits it."""
     unit = "GPU" if profile.accelerator == "cuda" else "rank"
@@ -480,7 +562,7 @@ def scaling(cfg: TrainConfig, profile: MachineProfile, shape: ModelShape, ranks_
         r = min(w, ranks_per_host)
         nodes = -(-w // r)
         try:
-            p = make_dist_plan(cfg, profile, w, nodes=nodes, shape=shape)
+            p = make_dist_plan(cfg, profile, w, nodes=nodes, shape=shape, engine=engine)
         except ConfigError as e:
             out.append(f"  {w:3d} {'':>13s} skipped: {e}")
             continue
@@ -536,6 +618,6 @@ def check_fit_ranks(cfg: TrainConfig, shape: ModelShape, placement: list[str], w
     """The fit checks of one rank of ``world`` with ``local`` ranks on this host (``cfg``: the run's)."""
     rcfg = dataclasses.replace(cfg, grad_accum=max(1, cfg.grad_accum // world))
     lay = Layout(world, max(1, world // local), "nccl" if gpu_total is not None else "gloo")
-    mem = rank_memory(rcfg, shape, placement, world, cuda=gpu_total is not None)
+    mem = rank_memory(rcfg, shape, placement, world, cuda=gpu_total is not None, engine=ENGINES["engine"])
     return rank_checks(rcfg, mem, placement, lay, disk_free=disk_free, host_available=host_available, gpu_total=gpu_total,
-                       where=where)
+                       where=where, engine=ENGINES["engine"])

@@ -11,6 +11,7 @@ from mtc.cli import main
 from mtc.config import TrainConfig
 from mtc.costmodel import adamw_rate, model_shape, step_time
 from mtc.dist_plan import (
+    ENGINES,
     DistPlan,
     Layout,
     Link,
@@ -61,22 +62,38 @@ def test_world_size_one_is_the_single_process_plan(shape, capsys):
     assert capsys.readouterr().out == plain and "world:" not in plain
 
 
-def test_ranks_divide_the_state(shape):
+@pytest.mark.parametrize("engine", ["engine", "design"])
+def test_ranks_divide_the_state(shape, engine):
     assert shard_numels((10, 8, 7), 4) == (3, 2, 2)  # ceil: the last shard is padded
     prof = _two_gpu_host()
     cfg = dataclasses.replace(CFG, placement="ram", gpu_update="none")
     one = make_plan(cfg, prof, shape=shape)
+    c = shape.compute_bytes
     for w, nodes in ((2, 1), (4, 2), (8, 4)):
-        p = make_dist_plan(cfg, prof, w, nodes=nodes, shape=shape)
+        p = make_dist_plan(cfg, prof, w, nodes=nodes, shape=shape, engine=engine)
         s = shard_numels(shape.numels, w)
-        assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
-        assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
+        if engine == "engine":  # rank 0 gathers the shards into the one single-process store
+            assert p.memory.disk == one.memory.disk
+            # host RAM per rank: 12 B (master, m, v) of the shard + the whole gradient (gloo all-reduces it) and bf16 copy
+            assert p.memory.host == sum(12 * si + (4 + c) * n for si, n in zip(s, shape.numels, strict=True))
+        else:  # a store per rank; NCCL reduce-scatters on the GPU, so only the gradient's shard comes to the host
+            assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
+            assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
+            assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
         # the rank's CPU AdamW updates its shard only; ranks on separate hosts each have a whole host's rate
-        per_host = p.layout.ranks_per_host
-        assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * per_host / w, rel=0.01)
-        # host RAM per rank: 12 B (master, m, v) + 4 B (gradient shard) of the shard + the whole gathered bf16 copy
-        c = shape.compute_bytes
-        assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
+        assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * p.layout.ranks_per_host / w, rel=0.01)
+
+
+def test_the_engine_shards_only_the_ram_tier(shape):
+    prof = builtin("8x-h100")
+    auto = make_dist_plan(CFG, prof, 8, shape=shape)
+    assert set(auto.placement) == {"ram"} and auto.gpu_update == set() and not auto.dist.reduce_scatter
+    with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):
+        make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape)
+    with pytest.raises(ConfigError, match="durability 'none' cannot run on several ranks"):
+        make_dist_plan(dataclasses.replace(CFG, durability="none"), prof, 8, shape=shape)
+    design = make_dist_plan(CFG, prof, 8, shape=shape, engine="design")
+    assert "gpu" in design.placement and design.dist.reduce_scatter  # the tiny model fits the GPUs
 
 
 def test_ranks_on_one_host_share_its_cpu(shape):
@@ -94,9 +111,11 @@ def test_ranks_on_one_host_share_its_cpu(shape):
     assert rank_profile(prof, Layout.of(2, 1, prof)).both_gbps == prof.both_gbps / 2
     # CPU ranks split the cores; compute measured with 16 threads runs slower on 8
     cpu = _cpu_host()
-    r = rank_profile(cpu, Layout.of(2, 1, cpu))
+    r = rank_profile(cpu, Layout.of(2, 1, cpu), ENGINES["design"])
     assert r.cores == 8 and r.compute_threads == 8 and r.other_scale_fwd == 2 * cpu.other_scale_fwd
     assert r.store_write_gbps == cpu.store_write_gbps / 2 and r.host_available_bytes == cpu.host_available_bytes // 2
+    # the engine's one store: rank 0 writes it alone, at the disk's whole rate
+    assert rank_profile(cpu, Layout.of(2, 1, cpu), ENGINES["engine"]).store_write_gbps == cpu.store_write_gbps
 
 
 def test_collective_bytes_follow_the_ring_formula(shape):
@@ -107,18 +126,24 @@ def test_collective_bytes_follow_the_ring_formula(shape):
     assert link.seconds("all_reduce", 4e9, 4) == pytest.approx(1.5 * 4e9 / 50e9 + 6 * 20e-6)
     assert link.seconds("all_gather", 4e9, 1) == 0.0
     prof = _two_gpu_host()
-    p = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
     padded = 4 * sum(shard_numels(shape.numels, 4))
+    p = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape, engine="design")
     assert p.collective_bytes() == {"gradient reduce-scatter (fp32)": pytest.approx(0.75 * 4 * padded),
                                     "weights all-gather (bf16)": pytest.approx(0.75 * 2 * padded)}
-    link = p.dist.link  # two hosts of two ranks: the slower of NVLink-or-peer and the network
+    link = p.dist.link  # two hosts of two ranks: the slower of the GPUs' peer link and the network
     assert link.gbps == min(prof.peer_gbps, 12.5) and any("network" in a for a in p.assumed)
     busy = sum(link.seconds("reduce_scatter", 4 * 4 * s, 4) + link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert p.step.stages()[link.name] == pytest.approx(busy)
-    # gloo (CPU) has no reduce-scatter: the gradient is all-reduced, 2(N-1)/N of it
-    g = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
-    assert g.layout.backend == "gloo" and next(iter(g.collective_bytes())) == "gradient all-reduce (fp32)"
+    # the engine (gloo in host memory, no reduce-scatter): the gradient is all-reduced, 2(N-1)/N of it
+    g = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
+    assert g.collective_bytes()["gradient all-reduce (fp32)"] == pytest.approx(1.5 * 4 * padded)
+    assert g.dist.link.gbps == 2.0 and "gloo" in g.dist.link.name  # loopback gloo is slower than the network here
+    busy = sum(g.dist.link.seconds("all_reduce", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
+               for s in shard_numels(shape.numels, 4) if s)
+    assert g.step.stages()[g.dist.link.name] == pytest.approx(busy)
+    c = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
+    assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient all-reduce (fp32)"
 
 
 def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
@@ -127,31 +152,33 @@ def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
     two = check_fit_ranks(CFG, shape, placement, 2, 2, disk_free=10**12, host_available=10**12, gpu_total=80 * 2**30, where="x")
     need = {c.what.split(" (")[0]: c.need for c in one}
     need2 = {c.what.split(" (")[0]: c.need for c in two}
-    assert need2["disk"] == 2 * need["disk"] and need2["host RAM"] == 2 * need["host RAM"]
-    assert need2["GPU memory per rank"] == need["GPU memory per rank"]
+    assert need2["host RAM"] == 2 * need["host RAM"]  # two ranks of one host: their RAM adds up
+    assert need2["disk"] == need["disk"] and need2["GPU memory per rank"] == need["GPU memory per rank"]
     mem = rank_memory(dataclasses.replace(CFG, grad_accum=4), shape, placement, 2, cuda=True)
     assert need["disk"] == mem.disk["full"] and need["host RAM"] == mem.host
-    # `mtc train`'s preflight under torchrun: two ranks on this host, a disk that holds one rank's store
+    # `mtc train`'s preflight under torchrun: a RAM budget that holds one rank's shards, not the whole state
     from mtc.tracer import trace
     from mtc.train import build_model
 
     cfg = dataclasses.replace(CFG, placement="ram", compute_dtype="float32", device="cpu")
     program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
-    cpu_need = rank_memory(dataclasses.replace(cfg, grad_accum=4), model_shape(cfg, "float32", program=program), placement, 2,
-                           cuda=False).disk["full"]
-    store = tmp_path / "store"
-    monkeypatch.setenv(DISK_FREE_ENV, str(int(1.5 * cpu_need)))
+    cshape = model_shape(cfg, "float32", program=program)
+    rank_need = rank_memory(dataclasses.replace(cfg, grad_accum=4), cshape, placement, 2, cuda=False).host
+    whole = make_plan(dataclasses.replace(cfg, durability="full"), _cpu_host(), shape=cshape).memory.host
+    assert rank_need < whole
+    cfg = dataclasses.replace(cfg, ram_budget_gb=(rank_need + whole) / 2 / 2**30)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per host: its own store fits
-    check_fit(cfg, program, placement, set(), store, new_run=True)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # both ranks' stores on this disk: they do not
-    with pytest.raises(ConfigError, match=r"this run does not fit: disk .*2 rank\(s\)") as e:
-        check_fit(cfg, program, placement, set(), store, new_run=True)
-    assert "--nodes 2" in str(e.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_fit(cfg, program, placement, set(), tmp_path / "store", new_run=True)
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with pytest.raises(ConfigError, match="put the store on a larger disk"):  # one process keeps the whole state
-        check_fit(cfg, program, placement, set(), store, new_run=True)
+    with pytest.raises(ConfigError, match="this run does not fit: host RAM"):  # one process holds all of it
+        check_fit(cfg, program, placement, set(), tmp_path / "store", new_run=True)
+    # the engine's one store: rank 0's disk holds all of it, however many ranks share the host
+    monkeypatch.setenv(DISK_FREE_ENV, str(need["disk"] - 1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"this run does not fit: disk .*rank 0's store"):
+        check_fit(dataclasses.replace(cfg, ram_budget_gb=None), program, placement, set(), tmp_path / "store", new_run=True)
 
 
 def test_plan_cli_world_size(capsys):
@@ -159,13 +186,16 @@ def test_plan_cli_world_size(capsys):
             "--no-extrapolate"]
     assert main([*base, "--world-size", "2", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "world: 2 ranks = 2 host(s) x 1 rank(s), nccl" in out and "collectives per step" in out
+    assert "world: 2 ranks = 2 host(s) x 1 rank(s)" in out and "collectives per step" in out and "--dp-model engine" in out
     assert "tokens/s per GPU" in out and "per host (1 ranks)" in out
     rows = [line.split()[0] for line in out.splitlines() if line.strip() and line.split()[0] in ("1", "2", "4", "8")]
     assert rows == ["1", "2", "4", "8"] and "limits scaling at N=8" in out
     assert "assumed: network 12.5 GB/s per host" in out
+    assert main([*base, "--world-size", "2", "--nodes", "2", "--dp-model", "design"]) == 0
+    assert "collectives (nccl: network)" in capsys.readouterr().out
     for bad, words in ((["--world-size", "2"], "--nodes 2"), (["--world-size", "3", "--nodes", "2"], "multiple of the node count"),
-                       (["--world-size", "3", "--nodes", "3"], "--grad-accum a multiple of 3")):
+                       (["--world-size", "3", "--nodes", "3"], "--grad-accum a multiple of 3"),
+                       (["--world-size", "2", "--nodes", "2", "--durability", "none"], "--durability weights or full")):
         assert main([*base, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mtc: error: ") and words in err[0], err
