@@ -544,6 +544,9 @@ def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
                          f"e.g. --world-size {math.gcd(accum, world)}")
     shape = _shape(env, P3_SHAPE)
     cfg = _cfg(env, shape, micro_batch=mb, accum=accum, steps=env.warmup + env.measure, placement="stateless")
+    # what a data-parallel run takes (mtc.dist.check_launch): the other ranks start from rank 0's
+    # step-0 commit, and only ram-tier state is sharded (no GPU-streamed updates)
+    cfg = dataclasses.replace(cfg, durability="weights", gpu_update="none")
     config = root / "run.json"
     config.write_text(json.dumps(cfg.to_dict()))
     tokens = mb * accum * cfg.seq_len

@@ -634,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("target", nargs="?", help="a model preset or a plan directory (from `mtc compile`)")
     pl.add_argument("--config", help="a .json or .toml TrainConfig file instead")
     pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
-                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme); default: the last `mtc calibrate` profile, else a quick measurement")
+                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme, 8x-h100); default: the last `mtc calibrate` profile, else a quick measurement")
     for path in _PLAN_FLAGS:
         pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     pl.add_argument("--no-extrapolate", action="store_true", help="skip the 70B/120B/175B extrapolations and the largest-model search")

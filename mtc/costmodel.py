@@ -24,6 +24,13 @@ few steps until it repeats:
 - on a commit step each `ram`/`gpu` layer's state is written behind after its update, and the
   layer's next update waits for that write.
 
+One rank of a data-parallel run (`mtc.dist_plan`, ``step_time(..., dist=...)``) runs the same
+schedule on its share of the host (the profile it is given) and its micro-batches, updates and
+writes only its shard of each layer's state, and adds the collectives on their own link: the
+gradient's reduction after the layer's backward visit (NCCL: before the shard's copy to the host;
+gloo: after the whole gradient's), the updated compute copy's all-gather between the layer's
+update and its next forward fetch.
+
 Every task runs on a resource: the GPU, each copy direction, the disk, or (on a CPU machine, where
 "GPU compute", the optimizer and the copies all run on the same cores) the CPU, whose cores are
 shared among the tasks running at once in proportion to the threads each uses (processor
