@@ -614,11 +614,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     streamed = sum(sn[i] for i in gpu_update)
     h2d_b += 16 * streamed
     d2h_b = sum(gn[i] * 4 for i in range(L) if placement[i] != "gpu") + 14 * streamed
-    if dist and cuda and dist.world_size > 1:  # the all-gather runs on the device: the rank's updated shard goes up, the others' come down
+    if dist and cuda and dist.reduce_scatter and dist.world_size > 1:  # the all-gather runs on the device: the rank's updated shard goes up, the others' come down
         h2d_b += sum(c * sn[i] for i in range(L) if placement[i] != "gpu")
         d2h_b += sum(c * (n[i] - min(n[i], sn[i])) for i in range(L) if placement[i] != "gpu")
     pcie = (h2d_b + d2h_b) / (profile.both_gbps * gb) if cuda else 0.0
-    host_mem = dist.host_memory_seconds(h2d_b + d2h_b, sum(sn[i] for i in range(L) if adam[i]), 24 * n_disk, c) if dist else 0.0
+    host_mem = dist.host_memory_seconds(h2d_b + d2h_b, sum(sn[i] for i in range(L) if adam[i]), 24 * n_disk, c,
+                                        n_total=sum(n)) if dist else 0.0
     base = max(schedule, pcie, host_mem)
     vol = sum(behind)
     commit_s = vol / write_bw + (dist.commit_gather_seconds(vol) if dist else 0.0) if vol else 0.0

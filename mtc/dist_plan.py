@@ -214,12 +214,19 @@ class RankDist:
             return 0.0
         return self.link.seconds("all_gather", nbytes, self.world_size)
 
-    def host_memory_seconds(self, pcie_bytes: float, updated: int, disk_bytes: float, compute_bytes: int) -> float:
+    def host_memory_seconds(self, pcie_bytes: float, updated: int, disk_bytes: float, compute_bytes: int, *,
+                            n_total: int = 0) -> float:
         """The host's DRAM time per step for all its ranks: their copies, their CPU AdamW (read
-        master, m, v, gradient; write master, m, v and the compute copy) and disk traffic."""
+        master, m, v, gradient; write master, m, v and the compute copy), disk traffic and, for
+        collectives in host memory (gloo), each byte sent read once and each byte received written
+        and, for the reduction, read again (3 x the ring bytes)."""
         if not self.host_memory_gbps:
             return 0.0
         per_rank = pcie_bytes + (28 + compute_bytes) * updated + disk_bytes
+        if not self.reduce_scatter and n_total:
+            padded = self.world_size * -(-n_total // self.world_size)
+            per_rank += 3 * (ring_bytes("all_reduce", 4 * padded, self.world_size)
+                             + ring_bytes("all_gather", compute_bytes * padded, self.world_size))
         return self.ranks_per_host * per_rank / (self.host_memory_gbps * 1e9)
 
 
