@@ -196,8 +196,8 @@ class RankDist:
 
     @property
     def link_stage(self) -> str:
-        """The stage name of the collectives' busy time."""
-        return self.link.name
+        """The stage name of the collectives' busy time (the link is named in the plan)."""
+        return "collectives"
 
     def reduce_seconds(self, numel: int) -> float:
         """The reduction of one layer's fp32 gradient (padded to N shards)."""
@@ -535,16 +535,21 @@ _WHY = {
 }
 
 
+STUCK_EFFICIENCY = 0.75  # a stage whose busy time per rank falls to less than 3/4 of the way to 1/N does not scale
+SIGNIFICANT = 0.10  # ... and limits the run once it is at least this share of the step
+
+
 def stuck_stages(steps: dict[int, StepTime]) -> list[str]:
-    """Stages whose busy time per rank does not shrink with N (not even halfway to 1/N from the
-    smallest to the largest N): shared host resources, the collectives. Busiest at the largest N first."""
+    """Stages whose busy time per rank does not shrink in proportion to 1/N from the smallest to
+    the largest N (shared host resources, the collectives) and that take at least a tenth of the
+    step at the largest N; the busiest first."""
     lo, hi = min(steps), max(steps)
-    first, last = steps[lo].stages(), steps[hi].stages()
+    first, last, step = steps[lo].stages(), steps[hi].stages(), steps[hi].step_s
 
-    def shrinks(k: str) -> bool:
-        return first.get(k, 0.0) > 0 and last[k] * hi / lo <= 0.5 * (1 + hi / lo) * first[k]
+    def scales(k: str) -> bool:
+        return first.get(k, 0.0) > 0 and first[k] * lo / (last[k] * hi) >= STUCK_EFFICIENCY
 
-    stuck = [k for k in last if last[k] > 0 and not shrinks(k) and not k.startswith("CPU cores")]
+    stuck = [k for k in last if last[k] >= SIGNIFICANT * step and not scales(k) and not k.startswith("CPU cores")]
     return sorted(stuck, key=lambda k: -last[k])
 
 
@@ -593,7 +598,7 @@ def scaling(cfg: TrainConfig, profile: MachineProfile, shape: ModelShape, ranks_
     out.append(f"  limits scaling at N={hi}{eff}: {name}" + (f": {why}" if why else ""))
     stuck = stuck_stages(steps)
     if stuck:
-        out.append(f"  busy time that does not shrink with N (N={lo} -> N={hi}): " + ", ".join(
+        out.append(f"  busy time that does not shrink with N and takes >= {SIGNIFICANT:.0%} of the step (N={lo} -> N={hi}): " + ", ".join(
             f"{k} {steps[lo].stages().get(k, 0.0) * 1e3:,.0f} -> {steps[hi].stages()[k] * 1e3:,.0f} ms" for k in stuck))
     return out
 

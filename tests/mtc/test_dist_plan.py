@@ -21,6 +21,7 @@ from mtc.dist_plan import (
     rank_memory,
     rank_profile,
     ring_bytes,
+    scaling,
     shard_numels,
 )
 from mtc.errors import ConfigError
@@ -54,7 +55,7 @@ def test_world_size_one_is_the_single_process_plan(shape, capsys):
     p = make_plan(dataclasses.replace(CFG, placement="ram", gpu_update="none"), prof, shape=shape)
     d = RankDist(1, 1, shape.numels, True, Link("x", 100.0, 10.0), 0.0)
     st = step_time(p.cfg, shape, p.placement, p.gpu_update, prof, host_need=p.memory.host, dist=d)
-    assert st.step_s == p.step.step_s and st.stages() == {**p.step.stages(), "x": 0.0}
+    assert st.step_s == p.step.step_s and st.stages() == {**p.step.stages(), "collectives": 0.0}
     args = ["plan", "tiny", "--machine", "h100-box", "--seq-len", "16", "--micro-batch-size", "2", "--no-extrapolate"]
     assert main(args) == 0
     plain = capsys.readouterr().out
@@ -118,6 +119,17 @@ def test_ranks_on_one_host_share_its_cpu(shape):
     assert rank_profile(cpu, Layout.of(2, 1, cpu), ENGINES["engine"]).store_write_gbps == cpu.store_write_gbps
 
 
+def test_scaling_names_the_shared_resource_that_limits_it():
+    # a compute-bound CPU run: ranks on one host split its cores, ranks on their own hosts do not
+    cpu = dataclasses.replace(_cpu_host(), other_scale_fwd=1e4, other_scale_bwd=1e4)
+    sh = model_shape(CFG, "float32")
+    shared = "\n".join(scaling(CFG, cpu, sh, 8, (1, 2, 4)))
+    assert "limits scaling at N=4" in shared and "compute (CPU): the ranks of a host share its cores" in shared, shared
+    apart = scaling(CFG, cpu, sh, 1, (1, 2, 4))
+    row4 = next(line for line in apart if line.split()[:3] == ["4", "4", "x"])
+    assert float(row4.split()[7].rstrip("%")) >= 90, apart  # near-linear: each rank has a whole host
+
+
 def test_collective_bytes_follow_the_ring_formula(shape):
     for n in (2, 3, 8):
         assert ring_bytes("all_reduce", 1000.0, n) == pytest.approx(2 * (n - 1) / n * 1000)
@@ -134,14 +146,14 @@ def test_collective_bytes_follow_the_ring_formula(shape):
     assert link.gbps == min(prof.peer_gbps, 12.5) and any("network" in a for a in p.assumed)
     busy = sum(link.seconds("reduce_scatter", 4 * 4 * s, 4) + link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
-    assert p.step.stages()[link.name] == pytest.approx(busy)
+    assert p.step.stages()["collectives"] == pytest.approx(busy)
     # the engine (gloo in host memory, no reduce-scatter): the gradient is all-reduced, 2(N-1)/N of it
     g = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
     assert g.collective_bytes()["gradient all-reduce (fp32)"] == pytest.approx(1.5 * 4 * padded)
     assert g.dist.link.gbps == 2.0 and "gloo" in g.dist.link.name  # loopback gloo is slower than the network here
     busy = sum(g.dist.link.seconds("all_reduce", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
-    assert g.step.stages()[g.dist.link.name] == pytest.approx(busy)
+    assert g.step.stages()["collectives"] == pytest.approx(busy)
     c = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
     assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient all-reduce (fp32)"
 
