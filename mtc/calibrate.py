@@ -107,6 +107,7 @@ class MachineProfile:
     network_gbps: float = 0.0  # one host's network to the others, all its NICs together
     collective_latency_us: float = 0.0  # per ring step of a collective
     host_memory_gbps: float = 0.0  # host DRAM bandwidth, all channels, shared by the ranks' copies and AdamW (0: not modelled)
+    gloo_gbps: float = 0.0  # gloo all-reduce bus bandwidth per rank over loopback, 2 local processes (0: not measured)
 
     @property
     def matmul_tflops(self) -> float:
@@ -701,6 +702,12 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         identity=_identity(torch, cuda),
     )
+    try:  # the data-parallel engine's collectives run on gloo in host memory (mtc plan --world-size)
+        from mtc.collbench import gloo_bus_gbps
+
+        prof.gloo_gbps = gloo_bus_gbps(mib=min(copy_mb, 32), repeats=repeats)
+    except (OSError, RuntimeError) as e:
+        prof.assumed.append(f"gloo collectives not measured ({e}); mtc plan --world-size assumes a rate and says so")
     if not cuda:
         from mtc.costmodel import reference_scales  # the planner's own cost model, fitted to the measured block
 

@@ -159,7 +159,7 @@ def link_for(profile: MachineProfile, lay: Layout, engine: Engine) -> tuple[Link
     assumed: list[str] = []
     nccl = engine.device_collectives and lay.backend == "nccl"
     transport = "nccl" if nccl else "gloo"
-    intra = profile.peer_gbps if nccl or profile.accelerator == "cpu" else 0.0  # a GPU profile's peer_gbps is NVLink's
+    intra = profile.peer_gbps if nccl else profile.gloo_gbps or (profile.peer_gbps if profile.accelerator == "cpu" else 0.0)
     if not intra:
         intra = PCIE_PEER_FRACTION * profile.h2d_gbps if nccl else GLOO_GBPS
         if lay.ranks_per_host > 1:

@@ -154,6 +154,8 @@ def test_collective_bytes_follow_the_ring_formula(shape):
     busy = sum(g.dist.link.seconds("all_reduce", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert g.step.stages()["collectives"] == pytest.approx(busy)
+    one_host = make_dist_plan(CFG, dataclasses.replace(prof, gloo_gbps=0.7), 2, nodes=1, shape=shape)
+    assert one_host.dist.link.gbps == 0.7 and not any("loopback" in a for a in one_host.assumed)  # `mtc calibrate` measured it
     c = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
     assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient all-reduce (fp32)"
 
