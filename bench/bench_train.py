@@ -570,7 +570,7 @@ def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
                 print(f"    {name} failed: {r['error']}", flush=True)
     results = [dp_runs.best_round(rs) for rs in rounds.values()]
     return {"settings": results, "world_size": world, "config": cfg.to_dict(), "dist_engine": dp_runs.dist_engine_missing() is None,
-            **dp_runs.ratios(results, world)}
+            **dp_runs.ratios(results, world), "predicted_by_mtc_plan": dp_runs.predicted(cfg, world)}
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -631,6 +631,13 @@ def _print_dp(rec: dict[str, Any]) -> None:
     many = f"; torchrun-{w} per rank / plain: {_f(rec.get(f'torchrun_{w}_per_rank_over_plain'), '.3f')}" if w > 1 else ""
     print(f"DP     torchrun-1 / plain tokens/s: {_f(rec['torchrun_1_over_plain'], '.3f')} (goal >= {rec['goal_torchrun_1_over_plain']})"
           + many)
+    pred = rec.get("predicted_by_mtc_plan") or {}
+    if "error" in pred:
+        print(f"DP     mtc plan's prediction: {pred['error']}")
+    else:
+        print(f"DP     mtc plan's prediction on profile {pred['profile']!r}: " + "; ".join(
+            f"{k.replace('_', ' ')}: {v['tokens_per_s_per_rank']:.0f} tokens/s per rank ({v['bottleneck']})"
+            for k, v in pred.items() if k.startswith("world_")))
 
 
 def main() -> None:

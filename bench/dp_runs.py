@@ -111,6 +111,27 @@ def best_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**best, "rounds_median_step_s": [r.get("median_step_s") for r in rounds]}
 
 
+def predicted(cfg: Any, world: int) -> dict[str, Any]:
+    """`mtc plan`'s prediction for the same config at 1 and ``world`` ranks on one host, on the
+    last `mtc calibrate` profile of this machine (none saved: says so)."""
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, MachineProfile
+    from mtc.dist_plan import make_dist_plan
+    from mtc.errors import MTCError
+
+    if not DEFAULT_PROFILE_PATH.is_file():
+        return {"error": f"no machine profile at {DEFAULT_PROFILE_PATH}; run `mtc calibrate` first"}
+    try:
+        prof = MachineProfile.load(DEFAULT_PROFILE_PATH)
+        out: dict[str, Any] = {"profile": prof.name, "profile_created": prof.created}
+        tokens = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
+        for w in sorted({1, world}):
+            st = make_dist_plan(cfg, prof, w).step
+            out[f"world_{w}"] = {"step_s": st.step_s, "tokens_per_s_per_rank": tokens / w / st.step_s, "bottleneck": st.bottleneck}
+        return out
+    except MTCError as e:
+        return {"error": str(e)}
+
+
 def ratios(results: list[dict[str, Any]], world: int) -> dict[str, Any]:
     """torchrun-1 over plain, and per-rank torchrun-N over plain (tokens/s per rank)."""
     by = {r["setting"]: r.get("tokens_per_s_per_rank") for r in results}

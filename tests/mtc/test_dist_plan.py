@@ -263,6 +263,20 @@ def test_bench_world_size_commands_and_metrics(tmp_path):
     assert (dp.dist_engine_missing() is None) == (importlib.util.find_spec("mtc.dist") is not None)
 
 
+def test_bench_world_size_puts_the_plans_prediction_beside(tmp_path, monkeypatch, shape):
+    import mtc.calibrate
+
+    dp = _dp_runs()
+    monkeypatch.setattr(mtc.calibrate, "DEFAULT_PROFILE_PATH", tmp_path / "machine.json")
+    assert "mtc calibrate" in dp.predicted(CFG, 2)["error"]
+    _two_gpu_host().save(tmp_path / "machine.json")
+    pred = dp.predicted(CFG, 2)
+    tokens = CFG.grad_accum * CFG.micro_batch_size * CFG.seq_len
+    assert pred["profile"] == "2x-h100" and set(pred) >= {"world_1", "world_2"}
+    assert pred["world_2"]["step_s"] == make_dist_plan(CFG, _two_gpu_host(), 2, shape=shape).step.step_s
+    assert pred["world_1"]["tokens_per_s_per_rank"] == pytest.approx(tokens / make_plan(CFG, _two_gpu_host(), shape=shape).step.step_s)
+
+
 @pytest.mark.slow  # one real `python -m mtc train` (~10 s)
 def test_bench_world_size_reads_a_real_runs_metrics(tmp_path):
     import json
