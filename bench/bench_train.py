@@ -27,6 +27,11 @@ one crash or timeout loses one setting), and an invocation stops starting settin
     python bench/bench_train.py --only P3
     python bench/bench_train.py --only P5
     python bench/bench_train.py --smoke                      # CPU, tiny shapes, every part, < 1 min
+    python bench/bench_train.py --smoke --world-size 2       # CPU (gloo): plain vs torchrun 1 vs torchrun 2 (bench/dp_runs.py)
+    python bench/bench_train.py --world-size 1               # CUDA: the P3 shape, plain vs torchrun at one rank (within 2 %?)
+
+--world-size N runs part DP only: the same `mtc train` config plain, under torchrun at one rank and at
+N ranks (one process per rank, the global batch split between them); tokens/s per rank and the ratios.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import json
 import math
 import multiprocessing as mp
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +55,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dp_runs
 from common import median, write_record
 
 from mtc.config import OptimConfig, TrainConfig
@@ -528,6 +535,44 @@ def part_p5(env: Env, shape_name: str, depths: tuple[int, int], budget_gb: float
             "gpu_peak_ratio_deep_over_shallow": ratio, "goal_ratio_at_most": P5_GOAL}
 
 
+def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
+    """The same run plain, under torchrun at one rank and at ``world`` ranks (bench/dp_runs.py),
+    in ``repeats`` interleaved rounds; each setting's figures are its fastest round's."""
+    mb, accum = (2, 2 * world) if env.smoke else (env.micro_batch, 16 // env.micro_batch)
+    if accum % world:
+        raise SystemExit(f"bench_train: --world-size {world} must divide the {accum} micro-batches per step; "
+                         f"e.g. --world-size {math.gcd(accum, world)}")
+    shape = _shape(env, P3_SHAPE)
+    cfg = _cfg(env, shape, micro_batch=mb, accum=accum, steps=env.warmup + env.measure, placement="stateless")
+    # what a data-parallel run takes (mtc.dist.check_launch): the other ranks start from rank 0's
+    # step-0 commit, and only ram-tier state is sharded (no GPU-streamed updates)
+    cfg = dataclasses.replace(cfg, durability="weights", gpu_update="none")
+    config = root / "run.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    tokens = mb * accum * cfg.seq_len
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in dp_runs.settings(world)}
+    for k in range(repeats):
+        for name, ranks in dp_runs.settings(world):
+            why = dp_runs.dist_engine_missing() if (ranks or 1) > 1 else None
+            if why is None and ranks and ranks > 1 and not env.smoke and torch.cuda.device_count() < ranks:
+                why = f"NCCL needs one GPU per rank: this machine has {torch.cuda.device_count()}"
+            left = env.deadline - time.monotonic()
+            if why is None and left < env.min_job_s:
+                why = f"out of time ({left:.0f} s left)"
+            if why is not None:
+                print(f"  DP / {name}: not run: {why}", flush=True)
+                rounds[name].append({"setting": name, "ranks": ranks, "error": why})
+                continue
+            r = dp_runs.run_setting(name, ranks, config=config, data=Path(env.data), root=root / f"round{k}", warmup=env.warmup,
+                                    tokens_per_step=tokens, timeout_s=left)
+            rounds[name].append(r)
+            if "error" in r:
+                print(f"    {name} failed: {r['error']}", flush=True)
+    results = [dp_runs.best_round(rs) for rs in rounds.values()]
+    return {"settings": results, "world_size": world, "config": cfg.to_dict(), "dist_engine": dp_runs.dist_engine_missing() is None,
+            **dp_runs.ratios(results, world), "predicted_by_mtc_plan": dp_runs.predicted(cfg, world)}
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 
@@ -542,6 +587,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             f"{'clip':>5s}")
     print("\n" + head)
     for part, rec in results.items():
+        if part == "DP":
+            _print_dp(rec)
+            continue
         for r in rec.get("settings", []) + rec.get("baselines", []):
             name = r["setting"]
             if "median_step_s" not in r:
@@ -571,6 +619,27 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
           "steady host RSS per parameter")
 
 
+def _print_dp(rec: dict[str, Any]) -> None:
+    """Part DP's rows: step time and tokens/s per rank per setting, then the ratios."""
+    for r in rec["settings"]:
+        if "median_step_s" not in r:
+            print(f"{'DP':6s} {r['setting']:22s} {r.get('error')}")
+            continue
+        print(f"{'DP':6s} {r['setting']:22s} {'ranks ' + str(r['ranks']):22s} {'':>8s} {r['median_step_s']:8.3f} "
+              f"{r['tokens_per_s_per_rank']:9.0f} per rank")
+    w = rec["world_size"]
+    many = f"; torchrun-{w} per rank / plain: {_f(rec.get(f'torchrun_{w}_per_rank_over_plain'), '.3f')}" if w > 1 else ""
+    print(f"DP     torchrun-1 / plain tokens/s: {_f(rec['torchrun_1_over_plain'], '.3f')} (goal >= {rec['goal_torchrun_1_over_plain']})"
+          + many)
+    pred = rec.get("predicted_by_mtc_plan") or {}
+    if "error" in pred:
+        print(f"DP     mtc plan's prediction: {pred['error']}")
+    else:
+        print(f"DP     mtc plan's prediction on profile {pred['profile']!r}: " + "; ".join(
+            f"{k.replace('_', ' ')}: {v['tokens_per_s_per_rank']:.0f} tokens/s per rank ({v['bottleneck']})"
+            for k, v in pred.items() if k.startswith("world_")))
+
+
 def main() -> None:
     """Parse, make the token file, run the chosen parts, write one record per part, print the table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -589,9 +658,15 @@ def main() -> None:
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each setting in its own process (default: on CUDA yes, with --smoke no)")
     ap.add_argument("--quiet", action="store_true", help="no line per step")
+    ap.add_argument("--world-size", type=int, help="run part DP only: plain vs torchrun at 1 and at N ranks (see above)")
+    ap.add_argument("--repeats", type=int, help="part DP: interleaved rounds of its settings, the fastest kept (default 3; 1 with --smoke)")
     a = ap.parse_args()
     parts = [p.strip() for p in a.only.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
+    if a.world_size is not None:
+        if a.world_size < 1:
+            ap.error(f"--world-size must be at least 1, got {a.world_size}")
+        parts = ["DP"]
+    bad = [p for p in parts if p not in (*PARTS, "DP")]
     if bad:
         ap.error(f"unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}, e.g. --only P1-16,P3")
     for flag, v in (("--micro-batch", a.micro_batch), ("--baseline-micro-batch", a.baseline_micro_batch)):
@@ -609,7 +684,7 @@ def main() -> None:
     write_token_file(tmp / "tokens.bin", tokens, vocab_size=vocab, tokenizer="synthetic")
     env = Env(smoke=a.smoke, device="cpu" if a.smoke else "cuda", data=str(tmp / "tokens.bin"),
               warmup=a.warmup if a.warmup is not None else (1 if a.smoke else 2),
-              measure=a.steps or (2 if a.smoke else 4), profile=not a.smoke and not a.no_profile,
+              measure=a.steps or ((6 if a.world_size else 2) if a.smoke else 4), profile=not a.smoke and not a.no_profile,
               isolate=a.isolate if a.isolate is not None else not a.smoke, verbose=not a.quiet,
               deadline=start + a.time_limit_s, min_job_s=0 if a.smoke else 45,
               micro_batch=a.micro_batch)
@@ -619,7 +694,9 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for part in parts:
         t = time.monotonic()
-        if part.startswith("P1"):
+        if part == "DP":
+            rec = part_dp(env, a.world_size, tmp, a.repeats or (1 if a.smoke else 3))
+        elif part.startswith("P1"):
             rec = part_p1(env, part, settings)
         elif part == "P3":
             rec = part_p3(env, settings, a.baseline_micro_batch, use_compile=not a.smoke and not a.no_torch_compile)
@@ -633,9 +710,7 @@ def main() -> None:
         print(f"record: {write_record(name, json.loads(json.dumps(rec, default=str)))}")
     print_table(results)
     print(f"total {time.monotonic() - start:.1f} s")
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    shutil.rmtree(tmp, ignore_errors=True)  # part DP leaves store directories there
 
 
 if __name__ == "__main__":

@@ -99,6 +99,15 @@ class MachineProfile:
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
     source: str = ""
     created: str = ""
+    # several ranks on one host (`mtc plan --world-size`, mtc.dist_plan): the host's layout and
+    # links; 0 where not known (the planner then assumes a figure and lists it)
+    gpus_per_host: int = 1  # GPUs in one host: at most this many CUDA ranks per host
+    pcie_uplinks: int = 0  # host PCIe uplinks (switch to CPU) the GPUs share; 0: one per GPU
+    peer_gbps: float = 0.0  # collective bus bandwidth per rank within a host (NVLink, PCIe peer; gloo: host memory)
+    network_gbps: float = 0.0  # one host's network to the others, all its NICs together
+    collective_latency_us: float = 0.0  # per ring step of a collective
+    host_memory_gbps: float = 0.0  # host DRAM bandwidth, all channels, shared by the ranks' copies and AdamW (0: not modelled)
+    gloo_gbps: float = 0.0  # gloo all-reduce bus bandwidth per rank over loopback, 2 local processes (0: not measured)
 
     @property
     def matmul_tflops(self) -> float:
@@ -220,7 +229,32 @@ def _256gb_4tb() -> MachineProfile:
     )
 
 
-_BUILTIN: dict[str, Callable[[], MachineProfile]] = {"h100-box": _h100_box, "h200-1.5tb": _h200_1p5tb, "256gb-4tb-nvme": _256gb_4tb}
+def _8x_h100() -> MachineProfile:
+    # one 8-GPU host for `mtc plan --world-size 8` (issue 13): the lent box measured one GPU, so
+    # the host-wide figures (cores, RAM, AdamW, DRAM, uplinks, links) are all assumed
+    base = _h100_box()
+    return dataclasses.replace(
+        base, name="8x-h100", device="8 x NVIDIA H100 80GB SXM (NVLink), 112 cores, 2 TiB RAM, 8 NVMe (extrapolated)",
+        cores=112, host_memory_bytes=2048 * GiB, host_available_bytes=2000 * GiB, disk_free_bytes=int(30e12), disk_dir="/",
+        disk_write_gbps=10.0, disk_read_gbps=12.0, store_write_gbps=8.0, store_read_gbps=10.0,
+        adamw_gparams_s={"fused": 12.0, "exact": 6.0}, adamw_one_thread_gparams_s=0.6,
+        gpus_per_host=8, pcie_uplinks=4, peer_gbps=360.0, network_gbps=400.0, collective_latency_us=10.0,
+        host_memory_gbps=450.0,
+        assumed=[
+            "everything but one GPU's figures (the H100 box's: 789 TFLOP/s bf16, 55 / 55 / 94 GB/s PCIe per GPU) is assumed",
+            ("112 cores, 2 TiB RAM (2,000 GiB available); host-wide CPU AdamW 12 G params/s (DRAM-bound: ~30 B/param "
+             "at ~360 GB/s), x 2.7/4.0 while copies run, as the box"),
+            "host DRAM 450 GB/s usable (2 sockets x 8 channels DDR5-4800 = 614 GB/s peak)",
+            "4 PCIe Gen5 x16 uplinks to the CPUs, 2 GPUs behind each (55 / 55 / 94 GB/s per uplink)",
+            "NVLink collectives 360 GB/s bus bandwidth per GPU; network 400 GB/s per host (8 x 400 Gb/s); 10 us per ring step",
+            "8 NVMe in RAID 0: raw write 10, read 12 GB/s; through the store 8 / 10 GB/s; 30 TB free",
+        ],
+        source="extrapolated from h100-box", created="2026-11",
+    )
+
+
+_BUILTIN: dict[str, Callable[[], MachineProfile]] = {"h100-box": _h100_box, "h200-1.5tb": _h200_1p5tb, "256gb-4tb-nvme": _256gb_4tb,
+                                                     "8x-h100": _8x_h100}
 
 
 def builtin_names() -> list[str]:
@@ -668,6 +702,12 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         identity=_identity(torch, cuda),
     )
+    try:  # the data-parallel engine's collectives run on gloo in host memory (mtc plan --world-size)
+        from mtc.collbench import gloo_bus_gbps
+
+        prof.gloo_gbps = gloo_bus_gbps(mib=min(copy_mb, 32), repeats=repeats)
+    except (OSError, RuntimeError) as e:
+        prof.assumed.append(f"gloo collectives not measured ({e}); mtc plan --world-size assumes a rate and says so")
     if not cuda:
         from mtc.costmodel import reference_scales  # the planner's own cost model, fitted to the measured block
 

@@ -398,6 +398,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         if raw is not None:
             set_field(cfg, path, parse_field(path, raw, flag=_flag(path)))
     profile = load_machine(a.machine)
+    if a.world_size != 1 or a.nodes != 1:
+        return _plan_world(a, cfg, profile, program)
     plan = make_plan(cfg, profile, program=program)
     print("\n".join(plan.lines()))
     if not a.no_extrapolate:
@@ -407,6 +409,19 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         print(f"\nlargest Llama-8b-shaped model whose fp32 state (master, m, v) fits {profile.name} (GPU + RAM + disk):")
         for mode, n in sizes.items():
             print(f"  durability {mode:7s} {n / 1e9:8.2f}B parameters" if n else f"  durability {mode:7s} none fits")
+    return 0 if plan.fits else 1
+
+
+def _plan_world(a: argparse.Namespace, cfg: object, profile: object, program: object) -> int:
+    """`mtc plan --world-size N [--nodes K]`: one rank's plan, its host's totals and the scaling table."""
+    from mtc.dist_plan import DistPlan, make_dist_plan, scaling
+
+    plan = make_dist_plan(cfg, profile, a.world_size, nodes=a.nodes, program=program, engine=a.dp_model)
+    print("\n".join(plan.lines()))
+    per_host = plan.layout.ranks_per_host if isinstance(plan, DistPlan) else 1
+    print()
+    print("\n".join(scaling(cfg, profile, plan.shape, max(per_host, profile.gpus_per_host if a.nodes == 1 else per_host),
+                            engine=a.dp_model)))
     return 0 if plan.fits else 1
 
 
@@ -622,10 +637,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("target", nargs="?", help="a model preset or a plan directory (from `mtc compile`)")
     pl.add_argument("--config", help="a .json or .toml TrainConfig file instead")
     pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
-                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme); default: the last `mtc calibrate` profile, else a quick measurement")
+                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme, 8x-h100); default: the last `mtc calibrate` profile, else a quick measurement")
     for path in _PLAN_FLAGS:
         pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     pl.add_argument("--no-extrapolate", action="store_true", help="skip the 70B/120B/175B extrapolations and the largest-model search")
+    pl.add_argument("--world-size", type=int, default=1, metavar="N",
+                    help="plan one rank of a data-parallel run of N ranks (torchrun --nproc-per-node), its host's totals and "
+                         "the scaling at 1, 2, 4, 8 ranks (default 1: the single-process plan)")
+    pl.add_argument("--nodes", type=int, default=1, metavar="K", help="hosts the N ranks are spread over (default 1)")
+    pl.add_argument("--dp-model", choices=["engine", "design"], default="engine",
+                    help="with --world-size: model the data-parallel engine as built (gloo collectives in host memory, rank 0 "
+                         "writes the store, ram tier only; default) or issue 13's design (NCCL on the GPUs, a store per rank)")
     pl.set_defaults(fn=_cmd_plan)
 
     ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")

@@ -24,6 +24,13 @@ few steps until it repeats:
 - on a commit step each `ram`/`gpu` layer's state is written behind after its update, and the
   layer's next update waits for that write.
 
+One rank of a data-parallel run (`mtc.dist_plan`, ``step_time(..., dist=...)``) runs the same
+schedule on its share of the host (the profile it is given) and its micro-batches, updates and
+writes only its shard of each layer's state, and adds the collectives on their own link: the
+gradient's reduction after the layer's backward visit (NCCL: before the shard's copy to the host;
+gloo: after the whole gradient's), the updated compute copy's all-gather between the layer's
+update and its next forward fetch.
+
 Every task runs on a resource: the GPU, each copy direction, the disk, or (on a CPU machine, where
 "GPU compute", the optimizer and the copies all run on the same cores) the CPU, whose cores are
 shared among the tasks running at once in proportion to the threads each uses (processor
@@ -36,6 +43,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +51,9 @@ from mtc.calibrate import MachineProfile
 from mtc.config import TrainConfig
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program, Template
+
+if TYPE_CHECKING:
+    from mtc.dist_plan import RankDist
 
 __all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "model_shape", "reference_scales", "shape_from_program",
            "step_time", "template_cost"]
@@ -490,18 +501,24 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
-              host_need: int = 0) -> StepTime:
-    """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring)."""
+              host_need: int = 0, *, dist: RankDist | None = None) -> StepTime:
+    """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
+    ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
+    the rank's (its micro-batches, its share of the host), the rank updates only its shard of
+    each layer's state, and the collectives run on their own link."""
     from mtc.runtime.tiers import state_kinds
 
     L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
+    sn = list(dist.shard_numels) if dist else n  # the state this rank owns: master, m, v, its update and disk I/O
     cuda = profile.accelerator == "cuda"
     mb, gb = cfg.grad_accum, 1e9
     cores = float(profile.cores)
     # per-layer durations, alone
     resident = [placement[i] == "gpu" and shape.fetch_numels[i] == n[i] for i in range(L)]
     W = [0.0 if resident[i] else shape.fetch_numels[i] * c / (profile.h2d_gbps * gb) for i in range(L)]
-    G = [0.0 if placement[i] == "gpu" else n[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
+    # the gradient crosses to the host whole, or (reduce-scattered on the device first) as the rank's shard
+    gn = sn if dist and dist.reduce_scatter else n
+    G = [0.0 if placement[i] == "gpu" else gn[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
     F = [mb * compute_seconds(shape.costs[i], profile, backward=False) for i in range(L)]
     # the executor's own work per layer: zero the gradient slab, add each micro-batch's gradient, norms
     B = [mb * compute_seconds(shape.costs[i], profile, backward=True) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
@@ -509,38 +526,47 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
     cpu_rate = adamw_rate(profile, cfg.optim_threads) * (profile.adamw_with_copies if cuda else 1.0)
     gpu_rate = (profile.gpu_adamw_gparams_s or 1e3) * gb
-    n_disk = sum(n[i] for i in range(L) if placement[i] == "disk")
+    n_disk = sum(sn[i] for i in range(L) if placement[i] == "disk")
     warm = 24 * n_disk <= 0.8 * (profile.host_available_bytes - host_need)  # both generations stay in the page cache
     read_bw = (profile.store_read_warm_gbps if warm else profile.store_read_gbps) * gb
     write_bw = profile.store_write_gbps * gb
     # rows of an embedding table the step's tokens do not touch have zero gradients and moments,
     # on which the host AdamW runs at another speed (measured)
     tokens = mb * shape.tokens_per_micro_batch
-    idle = [sum((rows - min(rows, tokens)) * width for rows, width in shape.sparse_tables[i]) for i in range(L)]
-    zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True) * (profile.adamw_with_copies if cuda else 1.0)
-    adam = [0.0 if placement[i] == "gpu" or i in gpu_update else (n[i] - idle[i]) / cpu_rate + idle[i] / zero_rate
+    idle = [sum((rows - min(rows, tokens)) * width for rows, width in shape.sparse_tables[i]) * sn[i] // max(1, n[i])
             for i in range(L)]
-    io_r = [12 * n[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
-    io_w = [12 * n[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True) * (profile.adamw_with_copies if cuda else 1.0)
+    adam = [0.0 if placement[i] == "gpu" or i in gpu_update else (sn[i] - idle[i]) / cpu_rate + idle[i] / zero_rate
+            for i in range(L)]
+    io_r = [12 * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    io_w = [12 * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     durable = cfg.durability != "none"
-    behind = [4 * len(state_kinds(t, cfg.durability)) * n[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
+    cn = list(dist.commit_numels) if dist and dist.commit_numels else sn  # what this rank writes at a commit
+    behind = [4 * len(state_kinds(t, cfg.durability)) * cn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
+    # collectives per layer (0 for one rank): the gradient's reduction after its backward visit,
+    # the updated compute copy's all-gather before the next forward
+    red = [dist.reduce_seconds(n[i]) if dist and n[i] else 0.0 for i in range(L)]
+    gat = [dist.gather_seconds(n[i], c) if dist and n[i] else 0.0 for i in range(L)]
     every_step = durable and (n_disk > 0 or cfg.commit_every == 1)
     wb = [b / write_bw for b in behind] if every_step else [0.0] * L
+    if dist and every_step:  # one store: rank 0 gathers the other ranks' shards before it writes them
+        wb = [w + dist.commit_gather_seconds(b) for w, b in zip(wb, behind, strict=True)]
 
     # demands: what a task would use alone (its figure was measured with that many threads)
     dem_compute = 1.0 if cuda else min(float(profile.compute_threads or 1), cores)
     dem_opt = min(float(opt_threads), cores)
     on = {"compute": "gpu" if cuda else "cpu", "h2d": "h2d" if cuda else "cpu", "d2h": "d2h" if cuda else "cpu"}
-    sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0})
+    sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0, "net": 1.0})
     visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
     steps = 4
     syncs: list[int] = []
     grad: list[int | None] = [None] * L  # last step's gradient copy per layer
     write: list[int | None] = [None] * L  # last write-behind per layer
-    h2d_last = d2h_last = None
+    h2d_last = d2h_last = net_last = None
     for s in range(steps):
         sync = syncs[-1] if syncs else None
         upd: list[int | None] = [None] * L
+        gate: list[int | None] = [None] * L  # what a forward fetch waits for: the update (and its all-gather)
         dev = sync
         if s:
             cpu_chain = str_in = str_out = writer = sync
@@ -549,11 +575,11 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     continue
                 deps = (sync, grad[i], write[i])
                 if placement[i] == "gpu":
-                    dev = sim.add(n[i] / gpu_rate, on["compute"], (dev, *deps))
+                    dev = sim.add(sn[i] / gpu_rate, on["compute"], (dev, *deps))
                     upd[i] = sync
                 elif i in gpu_update:
-                    str_in = sim.add(16 * n[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
-                    str_out = upd[i] = sim.add(14 * n[i] / (profile.d2h_gbps * gb) + n[i] / gpu_rate, on["d2h"], (str_in, str_out))
+                    str_in = sim.add(16 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
+                    str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
                     rd = sim.add(io_r[i], "cpu" if warm else "disk", (cpu_chain, *deps))
                     ad = sim.add(adam[i], "cpu", (rd,), dem_opt)
@@ -562,30 +588,41 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
                 if wb[i]:
                     writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev))
+                gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
         comp, issue, arrived = dev, sync, sync
         ends: list[int] = []
         for k, (phase, i) in enumerate(visits):
-            issue = sim.add(0.0, "", ((issue if cuda else arrived), upd[i] if phase != "bwd" else None))
+            issue = sim.add(0.0, "", ((issue if cuda else arrived), gate[i] if phase != "bwd" else None))
             if resident[i]:
                 arrived = issue
             else:
                 h2d_last = arrived = sim.add(W[i], on["h2d"], (issue, ends[k - 2] if k >= 2 else sync, h2d_last))
             comp = sim.add(F[i] if phase == "fwd" else B[i], on["compute"], (comp, arrived), dem_compute)
             ends.append(comp)
-            if phase != "fwd":
+            if phase != "fwd" and red[i] and dist.reduce_scatter:  # on the device, then the shard crosses
+                net_last = rs = sim.add(red[i], "net", (comp, net_last))
+                d2h_last = grad[i] = sim.add(G[i], on["d2h"], (rs, d2h_last)) if G[i] else rs
+            elif phase != "fwd":
                 d2h_last = grad[i] = sim.add(G[i], on["d2h"], (comp, d2h_last)) if G[i] else comp
+                if red[i]:  # gloo: all-reduced in host memory after the copy
+                    net_last = grad[i] = sim.add(red[i], "net", (grad[i], net_last))
         syncs.append(comp)
     end = sim.run()
     schedule = end[syncs[-1]] - end[syncs[-2]]
 
     h2d_b = sum(W[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + W[L - 1] * profile.h2d_gbps * gb
-    streamed = sum(n[i] for i in gpu_update)
+    streamed = sum(sn[i] for i in gpu_update)
     h2d_b += 16 * streamed
-    d2h_b = sum(n[i] * 4 for i in range(L) if placement[i] != "gpu") + 14 * streamed
+    d2h_b = sum(gn[i] * 4 for i in range(L) if placement[i] != "gpu") + 14 * streamed
+    if dist and cuda and dist.reduce_scatter and dist.world_size > 1:  # the all-gather runs on the device: the rank's updated shard goes up, the others' come down
+        h2d_b += sum(c * sn[i] for i in range(L) if placement[i] != "gpu")
+        d2h_b += sum(c * (n[i] - min(n[i], sn[i])) for i in range(L) if placement[i] != "gpu")
     pcie = (h2d_b + d2h_b) / (profile.both_gbps * gb) if cuda else 0.0
-    base = max(schedule, pcie)
+    host_mem = dist.host_memory_seconds(h2d_b + d2h_b, sum(sn[i] for i in range(L) if adam[i]), 24 * n_disk, c,
+                                        n_total=sum(n)) if dist else 0.0
+    base = max(schedule, pcie, host_mem)
     vol = sum(behind)
-    commit_s = vol / write_bw if vol else 0.0
+    commit_s = vol / write_bw + (dist.commit_gather_seconds(vol) if dist else 0.0) if vol else 0.0
     if not durable or not vol:
         commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
     elif every_step:
@@ -607,14 +644,18 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
               "CPU optimizer": sum(adam),
               "disk I/O": (0.0 if warm else disk_r) + disk_w}
     if cuda:
-        stages["GPU optimizer"] = sum(n[i] for i in range(L) if placement[i] == "gpu") / gpu_rate
+        stages["GPU optimizer"] = sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate
+    if dist:
+        stages[dist.link_stage] = sum(red) + sum(gat)
+        if host_mem:
+            stages["host memory (shared)"] = host_mem
     if not cuda:
         stages["CPU cores, all work shared"] = cpu_work
     return StepTime(
         step_s=base + commits.stall_s, schedule_s=schedule, fwd_s=fwd_s, bwd_s=bwd_s, hw_flops=hw,
         h2d_weights_s=sum(W[: L - 1]) * 2 + W[L - 1], d2h_grads_s=sum(G),
         streamed_s=max(16 * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
-        pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(n[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
+        pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
         disk_read_s=disk_r, disk_write_s=disk_w, disk_read_warm=warm, cpu_work_s=cpu_work, commits=commits,
         disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),
         # the shared-cores total is a bound, not a stage: the bottleneck is the busiest stage

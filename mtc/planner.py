@@ -217,8 +217,15 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
         disk_free = int(os.environ[DISK_FREE_ENV]) if os.environ.get(DISK_FREE_ENV) else shutil.disk_usage(probe).free
         where = f"free at {probe}"
     gpu_total = torch.cuda.mem_get_info(torch.device(cfg.device))[1] if cuda else None
-    checks = fit_checks(cfg, shape, placement, mem, disk_free=disk_free, host_available=pl.available_host_bytes(),
-                        gpu_total=gpu_total, where=where)
+    from mtc.dist_plan import check_fit_ranks, world_from_env
+
+    world, local = world_from_env()
+    if world > 1:  # one rank of a data-parallel run: its shards, and the host its ranks share
+        checks = check_fit_ranks(cfg, shape, placement, world, local, disk_free=disk_free, host_available=pl.available_host_bytes(),
+                                 gpu_total=gpu_total, where=where)
+    else:
+        checks = fit_checks(cfg, shape, placement, mem, disk_free=disk_free, host_available=pl.available_host_bytes(),
+                            gpu_total=gpu_total, where=where)
     bad = [c.line().replace(": DOES NOT FIT:", ":", 1) for c in checks if not c.ok]
     if bad:
         raise ConfigError("\n".join(f"this run does not fit: {b}" for b in bad))

@@ -128,7 +128,8 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     prof = calibrate(directory=tmp_path, copy_mb=8, disk_mb=8, adamw_numel=500_000, matmul_size=256, repeats=1)
     assert 0 < prof.calibrate_s <= time.perf_counter() - t < 120  # ~5 s on the 2-core box when it is quiet
     assert prof.pcie_is_memcpy and any("memcpy" in a for a in prof.assumed)
-    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.adamw_rate, prof.matmul_tflops):
+    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.adamw_rate, prof.matmul_tflops,
+              prof.gloo_gbps):
         assert v > 0
     assert prof.identity["host"] and prof.identity["torch"]
     assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
