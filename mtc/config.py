@@ -230,6 +230,9 @@ class TrainConfig:
     eval_every: int = field(0, ge=0, help="log the validation loss every N steps and at the last step; 0: never")
     eval_batches: int = field(8, ge=1, help="held-out batches (of micro_batch_size x seq_len) per validation")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer settings")
+    # torchrun launches: every collective gives up after this long, so a dead rank stops the others
+    dist_timeout_s: float = field(60.0, gt=0, help="data-parallel runs: seconds a collective waits for the other ranks "
+                                  "before the run fails")
 
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""
