@@ -175,9 +175,8 @@ def _train_world(cfg: object, store: str) -> object:
     """Join torchrun's process group (nothing without torchrun) and check the run can be split."""
     from mtc import dist
 
-    world = dist.init_world(cfg.device, cfg.dist_timeout_s)
-    dist.check_launch(cfg, world, store)
-    return world
+    dist.check_launch(cfg, dist.current_world(), store)  # before joining: every rank would refuse alike
+    return dist.init_world(cfg.device, cfg.dist_timeout_s)
 
 
 def _cmd_train_rank(a: argparse.Namespace, cfg: object, tokens: object) -> int:

@@ -200,10 +200,11 @@ def open_follower(cfg: object, store_dir: object) -> object:
 
     from mtc.errors import StoreError
     from mtc.plan import load_plan
+    from mtc.runtime.collectives import collective
     from mtc.store import TensorStore
     from mtc.train import Run
 
-    torch.distributed.barrier(group=groups().startup)  # matched by rank 0's root_ready
+    collective("waiting for rank 0's store", torch.distributed.barrier, group=groups().startup)  # matched by root_ready
     path = Path(store_dir)
     store = TensorStore.open(path, io_threads=cfg.io_threads, read_only=True)
     last = store.last_commit()
@@ -216,7 +217,9 @@ def open_follower(cfg: object, store_dir: object) -> object:
 def root_ready(world: World) -> None:
     """Rank 0: the store holds the start state (step 0 committed, or the commit resumed from)."""
     if world.distributed:
-        torch.distributed.barrier(group=groups().startup)
+        from mtc.runtime.collectives import collective
+
+        collective("the start barrier", torch.distributed.barrier, group=groups().startup)
 
 
 def attach(engine: object, tiers: object, world: World) -> None:
@@ -232,5 +235,23 @@ def attach(engine: object, tiers: object, world: World) -> None:
 def agree(flag: bool) -> bool:
     """Rank 0's ``flag``, on every rank (a decision taken from rank 0's timing)."""
     t = torch.tensor([int(flag)], dtype=torch.int64)
-    torch.distributed.broadcast(t, src=0, group=groups().sync)
+    from mtc.runtime.collectives import collective
+
+    collective("the commit decision", torch.distributed.broadcast, t, src=0, group=groups().sync)
     return bool(t.item())
+
+
+def check_same_start(world: World, step: int, generation: int) -> None:
+    """Every rank must start from rank 0's commit (a shared filesystem may show a node a stale
+    ``commit.json``): compare each rank's (step, generation) with rank 0's; a mismatch is a StoreError."""
+    if not world.distributed:
+        return
+    from mtc.errors import StoreError
+    from mtc.runtime.collectives import collective
+
+    t = torch.tensor([step, generation], dtype=torch.int64)
+    collective("the start check", torch.distributed.broadcast, t, src=0, group=groups().sync)
+    if (int(t[0]), int(t[1])) != (step, generation):
+        raise StoreError(f"rank {world.rank} sees the store's last commit at step {step} (generation {generation}) but rank 0 "
+                         f"starts from step {int(t[0])} (generation {int(t[1])}): the store directory must be the same "
+                         "shared directory, fully visible on every node; check the mount and relaunch")

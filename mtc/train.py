@@ -432,8 +432,8 @@ def train(
     ``watch`` compares each step's stages with the run's plan and may notify once (a slow disk).
     """
     t0 = time.perf_counter()
+    _dist.check_launch(cfg, _dist.current_world(), store_dir)  # before joining the other ranks
     world = _dist.init_world(cfg.device, cfg.dist_timeout_s)  # one rank without torchrun: nothing happens
-    _dist.check_launch(cfg, world, store_dir)
     tokens = data if isinstance(data, (TokenFile, BatchSource)) else TokenFile.open(data)
     if not world.is_root and run is None:  # the other ranks open rank 0's store once it holds the start state
         run = _dist.open_follower(cfg, store_dir)
@@ -488,6 +488,7 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if world.distributed:
+            _dist.check_same_start(world, last.step, last.generation)
             _dist.attach(eng, tiers, world)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)

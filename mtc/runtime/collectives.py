@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mtc.errors import MTCError
 from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import StepStats, _wait_all
 from mtc.runtime.tiers import state_kinds
@@ -51,7 +52,26 @@ if TYPE_CHECKING:
     from mtc.runtime.optimizer import StreamingAdamW
     from mtc.runtime.tiers import StateTiers
 
-__all__ = ["DataParallel", "shard_range"]
+__all__ = ["DataParallel", "PeerLostError", "collective", "shard_range"]
+
+
+class PeerLostError(MTCError):
+    """A collective failed: another rank died, hung past the timeout, or left the run."""
+
+
+def collective(what: str, fn: Callable, *args: object, **kw: object) -> object:
+    """Run the torch.distributed call ``fn``; a failure (gloo and NCCL report a dead or hung peer
+    as a RuntimeError) becomes one `PeerLostError` line that says how to go on."""
+    try:
+        return fn(*args, **kw)
+    except RuntimeError as e:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PeerLostError(f"rank {rank}: {what} failed ({first}): another rank stopped or did not answer within "
+                            "dist_timeout_s; this rank stops too. Relaunch the same command on every rank to resume "
+                            "from the last commit") from e
 
 
 def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -82,12 +102,8 @@ class DataParallel:
     def reduce_count(self, count: torch.Tensor) -> torch.Tensor:
         """The global number of target tokens of the step, from this rank's ``count``."""
         t = count.detach().to("cpu", torch.float64).reshape(1).clone()
-        self.dist.all_reduce(t, group=self.sync_group)
+        collective("the target-count all-reduce", self.dist.all_reduce, t, group=self.sync_group)
         return t.to(count.device, torch.float32).reshape(())
-
-    def barrier(self, group: object) -> None:
-        """Wait for every rank on ``group``."""
-        self.dist.barrier(group=group)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -101,7 +117,7 @@ class DataParallel:
         s = self.tiers[layer]
         if ready is not None:
             ready.wait()
-        self.dist.all_reduce(s.grad, group=self.comm_group)
+        collective(f"layer {layer}'s gradient all-reduce", self.dist.all_reduce, s.grad, group=self.comm_group)
         lo, hi = s.shard[0], s.shard[1]
         g = s.grad[lo:hi]
         return float(torch.dot(g, g)) if g.numel() else 0.0
@@ -118,7 +134,8 @@ class DataParallel:
             raise RuntimeError(f"layers {missing} never received final gradients this step")
         sq = math.fsum(self._reduced.pop(i).result() for i in owners)
         host = torch.tensor([float(loss.detach().float().cpu()), sq], dtype=torch.float64)
-        self.dist.all_reduce(host, group=self.sync_group)  # the step's one collective on this thread
+        # the step's one collective on this thread
+        collective("the loss and norm all-reduce", self.dist.all_reduce, host, group=self.sync_group)
         loss_f = float(host[0])
         total = torch.tensor(math.sqrt(host[1]) if host[1] >= 0 else float("nan"), dtype=torch.float32)
         clip = opt.cfg.clip_norm
@@ -179,7 +196,7 @@ class DataParallel:
         s = self.tiers[i]
         per = s.master.numel()
         parts = [s.compute[r * per : (r + 1) * per] for r in range(self.world_size)]
-        self.dist.all_gather(parts, self._shard_out(i), group=self.comm_group)
+        collective(f"layer {i}'s weight all-gather", self.dist.all_gather, parts, self._shard_out(i), group=self.comm_group)
 
     def _gather_write(self, opt: StreamingAdamW, i: int, upd: Future[None], kinds: tuple[str, ...], gen: int,
                       prev_commit: Future[None], tstep: int) -> None:
@@ -195,7 +212,7 @@ class DataParallel:
             for k in kinds:
                 full = torch.empty(per * self.world_size, dtype=torch.float32) if root else None
                 parts = [full[r * per : (r + 1) * per] for r in range(self.world_size)] if root else None
-                self.dist.gather(src[k], parts, dst=0, group=self.comm_group)
+                collective(f"layer {i}'s state gather", self.dist.gather, src[k], parts, dst=0, group=self.comm_group)
                 if root:
                     opt.store.write_async(state_array_name(i, k, gen), full[: s.numel]).result()
 
