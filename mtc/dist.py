@@ -29,7 +29,8 @@ import torch
 
 from mtc.errors import ConfigError
 
-__all__ = ["World", "cpu_share", "current_world", "init_world", "shutdown_world", "world_from_env"]
+__all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
+           "data_parallel_placement", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,6 +182,20 @@ def check_launch(cfg: object, world: World, store_dir: object) -> None:
     if cfg.durability == "none":
         raise ConfigError("durability 'none' cannot run on several ranks: the other ranks read the start state from rank 0's "
                           "step-0 commit; use durability 'weights' or 'full'")
+
+
+def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
+                            program: object) -> tuple[list[str], set[int]]:
+    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM,
+    updated by the CPU; an explicit one must do so too (`check_placement`). One rank: unchanged."""
+    if not world.distributed:
+        return placement, gpu_update
+    if cfg.placement.strip() == "auto":
+        placement = ["ram"] * len(placement)
+    if cfg.gpu_update.strip() == "auto":
+        gpu_update = set()
+    check_placement(world, placement, gpu_update, program)
+    return placement, gpu_update
 
 
 def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object) -> None:

@@ -449,7 +449,7 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        _dist.check_placement(world, placement, gpu_update, program)
+        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
                            rank=world.rank, world_size=world.world_size)
         durable = cfg.durability != "none"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mtc.store import TensorStore, state_array_name
 
 from mtc import dist
 from mtc.cli import main
@@ -26,9 +27,8 @@ from mtc.errors import ConfigError
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
 from mtc.runtime.tiers import StateTiers
-from mtc.store import TensorStore, state_array_name
-from mtc.train import build_model, train
 from mtc.tracer import trace
+from mtc.train import build_model, train
 from tests.runtime.engine_util import skewed_tokens, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ STEPS = 3
 
 def _config(**kw: object):
     # grad_accum 6: 3 micro-batches per rank at world 2, 2 at world 3 (accumulation within a rank)
-    base = dict(steps=STEPS, commit_every=1, grad_accum=6, placement="ram", gpu_update="none", kernels="unfused")
+    base = {"steps": STEPS, "commit_every": 1, "grad_accum": 6, "placement": "ram", "gpu_update": "none", "kernels": "unfused"}
     base.update(kw)
     return small_config(**base)
 
@@ -119,6 +119,13 @@ def test_placement_check_refuses_tiers_that_are_not_sharded():
     with pytest.raises(ConfigError, match="gpu_update names layers"):
         dist.check_placement(w2, ["ram"] * program.n_layers, {1}, program)
     dist.check_placement(dist.World(), ["disk"] * program.n_layers, set(), program)
+    # auto placement on several ranks: every layer sharded in host RAM, updated by the CPU
+    auto = _config(placement="auto", gpu_update="auto")
+    got = dist.data_parallel_placement(w2, auto, ["gpu"] * program.n_layers, {1}, program)
+    assert got == (["ram"] * program.n_layers, set())
+    assert dist.data_parallel_placement(dist.World(), auto, ["gpu"], {0}, program) == (["gpu"], {0})
+    with pytest.raises(ConfigError, match="--placement ram"):
+        dist.data_parallel_placement(w2, _config(placement="disk"), ["disk"] * program.n_layers, set(), program)
 
 
 def test_sharded_tiers_hold_this_ranks_range_and_the_whole_compute_copy():
@@ -161,7 +168,7 @@ def _train_args(cfg_file: Path, store: Path, data: Path) -> list[str]:
 def _torchrun(n: int, cfg_file: Path, store: Path, data: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), *_train_args(cfg_file, store, data)]
-    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
 
 
 def _launch(n: int, cfg_file: Path, store: Path, data: Path) -> list[subprocess.Popen]:
