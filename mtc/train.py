@@ -497,6 +497,8 @@ def train(
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
+        if world.distributed:  # the commit records which world wrote it (any world size resumes it)
+            meta["world_size"] = world.world_size
         if run.changes:  # what --allow-change let differ, recorded in every later commit
             meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)

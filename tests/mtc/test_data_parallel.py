@@ -56,13 +56,29 @@ def test_world_from_env_defaults_to_one_rank_and_reads_torchrun():
         dist.world_from_env({"WORLD_SIZE": "two"})
 
 
-def test_init_world_without_torchrun_creates_no_process_group(monkeypatch):
+@pytest.mark.parametrize("env", [{}, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}])
+def test_one_rank_creates_no_process_group(monkeypatch, env):
+    """Without torchrun, or torchrun with one process: today's path, no group, no affinity change."""
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     before = os.sched_getaffinity(0)
     assert dist.init_world("cpu", 5) == dist.World()
     assert not torch.distributed.is_initialized()
     assert os.sched_getaffinity(0) == before
+
+
+def test_ranks_on_one_host_take_their_share_of_its_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        dist._pin_cpus(dist.World(1, 2, 1, 2))
+        share = dist.cpu_share(cores, 1, 2)
+        assert sorted(os.sched_getaffinity(0)) == share and torch.get_num_threads() == len(share)
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("cpus", "ranks"), [(16, 4), (16, 3), (7, 2), (2, 3), (1, 1)])
@@ -268,6 +284,7 @@ def test_kill_9_of_one_rank_stops_the_others_and_a_relaunch_resumes_bit_identica
     again = _launch(2, cfg_file, store, tokens.path)
     for p in again:
         assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    assert json.loads(commit.read_text())["meta"]["world_size"] == 2
     a, _, _ = _state(store)
     b, _, _ = _state(d / "w2")
     assert all(torch.equal(a[k], b[k]) for k in b), "the relaunched run differs from the unbroken 2-rank run"
