@@ -482,7 +482,7 @@ def train(
             sampler = tokens.sampler(cfg.micro_batch_size, cfg.seq_len)
         else:
             sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-        compiled = _compile(cfg, program, st)
+        compiled = _compile(cfg, program, st, private=not world.is_root)
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
@@ -667,13 +667,20 @@ def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: 
     return commit
 
 
-def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
-    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore, *, private: bool = False) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None.
+    ``private``: a data-parallel rank other than 0 compiles into its own copy of that cache (rank 0
+    may be writing it at the same time)."""
     if not cfg.fused:
         return None
     from mtc.compiler import compile_program
 
     cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+    if private and st.path is not None:
+        own = Path(tempfile.mkdtemp(prefix="mtc-kernels-rank-"))
+        if cache.is_dir():
+            shutil.copytree(cache, own, dirs_exist_ok=True)
+        cache = own
     return compile_program(program, cache)
 
 

@@ -237,6 +237,7 @@ def _assert_close(got: Path, ref: Path) -> None:
 def test_two_ranks_under_torchrun_match_the_single_process_run(runs):
     d, _, _ = runs
     _assert_close(d / "w2", d / "ref")
+    assert main(["verify", str(d / "w2")]) == 0  # the store of a sharded run is an ordinary store
 
 
 @pytest.mark.slow
