@@ -7,8 +7,9 @@ rank ``r`` owns ``[r*S, min((r+1)*S, n))`` of the master weights, Adam's m and v
 that range. Per layer and step:
 
 1. backward: once the layer's gradient is final and copied to its host buffer, the comm thread
-   reduces it over the ranks (gloo has no reduce-scatter, so an all-reduce; each rank then reads
-   its shard) and takes the squared norm of this rank's shard. The layer loop never waits for it.
+   reduce-scatters it over the ranks, so each rank receives the sum of its shard only (gloo gained
+   reduce-scatter in recent torch; where it is missing, an all-reduce, each rank reading its
+   shard), and takes the squared norm of that shard. The layer loop never waits for it.
 2. `finish_step`: one all-reduce of [loss share, sum of squared shard norms] on the training thread
    gives the step's loss and the exact global gradient norm, so clipping is the single-process
    clipping (up to the reduction order).
@@ -81,6 +82,19 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
     return min(rank * per, numel), min((rank + 1) * per, numel), per
 
 
+def _reduce_scatter_fn(dist: object, group: object) -> Callable | None:
+    """torch's reduce-scatter when this build's gloo has it (probed once, alike on every rank), else None."""
+    fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+    if fn is None:
+        return None
+    n = dist.get_world_size(group)
+    try:
+        fn(torch.empty(1), torch.zeros(n), group=group)
+    except (RuntimeError, NotImplementedError):  # "not supported" by this backend: all-reduce instead
+        return None
+    return fn
+
+
 class DataParallel:
     """The collectives of one rank: the comm thread, gradient reductions, sharded updates."""
 
@@ -93,6 +107,19 @@ class DataParallel:
             if s.numel and s.tier != "ram":
                 raise ValueError(f"data parallel runs support the ram tier only, layer {s.layer} is {s.tier!r}")
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-comm")
+        self._scatter = _reduce_scatter_fn(dist, comm_group)
+        # reduce-scatter needs world equal parts: the gradient buffer is padded to world * shard
+        # size (the executor sees its first numel elements), and this rank's summed shard lands in
+        # a buffer of its own
+        self._gpad: dict[int, torch.Tensor] = {}
+        self._gshard: dict[int, torch.Tensor] = {}
+        for s in tiers.layers:
+            if not s.numel:
+                continue
+            per = s.master.numel()
+            pad = torch.zeros(per * world_size, dtype=torch.float32, pin_memory=s.grad.is_pinned())
+            s.grad = pad[: s.numel]
+            self._gpad[s.layer], self._gshard[s.layer] = pad, torch.zeros(per, dtype=torch.float32)
         self._reduced: dict[int, Future[float]] = {}  # layer -> its reduction (squared norm of this rank's shard)
         # bf16 compute: the update writes this rank's compute-dtype shard here, then it is all-gathered
         self._out: dict[int, torch.Tensor] = {}
@@ -117,9 +144,14 @@ class DataParallel:
         s = self.tiers[layer]
         if ready is not None:
             ready.wait()
-        collective(f"layer {layer}'s gradient all-reduce", self.dist.all_reduce, s.grad, group=self.comm_group)
-        lo, hi = s.shard[0], s.shard[1]
-        g = s.grad[lo:hi]
+        lo, hi = s.shard
+        out = self._gshard[layer]
+        if self._scatter is not None:
+            collective(f"layer {layer}'s gradient reduce-scatter", self._scatter, out, self._gpad[layer], group=self.comm_group)
+        else:
+            collective(f"layer {layer}'s gradient all-reduce", self.dist.all_reduce, s.grad, group=self.comm_group)
+            out[: hi - lo].copy_(s.grad[lo:hi])
+        g = out[: hi - lo]
         return float(torch.dot(g, g)) if g.numel() else 0.0
 
     # -- the step ------------------------------------------------------------------------------
@@ -178,7 +210,7 @@ class DataParallel:
         if not k:
             return
         with opt.timeline.span("update", i, step=tstep):
-            adamw_flat_(s.master[:k], s.grad[lo:hi], s.m[:k], s.v[:k], grad_scale=coef, compute_out=self._shard_out(i)[:k],
+            adamw_flat_(s.master[:k], self._gshard[i][:k], s.m[:k], s.v[:k], grad_scale=coef, compute_out=self._shard_out(i)[:k],
                         pool=opt._chunks, impl=opt.host_impl, **hp, **opt._hyper())
 
     def _shard_out(self, i: int) -> torch.Tensor:
