@@ -37,6 +37,8 @@ sequence; the training thread's own collectives use a separate group (`mtc.dist`
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -123,6 +125,7 @@ class DataParallel:
         self._reduced: dict[int, Future[float]] = {}  # layer -> its reduction (squared norm of this rank's shard)
         # bf16 compute: the update writes this rank's compute-dtype shard here, then it is all-gathered
         self._out: dict[int, torch.Tensor] = {}
+        self._in_flight: Future[None] | None = None  # rank 0: the last layer's state writes
 
     # -- the training thread's collectives -----------------------------------------------------
 
@@ -191,7 +194,8 @@ class DataParallel:
             upd = opt._cpu.submit(self._update_shard, opt, i, coef, hp, deps, step, skipped)
             s.update = upd if skipped else self._comm.submit(self._all_gather, i, upd)
             if kinds:
-                s.write = self._comm.submit(self._gather_write, opt, i, upd, kinds, write_generation, prev_commit, step)
+                s.write = Future()
+                self._comm.submit(self._gather_write, opt, i, upd, kinds, write_generation, prev_commit, step, s.write)
                 writes.append(s.write)
         if commit is not None:
             opt.commit_future = opt._writer.submit(opt._commit_when_written, writes, commit, write_generation, step)
@@ -231,22 +235,53 @@ class DataParallel:
         collective(f"layer {i}'s weight all-gather", self.dist.all_gather, parts, self._shard_out(i), group=self.comm_group)
 
     def _gather_write(self, opt: StreamingAdamW, i: int, upd: Future[None], kinds: tuple[str, ...], gen: int,
-                      prev_commit: Future[None], tstep: int) -> None:
-        """Gather layer ``i``'s updated state shards to rank 0, which writes them into ``gen``."""
-        upd.result()
-        s = self.tiers[i]
-        per = s.master.numel()
-        root = self.rank == 0
-        src = {"master": s.master, "m": s.m, "v": s.v}
-        if root:
-            prev_commit.result()  # never overwrite the generation the last durable commit names
-        with opt.timeline.span("write_behind", i, step=tstep):
+                      prev_commit: Future[None], tstep: int, written: Future[None]) -> None:
+        """Gather layer ``i``'s updated state shards to rank 0, which writes them into ``gen`` behind
+        the comm thread's next collectives; ``written`` completes once they are in the store (on
+        the other ranks: once gathered). One layer's writes are in flight at a time, so rank 0
+        holds at most two layers' gathered state."""
+        try:
+            upd.result()
+            s = self.tiers[i]
+            per = s.master.numel()
+            root = self.rank == 0
+            src = {"master": s.master, "m": s.m, "v": s.v}
+            if root:
+                prev_commit.result()  # never overwrite the generation the last durable commit names
+                if self._in_flight is not None:
+                    self._in_flight.result()
+            t0 = time.perf_counter()
+            futs: list[Future[None]] = []
             for k in kinds:
                 full = torch.empty(per * self.world_size, dtype=torch.float32) if root else None
                 parts = [full[r * per : (r + 1) * per] for r in range(self.world_size)] if root else None
                 collective(f"layer {i}'s state gather", self.dist.gather, src[k], parts, dst=0, group=self.comm_group)
                 if root:
-                    opt.store.write_async(state_array_name(i, k, gen), full[: s.numel]).result()
+                    futs.append(opt.store.write_async(state_array_name(i, k, gen), full[: s.numel]))
+        except BaseException as e:
+            written.set_exception(e)
+            raise
+        if not futs:
+            written.set_result(None)
+            return
+        self._in_flight = written
+        left, lock, errors = [len(futs)], threading.Lock(), []
+
+        def one_done(f: Future[None]) -> None:
+            with lock:
+                if f.exception() is not None:
+                    errors.append(f.exception())
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                opt.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
+                if errors:
+                    written.set_exception(errors[0])
+                else:
+                    written.set_result(None)
+
+        for f in futs:
+            f.add_done_callback(one_done)
 
     def close(self) -> None:
         """Finish the collectives started (or let them fail on a dead peer) and stop the comm thread."""
