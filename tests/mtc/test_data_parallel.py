@@ -125,9 +125,13 @@ def test_launch_checks_are_one_line_errors_before_anything_is_written(tmp_path, 
     assert not (tmp_path / "s").exists()
 
 
-def test_placement_check_refuses_tiers_that_are_not_sharded():
+@pytest.fixture(scope="module")
+def program():
     cfg = _config()
-    program = trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
+    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
+
+
+def test_placement_check_refuses_tiers_that_are_not_sharded(program):
     w2 = dist.World(1, 2, 1, 2)
     dist.check_placement(w2, ["ram"] * program.n_layers, set(), program)
     with pytest.raises(ConfigError, match="placement puts layers in disk"):
@@ -144,9 +148,7 @@ def test_placement_check_refuses_tiers_that_are_not_sharded():
         dist.data_parallel_placement(w2, _config(placement="disk"), ["disk"] * program.n_layers, set(), program)
 
 
-def test_sharded_tiers_hold_this_ranks_range_and_the_whole_compute_copy():
-    cfg = _config()
-    program = trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
+def test_sharded_tiers_hold_this_ranks_range_and_the_whole_compute_copy(program):
     world = 3
     for rank in range(world):
         tiers = StateTiers(program, ["ram"] * program.n_layers, torch.device("cpu"), torch.float32, rank=rank, world_size=world)
