@@ -256,16 +256,25 @@ def agree(flag: bool) -> bool:
     return bool(t.item())
 
 
-def check_same_start(world: World, step: int, generation: int) -> None:
+def check_same_start(world: World, step: int, generation: int, data: dict | None = None) -> None:
     """Every rank must start from rank 0's commit (a shared filesystem may show a node a stale
-    ``commit.json``): compare each rank's (step, generation) with rank 0's; a mismatch is a StoreError."""
+    ``commit.json``) and read the same data (each host opens its own copy of the token file):
+    compare each rank's (step, generation, data digest) with rank 0's; a mismatch is a one-line error."""
     if not world.distributed:
         return
-    from mtc.errors import StoreError
+    import hashlib
+    import json
+
+    from mtc.errors import DataError, StoreError
     from mtc.runtime.collectives import collective
 
-    t = torch.tensor([step, generation], dtype=torch.int64)
+    same = {k: v for k, v in (data or {}).items() if k != "path"}  # the path may differ between hosts
+    digest = int.from_bytes(hashlib.sha256(json.dumps(same, sort_keys=True).encode()).digest()[:7], "little")
+    t = torch.tensor([step, generation, digest], dtype=torch.int64)
     collective("the start check", torch.distributed.broadcast, t, src=0, group=groups().sync)
+    if int(t[2]) != digest:
+        raise DataError(f"rank {world.rank} reads other data than rank 0 ({(data or {}).get('path')}: size or content "
+                        "differ): every host must have the same token file; copy rank 0's and relaunch")
     if (int(t[0]), int(t[1])) != (step, generation):
         raise StoreError(f"rank {world.rank} sees the store's last commit at step {step} (generation {generation}) but rank 0 "
                          f"starts from step {int(t[0])} (generation {int(t[1])}): the store directory must be the same "

@@ -488,7 +488,7 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if world.distributed:
-            _dist.check_same_start(world, last.step, last.generation)
+            _dist.check_same_start(world, last.step, last.generation, tokens.identity())
             _dist.attach(eng, tiers, world)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
