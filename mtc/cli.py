@@ -36,6 +36,7 @@ _TRAIN_FLAGS = (
     "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
+    "dist_timeout_s",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -113,6 +114,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
+    world = _train_world(cfg, a.store)
+    if not world.is_root:
+        return _cmd_train_rank(a, cfg, tokens)
     allow = tuple(f.strip() for f in (a.allow_change or "").split(",") if f.strip())
     run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow, init_from=a.init_from)
     start = run.start_step
@@ -155,6 +159,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             sink.close()
+        if world.distributed:
+            from mtc import dist
+
+            dist.shutdown_world()
     bar.close()
     res.store.close()
     if res.losses:
@@ -163,6 +171,32 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print(line)
     if watch is not None and watch.summary():
         print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary()))
+    return 0
+
+
+def _train_world(cfg: object, store: str) -> object:
+    """Join torchrun's process group (nothing without torchrun) and check the run can be split."""
+    from mtc import dist
+
+    dist.check_launch(cfg, dist.current_world(), store)  # before joining: every rank would refuse alike
+    return dist.init_world(cfg.device, cfg.dist_timeout_s)
+
+
+def _cmd_train_rank(a: argparse.Namespace, cfg: object, tokens: object) -> int:
+    """`mtc train` on a data-parallel rank other than 0: train quietly beside rank 0 (which reports)."""
+    from mtc import dist
+    from mtc.train import last_committed_step, train
+
+    try:
+        start = last_committed_step(a.store)
+        if start is not None and start >= cfg.steps and not a.overwrite:
+            return 0  # rank 0 says so
+        res = train(cfg, a.store, tokens, stop_after=a.stop_after)
+        res.store.close()
+    except (KeyboardInterrupt, _Terminated) as e:
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        dist.shutdown_world()
     return 0
 
 

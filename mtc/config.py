@@ -234,6 +234,9 @@ class TrainConfig:
     # layer call); a graph that cannot be captured runs eagerly and the run says why.
     cuda_graphs: str = field("auto", choices=("auto", "off"),
                              help="replay compiled layers as CUDA graphs: auto (fused plans on CUDA) or off")
+    # torchrun launches: every collective gives up after this long, so a dead rank stops the others
+    dist_timeout_s: float = field(60.0, gt=0, help="data-parallel runs: seconds a collective waits for the other ranks "
+                                  "before the run fails")
 
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""

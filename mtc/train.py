@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mtc import changes as _changes
+from mtc import dist as _dist
 from mtc import user_model
 from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
@@ -160,7 +161,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs")
+                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -368,8 +369,12 @@ def last_committed_step(store_dir: str | Path) -> int | None:
 class _Loader:
     """Samples the next step's micro-batches on its own thread while the current step runs."""
 
-    def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool) -> None:
+    def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool, *, offset: int = 0,
+                 stride: int | None = None) -> None:
+        # data parallel: this rank's micro-batches are [offset, offset + grad_accum) of each step's
+        # `stride` (the global grad_accum), so the ranks split the global batch contiguously
         self.sampler, self.n, self.pin = sampler, grad_accum, pin
+        self.offset, self.stride = offset, stride if stride is not None else grad_accum
         self._q: queue.Queue = queue.Queue(maxsize=2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(start,), name="mtc-loader", daemon=True)
@@ -378,7 +383,7 @@ class _Loader:
     def _run(self, cursor: int) -> None:
         while not self._stop.is_set():
             try:
-                mbs = [self.sampler.batch(cursor + j) for j in range(self.n)]
+                mbs = [self.sampler.batch(cursor + self.offset + j) for j in range(self.n)]
                 if self.pin:
                     mbs = [(i.pin_memory(), t.pin_memory()) for i, t in mbs]
                 item: object = mbs
@@ -392,7 +397,7 @@ class _Loader:
                     continue
             if isinstance(item, BaseException):
                 return
-            cursor += self.n
+            cursor += self.stride
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The next step's micro-batches."""
@@ -434,7 +439,11 @@ def train(
     ``watch`` compares each step's stages with the run's plan and may notify once (a slow disk).
     """
     t0 = time.perf_counter()
+    _dist.check_launch(cfg, _dist.current_world(), store_dir)  # before joining the other ranks
+    world = _dist.init_world(cfg.device, cfg.dist_timeout_s)  # one rank without torchrun: nothing happens
     tokens = data if isinstance(data, (TokenFile, BatchSource)) else TokenFile.open(data)
+    if not world.is_root and run is None:  # the other ranks open rank 0's store once it holds the start state
+        run = _dist.open_follower(cfg, store_dir)
     run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
                                                allow_change=allow_change, init_from=init_from)
     st, program = run.store, run.program
@@ -447,26 +456,29 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
+        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
                                      disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
-                           spill_grads=spill)
+                           spill_grads=spill, rank=world.rank, world_size=world.world_size)
         durable = cfg.durability != "none"
         tiers.create_arrays(st, cfg.durability)
         if run.last is None:  # a new run: initial state from the model, committed as step 0
             _init_state(st, tiers, program, run.params, cfg.durability)
             last = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
                                 time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
-            if durable:
+            if durable and world.is_root:
                 st.commit(last)
         else:
             last = run.last
             tiers.load(st, last.generation, last.config.get("durability", "full"))
         run.params = None  # the tiers hold the state now
+        if world.is_root:
+            _dist.root_ready(world)  # the other ranks may read the start state from the store now
         metrics = None
-        if st.path is not None:
+        if st.path is not None and world.is_root:
             logs = st.path / "logs"
             logs.mkdir(exist_ok=True)
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
@@ -482,7 +494,7 @@ def train(
         else:
             sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         compile_s = time.perf_counter()
-        compiled = _compile(cfg, program, st)
+        compiled = _compile(cfg, program, st, private=not world.is_root)
         compile_s = time.perf_counter() - compile_s
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -490,6 +502,9 @@ def train(
             runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
                                     log=notify)
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
+        if world.distributed:
+            _dist.check_same_start(world, last.step, last.generation, tokens.identity())
+            _dist.attach(eng, tiers, world)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
         disk_layers = any(t == "disk" for t in placement)
@@ -497,12 +512,15 @@ def train(
         opt.disk_generation = last.generation
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
+        if world.distributed:  # the commit records which world wrote it (any world size resumes it)
+            meta["world_size"] = world.world_size
         if run.changes:  # what --allow-change let differ, recorded in every later commit
             meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()
-        loader = _Loader(sampler, cfg.grad_accum, cursor, pin=device.type == "cuda")
+        local = cfg.grad_accum // world.world_size
+        loader = _Loader(sampler, local, cursor, pin=device.type == "cuda", offset=world.rank * local, stride=cfg.grad_accum)
         parts.append(loader)
         losses: list[float] = []
         records: list[StepRecord] = []
@@ -518,10 +536,12 @@ def train(
             out = executor.run_step(mbs, opt)
             next_step, next_cursor = step + 1, cursor + cfg.grad_accum
             commit_now = durable and (next_step == end or (next_step % every == 0 if every else pacer.due(opt.commit_future)))
+            if world.distributed and not every:  # paced by rank 0's timing: every rank must commit alike
+                commit_now = _dist.agree(commit_now)
             commit_fn = None
-            if commit_now:
-                commit_fn = _committer(st, next_step, next_cursor, cfg, meta)
-            if st.path is not None and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
+            if commit_now:  # in a data-parallel run rank 0 writes the store and its commit records
+                commit_fn = _committer(st, next_step, next_cursor, cfg, meta) if world.is_root else _no_commit
+            if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
                 gens = ({1 - committed_gen} if commit_now else set()) | ({1 - opt.disk_generation} if disk_layers else set())
                 for g in sorted(gens):
                     record_write_start(st.path, next_step, g)
@@ -543,7 +563,7 @@ def train(
                 msg = watch.after_step(timeline, step - 2, step - 1 - last.step)
                 if msg is not None and notify is not None:
                     notify(msg)
-            if metrics is not None:
+            if metrics is not None:  # rank 0's only
                 metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
                 metrics.flush()
             if on_step is not None:
@@ -652,6 +672,10 @@ class _CommitPacer:
         return fut.done() and time.perf_counter() - self._start >= 20 * self._took
 
 
+def _no_commit(gen: int) -> None:
+    """A data-parallel rank other than 0 writes no commit record (rank 0 writes the one record)."""
+
+
 def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: dict) -> Callable[[int], None]:
     rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
     config = cfg.to_dict()
@@ -663,13 +687,20 @@ def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: 
     return commit
 
 
-def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
-    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore, *, private: bool = False) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None.
+    ``private``: a data-parallel rank other than 0 compiles into its own copy of that cache (rank 0
+    may be writing it at the same time)."""
     if not cfg.fused:
         return None
     from mtc.compiler import compile_program
 
     cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+    if private and st.path is not None:
+        own = Path(tempfile.mkdtemp(prefix="mtc-kernels-rank-"))
+        if cache.is_dir():
+            shutil.copytree(cache, own, dirs_exist_ok=True)
+        cache = own
     return compile_program(program, cache)
 
 

@@ -152,6 +152,8 @@ class StreamingExecutor:
                 bind(self.stable_buffer)
         self.live_weights: weakref.WeakSet[LayerWeights] = weakref.WeakSet()
         self.on_visit = on_visit  # test hook: called as (phase, layer) after each layer's group visit
+        # data parallel: maps this rank's target count to the global one (the loss is normalised by it)
+        self.reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None
         for name in program.batch:
             if name not in ("ids", "targets"):
                 raise PlanError(f"unexpected batch input {name!r} in the plan")
@@ -317,7 +319,7 @@ class StreamingExecutor:
         visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
         # counted on the device from the targets already copied there: no host synchronisation
         counts = torch.stack([(b["targets"] != IGNORE_INDEX).sum() for b in g.batches]).to(torch.float32)
-        total = counts.sum()
+        total = counts.sum() if self.reduce_count is None else self.reduce_count(counts.sum())
         scales = counts / total.clamp_min(1.0)  # no target at all: zero gradients, and a NaN loss skips the step
         fut: Future[LayerWeights] | None = self._start_fetch(visits[0][1])
         try:

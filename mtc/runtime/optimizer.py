@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from mtc.runtime.tiers import StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
 from mtc.store import TensorStore, state_array_name
+
+if TYPE_CHECKING:
+    from mtc.runtime.collectives import DataParallel
 
 __all__ = ["StepStats", "StreamingAdamW"]
 
@@ -82,12 +86,16 @@ class StreamingAdamW:
         store: TensorStore | None = None,
         durability: str = "full",
         disk_slots: int = 3,
+        dp: DataParallel | None = None,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
         self.device = tiers.device
         self.gpu_update = {i for i in (gpu_update or set()) if tiers[i].tier == "ram" and tiers[i].numel}
-        self.threads = threads if threads > 0 else (os.cpu_count() or 1)
+        # the cores this process may use: a rank of a data-parallel run has its share of the host's
+        self.threads = threads if threads > 0 else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                    else os.cpu_count() or 1)
+        self.dp = dp  # data parallel: gradients reduced over the ranks, this rank's shards updated
         # one dispatcher per engine keeps updates in forward order; chunks fan out over `_chunks`
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-adamw")
         self._gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-gpu-adamw")
@@ -135,6 +143,8 @@ class StreamingAdamW:
     def grad_final(self, layer: int, norms: torch.Tensor) -> None:
         """The executor's report: ``layer``'s gradient is complete, with these per-parameter norms."""
         self._norms[layer] = norms
+        if self.dp is not None:
+            self.dp.grad_final(layer)
 
     def finish_step(
         self,
@@ -149,6 +159,8 @@ class StreamingAdamW:
         ``write_generation`` after its update, then ``commit(write_generation)`` runs on the
         commit thread once all are on disk.
         """
+        if self.dp is not None:
+            return self.dp.finish_step(self, loss, commit=commit, write_generation=write_generation)
         owners = [i for i in range(self.program.n_layers) if self.tiers[i].numel]
         missing = [i for i in owners if i not in self._norms]
         if missing:
@@ -383,6 +395,8 @@ class StreamingAdamW:
         """Stop the worker threads (after finishing what was started)."""
         for pool in (self._cpu, self._gpu, self._writer, self._chunks):
             pool.shutdown(wait=True)
+        if self.dp is not None:
+            self.dp.close()
         if self.disk is not None:
             self.disk.close()
         if self.tiers.spill is not None:

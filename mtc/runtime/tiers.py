@@ -69,6 +69,10 @@ class LayerState:
     update: Future[None] | None = None  # this step's update (the next fetch waits for it)
     write: Future[None] | None = None  # write-behind in flight (the next update waits for it)
     staging: list[torch.Tensor] | None = None  # gpu tier: pinned host copies for write-behind
+    # data parallel: the range [lo, hi) of the flat state this rank owns; master, m and v then hold
+    # only it (padded to the common shard size), `compute` the whole layer (all-gathered), `grad`
+    # the whole layer's gradient (reduced over the ranks); see mtc.runtime.collectives
+    shard: tuple[int, int] | None = None
 
 
 class StateTiers:
@@ -77,7 +81,8 @@ class StateTiers:
     disk_chunk_numel = DISK_CHUNK_NUMEL  # elements per disk-tier array chunk (the store's and the update's)
 
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
-                 streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False) -> None:
+                 streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False, rank: int = 0,
+                 world_size: int = 1) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         if disk_compute not in DISK_COMPUTE:
@@ -91,6 +96,7 @@ class StateTiers:
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
+        self.rank, self.world_size = rank, world_size  # > 1: ram layers keep only this rank's shard of master, m, v
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
@@ -108,6 +114,8 @@ class StateTiers:
             compute = master if fp32_compute else torch.zeros(n, dtype=self.compute_dtype, device=self.device)
             grad = torch.zeros_like(master)
             return LayerState(i, tier, n, nd, master, m, v, compute, grad)
+        if tier == "ram" and self.world_size > 1:
+            return self._allocate_shard(i, n, nd)
         if tier == "ram":
             # the master itself is the PCIe source in fp32 compute, so it is the pinned buffer then
             streamed = i in self.streamed
@@ -119,6 +127,14 @@ class StateTiers:
         compute = self._host(n, self.compute_dtype, pinned=True) if self.disk_compute == "ram" else None
         grad = None if self.spill_grads else torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
         return LayerState(i, tier, n, nd, None, None, None, compute, grad)
+
+    def _allocate_shard(self, i: int, n: int, nd: int) -> LayerState:
+        """A ram layer of a data-parallel run: this rank's shard of the state, the whole compute copy."""
+        per = -(-n // self.world_size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        master, m, v = (self._host(per, STATE_DTYPE, pinned=False) for _ in range(3))
+        compute = self._host(per * self.world_size, self.compute_dtype, pinned=True)  # every rank's shard, padded
+        return LayerState(i, "ram", n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True), shard=(lo, hi))
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -139,6 +155,14 @@ class StateTiers:
         if s.tier == "disk":
             if s.compute is not None:
                 s.compute.copy_(master)
+            return
+        if s.shard is not None:  # data parallel: this rank's range of the state, the whole compute copy
+            lo, hi = s.shard
+            for dst, src in ((s.master, master), (s.m, m), (s.v, v)):
+                dst.zero_()
+                if src is not None:
+                    dst[: hi - lo].copy_(src[lo:hi])
+            s.compute[: s.numel].copy_(master)
             return
         s.master.copy_(master)
         for dst, src in ((s.m, m), (s.v, v)):

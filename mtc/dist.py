@@ -1,0 +1,281 @@
+"""The distributed world: which rank this process is, its process groups, and its share of the host.
+
+``torchrun --nproc-per-node N -m mtc train ...`` starts N copies of the trainer with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set.
+`init_world` reads them, creates the process group (gloo for host tensors; NCCL as well for CUDA
+tensors on a CUDA run) with a timeout, so that when one rank dies the others fail their next
+collective and exit non-zero instead of hanging, and splits the host's CPU cores between the ranks
+of one host (affinity and torch's thread count), so the host-side AdamW of N ranks does not
+oversubscribe the cores.
+
+Without torchrun (no ``WORLD_SIZE``, or 1) the world has one rank, no process group is created and
+nothing here costs anything: the trainer runs today's single-process path.
+
+Process groups. Collectives are issued from two threads, each with a fixed order that is the same
+on every rank: the training thread (the step's target count, loss and squared norms: ``sync``)
+and the data-parallel comm thread (gradient reductions, all-gathers, state gathers: ``comm``,
+see `mtc.runtime.collectives`). One group per thread: two threads must never interleave
+collectives on one group, or ranks could pair different operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Mapping
+
+import torch
+
+from mtc.errors import ConfigError
+
+__all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
+           "data_parallel_placement", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class World:
+    """This process's place among the ranks of a run (one rank, world size 1, without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one rank takes part (a process group exists once `init_world` ran)."""
+        return self.world_size > 1
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0: the one that writes the store, its commit records and the run's logs."""
+        return self.rank == 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Groups:
+    sync: object  # the training thread's collectives
+    comm: object  # the comm thread's collectives
+    startup: object  # the wait for rank 0's store (long timeout: it may write step 0 of a large model)
+
+
+_GROUPS: _Groups | None = None
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r} is not an integer; launch with torchrun, which sets it") from None
+
+
+def world_from_env(env: Mapping[str, str] | None = None) -> World:
+    """The `World` torchrun's environment variables describe (world size 1 when they are absent)."""
+    env = os.environ if env is None else env
+    size = _env_int(env, "WORLD_SIZE", 1)
+    rank = _env_int(env, "RANK", 0)
+    local_rank = _env_int(env, "LOCAL_RANK", rank if size > 1 else 0)
+    local_size = _env_int(env, "LOCAL_WORLD_SIZE", size)
+    if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size or local_size > size:
+        raise ConfigError(f"inconsistent launch environment: RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local_rank} "
+                          f"LOCAL_WORLD_SIZE={local_size}; launch with `torchrun --nproc-per-node N -m mtc train ...`")
+    return World(rank, size, local_rank, local_size)
+
+
+def current_world() -> World:
+    """This process's `World`, from the environment (one rank when not launched by torchrun)."""
+    return world_from_env()
+
+
+def cpu_share(cpus: list[int], local_rank: int, local_world_size: int) -> list[int]:
+    """The cores of ``cpus`` that rank ``local_rank`` of ``local_world_size`` ranks on a host gets:
+    contiguous equal blocks (neighbouring cores share caches); with more ranks than cores each rank
+    gets one core, shared round-robin."""
+    cpus = sorted(cpus)
+    if not cpus:
+        return []
+    if local_world_size >= len(cpus):
+        return [cpus[local_rank % len(cpus)]]
+    per, extra = divmod(len(cpus), local_world_size)
+    lo = local_rank * per + min(local_rank, extra)
+    return cpus[lo : lo + per + (1 if local_rank < extra else 0)]
+
+
+def _pin_cpus(world: World) -> None:
+    """Restrict this rank to its share of the host's cores and size torch's thread pool to it."""
+    if world.local_world_size <= 1 or not hasattr(os, "sched_getaffinity"):
+        return
+    share = cpu_share(list(os.sched_getaffinity(0)), world.local_rank, world.local_world_size)
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
+    """Join the process group torchrun described (idempotent) and take this rank's share of the host.
+
+    World size 1 returns at once: no process group, no affinity change. ``timeout_s`` bounds every
+    collective, so a rank whose peer died raises within it (gloo usually notices the closed
+    connection at once). On CUDA each rank computes on GPU ``LOCAL_RANK``.
+    """
+    global _GROUPS
+    world = current_world()
+    if not world.distributed or _GROUPS is not None:
+        return world
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        if torch.cuda.device_count() <= world.local_rank:
+            raise ConfigError(f"rank {world.rank} has local rank {world.local_rank} but this host shows "
+                              f"{torch.cuda.device_count()} GPUs; start at most that many ranks per host (--nproc-per-node)")
+        torch.cuda.set_device(world.local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        # host tensors (ram-tier gradients and state) go over gloo; device tensors over NCCL
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
+    _GROUPS = _Groups(
+        sync=dist.new_group(backend="gloo", timeout=timeout),
+        comm=dist.new_group(backend="gloo", timeout=timeout),
+        startup=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)),
+    )
+    _pin_cpus(world)
+    return world
+
+
+def groups() -> _Groups:
+    """The process groups `init_world` made (raises when it has not run)."""
+    if _GROUPS is None:
+        raise RuntimeError("init_world() has not created the process groups")
+    return _GROUPS
+
+
+def shutdown_world() -> None:
+    """Leave the process group (at the end of a distributed run; nothing for one rank)."""
+    global _GROUPS
+    if _GROUPS is None:
+        return
+    import torch.distributed as dist
+
+    _GROUPS = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the trainer's data-parallel set-up (called by mtc.train) ---------------------------------
+
+
+def check_launch(cfg: object, world: World, store_dir: object) -> None:
+    """Refuse, before anything is written, a configuration a data-parallel run cannot take."""
+    if not world.distributed:
+        return
+    if cfg.grad_accum % world.world_size:
+        ok = max(world.world_size, cfg.grad_accum // world.world_size * world.world_size)
+        raise ConfigError(f"config field grad_accum: the step's micro-batches are split evenly over the {world.world_size} "
+                          f"ranks, so it must be a multiple of the world size, got {cfg.grad_accum}; use e.g. grad_accum = {ok} "
+                          f"(the global batch is grad_accum x micro_batch_size sequences)")
+    if store_dir is None:
+        raise ConfigError("a data-parallel run needs a store directory (rank 0 writes it, the others read their start state from it)")
+    if cfg.durability == "none":
+        raise ConfigError("durability 'none' cannot run on several ranks: the other ranks read the start state from rank 0's "
+                          "step-0 commit; use durability 'weights' or 'full'")
+
+
+def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
+                            program: object) -> tuple[list[str], set[int]]:
+    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM,
+    updated by the CPU; an explicit one must do so too (`check_placement`). One rank: unchanged."""
+    if not world.distributed:
+        return placement, gpu_update
+    if cfg.placement.strip() == "auto":
+        placement = ["ram"] * len(placement)
+    if cfg.gpu_update.strip() == "auto":
+        gpu_update = set()
+    check_placement(world, placement, gpu_update, program)
+    return placement, gpu_update
+
+
+def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object) -> None:
+    """Data-parallel runs shard ram-tier state only (for now): refuse gpu and disk tiers and GPU updates."""
+    if not world.distributed:
+        return
+    other = sorted({t for i, t in enumerate(placement) if t != "ram" and program.layer_numel(i)})
+    if other or gpu_update:
+        what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
+        raise ConfigError(f"a data-parallel run keeps every layer's state sharded in host RAM, but the {what}; pass "
+                          "--placement ram and --gpu-update none (gpu and disk tiers are not sharded yet)")
+
+
+def open_follower(cfg: object, store_dir: object) -> object:
+    """A rank other than 0: wait until rank 0's store holds the start state, then open it read-only."""
+    from pathlib import Path
+
+    from mtc.errors import StoreError
+    from mtc.plan import load_plan
+    from mtc.runtime.collectives import collective
+    from mtc.store import TensorStore
+    from mtc.train import Run
+
+    collective("waiting for rank 0's store", torch.distributed.barrier, group=groups().startup)  # matched by root_ready
+    path = Path(store_dir)
+    store = TensorStore.open(path, io_threads=cfg.io_threads, read_only=True)
+    last = store.last_commit()
+    if last is None:
+        store.close()
+        raise StoreError(f"store {path} has no commit after rank 0 set it up; see rank 0's error")
+    return Run(store, load_plan(path / "plan"), last, None)
+
+
+def root_ready(world: World) -> None:
+    """Rank 0: the store holds the start state (step 0 committed, or the commit resumed from)."""
+    if world.distributed:
+        from mtc.runtime.collectives import collective
+
+        collective("the start barrier", torch.distributed.barrier, group=groups().startup)
+
+
+def attach(engine: object, tiers: object, world: World) -> None:
+    """Wire the data-parallel collectives into a built engine (optimizer and executor hooks)."""
+    from mtc.runtime.collectives import DataParallel
+
+    g = groups()
+    dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm)
+    engine.optimizer.dp = dp
+    engine.executor.reduce_count = dp.reduce_count
+
+
+def agree(flag: bool) -> bool:
+    """Rank 0's ``flag``, on every rank (a decision taken from rank 0's timing)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    from mtc.runtime.collectives import collective
+
+    collective("the commit decision", torch.distributed.broadcast, t, src=0, group=groups().sync)
+    return bool(t.item())
+
+
+def check_same_start(world: World, step: int, generation: int, data: dict | None = None) -> None:
+    """Every rank must start from rank 0's commit (a shared filesystem may show a node a stale
+    ``commit.json``) and read the same data (each host opens its own copy of the token file):
+    compare each rank's (step, generation, data digest) with rank 0's; a mismatch is a one-line error."""
+    if not world.distributed:
+        return
+    import hashlib
+    import json
+
+    from mtc.errors import DataError, StoreError
+    from mtc.runtime.collectives import collective
+
+    same = {k: v for k, v in (data or {}).items() if k != "path"}  # the path may differ between hosts
+    digest = int.from_bytes(hashlib.sha256(json.dumps(same, sort_keys=True).encode()).digest()[:7], "little")
+    t = torch.tensor([step, generation, digest], dtype=torch.int64)
+    collective("the start check", torch.distributed.broadcast, t, src=0, group=groups().sync)
+    if int(t[2]) != digest:
+        raise DataError(f"rank {world.rank} reads other data than rank 0 ({(data or {}).get('path')}: size or content "
+                        "differ): every host must have the same token file; copy rank 0's and relaunch")
+    if (int(t[0]), int(t[1])) != (step, generation):
+        raise StoreError(f"rank {world.rank} sees the store's last commit at step {step} (generation {generation}) but rank 0 "
+                         f"starts from step {int(t[0])} (generation {int(t[1])}): the store directory must be the same "
+                         "shared directory, fully visible on every node; check the mount and relaunch")

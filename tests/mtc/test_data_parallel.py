@@ -1,0 +1,300 @@
+"""Data-parallel training over torch.distributed (issue 13): launch, data split, sharded state.
+
+The multi-process tests start real ranks on this host over gloo (torchrun, or the ranks launched
+directly with torchrun's environment) and compare them with the single-process run of the same
+config and global batch: the fp32 contract, to 1e-5 (the reduction order differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mtc.store import TensorStore, state_array_name
+
+from mtc import dist
+from mtc.cli import main
+from mtc.errors import ConfigError
+from mtc.plan import load_plan
+from mtc.runtime.collectives import shard_range
+from mtc.runtime.tiers import StateTiers
+from mtc.tracer import trace
+from mtc.train import build_model, train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def _config(**kw: object):
+    # grad_accum 6: 3 micro-batches per rank at world 2, 2 at world 3 (accumulation within a rank)
+    base = {"steps": STEPS, "commit_every": 1, "grad_accum": 6, "placement": "ram", "gpu_update": "none", "kernels": "unfused"}
+    base.update(kw)
+    return small_config(**base)
+
+
+# -- the world and its share of the host (fast) -------------------------------------------------
+
+
+def test_world_from_env_defaults_to_one_rank_and_reads_torchrun():
+    assert dist.world_from_env({}) == dist.World(0, 1, 0, 1)
+    assert not dist.world_from_env({}).distributed
+    w = dist.world_from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.is_root) == (5, 8, 1, 4, False)
+    with pytest.raises(ConfigError, match="torchrun"):
+        dist.world_from_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="not an integer"):
+        dist.world_from_env({"WORLD_SIZE": "two"})
+
+
+@pytest.mark.parametrize("env", [{}, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}])
+def test_one_rank_creates_no_process_group(monkeypatch, env):
+    """Without torchrun, or torchrun with one process: today's path, no group, no affinity change."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    before = os.sched_getaffinity(0)
+    assert dist.init_world("cpu", 5) == dist.World()
+    assert not torch.distributed.is_initialized()
+    assert os.sched_getaffinity(0) == before
+
+
+def test_ranks_on_one_host_take_their_share_of_its_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        dist._pin_cpus(dist.World(1, 2, 1, 2))
+        share = dist.cpu_share(cores, 1, 2)
+        assert sorted(os.sched_getaffinity(0)) == share and torch.get_num_threads() == len(share)
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("cpus", "ranks"), [(16, 4), (16, 3), (7, 2), (2, 3), (1, 1)])
+def test_cpu_share_splits_the_host_without_overlap(cpus, ranks):
+    shares = [dist.cpu_share(list(range(cpus)), r, ranks) for r in range(ranks)]
+    assert all(shares)
+    if ranks <= cpus:  # disjoint, contiguous, covering every core, sizes within one
+        assert sorted(c for s in shares for c in s) == list(range(cpus))
+        assert all(s == list(range(s[0], s[-1] + 1)) for s in shares)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:
+        assert all(len(s) == 1 for s in shares)
+
+
+@pytest.mark.parametrize(("numel", "world"), [(10, 3), (9, 3), (1, 4), (0, 2), (7, 1)])
+def test_shard_range_covers_the_layer_once(numel, world):
+    ranges = [shard_range(numel, r, world) for r in range(world)]
+    assert all(per == -(-numel // world) for _, _, per in ranges)
+    covered = [i for lo, hi, _ in ranges for i in range(lo, hi)]
+    assert covered == list(range(numel))
+
+
+# -- refusals before anything is written (fast) -------------------------------------------------
+
+
+def test_launch_checks_are_one_line_errors_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    w2 = dist.World(0, 2, 0, 2)
+    with pytest.raises(ConfigError, match="multiple of the world size, got 3; use e.g. grad_accum = 2"):
+        dist.check_launch(_config(grad_accum=3), w2, tmp_path)
+    with pytest.raises(ConfigError, match="durability 'none'"):
+        dist.check_launch(_config(durability="none"), w2, tmp_path)
+    with pytest.raises(ConfigError, match="needs a store directory"):
+        dist.check_launch(_config(), w2, None)
+    dist.check_launch(_config(grad_accum=3), dist.World(), None)  # one rank: anything goes
+    # through the CLI under torchrun's environment: exit 2, one line, no store, no rendezvous
+    tokens = skewed_tokens(tmp_path / "tok.bin", n=4000)
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(_config(grad_accum=3).to_dict()))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    code = main(["train", "--config", str(cfg_file), "--store", str(tmp_path / "s"), "--data", str(tokens.path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("mtc: error: config field grad_accum")
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.fixture(scope="module")
+def program():
+    cfg = _config()
+    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
+
+
+def test_placement_check_refuses_tiers_that_are_not_sharded(program):
+    w2 = dist.World(1, 2, 1, 2)
+    dist.check_placement(w2, ["ram"] * program.n_layers, set(), program)
+    with pytest.raises(ConfigError, match="placement puts layers in disk"):
+        dist.check_placement(w2, ["ram"] * (program.n_layers - 1) + ["disk"], set(), program)
+    with pytest.raises(ConfigError, match="gpu_update names layers"):
+        dist.check_placement(w2, ["ram"] * program.n_layers, {1}, program)
+    dist.check_placement(dist.World(), ["disk"] * program.n_layers, set(), program)
+    # auto placement on several ranks: every layer sharded in host RAM, updated by the CPU
+    auto = _config(placement="auto", gpu_update="auto")
+    got = dist.data_parallel_placement(w2, auto, ["gpu"] * program.n_layers, {1}, program)
+    assert got == (["ram"] * program.n_layers, set())
+    assert dist.data_parallel_placement(dist.World(), auto, ["gpu"], {0}, program) == (["gpu"], {0})
+    with pytest.raises(ConfigError, match="--placement ram"):
+        dist.data_parallel_placement(w2, _config(placement="disk"), ["disk"] * program.n_layers, set(), program)
+
+
+def test_sharded_tiers_hold_this_ranks_range_and_the_whole_compute_copy(program):
+    world = 3
+    for rank in range(world):
+        tiers = StateTiers(program, ["ram"] * program.n_layers, torch.device("cpu"), torch.float32, rank=rank, world_size=world)
+        for s in tiers.layers:
+            if not s.numel:
+                continue
+            lo, hi, per = shard_range(s.numel, rank, world)
+            full = torch.randn(s.numel)
+            m, v = torch.randn(s.numel), torch.rand(s.numel)
+            tiers.set_layer(s.layer, full, m, v)
+            assert s.shard == (lo, hi) and s.master.numel() == per and s.grad.numel() == s.numel
+            assert torch.equal(s.master[: hi - lo], full[lo:hi]) and torch.equal(s.v[: hi - lo], v[lo:hi])
+            assert not s.master[hi - lo :].any()  # padding stays zero
+            assert torch.equal(s.compute[: s.numel], full) and s.compute is not s.master
+
+
+# -- real ranks over gloo (slow) ---------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+                OMP_NUM_THREADS="1")
+
+
+def _train_args(cfg_file: Path, store: Path, data: Path) -> list[str]:
+    return ["-m", "mtc", "train", "--config", str(cfg_file), "--store", str(store), "--data", str(data)]
+
+
+def _torchrun(n: int, cfg_file: Path, store: Path, data: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), *_train_args(cfg_file, store, data)]
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+
+
+def _launch(n: int, cfg_file: Path, store: Path, data: Path) -> list[subprocess.Popen]:
+    """``n`` ranks started directly with torchrun's environment (no agent that would kill the survivors)."""
+    port, procs = _free_port(), []
+    for r in range(n):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
+                   LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
+        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, store, data)], env=env, cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _state(store: Path) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Every state array of the last commit, and the logged losses and gradient norms per step."""
+    with TensorStore.open(store, read_only=True) as st:
+        last = st.last_commit()
+        assert last.step == STEPS
+        program = load_plan(store / "plan")
+        arrays = {f"{i}.{k}": st.read(state_array_name(i, k, last.generation))
+                  for i in range(program.n_layers) if program.layer_numel(i) for k in ("master", "m", "v")}
+    recs = [json.loads(line) for line in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return arrays, [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process reference (in this process) and a 2-rank torchrun run of the same config."""
+    d = tmp_path_factory.mktemp("dp")
+    tokens = skewed_tokens(d / "tok.bin")
+    cfg = _config()
+    cfg_file = d / "run.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    res = train(cfg, d / "ref", tokens)
+    res.store.close()
+    two = _torchrun(2, cfg_file, d / "w2", tokens.path)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    return d, tokens, cfg_file
+
+
+def _assert_close(got: Path, ref: Path) -> None:
+    (a, la, na), (b, lb, nb) = _state(got), _state(ref)
+    assert max(na) > _config().optim.clip_norm  # clipping took part
+    assert la == pytest.approx(lb, abs=1e-5, rel=1e-5) and na == pytest.approx(nb, abs=1e-5, rel=1e-5)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_match_the_single_process_run(runs):
+    d, _, _ = runs
+    _assert_close(d / "w2", d / "ref")
+    assert main(["verify", str(d / "w2")]) == 0  # the store of a sharded run is an ordinary store
+
+
+@pytest.mark.slow
+def test_three_ranks_match_the_single_process_run(runs):
+    d, tokens, cfg_file = runs
+    procs = _launch(3, cfg_file, d / "w3", tokens.path)
+    for p in procs:
+        assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    _assert_close(d / "w3", d / "ref")
+
+
+@pytest.mark.slow
+def test_one_rank_under_torchrun_is_the_plain_run(runs):
+    d, tokens, cfg_file = runs
+    one = _torchrun(1, cfg_file, d / "w1", tokens.path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (a, la, _), (b, lb, _) = _state(d / "w1"), _state(d / "ref")
+    assert la == lb and all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_stops_the_others_and_a_relaunch_resumes_bit_identically(runs):
+    """Kill -9 of a rank mid-run: the survivor exits non-zero within 60 s with one error line; the
+    same launch resumes bit-identically, and one process resumes the same store to 1e-5."""
+    d, tokens, cfg_file = runs
+    store = d / "killed"
+    victim = random.Random(3).randrange(2)
+    procs = _launch(2, cfg_file, store, tokens.path)
+    commit = store / "commit.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (commit.exists() and json.loads(commit.read_text() or "{}").get("step", 0) >= 1):
+        assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+        time.sleep(0.01)
+    procs[victim].kill()
+    t0 = time.time()
+    survivor = procs[1 - victim]
+    code = survivor.wait(timeout=90)
+    took = time.time() - t0
+    err = survivor.stderr.read()
+    assert code != 0 and took < 60, (code, took, err[-2000:])
+    assert "mtc: error:" in err
+    procs[victim].wait()
+    assert json.loads(commit.read_text())["step"] < STEPS, "the kill came too late to interrupt the run"
+    shutil.copytree(store, d / "killed-then-one-rank")
+    again = _launch(2, cfg_file, store, tokens.path)
+    for p in again:
+        assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    assert json.loads(commit.read_text())["meta"]["world_size"] == 2
+    a, _, _ = _state(store)
+    b, _, _ = _state(d / "w2")
+    assert all(torch.equal(a[k], b[k]) for k in b), "the relaunched run differs from the unbroken 2-rank run"
+    # the same interrupted 2-rank store resumed by one process: the store is world-size free
+    res = train(_config(), d / "killed-then-one-rank", tokens)
+    res.store.close()
+    c, _, _ = _state(d / "killed-then-one-rank")
+    ref, _, _ = _state(d / "ref")
+    for k in ref:
+        torch.testing.assert_close(c[k], ref[k], atol=1e-5, rtol=1e-5)
