@@ -261,7 +261,8 @@ class StreamingAdamW:
                                 impl=self.host_impl, **hp, **self._hyper())
             prev_commit.result()  # never overwrite the generation the last durable commit names
             t0 = time.perf_counter()
-            futs = [self.store.write_async(state_array_name(i, k, w_gen), t) for k, t in zip(("master", "m", "v"), (master, m, v))]
+            futs = [self.store.write_async(state_array_name(i, k, w_gen), t, in_place=True)  # w_gen: no commit names it
+                    for k, t in zip(("master", "m", "v"), (master, m, v))]
         except BaseException as e:
             if not written.done():
                 written.set_exception(e)
