@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from mtc.store import TensorStore
-from mtc.store import fastio
+from mtc.store import TensorStore, fastio
 from mtc.store.fastio import aligned_empty, read_chunk_file, write_chunk_file
 
 from mtc.errors import StoreCorruptionError
