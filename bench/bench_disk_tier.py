@@ -164,7 +164,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, a ~40M-parameter model (~0.5 GB of fp32 state)")
     ap.add_argument("--shape", choices=tuple(SHAPES), help="model shape (default: 4.6b on CUDA, smoke with --smoke)")
     ap.add_argument("--dir", help="directory on the disk to measure and hold the store (default: a temp dir)")
-    ap.add_argument("--disk-bytes", type=float, default=None, help="bytes per throughput trial (default 4 GB, smoke 384 MB)")
+    ap.add_argument("--disk-bytes", type=float, default=None, help="bytes per throughput trial (default 4 GB, smoke 256 MB)")
     ap.add_argument("--disk-trials", type=int, default=5, help="alternating raw/store trial pairs (medians reported)")
     ap.add_argument("--io-threads", type=int, default=next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "io_threads"), help="store I/O threads, for the throughput trials and the training run (default: the trainer's)")
     ap.add_argument("--steps", type=int, default=None, help="steps to train (default 4, smoke 3)")
@@ -180,7 +180,7 @@ def main() -> int:
     shape = a.shape or ("smoke" if a.smoke else "4.6b")
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="mtc-disk-tier-"))
     root.mkdir(parents=True, exist_ok=True)
-    nbytes = int(a.disk_bytes or (384e6 if a.smoke else 4e9))
+    nbytes = int(a.disk_bytes or (256e6 if a.smoke else 4e9))
     t0 = time.perf_counter()
     disk = measure_disk(root, nbytes, a.io_threads, a.disk_trials)
     print(f"disk: {disk['trials']} alternating trials of {nbytes / 1e6:.0f} MB, cold (direct I/O: raw {disk['raw_direct_io']}, "
