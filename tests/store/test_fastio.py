@@ -49,6 +49,16 @@ def test_in_place_falls_back_to_rename_for_a_file_of_the_wrong_size(tmp_path):
     assert read_chunk_file(path, CH, out) is None and np.array_equal(out, data)
 
 
+def test_in_place_never_writes_through_a_hard_link(tmp_path):
+    path, snapshot = tmp_path / "0", tmp_path / "snapshot"
+    old = _aligned(CH, 6)
+    write_chunk_file(path, CH, old)
+    os.link(path, snapshot)
+    assert write_chunk_file(path, CH, _aligned(CH, 7), in_place=True) is False  # replaced, not overwritten
+    out = aligned_empty(CH)
+    assert read_chunk_file(snapshot, CH, out) is None and np.array_equal(out, old)
+
+
 def test_a_torn_in_place_write_fails_its_crc(tmp_path):
     path = tmp_path / "0"
     write_chunk_file(path, CH, _aligned(CH, 4))
