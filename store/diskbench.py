@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mtc.store.fastio import ALIGN, aligned_empty
+from mtc.store.fastio import _O_DIRECT, ALIGN, _dev_of, _direct_refused, aligned_empty
 from mtc.store.fastio import _open as _open_direct
 from mtc.store.tensor_store import TensorStore
 
@@ -163,7 +163,8 @@ def store_throughput(directory: str | Path, size_bytes: int, *, io_threads: int 
                     + [st.write_async(names[k], bufs[k], in_place=True) for k in range(half, arrays)])
         st.close()
         return {"write_fresh_GBps": total / t_f / _GB, "write_GBps": total / t_w / _GB, "read_GBps": total / t_r / _GB,
-                "mix_GBps": total / t_m / _GB, "bytes": total, "io_threads": io_threads, "direct": st.direct_io}
+                "mix_GBps": total / t_m / _GB, "bytes": total, "io_threads": io_threads,
+                "direct": st.direct_io and bool(_O_DIRECT) and _dev_of(root) not in _direct_refused}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
