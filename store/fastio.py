@@ -12,7 +12,8 @@ stays a plain zarr v3 store and every chunk is still checksummed:
   disk tier's buffers are), else into a per-thread aligned bounce buffer; the CRC32C is checked
   before the data counts as read;
 * writes go to a temporary file with ``O_DIRECT``, are fsynced and renamed over the chunk (atomic,
-  as zarr's own writes);
+  as zarr's own writes), or, where the caller allows it (``in_place``: the disk tier's uncommitted
+  generation), overwrite the existing chunk file directly: no allocation, no rename;
 * where ``O_DIRECT`` is refused (tmpfs, some network file systems) the same calls run buffered
   and drop the file's pages afterwards (``posix_fadvise(DONTNEED)``), so caches stay cold.
 
@@ -172,40 +173,47 @@ def read_chunk_file(path: str | Path, chunk_bytes: int, dst: np.ndarray, offset:
     return None
 
 
-def write_chunk_file(path: str | Path, chunk_bytes: int, data: np.ndarray) -> None:
+def write_chunk_file(path: str | Path, chunk_bytes: int, data: np.ndarray, *, in_place: bool = False) -> bool:
     """Write ``data`` (uint8, contiguous, at most ``chunk_bytes``; the rest is zero fill) as a
-    chunk file with its CRC32C: to a temporary file, fsynced, then renamed over ``path``."""
+    chunk file with its CRC32C, durable on return.
+
+    By default to a temporary file, fsynced, then renamed over ``path`` (atomic, as zarr's own
+    writes). ``in_place``: overwrite ``path`` itself when it already is a chunk file of this size
+    and has no other hard link
+    (no block allocation, no new directory entry, no directory fsync: 1.4-2x the write rate of
+    the rename path on the 2-core VM's ext4, `mtc.store.diskbench`), else fall back to the rename. Only for a caller that never needs the
+    old contents again if the write is torn (the disk tier's uncommitted generation): a torn
+    in-place chunk fails its CRC32C when read. Returns True when it wrote in place.
+    """
     n = data.nbytes
     total = chunk_bytes + _CRC
     pad = chunk_bytes - n
-    tmp = Path(path).with_name(f"{Path(path).name}.{uuid.uuid4().hex}.partial")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     crc = crc32c.crc32c(data)
     if pad:
         crc = crc32c.crc32c(_zeros(pad), value=crc)  # zarr pads an edge chunk with the fill value 0
     crc_bytes = crc.to_bytes(_CRC, "little")
+    if in_place:
+        try:
+            fd, direct = _open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            try:
+                info = os.fstat(fd)
+                # a hard-linked file (a user's `cp -al` snapshot) would change under the other name too
+                if info.st_size == total and info.st_nlink == 1:
+                    if direct and chunk_bytes % ALIGN == 0:
+                        _overwrite_fd(fd, data, chunk_bytes, crc_bytes, path)
+                    else:
+                        _write_fd(fd, data, chunk_bytes, crc_bytes, direct, path)
+                    return True
+            finally:
+                os.close(fd)
+    tmp = Path(path).with_name(f"{Path(path).name}.{uuid.uuid4().hex}.partial")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd, direct = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        if n % ALIGN == 0 and is_aligned(data):
-            tail = _bounce(pad + _CRC)[: _round_up(pad + _CRC)]
-            tail[:pad] = 0
-            tail[pad : pad + _CRC] = np.frombuffer(crc_bytes, dtype=np.uint8)
-            views = [memoryview(data), memoryview(tail)]
-        else:
-            whole = _bounce(total)[: _round_up(total)]
-            whole[:n] = data
-            whole[n:chunk_bytes] = 0
-            whole[chunk_bytes:total] = np.frombuffer(crc_bytes, dtype=np.uint8)
-            views = [memoryview(whole)]
-        want = sum(len(v) for v in views)
-        done = os.pwritev(fd, views, 0)
-        if done != want:
-            raise OSError(f"short write to {tmp}: {done} of {want} bytes")
-        if want != total:
-            os.ftruncate(fd, total)  # O_DIRECT wrote whole pages: cut the padding after the CRC
-        os.fsync(fd)
-        if not direct:
-            _drop_cache(fd)
+        _write_fd(fd, data, chunk_bytes, crc_bytes, direct, tmp)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -218,6 +226,69 @@ def write_chunk_file(path: str | Path, chunk_bytes: int, data: np.ndarray) -> No
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    return False
+
+
+def _overwrite_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes, path: str | Path) -> None:
+    """Overwrite a chunk file of the right size in place: the data with ``O_DIRECT`` through ``fd``,
+    the 4-byte CRC32C through a buffered handle, then one ``fdatasync``.
+
+    The file's size never changes, so no metadata needs journaling and ``fdatasync`` costs one
+    device flush, which also covers the direct writes before it. Writing the CRC's page with
+    ``O_DIRECT`` instead would extend the file to a page boundary and need a truncate, a size
+    change the sync must journal (as fast or up to 15 % slower in trials on the VM's ext4).
+    """
+    n = data.nbytes
+    pad = chunk_bytes - n
+    if n % ALIGN == 0 and is_aligned(data):
+        views = [memoryview(data)]
+        if pad:  # an edge chunk: zero fill up to the chunk's size (page multiples both)
+            fill = _bounce(pad)[:pad]
+            fill[:] = 0
+            views.append(memoryview(fill))
+    else:
+        whole = _bounce(chunk_bytes)[:chunk_bytes]
+        whole[:n] = data
+        whole[n:] = 0
+        views = [memoryview(whole)]
+    done = os.pwritev(fd, views, 0)
+    if done != chunk_bytes:
+        raise OSError(f"short write to {path}: {done} of {chunk_bytes} bytes")
+    tail = os.open(path, os.O_WRONLY)
+    try:
+        if os.pwrite(tail, crc_bytes, chunk_bytes) != _CRC:
+            raise OSError(f"short write of the CRC32C to {path}")
+        os.fdatasync(tail)
+        _drop_cache(tail)
+    finally:
+        os.close(tail)
+
+
+def _write_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes, direct: bool, path: str | Path) -> None:
+    """Write data, zero fill and CRC from offset 0 of ``fd``, cut the file to its size, fsync."""
+    n = data.nbytes
+    total = chunk_bytes + _CRC
+    pad = chunk_bytes - n
+    if n % ALIGN == 0 and is_aligned(data):  # straight from the caller's memory; the tail via the bounce
+        tail = _bounce(pad + _CRC)[: _round_up(pad + _CRC)]
+        tail[:pad] = 0
+        tail[pad : pad + _CRC] = np.frombuffer(crc_bytes, dtype=np.uint8)
+        views = [memoryview(data), memoryview(tail)]
+    else:
+        whole = _bounce(total)[: _round_up(total)]
+        whole[:n] = data
+        whole[n:chunk_bytes] = 0
+        whole[chunk_bytes:total] = np.frombuffer(crc_bytes, dtype=np.uint8)
+        views = [memoryview(whole)]
+    want = sum(len(v) for v in views)
+    done = os.pwritev(fd, views, 0)
+    if done != want:
+        raise OSError(f"short write to {path}: {done} of {want} bytes")
+    if want != total:
+        os.ftruncate(fd, total)  # O_DIRECT wrote whole pages: cut the padding after the CRC
+    os.fsync(fd)
+    if not direct:
+        _drop_cache(fd)
 
 
 class PriorityPool:

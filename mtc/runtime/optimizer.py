@@ -307,7 +307,7 @@ class StreamingAdamW:
                                     compute_out=s.compute[lo:hi] if s.compute is not None else None,
                                     **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)), **self._hyper())
                 prev_commit.result()  # never overwrite the generation the last durable commit names
-                futs = [self.store.write_rows_async(state_array_name(i, kind, w_gen), lo, t)
+                futs = [self.store.write_rows_async(state_array_name(i, kind, w_gen), lo, t, in_place=True)  # no commit names w_gen
                         for kind, t in zip(("master", "m", "v"), (master, m, v), strict=True)]
                 _when_all(futs, lambda err, st=st: chunk_done(st, err))
                 chunks[k] = None  # taken: an error from here on must not count it twice

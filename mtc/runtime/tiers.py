@@ -225,7 +225,8 @@ class StateTiers:
         if s.tier == "gpu":
             assert s.staging is not None, "gpu-tier state must be staged to the host before write-behind"
             src = dict(zip(("master", "m", "v"), s.staging, strict=True))
-        return [store.write_async(state_array_name(layer, k, generation), src[k]) for k in kinds]
+        # in place: callers write only the generation the last durable commit does not name
+        return [store.write_async(state_array_name(layer, k, generation), src[k], in_place=True) for k in kinds]
 
     def staging_for(self, layer: int) -> list[torch.Tensor]:
         """Pinned host buffers for a gpu-tier layer's write-behind (allocated at its first commit)."""

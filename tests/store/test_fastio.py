@@ -1,0 +1,113 @@
+"""The store's direct chunk I/O: in-place overwrites round-trip, stay zarr-readable, fail their CRC when torn,
+and fall back to temp + rename where in-place does not apply."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from mtc.store import TensorStore, fastio
+from mtc.store.fastio import aligned_empty, read_chunk_file, write_chunk_file
+
+from mtc.errors import StoreCorruptionError
+
+CH = 64 * 1024  # a small page-multiple chunk: fast, and the O_DIRECT path still applies
+
+
+def _aligned(n: int, seed: int) -> np.ndarray:
+    a = aligned_empty(n)
+    a[:] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return a
+
+
+@pytest.mark.parametrize("n", [CH, CH - 4096, CH - 100])  # whole chunk, page-multiple edge, unaligned edge
+@pytest.mark.parametrize("aligned", [True, False])
+def test_in_place_overwrite_round_trips_and_keeps_the_file(tmp_path, n, aligned):
+    path = tmp_path / "c" / "0"
+    assert write_chunk_file(path, CH, _aligned(CH, 1), in_place=True) is False  # no file yet: temp + rename
+    ino = os.stat(path).st_ino
+    data = _aligned(n, 2) if aligned else np.random.default_rng(2).integers(0, 256, n + 1, dtype=np.uint8)[1:]
+    assert write_chunk_file(path, CH, data, in_place=True) is True
+    assert os.stat(path).st_ino == ino and os.path.getsize(path) == CH + 4
+    out = aligned_empty(CH)
+    assert read_chunk_file(path, CH, out) is None
+    assert np.array_equal(out[:n], data) and not out[n:].any()  # the edge's fill is zeros, as zarr pads
+    assert list((tmp_path / "c").iterdir()) == [path]  # no temporary file left behind
+
+
+def test_in_place_falls_back_to_rename_for_a_file_of_the_wrong_size(tmp_path):
+    path = tmp_path / "0"
+    path.write_bytes(b"x" * 100)
+    ino = os.stat(path).st_ino
+    data = _aligned(CH, 3)
+    assert write_chunk_file(path, CH, data, in_place=True) is False
+    assert os.stat(path).st_ino != ino
+    out = aligned_empty(CH)
+    assert read_chunk_file(path, CH, out) is None and np.array_equal(out, data)
+
+
+def test_in_place_never_writes_through_a_hard_link(tmp_path):
+    path, snapshot = tmp_path / "0", tmp_path / "snapshot"
+    old = _aligned(CH, 6)
+    write_chunk_file(path, CH, old)
+    os.link(path, snapshot)
+    assert write_chunk_file(path, CH, _aligned(CH, 7), in_place=True) is False  # replaced, not overwritten
+    out = aligned_empty(CH)
+    assert read_chunk_file(snapshot, CH, out) is None and np.array_equal(out, old)
+
+
+def test_a_torn_in_place_write_fails_its_crc(tmp_path):
+    path = tmp_path / "0"
+    write_chunk_file(path, CH, _aligned(CH, 4))
+    write_chunk_file(path, CH, _aligned(CH, 5), in_place=True)
+    with open(path, "r+b") as f:  # as if the write had stopped after its first page: old bytes after it
+        f.seek(8192)
+        f.write(_aligned(4096, 4).tobytes())
+    assert "CRC32C" in read_chunk_file(path, CH, aligned_empty(CH))
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def local_store(request, tmp_path, monkeypatch):
+    if request.param == "buffered":  # a file system that refuses O_DIRECT (tmpfs): the buffered fallback
+        monkeypatch.setattr(fastio, "_direct_refused", {os.stat(tmp_path).st_dev})
+    st = TensorStore.create(tmp_path / "s", io_threads=3)
+    yield st
+    st.close()
+
+
+def test_store_in_place_writes_are_zarr_readable_and_checked(local_store):
+    st = local_store
+    numel = 3 * 2**20 // 4 + 100  # 16 MiB chunks would make one edge chunk; force three chunks of 1 MiB
+    st.create_array("layers/0000/master/g1", (numel,), torch.float32, chunk_rows=2**18)
+    name = "layers/0000/master/g1"
+    paths = [st.chunk_path(name, c) for c in range(st.array_info(name).n_chunks)]
+    first = torch.randn(numel)
+    st.write_async(name, first, in_place=True).result()  # the first write creates the files
+    inodes = [os.stat(p).st_ino for p in paths]
+    second = torch.from_numpy(aligned_empty(numel * 4).view(np.float32))
+    second.copy_(torch.randn(numel))
+    st.write_async(name, second, in_place=True).result()
+    assert [os.stat(p).st_ino for p in paths] == inodes  # overwritten, not replaced
+    assert torch.equal(st.read(name), second)
+    z = zarr.open_array(store=str(st.path), path=name, mode="r")  # zarr's own reader, its own CRC32C check
+    assert np.array_equal(z[:], second.numpy())
+    with open(paths[1], "r+b") as f:  # one flipped byte in the middle chunk
+        f.seek(12345)
+        b = f.read(1)
+        f.seek(12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(StoreCorruptionError, match=r"chunk 1 failed its CRC32C"):
+        st.read(name)
+
+
+def test_default_writes_still_replace_the_chunk_file(local_store):
+    st = local_store
+    st.create_array("w", (2**16,), torch.float32)
+    st.write("w", torch.ones(2**16))
+    ino = os.stat(st.chunk_path("w", 0)).st_ino
+    st.write("w", torch.zeros(2**16))
+    assert os.stat(st.chunk_path("w", 0)).st_ino != ino  # atomic replacement unless the caller asks for in place
+    assert not st.read("w").any()
