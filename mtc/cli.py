@@ -323,9 +323,16 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 def _cmd_repair(a: argparse.Namespace) -> int:
     from mtc.store import TensorStore, repair
 
+    from mtc import shards
+
     with TensorStore.open(a.store) as st:  # takes the lock: no run may commit meanwhile
         done = repair(st)
+        record = st.last_commit()
     print("\n".join(done.actions))
+    if shards.is_sharded(record):  # a data-parallel run: every rank's shard store too
+        for r in range(shards.shard_world(record)):
+            with TensorStore.open(shards.rank_dir(Path(a.store), r, shards.shard_world(record))) as rs:
+                print("\n".join(f"rank {r}: {x}" for x in repair(rs).actions))
     return 0
 
 

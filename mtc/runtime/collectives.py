@@ -16,18 +16,16 @@ that range. Per layer and step:
 3. the host AdamW updates this rank's shard, writing its compute-dtype copy, and the comm thread
    all-gathers the shards into every rank's full compute copy; the layer's next fetch waits for
    that (`LayerState.update` completes after the all-gather).
-4. on a commit step the comm thread gathers the layer's updated master, m and v shards to rank 0,
-   which writes them into the store's stale generation; rank 0's commit record follows once every
-   layer is written.
+4. on a commit step the comm thread writes the layer's updated master, m and v shards into this
+   rank's own shard store (its stale generation, once the last global commit has landed); once
+   every layer is written the writer thread runs the global commit protocol of `mtc.shards`
+   (per-rank record, agreement of all ranks, rank 0's global record, barrier).
 
-Store layout (decision): one store, written by rank 0, in exactly the single-process format: the
-same arrays, generations and commit record. The shards are gathered layer by layer at a commit
-(one layer's state in flight on rank 0), so a commit is complete only when every rank's shard is in
-it, by construction: no per-rank generation can be missing or stale, ``export``, ``verify`` and
-``repair`` work unchanged, and a store written at world size N resumes at any world size M (each
-rank reads its shard of the full arrays). The cost: commit I/O is not spread over the ranks' disks
-(per-rank store directories on node-local NVMe are not built), and only ``ram``-tier placements
-are supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
+Store layout: one shard store per rank (``RUN/ranks/rank-R-of-N/``) and one global commit record in
+the run directory, which names each shard's digest (see `mtc.shards`): commit I/O is spread over
+the ranks, nothing is gathered to rank 0, a missing or stale shard is refused on resume, and
+``mtc reshard`` rewrites the state for another world size. Only ``ram``-tier placements are
+supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
 
 All collectives of the comm thread are enqueued by the training thread in a fixed order (the
 executor's finalisation order, then `finish_step`'s forward order), so every rank issues the same
