@@ -307,20 +307,32 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
+    from mtc import shards
     from mtc.store import TensorStore, verify
 
     with TensorStore.open(a.store, read_only=True) as st:
         report = verify(st)
     print("\n".join(report.lines()))
+    if report.record is not None and shards.is_sharded(report.record):  # and every rank's shard store
+        ok, lines = shards.verify_sharded(Path(a.store), report.record)
+        print("\n".join(lines))
+        return 0 if report.ok and ok else 1
     return 0 if report.ok else 1
 
 
 def _cmd_repair(a: argparse.Namespace) -> int:
     from mtc.store import TensorStore, repair
 
+    from mtc import shards
+
     with TensorStore.open(a.store) as st:  # takes the lock: no run may commit meanwhile
         done = repair(st)
+        record = st.last_commit()
     print("\n".join(done.actions))
+    if shards.is_sharded(record):  # a data-parallel run: every rank's shard store too
+        for r in range(shards.shard_world(record)):
+            with TensorStore.open(shards.rank_dir(Path(a.store), r, shards.shard_world(record))) as rs:
+                print("\n".join(f"rank {r}: {x}" for x in repair(rs).actions))
     return 0
 
 
@@ -403,6 +415,13 @@ def _cmd_export(a: argparse.Namespace) -> int:
            else "no tokenizer files (the run has none; pass --tokenizer DIR to add them)")
     print(f"exported step {r.step} of {a.run} to {r.directory}: {len(r.shards)} shard(s), {r.total_bytes / 2**20:.1f} MiB "
           f"{r.dtype}, {tok}; {r.seconds:.1f} s")
+    return 0
+
+
+def _cmd_reshard(a: argparse.Namespace) -> int:
+    from mtc.shards import reshard
+
+    reshard(Path(a.store), a.world_size, log=print)
     return 0
 
 
@@ -649,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--overwrite", action="store_true", help="replace an mtc store already there")
     im.set_defaults(fn=_cmd_import)
 
+    rs = sub.add_parser("reshard", help="rewrite a data-parallel run's state for another world size (bit-identical, one new commit)")
+    rs.add_argument("store", help="the run directory")
+    rs.add_argument("--world-size", type=int, required=True, help="ranks of the next launch (1: the single-process layout)")
+    rs.set_defaults(fn=_cmd_reshard)
     ex = sub.add_parser("export", help="write a run's weights as a Hugging Face checkpoint directory, streamed")
     ex.add_argument("run", help="store directory of the run")
     ex.add_argument("-o", "--output", required=True, help="output directory (new, or empty)")

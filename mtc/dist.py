@@ -58,6 +58,7 @@ class _Groups:
     sync: object  # the training thread's collectives
     comm: object  # the comm thread's collectives
     startup: object  # the wait for rank 0's store (long timeout: it may write step 0 of a large model)
+    commit: object = None  # the writer thread's global commit protocol (mtc.shards.committer)
 
 
 _GROUPS: _Groups | None = None
@@ -141,6 +142,7 @@ def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
         sync=dist.new_group(backend="gloo", timeout=timeout),
         comm=dist.new_group(backend="gloo", timeout=timeout),
         startup=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)),
+        commit=dist.new_group(backend="gloo", timeout=timeout),
     )
     _pin_cpus(world)
     return world
@@ -221,6 +223,8 @@ def open_follower(cfg: object, store_dir: object) -> object:
 
     collective("waiting for rank 0's store", torch.distributed.barrier, group=groups().startup)  # matched by root_ready
     path = Path(store_dir)
+    if not (path / "commit.json").exists():  # a new run: every rank commits step 0 together (mtc.shards)
+        return Run(TensorStore.create(None, io_threads=cfg.io_threads), load_plan(path / "plan"), None, None)
     store = TensorStore.open(path, io_threads=cfg.io_threads, read_only=True)
     last = store.last_commit()
     if last is None:
@@ -230,19 +234,21 @@ def open_follower(cfg: object, store_dir: object) -> object:
 
 
 def root_ready(world: World) -> None:
-    """Rank 0: the store holds the start state (step 0 committed, or the commit resumed from)."""
+    """Rank 0: the store directory and its plan exist (a new run), or the commit resumed from does."""
     if world.distributed:
         from mtc.runtime.collectives import collective
 
         collective("the start barrier", torch.distributed.barrier, group=groups().startup)
 
 
-def attach(engine: object, tiers: object, world: World) -> None:
-    """Wire the data-parallel collectives into a built engine (optimizer and executor hooks)."""
+def attach(engine: object, tiers: object, world: World, shard_store: object = None) -> None:
+    """Wire the data-parallel collectives into a built engine (optimizer and executor hooks);
+    ``shard_store``: this rank's store of its state shard (`mtc.shards`)."""
     from mtc.runtime.collectives import DataParallel
 
     g = groups()
     dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm)
+    dp.shard_store = shard_store
     engine.optimizer.dp = dp
     engine.executor.reduce_count = dp.reduce_count
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from mtc import changes as _changes
 from mtc import dist as _dist
+from mtc import shards as _shards
 from mtc import user_model
 from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
@@ -446,6 +447,8 @@ def train(
         run = _dist.open_follower(cfg, store_dir)
     run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
                                                allow_change=allow_change, init_from=init_from)
+    if world.is_root:
+        _dist.root_ready(world)  # the other ranks may open the run directory and its plan now
     st, program = run.store, run.program
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)
@@ -464,19 +467,25 @@ def train(
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size)
         durable = cfg.durability != "none"
-        tiers.create_arrays(st, cfg.durability)
-        if run.last is None:  # a new run: initial state from the model, committed as step 0
+        shard_st = None
+        if world.distributed:  # each rank's shard in its own store, one global commit (mtc.shards)
+            first = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
+                                 time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
+            shard_st, last = _shards.start_state(Path(store_dir), st, program, tiers, world.rank, world.world_size, run.last,
+                                                 run.params, first, cfg.io_threads)
+            parts.append(shard_st)
+        elif run.last is None:  # a new run: initial state from the model, committed as step 0
+            tiers.create_arrays(st, cfg.durability)
             _init_state(st, tiers, program, run.params, cfg.durability)
             last = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
                                 time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
             if durable and world.is_root:
                 st.commit(last)
         else:
+            tiers.create_arrays(st, cfg.durability)
             last = run.last
             tiers.load(st, last.generation, last.config.get("durability", "full"))
         run.params = None  # the tiers hold the state now
-        if world.is_root:
-            _dist.root_ready(world)  # the other ranks may read the start state from the store now
         metrics = None
         if st.path is not None and world.is_root:
             logs = st.path / "logs"
@@ -504,7 +513,7 @@ def train(
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if world.distributed:
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
-            _dist.attach(eng, tiers, world)
+            _dist.attach(eng, tiers, world, shard_st)
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
         disk_layers = any(t == "disk" for t in placement)
@@ -540,7 +549,8 @@ def train(
                 commit_now = _dist.agree(commit_now)
             commit_fn = None
             if commit_now:  # in a data-parallel run rank 0 writes the store and its commit records
-                commit_fn = _committer(st, next_step, next_cursor, cfg, meta) if world.is_root else _no_commit
+                commit_fn = (_committer(st, next_step, next_cursor, cfg, meta) if not world.distributed
+                             else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, meta))
             if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
                 gens = ({1 - committed_gen} if commit_now else set()) | ({1 - opt.disk_generation} if disk_layers else set())
                 for g in sorted(gens):
@@ -672,8 +682,17 @@ class _CommitPacer:
         return fut.done() and time.perf_counter() - self._start >= 20 * self._took
 
 
-def _no_commit(gen: int) -> None:
-    """A data-parallel rank other than 0 writes no commit record (rank 0 writes the one record)."""
+def _shard_committer(st: TensorStore, shard_st: TensorStore, world: _dist.World, step: int, cursor: int, cfg: TrainConfig,
+                     meta: dict) -> Callable[[int, BaseException | None], None]:
+    """A data-parallel step's commit: every rank's shard record, then rank 0's global record (`mtc.shards`)."""
+    rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
+    config = cfg.to_dict()
+
+    def record(gen: int) -> CommitRecord:
+        return CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state=rng, config=config,
+                            time_unix=time.time(), durability=cfg.durability, meta=meta)
+
+    return _shards.committer(st, shard_st, world.rank, world.world_size, record)
 
 
 def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: dict) -> Callable[[int], None]:

@@ -90,7 +90,8 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
     """
     from mtc.models import family_of, model_config
     from mtc.plan import load_plan
-    from mtc.store import TensorStore, state_array_name
+    from mtc.shards import read_layer
+    from mtc.store import TensorStore
     from mtc.warmstart import resolve_step
 
     t0 = time.perf_counter()
@@ -104,6 +105,8 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
         step, gen = resolve_step(st, step)
         last = st.last_commit()
         config = next((r.config for r in reversed(st.commit_history()) if r.step == step), last.config)
+        # the record of that step: a data-parallel run's names the shard stores that hold it (mtc.shards)
+        rec = next((r for r in reversed(st.commit_history()) if r.step == step and r.generation == gen), last)
         family = family_of(config["model"])
         fields = dataclasses.asdict(model_config(config["model"], **(config.get("model_overrides") or {})))
         program = load_plan(run / "plan")
@@ -144,7 +147,7 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
                         p = program.params[n.mtc]
                         if cached[0] != p.layer:
                             cached = (-1, None)  # drop the last layer before reading the next
-                            cached = (p.layer, st.read(state_array_name(p.layer, "master", gen)))
+                            cached = (p.layer, read_layer(run, rec, p.layer, "master", program.layer_numel(p.layer), root_store=st))
                         t = cached[1][p.offset : p.offset + p.numel].view(p.spec.shape)
                         t = t.t() if n.transposed else t
                         w.write(n.hf, t.to(tdtype).contiguous())

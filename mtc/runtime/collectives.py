@@ -16,18 +16,16 @@ that range. Per layer and step:
 3. the host AdamW updates this rank's shard, writing its compute-dtype copy, and the comm thread
    all-gathers the shards into every rank's full compute copy; the layer's next fetch waits for
    that (`LayerState.update` completes after the all-gather).
-4. on a commit step the comm thread gathers the layer's updated master, m and v shards to rank 0,
-   which writes them into the store's stale generation; rank 0's commit record follows once every
-   layer is written.
+4. on a commit step the comm thread writes the layer's updated master, m and v shards into this
+   rank's own shard store (its stale generation, once the last global commit has landed); once
+   every layer is written the writer thread runs the global commit protocol of `mtc.shards`
+   (per-rank record, agreement of all ranks, rank 0's global record, barrier).
 
-Store layout (decision): one store, written by rank 0, in exactly the single-process format: the
-same arrays, generations and commit record. The shards are gathered layer by layer at a commit
-(one layer's state in flight on rank 0), so a commit is complete only when every rank's shard is in
-it, by construction: no per-rank generation can be missing or stale, ``export``, ``verify`` and
-``repair`` work unchanged, and a store written at world size N resumes at any world size M (each
-rank reads its shard of the full arrays). The cost: commit I/O is not spread over the ranks' disks
-(per-rank store directories on node-local NVMe are not built), and only ``ram``-tier placements
-are supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
+Store layout: one shard store per rank (``RUN/ranks/rank-R-of-N/``) and one global commit record in
+the run directory, which names each shard's digest (see `mtc.shards`): commit I/O is spread over
+the ranks, nothing is gathered to rank 0, a missing or stale shard is refused on resume, and
+``mtc reshard`` rewrites the state for another world size. Only ``ram``-tier placements are
+supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
 
 All collectives of the comm thread are enqueued by the training thread in a fixed order (the
 executor's finalisation order, then `finish_step`'s forward order), so every rank issues the same
@@ -54,6 +52,7 @@ from mtc.store import state_array_name
 if TYPE_CHECKING:
     from mtc.runtime.optimizer import StreamingAdamW
     from mtc.runtime.tiers import StateTiers
+    from mtc.store import TensorStore
 
 __all__ = ["DataParallel", "PeerLostError", "collective", "shard_range"]
 
@@ -125,7 +124,7 @@ class DataParallel:
         self._reduced: dict[int, Future[float]] = {}  # layer -> its reduction (squared norm of this rank's shard)
         # bf16 compute: the update writes this rank's compute-dtype shard here, then it is all-gathered
         self._out: dict[int, torch.Tensor] = {}
-        self._in_flight: Future[None] | None = None  # rank 0: the last layer's state writes
+        self.shard_store: TensorStore | None = None  # this rank's shard store (mtc.shards), set by mtc.dist.attach
 
     # -- the training thread's collectives -----------------------------------------------------
 
@@ -195,10 +194,10 @@ class DataParallel:
             s.update = upd if skipped else self._comm.submit(self._all_gather, i, upd)
             if kinds:
                 s.write = Future()
-                self._comm.submit(self._gather_write, opt, i, upd, kinds, write_generation, prev_commit, step, s.write)
+                self._comm.submit(self._shard_write, opt, i, upd, kinds, write_generation, prev_commit, step, s.write)
                 writes.append(s.write)
         if commit is not None:
-            opt.commit_future = opt._writer.submit(opt._commit_when_written, writes, commit, write_generation, step)
+            opt.commit_future = opt._writer.submit(self._commit_all, opt, writes, commit, write_generation, step)
         if opt.engine.serialize:
             opt.wait()
         return stats
@@ -234,37 +233,26 @@ class DataParallel:
         parts = [s.compute[r * per : (r + 1) * per] for r in range(self.world_size)]
         collective(f"layer {i}'s weight all-gather", self.dist.all_gather, parts, self._shard_out(i), group=self.comm_group)
 
-    def _gather_write(self, opt: StreamingAdamW, i: int, upd: Future[None], kinds: tuple[str, ...], gen: int,
-                      prev_commit: Future[None], tstep: int, written: Future[None]) -> None:
-        """Gather layer ``i``'s updated state shards to rank 0, which writes them into ``gen`` behind
-        the comm thread's next collectives; ``written`` completes once they are in the store (on
-        the other ranks: once gathered). One layer's writes are in flight at a time, so rank 0
-        holds at most two layers' gathered state."""
+    def _shard_write(self, opt: StreamingAdamW, i: int, upd: Future[None], kinds: tuple[str, ...], gen: int,
+                     prev_commit: Future[None], tstep: int, written: Future[None]) -> None:
+        """Write layer ``i``'s updated state shard into this rank's shard store, generation ``gen``;
+        ``written`` completes once it is there. The last global commit must have landed first: it
+        may name ``gen``'s other generation only (see `mtc.shards`)."""
         try:
             upd.result()
+            prev_commit.result()
             s = self.tiers[i]
-            per = s.master.numel()
-            root = self.rank == 0
+            k = s.shard[1] - s.shard[0]
             src = {"master": s.master, "m": s.m, "v": s.v}
-            if root:
-                prev_commit.result()  # never overwrite the generation the last durable commit names
-                if self._in_flight is not None:
-                    self._in_flight.result()
             t0 = time.perf_counter()
-            futs: list[Future[None]] = []
-            for k in kinds:
-                full = torch.empty(per * self.world_size, dtype=torch.float32) if root else None
-                parts = [full[r * per : (r + 1) * per] for r in range(self.world_size)] if root else None
-                collective(f"layer {i}'s state gather", self.dist.gather, src[k], parts, dst=0, group=self.comm_group)
-                if root:
-                    futs.append(opt.store.write_async(state_array_name(i, k, gen), full[: s.numel]))
+            futs = [self.shard_store.write_async(state_array_name(i, kind, gen), src[kind][:k], in_place=True)
+                    for kind in kinds] if k else []
         except BaseException as e:
             written.set_exception(e)
             raise
         if not futs:
             written.set_result(None)
             return
-        self._in_flight = written
         left, lock, errors = [len(futs)], threading.Lock(), []
 
         def one_done(f: Future[None]) -> None:
@@ -282,6 +270,19 @@ class DataParallel:
 
         for f in futs:
             f.add_done_callback(one_done)
+
+    def _commit_all(self, opt: StreamingAdamW, writes: list[Future[None]], commit: Callable[[int, BaseException | None], None],
+                    gen: int, tstep: int) -> None:
+        """On the writer thread: once this rank's writes are done (or failed), run the global
+        commit protocol, which every rank enters (a failed write makes it fail on all ranks)."""
+        error: BaseException | None = None
+        for f in writes:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - reported through the protocol, so the other ranks do not hang
+                error = error or e
+        with opt.timeline.span("commit", step=tstep):
+            commit(gen, error)
 
     def close(self) -> None:
         """Finish the collectives started (or let them fail on a dead peer) and stop the comm thread."""

@@ -7,6 +7,7 @@ config and global batch: the fp32 contract, to 1e-5 (the reduction order differs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mtc.store import TensorStore, state_array_name
+from mtc.store import TensorStore
 
-from mtc import dist
+from mtc import dist, shards
 from mtc.cli import main
-from mtc.errors import ConfigError
+from mtc.errors import ConfigError, StoreError
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
 from mtc.runtime.tiers import StateTiers
@@ -206,7 +207,8 @@ def _state(store: Path) -> tuple[dict[str, torch.Tensor], list[float], list[floa
         last = st.last_commit()
         assert last.step == STEPS
         program = load_plan(store / "plan")
-        arrays = {f"{i}.{k}": st.read(state_array_name(i, k, last.generation))
+        # a data-parallel run's record names its per-rank shard stores (mtc.shards)
+        arrays = {f"{i}.{k}": shards.read_layer(store, last, i, k, program.layer_numel(i), root_store=st)
                   for i in range(program.n_layers) if program.layer_numel(i) for k in ("master", "m", "v")}
     recs = [json.loads(line) for line in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
     return arrays, [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
@@ -239,7 +241,62 @@ def _assert_close(got: Path, ref: Path) -> None:
 def test_two_ranks_under_torchrun_match_the_single_process_run(runs):
     d, _, _ = runs
     _assert_close(d / "w2", d / "ref")
-    assert main(["verify", str(d / "w2")]) == 0  # the store of a sharded run is an ordinary store
+    assert main(["verify", str(d / "w2")]) == 0  # the global record and every shard store
+    with TensorStore.open(d / "w2", read_only=True) as st:  # the run directory holds no state, the ranks' stores do
+        assert not [n for n in st.array_names() if n.startswith("layers/")]
+        assert st.last_commit().meta["shards"]["world_size"] == 2
+    for r in range(2):
+        with TensorStore.open(shards.rank_dir(d / "w2", r, 2), read_only=True) as rs:
+            assert rs.last_commit().step == STEPS and rs.array_names()
+
+
+@pytest.mark.slow
+def test_a_missing_or_stale_shard_is_a_one_line_error(runs, tmp_path, capsys):
+    d, _, _ = runs
+    with TensorStore.open(d / "w2", read_only=True) as st:
+        last = st.last_commit()
+    with TensorStore.open(shards.rank_dir(d / "w2", 1, 2), read_only=True) as rs:
+        shards.check_shard(d / "w2", last, 1, rs)  # the run's own shard agrees
+        stale = dict(last.meta, shards={**last.meta["shards"], "ranks": [dict(e, digest="0" * 16) for e in last.meta["shards"]["ranks"]]})
+        with pytest.raises(StoreError, match="rank 1's shard store .* is stale"):
+            shards.check_shard(d / "w2", dataclasses.replace(last, meta=stale), 1, rs)
+    broken = tmp_path / "broken"
+    shutil.copytree(d / "w2", broken)
+    shutil.rmtree(shards.rank_dir(broken, 1, 2))
+    with pytest.raises(StoreError, match="rank 1's shard store .*rank-1-of-2 is missing") as e:
+        shards.open_rank_store(broken, 1, 2, [1], "full", io_threads=1, fresh=False)
+    assert "\n" not in str(e.value)
+    assert main(["verify", str(broken)]) == 1
+    assert "rank 1: damaged" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_reshard_2_3_1_keeps_the_state_bit_identical_and_export_matches(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from mtc.hf import export_hf
+
+    d, _, _ = runs
+    store = tmp_path / "re"
+    shutil.copytree(d / "w2", store)
+    before, _, _ = _state(store)
+    assert main(["reshard", str(store), "--world-size", "3"]) == 0
+    assert not shards.rank_dir(store, 0, 2).exists() and shards.rank_dir(store, 2, 3).is_dir()
+    assert main(["verify", str(store)]) == 0
+    (store / "commit.json").unlink()  # repair restores the global record; every shard store is checked too
+    assert main(["repair", str(store)]) == 0 and main(["verify", str(store)]) == 0
+    mid, _, _ = _state(store)
+    shards.reshard(store, 1)
+    after, _, _ = _state(store)
+    assert all(torch.equal(before[k], mid[k]) and torch.equal(before[k], after[k]) for k in before)
+    assert main(["verify", str(store)]) == 0
+    # export of the sharded run's store equals export of the single-process run's store
+    export_hf(d / "w2", tmp_path / "hf2")
+    export_hf(d / "ref", tmp_path / "hf1")
+    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -291,7 +348,8 @@ def test_kill_9_of_one_rank_stops_the_others_and_a_relaunch_resumes_bit_identica
     a, _, _ = _state(store)
     b, _, _ = _state(d / "w2")
     assert all(torch.equal(a[k], b[k]) for k in b), "the relaunched run differs from the unbroken 2-rank run"
-    # the same interrupted 2-rank store resumed by one process: the store is world-size free
+    # the same interrupted 2-rank store, resharded for one process, resumed: 1e-5 of the reference
+    shards.reshard(d / "killed-then-one-rank", 1)
     res = train(_config(), d / "killed-then-one-rank", tokens)
     res.store.close()
     c, _, _ = _state(d / "killed-then-one-rank")
