@@ -35,7 +35,6 @@ sequence; the training thread's own collectives use a separate group (`mtc.dist`
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,7 +44,7 @@ import torch
 
 from mtc.errors import MTCError
 from mtc.runtime.host_adamw import adamw_flat_
-from mtc.runtime.optimizer import StepStats, _wait_all
+from mtc.runtime.optimizer import StepStats, _wait_all, _when_all
 from mtc.runtime.tiers import state_kinds
 from mtc.store import state_array_name
 
@@ -253,23 +252,14 @@ class DataParallel:
         if not futs:
             written.set_result(None)
             return
-        left, lock, errors = [len(futs)], threading.Lock(), []
+        def done(err: BaseException | None) -> None:
+            opt.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
+            if err is not None:
+                written.set_exception(err)
+            else:
+                written.set_result(None)
 
-        def one_done(f: Future[None]) -> None:
-            with lock:
-                if f.exception() is not None:
-                    errors.append(f.exception())
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                opt.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
-                if errors:
-                    written.set_exception(errors[0])
-                else:
-                    written.set_result(None)
-
-        for f in futs:
-            f.add_done_callback(one_done)
+        _when_all(futs, done)
 
     def _commit_all(self, opt: StreamingAdamW, writes: list[Future[None]], commit: Callable[[int, BaseException | None], None],
                     gen: int, tstep: int) -> None:
