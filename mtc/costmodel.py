@@ -541,16 +541,13 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     io_r = [12 * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     io_w = [12 * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     durable = cfg.durability != "none"
-    cn = list(dist.commit_numels) if dist and dist.commit_numels else sn  # what this rank writes at a commit
-    behind = [4 * len(state_kinds(t, cfg.durability)) * cn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
+    behind = [4 * len(state_kinds(t, cfg.durability)) * sn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
     # collectives per layer (0 for one rank): the gradient's reduction after its backward visit,
     # the updated compute copy's all-gather before the next forward
     red = [dist.reduce_seconds(n[i]) if dist and n[i] else 0.0 for i in range(L)]
     gat = [dist.gather_seconds(n[i], c) if dist and n[i] else 0.0 for i in range(L)]
     every_step = durable and (n_disk > 0 or cfg.commit_every == 1)
     wb = [b / write_bw for b in behind] if every_step else [0.0] * L
-    if dist and every_step:  # one store: rank 0 gathers the other ranks' shards before it writes them
-        wb = [w + dist.commit_gather_seconds(b) for w, b in zip(wb, behind, strict=True)]
 
     # demands: what a task would use alone (its figure was measured with that many threads)
     dem_compute = 1.0 if cuda else min(float(profile.compute_threads or 1), cores)
@@ -622,7 +619,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                                         n_total=sum(n)) if dist else 0.0
     base = max(schedule, pcie, host_mem)
     vol = sum(behind)
-    commit_s = vol / write_bw + (dist.commit_gather_seconds(vol) if dist else 0.0) if vol else 0.0
+    commit_s = vol / write_bw if vol else 0.0
     if not durable or not vol:
         commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
     elif every_step:

@@ -9,9 +9,9 @@ rank has its shard, and after the update the compute-dtype shards are all-gather
 rank's compute copy before the layer's next visit.
 
 Two ways of doing that are modelled (`ENGINES`): ``engine``, what `torchrun ... mtc train` does
-today: the whole gradient crosses to the host, gloo all-reduces it and all-gathers the shards in
-host memory (also on CUDA), rank 0 gathers the shards at a commit and writes the one store, and
-only the ram tier is sharded; and ``design``, issue 13's target (not built): on CUDA NCCL
+today: the whole gradient crosses to the host, gloo reduce-scatters it and all-gathers the
+shards in host memory (also on CUDA), each rank writes its shard into its own store, and only the
+ram tier is sharded; and ``design``, issue 13's target (not built): on CUDA NCCL
 reduce-scatters the gradient on the GPUs (only the shard crosses PCIe) and all-gathers the
 updated shards there (the shard goes up, the others' come down into the host copy), each rank
 keeps its shard in its own store, every tier.
@@ -27,7 +27,7 @@ What a rank needs, per layer of n parameters and shard s (c: compute-dtype bytes
 plus the disk tier's read-ahead ring of the largest shard and, on the CPU device, the executor's
 buffers of the largest layer (as `mtc.runtime.placement.pipeline_host_bytes`). The compute copy is
 whole in every rank's RAM (in fp32 too, where one process reads its master in place). With the
-engine's one store, rank 0's disk holds the single-process store (the ranks' shards gathered).
+store per rank, each rank's disk holds its shards' generations.
 
 Ranks on one host share it; the plan divides, not multiplies (`rank_profile`):
 - CPU cores: each rank gets cores / R (R ranks per host); CPU compute slows when a rank has
@@ -35,8 +35,7 @@ Ranks on one host share it; the plan divides, not multiplies (`rank_profile`):
 - host AdamW: the host-wide rate (all cores) is split between the ranks: it is bound by DRAM
   bandwidth, so R ranks update R shards no faster than one process updates one.
 - PCIe: GPUs behind one host uplink share its rate (``pcie_uplinks``).
-- disk: one store file system per host; its rates are split between the ranks that write it
-  (with the engine's one store, rank 0 writes alone).
+- disk: one store file system per host; its rates are split between the ranks that write it.
 - host RAM: the available memory is split for the placement; the fit checks add the ranks up.
 - host DRAM bandwidth (``host_memory_gbps``, where the profile has it): every rank's PCIe copies,
   AdamW traffic and disk reads go through it; the step is at least their sum over it.
@@ -46,8 +45,7 @@ rank in N-1 steps, an all-reduce 2(N-1)/N x S in 2(N-1) steps, at the slowest ho
 within a host the profile's ``peer_gbps`` for NCCL on the GPUs (NVLink, PCIe peer) and gloo's
 loopback rate for host memory (a CPU profile's ``peer_gbps``), between hosts ``network_gbps`` (a
 flat ring crosses each host boundary once, over all its NICs), plus ``collective_latency_us`` per
-step. A commit's gather to rank 0 is counted with rank 0's writes. Figures a profile lacks are
-assumed and listed.
+step. Figures a profile lacks are assumed and listed.
 """
 
 from __future__ import annotations
@@ -81,16 +79,18 @@ class Engine:
 
     name: str
     device_collectives: bool  # CUDA: NCCL reduce-scatter / all-gather on the GPUs; else gloo in host memory
-    root_store: bool  # rank 0 gathers the shards at a commit and writes the one store; else a store per rank
     tiers: tuple[str, ...]  # the tiers it shards
     summary: str
+    durability_none: bool = True  # can run with durability 'none' (the engine's ranks start from the step-0 commit)
+    host_reduce_scatter: bool = False  # gloo reduce-scatters the host gradient (torch 2.13's gloo has it), not all-reduce
 
 
 ENGINES = {
-    "engine": Engine("engine", False, True, ("ram",),
-                     "the engine as built (mtc.runtime.collectives): gloo all-reduces gradients and all-gathers weights in host "
-                     "memory, also on CUDA; rank 0 writes the one store; ram tier only"),
-    "design": Engine("design", True, False, ("gpu", "ram", "disk"),
+    "engine": Engine("engine", False, ("ram",),
+                     "the engine as built (mtc.runtime.collectives): the whole gradient crosses to the host, gloo reduce-scatters "
+                     "it and all-gathers weights in host memory, also on CUDA; a store per rank; ram tier only",
+                     durability_none=False, host_reduce_scatter=True),
+    "design": Engine("design", True, ("gpu", "ram", "disk"),
                      "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier"),
 }
 
@@ -192,7 +192,6 @@ class RankDist:
     reduce_scatter: bool  # NCCL: gradient reduce-scattered on the device; gloo: all-reduced in host memory
     link: Link
     host_memory_gbps: float  # the host's DRAM, shared by its ranks (0: not modelled)
-    commit_numels: tuple[int, ...] = ()  # what this rank writes of each layer at a commit (rank 0 of one store: all of it)
 
     @property
     def link_stage(self) -> str:
@@ -207,12 +206,6 @@ class RankDist:
     def gather_seconds(self, numel: int, compute_bytes: int) -> float:
         """The all-gather of one layer's updated compute-dtype copy."""
         return self.link.seconds("all_gather", compute_bytes * self.world_size * -(-numel // self.world_size), self.world_size)
-
-    def commit_gather_seconds(self, nbytes: float) -> float:
-        """Rank 0 receiving the other ranks' shards of ``nbytes`` of state at a commit (one store)."""
-        if not self.commit_numels or self.world_size <= 1:
-            return 0.0
-        return self.link.seconds("all_gather", nbytes, self.world_size)
 
     def host_memory_seconds(self, pcie_bytes: float, updated: int, disk_bytes: float, compute_bytes: int, *,
                             n_total: int = 0) -> float:
@@ -230,9 +223,9 @@ class RankDist:
         return self.ranks_per_host * per_rank / (self.host_memory_gbps * 1e9)
 
 
-def rank_profile(profile: MachineProfile, lay: Layout, engine: Engine = ENGINES["design"]) -> MachineProfile:
-    """One rank's share of a host of ``profile``'s kind (see the module docstring); with the
-    engine's one store rank 0 writes (and reads) it alone, at the disk's whole rate."""
+def rank_profile(profile: MachineProfile, lay: Layout) -> MachineProfile:
+    """One rank's share of a host of ``profile``'s kind (see the module docstring); with a store
+    per rank, the host's ranks share its disk."""
     r = lay.ranks_per_host
     if r == 1:
         return profile
@@ -243,7 +236,7 @@ def rank_profile(profile: MachineProfile, lay: Layout, engine: Engine = ENGINES[
     slow = threads / min(threads, cores) if profile.accelerator == "cpu" and threads else 1.0
     pcie = {} if profile.accelerator == "cpu" else {
         "h2d_gbps": profile.h2d_gbps / share, "d2h_gbps": profile.d2h_gbps / share, "both_gbps": profile.both_gbps / share}
-    d = 1 if engine.root_store else r
+    d = r  # a store per rank: the host's ranks share its disk
     return dataclasses.replace(
         profile, cores=cores, host_available_bytes=profile.host_available_bytes // r, **pcie,
         store_write_gbps=profile.store_write_gbps / d, store_read_gbps=profile.store_read_gbps / d,
@@ -286,8 +279,7 @@ def _pipeline(placement: list[str], numels: list[int], shards: tuple[int, ...], 
 
 def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world: int, *, cuda: bool,
                 engine: Engine = ENGINES["engine"]) -> Memory:
-    """One rank's memory per tier (``cfg``: the rank's config); disk: the store rank 0 writes (the
-    engine's one store) or this rank's own."""
+    """One rank's memory per tier (``cfg``: the rank's config); disk: this rank's own store."""
     n, c = list(shape.numels), shape.compute_bytes
     s = shard_numels(n, world)
     gpu = host = pinned = 0
@@ -297,8 +289,7 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
         if cuda and t != "gpu":  # the gradient shard and the gathered compute copy are pinned
             pinned += h
     pipe = _pipeline(placement, n, s, cuda)
-    own = n if engine.root_store else s
-    disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * own[i] for i, t in enumerate(placement))
+    disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * s[i] for i, t in enumerate(placement))
             for m in MODES}
     return Memory(gpu_state=gpu, gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0, host=host + pipe,
                   pinned=pinned + (pipe if cuda else 0), disk=disk)
@@ -350,22 +341,14 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
 def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout, *, disk_free: int | None, host_available: int,
                 gpu_total: int | None, where: str, engine: Engine = ENGINES["engine"]) -> list[Check]:
     """Fit checks for one rank and for the R ranks sharing its host: GPU memory per rank, host
-    RAM and the stores' disk for the host's ranks together (the engine's one store: rank 0's)
-    (``None``: skipped)."""
+    RAM and the stores' disk for the host's ranks together (``None``: skipped)."""
     r, desc = lay.ranks_per_host, pl.describe(placement)
     more_hosts = f"spread the ranks over more hosts (--nodes {lay.nodes * 2})" if r > 1 else "use hosts with more"
     checks = []
-    if disk_free is not None and engine.root_store:
-        modes = [m for m in MODES if m != "none"]  # the other ranks start from rank 0's step-0 commit
-        fits = [m for m in modes if mem.disk[m] <= disk_free]
-        alts = ", ".join(f"{m} {_size(mem.disk[m])}" for m in modes)
-        fix = (f"rank 0 writes the whole store, every rank's shards gathered (needs by mode: {alts}); "
-               + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ")
-               + "free disk space, or put the store on a larger disk")
-        checks.append(Check(f"disk ({where}; rank 0's store)", mem.disk[cfg.durability], disk_free, fix))
-    elif disk_free is not None:
-        fits = [m for m in MODES if r * mem.disk[m] <= disk_free]
-        alts = ", ".join(f"{m} {_size(r * mem.disk[m])}" for m in MODES)
+    if disk_free is not None:
+        modes = [m for m in MODES if m != "none" or engine.durability_none]
+        fits = [m for m in modes if r * mem.disk[m] <= disk_free]
+        alts = ", ".join(f"{m} {_size(r * mem.disk[m])}" for m in modes)
         fix = (f"{r} rank(s) of this host keep their shards' generations on it (needs by mode: {alts}); "
                + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ") + f"free disk space, or {more_hosts}"
                + (" disk" if r == 1 else ""))
@@ -458,17 +441,16 @@ class DistPlan:
                    f"disk {per_tier['disk'] / 1e9:.3f}B params (each rank holds 1/{w} of their state)"
                    + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
-        root = self.engine.root_store
-        disk_host = m.disk[cfg.durability] if root else r * m.disk[cfg.durability]
+        disk_host = r * m.disk[cfg.durability]
         out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}); per host ({r} ranks): host RAM "
-                   f"{_size(r * m.host)}; disk {_size(disk_host)} " + ("(rank 0's store, " if root else "(per host, ")
+                   f"{_size(r * m.host)}; disk {_size(disk_host)} " + "(per host, "
                    + f"durability {cfg.durability})")
         for mode in MODES:
-            need = m.disk[mode] if root else r * m.disk[mode]
+            need = r * m.disk[mode]
             fit = "fits" if need <= pr.disk_free_bytes else "DOES NOT FIT"
-            if root and mode == "none":
-                fit = "not possible on several ranks (they start from rank 0's step-0 commit)"
-            what = "on rank 0's host" if root else f"per host ({_size(m.disk[mode])} per rank)"
+            if mode == "none" and not self.engine.durability_none:
+                fit = "not possible on several ranks (they start from the step-0 commit)"
+            what = f"per host ({_size(m.disk[mode])} per rank)"
             out.append(f"  durability {mode:7s} needs {_size(need):>11s} {what}: {fit} in {_size(pr.disk_free_bytes)} free"
                        + ("  <- chosen" if mode == cfg.durability else ""))
         out += [f"fit: {c.line()}" for c in self.checks]
@@ -481,7 +463,7 @@ class DistPlan:
         for k, v in st.stages().items():
             out.append(f"  {k:40s} {v * 1e3:10,.1f} ms busy per step")
         per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
-        who = "rank 0 (it writes the store)" if root else f"each rank (x {r} per host)"
+        who = f"each rank (x {r} per host)"
         out.append(f"disk writes by {who}: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day")
         return out
 
@@ -489,8 +471,9 @@ class DistPlan:
 def _dist_for(shape: ModelShape, lay: Layout, prof: MachineProfile, engine: Engine) -> tuple[RankDist, list[str]]:
     link, assumed = link_for(prof, lay, engine)
     shards = shard_numels(shape.numels, lay.world_size)
-    return RankDist(lay.world_size, lay.ranks_per_host, shards, engine.device_collectives and lay.backend == "nccl", link,
-                    prof.host_memory_gbps, commit_numels=shape.numels if engine.root_store else shards), assumed
+    reduce_scatter = engine.host_reduce_scatter or (engine.device_collectives and lay.backend == "nccl")
+    return RankDist(lay.world_size, lay.ranks_per_host, shards, reduce_scatter, link,
+                    prof.host_memory_gbps), assumed
 
 
 def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *, nodes: int = 1, program: Program | None = None,
@@ -504,13 +487,13 @@ def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *
     if world_size == 1:
         return make_plan(cfg, profile, program=program, shape=shape)
     cfg.validate()
-    if eng.root_store and cfg.durability == "none":
+    if not eng.durability_none and cfg.durability == "none":
         raise ConfigError("durability 'none' cannot run on several ranks: the other ranks start from rank 0's step-0 commit; "
                           "use --durability weights or full")
     if shape is None:
         shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[compute_bytes(cfg, profile)], program=program)
     rcfg = _rank_cfg(cfg, world_size)
-    rprof = rank_profile(profile, lay, eng)
+    rprof = rank_profile(profile, lay)
     placement, gpu_update = rank_placement(rcfg, shape, rprof, world_size, eng)
     cuda = profile.accelerator == "cuda"
     mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda, engine=eng)

@@ -11,7 +11,6 @@ from mtc.cli import main
 from mtc.config import TrainConfig
 from mtc.costmodel import adamw_rate, model_shape, step_time
 from mtc.dist_plan import (
-    ENGINES,
     DistPlan,
     Layout,
     Link,
@@ -73,13 +72,12 @@ def test_ranks_divide_the_state(shape, engine):
     for w, nodes in ((2, 1), (4, 2), (8, 4)):
         p = make_dist_plan(cfg, prof, w, nodes=nodes, shape=shape, engine=engine)
         s = shard_numels(shape.numels, w)
-        if engine == "engine":  # rank 0 gathers the shards into the one single-process store
-            assert p.memory.disk == one.memory.disk
-            # host RAM per rank: 12 B (master, m, v) of the shard + the whole gradient (gloo all-reduces it) and bf16 copy
+        # a store per rank: each keeps both generations of its shards
+        assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
+        assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
+        if engine == "engine":  # host RAM per rank: 12 B of the shard + the whole gradient (it crosses to the host) and bf16 copy
             assert p.memory.host == sum(12 * si + (4 + c) * n for si, n in zip(s, shape.numels, strict=True))
-        else:  # a store per rank; NCCL reduce-scatters on the GPU, so only the gradient's shard comes to the host
-            assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
-            assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
+        else:  # NCCL reduce-scatters on the GPU, so only the gradient's shard comes to the host
             assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
         # the rank's CPU AdamW updates its shard only; ranks on separate hosts each have a whole host's rate
         assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * p.layout.ranks_per_host / w, rel=0.01)
@@ -88,7 +86,7 @@ def test_ranks_divide_the_state(shape, engine):
 def test_the_engine_shards_only_the_ram_tier(shape):
     prof = builtin("8x-h100")
     auto = make_dist_plan(CFG, prof, 8, shape=shape)
-    assert set(auto.placement) == {"ram"} and auto.gpu_update == set() and not auto.dist.reduce_scatter
+    assert set(auto.placement) == {"ram"} and auto.gpu_update == set() and auto.dist.reduce_scatter  # gloo, on the host
     with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):
         make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape)
     with pytest.raises(ConfigError, match="durability 'none' cannot run on several ranks"):
@@ -112,11 +110,11 @@ def test_ranks_on_one_host_share_its_cpu(shape):
     assert rank_profile(prof, Layout.of(2, 1, prof)).both_gbps == prof.both_gbps / 2
     # CPU ranks split the cores; compute measured with 16 threads runs slower on 8
     cpu = _cpu_host()
-    r = rank_profile(cpu, Layout.of(2, 1, cpu), ENGINES["design"])
+    r = rank_profile(cpu, Layout.of(2, 1, cpu))
     assert r.cores == 8 and r.compute_threads == 8 and r.other_scale_fwd == 2 * cpu.other_scale_fwd
     assert r.store_write_gbps == cpu.store_write_gbps / 2 and r.host_available_bytes == cpu.host_available_bytes // 2
-    # the engine's one store: rank 0 writes it alone, at the disk's whole rate
-    assert rank_profile(cpu, Layout.of(2, 1, cpu), ENGINES["engine"]).store_write_gbps == cpu.store_write_gbps
+    # a store per rank: the ranks of a host share its disk
+    assert rank_profile(cpu, Layout.of(2, 1, cpu)).store_write_gbps == cpu.store_write_gbps / 2
 
 
 def test_scaling_names_the_shared_resource_that_limits_it():
@@ -147,17 +145,17 @@ def test_collective_bytes_follow_the_ring_formula(shape):
     busy = sum(link.seconds("reduce_scatter", 4 * 4 * s, 4) + link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert p.step.stages()["collectives"] == pytest.approx(busy)
-    # the engine (gloo in host memory, no reduce-scatter): the gradient is all-reduced, 2(N-1)/N of it
+    # the engine (gloo in host memory): the whole gradient crosses to the host, gloo reduce-scatters it
     g = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
-    assert g.collective_bytes()["gradient all-reduce (fp32)"] == pytest.approx(1.5 * 4 * padded)
+    assert g.collective_bytes()["gradient reduce-scatter (fp32)"] == pytest.approx(0.75 * 4 * padded)
     assert g.dist.link.gbps == 2.0 and "gloo" in g.dist.link.name  # loopback gloo is slower than the network here
-    busy = sum(g.dist.link.seconds("all_reduce", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
+    busy = sum(g.dist.link.seconds("reduce_scatter", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert g.step.stages()["collectives"] == pytest.approx(busy)
     one_host = make_dist_plan(CFG, dataclasses.replace(prof, gloo_gbps=0.7), 2, nodes=1, shape=shape)
     assert one_host.dist.link.gbps == 0.7 and not any("loopback" in a for a in one_host.assumed)  # `mtc calibrate` measured it
     c = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
-    assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient all-reduce (fp32)"
+    assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient reduce-scatter (fp32)"
 
 
 def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
@@ -167,7 +165,8 @@ def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
     need = {c.what.split(" (")[0]: c.need for c in one}
     need2 = {c.what.split(" (")[0]: c.need for c in two}
     assert need2["host RAM"] == 2 * need["host RAM"]  # two ranks of one host: their RAM adds up
-    assert need2["disk"] == need["disk"] and need2["GPU memory per rank"] == need["GPU memory per rank"]
+    # a store per rank: two ranks of one host keep their shards' generations on its disk
+    assert need2["disk"] == 2 * need["disk"] and need2["GPU memory per rank"] == need["GPU memory per rank"]
     mem = rank_memory(dataclasses.replace(CFG, grad_accum=4), shape, placement, 2, cuda=True)
     assert need["disk"] == mem.disk["full"] and need["host RAM"] == mem.host
     # `mtc train`'s preflight under torchrun: a RAM budget that holds one rank's shards, not the whole state
@@ -188,10 +187,11 @@ def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ConfigError, match="this run does not fit: host RAM"):  # one process holds all of it
         check_fit(cfg, program, placement, set(), tmp_path / "store", new_run=True)
-    # the engine's one store: rank 0's disk holds all of it, however many ranks share the host
+    # a store per rank: the two ranks of this host keep their shards' generations on its disk (the
+    # whole store between them, plus padding), so a disk one byte short of the whole store is short
     monkeypatch.setenv(DISK_FREE_ENV, str(need["disk"] - 1))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"this run does not fit: disk .*rank 0's store"):
+    with pytest.raises(ConfigError, match=r"this run does not fit: disk .*2 rank\(s\) x"):
         check_fit(dataclasses.replace(cfg, ram_budget_gb=None), program, placement, set(), tmp_path / "store", new_run=True)
 
 
