@@ -148,9 +148,18 @@ def _run_child(fn: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(fn, args, q))
     p.start()
-    try:
-        out = q.get(timeout=max(60.0, timeout))
-    except Exception:  # noqa: BLE001 -- a hung or killed child (e.g. by the memory limit): say so
+    end = time.monotonic() + max(60.0, timeout)
+    out: dict[str, Any] | None = None
+    while out is None and time.monotonic() < end:
+        try:
+            out = q.get(timeout=2.0)
+        except Exception:  # noqa: BLE001 -- queue.Empty: look whether the child still lives
+            if not p.is_alive():  # died without a result (e.g. the memory group's OOM killer): no point waiting
+                try:
+                    out = q.get(timeout=1.0)  # unless its result was still in the pipe
+                except Exception:  # noqa: BLE001
+                    break
+    if out is None:
         p.join(timeout=5)
         out = {"error": f"{fn}: no result within the time limit or the child died (exit code {p.exitcode}; "
                         "-9: killed, e.g. by the memory group's OOM killer)"}
