@@ -37,6 +37,7 @@ output buffers overwritten at each replay) so the CPU tests exercise every rule 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -121,10 +122,10 @@ class CudaGraphCapture:
             with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn(*args)
         except BaseException:
-            try:  # leave the device usable for the eager fallback
+            # leave the device usable for the eager fallback; a second error from the sync would only
+            # hide the capture's own, which is what the fallback reports
+            with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
-            except RuntimeError:
-                pass
             raise
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
