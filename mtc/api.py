@@ -72,13 +72,13 @@ def save_plan(program: Program, path: str | os.PathLike[str], *, factory: str | 
     return _save_with_record(program, path, fpath or user_model.CUSTOM)
 
 
-def _save_with_record(program: Program, path: str | os.PathLike[str], model: str) -> Path:
+def _save_with_record(program: Program, path: str | os.PathLike[str], model: str, **kernel_fields: str) -> Path:
     from mtc.plan import save_plan as _save
 
     out = _save(program, path)
     b, t = program.batch["ids"].shape
     fields = {"model": model, "model_overrides": {}, "micro_batch_size": b, "seq_len": t,
-              "compute_dtype": _traced_dtype(program)}
+              "compute_dtype": _traced_dtype(program), **kernel_fields}
     user_model.write_model_record(out, fields, program)
     return out
 
@@ -249,19 +249,24 @@ def compile(
     batch_size: int = 1,
     seq_len: int = 128,
     dtype: str | None = None,
+    matmul_fusion: str = "auto",
 ) -> Compiled:
     """Trace ``model`` (unless it is a traced `Program`) at (batch_size, seq_len) and generate its fused
     kernels into the plan directory ``path``; `mtc train --plan` and ``mtc.train(plan=...)`` run it.
 
     A factory or import path is built on the meta device (no weights allocated) and recorded, so
     new runs can start from the plan; ``dtype`` is the compute dtype ('float32' or 'bfloat16';
-    default: the model's). The returned `Compiled` holds the report the CLI prints.
+    default: the model's); ``matmul_fusion``: 'auto' (fuse norms / activations into matmuls where
+    that times faster on CUDA), 'on' or 'off', recorded in the plan. The returned `Compiled` holds
+    the report the CLI prints.
     """
     from mtc.compiler import compile_program, write_report
     from mtc.tracer import trace
 
     if dtype is not None and dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if matmul_fusion not in ("auto", "on", "off"):
+        raise ConfigError(f"matmul_fusion must be 'auto', 'on' or 'off', got {matmul_fusion!r}")
     factory: str | None = None
     if isinstance(model, Program):
         program = model
@@ -281,6 +286,6 @@ def compile(
         program = trace(_at_dtype(inst, want), batch_size, seq_len,
                         name=model if isinstance(model, str) else type(inst).__name__)
     preset = isinstance(model, str) and factory is None
-    out = _save_with_record(program, path, model if preset else factory or user_model.CUSTOM)
-    compiled = compile_program(program, out / "kernels")
+    out = _save_with_record(program, path, model if preset else factory or user_model.CUSTOM, matmul_fusion=matmul_fusion)
+    compiled = compile_program(program, out / "kernels", matmul_fusion=matmul_fusion)
     return Compiled(out, program, write_report(program, compiled, out))

@@ -37,6 +37,7 @@ _TRAIN_FLAGS = (
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
     "dist_timeout_s",
+    "matmul_fusion",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -381,14 +382,15 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     from mtc.tracer import trace
     from mtc.train import build_model
 
-    cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
+    cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype,
+                      matmul_fusion=a.matmul_fusion)
     cfg.validate()
     model = build_model(cfg, device="meta")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
     out = Path(a.output)
     save_plan(program, out)
     save_plan_model(out, cfg.to_dict())
-    compiled = compile_program(program, out / "kernels")
+    compiled = compile_program(program, out / "kernels", matmul_fusion=cfg.matmul_fusion)
     print(write_report(program, compiled, out))
     print(f"plan and kernels written to {out}")
     return 0
@@ -501,7 +503,8 @@ def _cmd_compile_user_model(a: argparse.Namespace) -> int:
 
     if a.factory is not None and a.model is not None:
         raise ConfigError(f"give the model once: the preset {a.model!r} or --model {a.factory}, not both")
-    res = compile_model(a.factory or a.model, a.output, batch_size=a.micro_batch_size, seq_len=a.seq_len, dtype=a.dtype)
+    res = compile_model(a.factory or a.model, a.output, batch_size=a.micro_batch_size, seq_len=a.seq_len, dtype=a.dtype,
+                        matmul_fusion=a.matmul_fusion)
     print(res.report)
     print(f"plan and kernels written to {res.path} (train it: mtc train --plan {res.path} --store RUN --data FILE)")
     return 0
@@ -660,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, default=128)
     c.add_argument("--micro-batch-size", type=int, default=1)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--matmul-fusion", default="auto", choices=["auto", "on", "off"],
+                   help="fuse norms / activations / residual adds into matmuls: auto (where faster, timed per shape on "
+                   "CUDA; never on the CPU), on, off")
     c.set_defaults(fn=_cmd_compile)
 
     im = sub.add_parser("import", help="import a Hugging Face checkpoint (Llama, Mistral, Qwen2, GPT-2) into a new store, streamed")

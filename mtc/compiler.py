@@ -337,7 +337,8 @@ def _mtc_version() -> str:
         return "unknown"
 
 
-def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = ()) -> dict[str, str]:
+def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
+                  matmul_fusion: str = "auto") -> dict[str, str]:
     """What a compiled template depends on; a stored one whose key differs is recompiled."""
     import triton
 
@@ -349,7 +350,7 @@ def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool
         "device": _capability(),
         "shapes": " ".join("x".join(map(str, i.spec.shape)) or "scalar" for i in t.inputs),
         "dtypes": " ".join(i.spec.dtype for i in t.inputs),
-        "options": f"attention={attention} grad_aux={''.join('1' if g else '0' for g in grad_aux)}",
+        "options": f"attention={attention} grad_aux={''.join('1' if g else '0' for g in grad_aux)} matmul_fusion={matmul_fusion}",
     }
 
 
@@ -414,17 +415,18 @@ def aux_param_dependence(program: Program) -> tuple[bool, ...]:
 
 
 def compile_program(
-    program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = _stderr
+    program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = _stderr,
+    matmul_fusion: str = "auto",
 ) -> dict[str, CompiledTemplate]:
     """Every template of ``program`` compiled: loaded from ``cache_dir`` where a stored record's
     key matches, compiled (and stored) otherwise. A stored template that is stale gets one line
-    through ``log`` saying which and why."""
+    through ``log`` saying which and why. ``attention`` and ``matmul_fusion``: see `compile_template`."""
     cache_dir = Path(cache_dir)
     grad_aux = aux_param_dependence(program)
     records = cache_dir / RECORDS
     out: dict[str, CompiledTemplate] = {}
     for tid, t in program.templates.items():
-        key = staleness_key(t, attention=attention, grad_aux=grad_aux)
+        key = staleness_key(t, attention=attention, grad_aux=grad_aux, matmul_fusion=matmul_fusion)
         path = records / f"{tid}.json"
         why = None
         if path.is_file():
@@ -441,7 +443,7 @@ def compile_program(
                 why = f"its stored record cannot be loaded ({type(e).__name__}: {str(e)[:120]})"
             if log is not None:
                 log(f"recompiling template {tid}: stale ({why})")
-        ct = compile_template(t, cache_dir, attention=attention, grad_aux=grad_aux)
+        ct = compile_template(t, cache_dir, attention=attention, grad_aux=grad_aux, matmul_fusion=matmul_fusion)
         records.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(_record(ct, key)))

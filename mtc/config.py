@@ -234,6 +234,12 @@ class TrainConfig:
     # layer call); a graph that cannot be captured runs eagerly and the run says why.
     cuda_graphs: str = field("auto", choices=("auto", "off"),
                              help="replay compiled layers as CUDA graphs: auto (fused plans on CUDA) or off")
+    # Fused plans: a matmul absorbs the norm before it and the activation / residual add after it
+    # (kernels/matmul_fusion.py) where that times faster than cuBLAS + a separate kernel (auto: per
+    # shape, on CUDA; never on the CPU); 'on' fuses wherever the pattern matches, 'off' nowhere.
+    matmul_fusion: str = field("auto", choices=("auto", "on", "off"),
+                               help="fuse norms / activations / residual adds into matmuls: auto (where faster, timed "
+                               "per shape on CUDA), on, off; part of the compiled plan (mtc compile --matmul-fusion)")
     # torchrun launches: every collective gives up after this long, so a dead rank stops the others
     dist_timeout_s: float = field(60.0, gt=0, help="data-parallel runs: seconds a collective waits for the other ranks "
                                   "before the run fails")

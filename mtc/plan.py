@@ -19,13 +19,15 @@ from mtc.errors import PlanError
 from mtc.graphs.program import Program
 from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
 
-__all__ = ["PLAN_MODEL_FIELDS", "load_plan", "load_plan_model", "save_plan", "save_plan_model"]
+__all__ = ["PLAN_KERNEL_FIELDS", "PLAN_MODEL_FIELDS", "load_plan", "load_plan_model", "save_plan", "save_plan_model"]
 
 PROGRAM_FILE = "program.json"
 CONSTANTS_FILE = "constants.safetensors"
 MODEL_FILE = "model.json"
 # the TrainConfig fields a traced program depends on
 PLAN_MODEL_FIELDS = ("model", "model_overrides", "micro_batch_size", "seq_len", "compute_dtype")
+# the TrainConfig fields its compiled kernels depend on (optional: plans written before them lack them)
+PLAN_KERNEL_FIELDS = ("matmul_fusion",)
 
 
 def save_plan(program: Program, path: str | Path) -> Path:
@@ -70,7 +72,8 @@ def save_plan_model(path: str | Path, fields: dict) -> None:
     missing = [k for k in PLAN_MODEL_FIELDS if k not in fields]
     if missing:
         raise PlanError(f"plan model record lacks {', '.join(missing)}")
-    Path(path, MODEL_FILE).write_text(json.dumps({k: fields[k] for k in PLAN_MODEL_FIELDS}, indent=1))
+    doc = {k: fields[k] for k in PLAN_MODEL_FIELDS} | {k: fields[k] for k in PLAN_KERNEL_FIELDS if k in fields}
+    Path(path, MODEL_FILE).write_text(json.dumps(doc, indent=1))
 
 
 def load_plan_model(path: str | Path) -> dict:

@@ -162,7 +162,8 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s")
+                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
+                     "matmul_fusion")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -720,7 +721,7 @@ def _compile(cfg: TrainConfig, program: Program, st: TensorStore, *, private: bo
         if cache.is_dir():
             shutil.copytree(cache, own, dirs_exist_ok=True)
         cache = own
-    return compile_program(program, cache)
+    return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion)
 
 
 def _model_vocab(program: Program) -> int:

@@ -145,9 +145,9 @@ def check_params_match(model: nn.Module, program: Program, where: str) -> None:
 
 def write_model_record(plan_dir: str | Path, fields: dict[str, Any], program: Program) -> None:
     """Write ``model.json`` into ``plan_dir``: the traced-for config fields, factory and fingerprint."""
-    from mtc.plan import PLAN_MODEL_FIELDS
+    from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS
 
-    doc = {k: fields[k] for k in PLAN_MODEL_FIELDS}
+    doc = {k: fields[k] for k in PLAN_MODEL_FIELDS} | {k: fields[k] for k in PLAN_KERNEL_FIELDS if k in fields}
     doc["factory"] = fields["model"] if is_factory_path(str(fields["model"])) else None
     doc["program_sha256"] = program_fingerprint(program)
     Path(plan_dir, MODEL_FILE).write_text(json.dumps(doc, indent=1))
@@ -165,12 +165,13 @@ def read_model_record(plan_dir: str | Path) -> dict[str, Any] | None:
 
 
 def plan_train_fields(plan_dir: str | Path) -> dict[str, Any]:
-    """The TrainConfig fields a plan fixes (model, model_overrides, micro-batch shape, compute dtype).
+    """The TrainConfig fields a plan fixes (model, model_overrides, micro-batch shape, compute dtype,
+    and the kernel options it was compiled with, where recorded).
 
     From its ``model.json`` (`mtc compile`, `mtc.save_plan(..., factory=...)`), or, for a plan
     saved from Python without one, read off the program: ``model = "custom"`` and the traced shape.
     """
-    from mtc.plan import PLAN_MODEL_FIELDS, PROGRAM_FILE, load_plan
+    from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, load_plan
 
     if not Path(plan_dir, PROGRAM_FILE).is_file():
         raise PlanError(f"{plan_dir} is not a plan directory (no {PROGRAM_FILE}); create one with `mtc compile` or mtc.save_plan")
@@ -179,7 +180,7 @@ def plan_train_fields(plan_dir: str | Path) -> dict[str, Any]:
         missing = [k for k in PLAN_MODEL_FIELDS if k not in rec]
         if missing:
             raise PlanError(f"{Path(plan_dir, MODEL_FILE)} lacks {', '.join(missing)}; recompile the plan")
-        return {k: rec[k] for k in PLAN_MODEL_FIELDS}
+        return {k: rec[k] for k in PLAN_MODEL_FIELDS} | {k: rec[k] for k in PLAN_KERNEL_FIELDS if k in rec}
     program = load_plan(plan_dir)
     b, t = program.batch["ids"].shape
     dtype = str(program.meta.get("param_dtype", "float32"))

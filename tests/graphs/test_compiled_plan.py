@@ -104,3 +104,7 @@ def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, 
     counted.clear()
     compile_program(prog, tmp_path, log=msgs.append)  # rewritten with the current key: fresh again
     assert counted == [] and len(msgs) == 1
+    # the matmul-fusion mode is part of the key: another mode recompiles every template, saying so
+    compile_program(prog, tmp_path, log=msgs.append, matmul_fusion="off")
+    assert sorted(counted) == sorted(prog.templates)
+    assert all("matmul_fusion=auto" in m and m.endswith("matmul_fusion=off)") for m in msgs[1:]) and len(msgs) == 1 + len(prog.templates)

@@ -95,12 +95,16 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
     from mtc.data import write_token_file
 
     plan = tmp_path / "plan"
-    assert main(["compile", "tiny", "-o", str(plan), "--seq-len", "16", "--micro-batch-size", "2"]) == 0
-    assert json.loads((plan / "model.json").read_text())["seq_len"] == 16
+    assert main(["compile", "tiny", "-o", str(plan), "--seq-len", "16", "--micro-batch-size", "2", "--matmul-fusion", "off"]) == 0
+    rec = json.loads((plan / "model.json").read_text())
+    assert rec["seq_len"] == 16 and rec["matmul_fusion"] == "off"
     tok = write_token_file(tmp_path / "t.bin", np.arange(3000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
     common = ["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "2"]
     assert main([*common, "--seq-len", "32"]) == 2
     assert "compiled for seq_len=16" in capsys.readouterr().err
+    # kernel options are part of the plan: train takes the plan's (no recompile below), another is refused
+    assert main([*common, "--matmul-fusion", "on"]) == 2
+    assert "compiled for matmul_fusion=off" in capsys.readouterr().err
     kdir = next(p for p in (plan / "kernels").iterdir() if p.name != "compiled")
     made = {p.name for p in kdir.glob("*.py")}
     compiled: list[str] = []
