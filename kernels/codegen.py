@@ -413,7 +413,8 @@ class FusedKernel:
             # wide rows: more warps, so each thread holds a few dozen values and nothing spills
             warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
         else:
-            block = 1024 if dev.type == "cuda" else 256
+            # the CPU interpreter pays per program: small tensors keep several (block edges tested)
+            block = 1024 if dev.type == "cuda" else (256 if numel <= 4096 else 8192)
             grid = (triton_cdiv(numel, block),)
             warps = 4
         ins = [x if x.dim() else x.reshape(1) for x in inputs]
