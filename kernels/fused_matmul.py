@@ -18,9 +18,12 @@
 ``(pre, post) = (norm(a) @ b + bias, residual + act(pre))``. Training graphs save the
 pre-activation for the backward (GELU's and SiLU's derivatives read it), so the matmul writes it
 anyway; unfused, a separate activation kernel then reads it back and writes ``post``. Fused, the
-epilogue stores both from registers and that read goes away: M x N elements per site and
-joint-graph call (the backward visit recomputes the layer), e.g. at 8192 tokens in bf16 GPT-2
-small's c_fc (N = 3072) 48 MiB, Llama-8B's gate projection (N = 14336) 224 MiB (twice that in fp32).
+epilogue stores both from registers and that read goes away (and a launch): M x N elements per
+site and joint-graph call (the backward visit recomputes the layer), e.g. 8192 tokens through
+GPT-2 small's c_fc (N = 3072): 48 MiB in bf16, 96 MiB in fp32. It pays only where ``post`` is
+written anyway (GPT-2's GELU feeds c_proj, a matmul). Llama's gated SiLU is not such a site: only
+the gating multiply's generated kernel reads it, computing it on the fly from the gate, so
+fusing it would add a write of M x N (8192 x 14336 for Llama-8B: 224 MiB in bf16), not save one.
 
 Accumulation is fp32 (``tl.dot``); fp32 operands multiply in IEEE fp32 unless torch allows TF32.
 The ops appear only in lowered graphs (kernels/matmul_fusion.py puts them there), forward and
