@@ -169,6 +169,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         vname = ("mtc_fused" if mode == "flash" else "mtc_fused_sdpa") + ("" if mm == "auto" else f"_mm_{mm}")
         mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
                            "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
+                           "joint_pre": ct.backward_report.hand_tuned.get("fused_mm_pre", 0),
                            "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)}}
         choices = cache / cache_key() / CHOICES
         if mm == "auto" and choices.is_file():

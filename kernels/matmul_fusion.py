@@ -4,10 +4,15 @@ them, where the fused Triton matmul (kernels/fused_matmul.py) beats cuBLAS + a s
 A *site* is an ``mm`` or ``addmm`` (bias) of a lowered graph, its output seen through a view as
 (..., N), and what it can absorb:
 
-* epilogue: an activation (``gelu``, tanh-``gelu``, ``silu``, ``relu``) that is the output's only
-  user, then a residual ``add`` of a same-shape tensor that is the previous value's only user
-  (values with other users, e.g. a pre-activation the backward reads, stay in memory and keep
-  their op outside);
+* epilogue: an activation (``gelu``, tanh-``gelu``, ``silu`` (also as lowered,
+  ``x * sigmoid(x)``), ``relu``) of the output whose result is written to memory anyway (a matmul
+  or another op no generated kernel absorbs reads it: GPT-2's GELU feeding c_proj, not Llama's
+  SiLU, which only the gating multiply's generated kernel reads and computes on the fly), then a
+  residual ``add`` of a same-shape tensor that is the previous value's only user. Where the
+  product has users besides its activation (a pre-activation the backward reads: joint graphs),
+  the site becomes ``mtc::fused_mm_pre``, which writes the product for those users and the
+  activation's result for the others (a residual is then taken only if it is computed before
+  the product);
 * prologue: an operand is ``view(xn)`` where ``xn = ((x - mean) * rstd) [cast] * w [+ b]`` is a
   LayerNorm or RMSNorm with per-row ``mean`` / ``rstd``: the A operand of the matmuls the norm
   feeds, and in joint graphs the B operand of their weight gradients (``dy^T @ xn``); taken only
@@ -25,12 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from mtc.graphs.partition import classify
+from mtc.kernels.codegen import FUSIBLE
 from mtc.kernels.tuning import cuda_bench_ms
 from torch import fx
 
@@ -77,6 +85,7 @@ class Site:
     last: fx.Node | None = None
     prologue: Prologue | None = None
     prologue_on: str = "a"  # which operand is the normalised one ('b': a weight gradient dy^T @ xn)
+    pre: fx.Node | None = None  # the product (mm or its view) when users besides the activation read it
 
     def key(self) -> str:
         """What the timing choice depends on: shapes, dtypes and which parts are fused."""
@@ -85,7 +94,8 @@ class Site:
         norm = "none" if p is None else (("layer" if p.mean is not None else "rms") + ("+round" if p.round_norm else "")
                                          + ("@b" if self.prologue_on == "b" else ""))
         return (f"M{a.shape[0]} K{a.shape[1]} N{b.shape[1]} {str(b.dtype).removeprefix('torch.')} norm={norm} "
-                f"bias={self.bias is not None} act={self.act} residual={self.residual is not None}")
+                f"bias={self.bias is not None} act={self.act} residual={self.residual is not None}"
+                + (" pre=True" if self.pre is not None else ""))
 
 
 def _vec(n: object, k: int) -> bool:
@@ -154,29 +164,71 @@ def _act_of(n: fx.Node) -> str | None:
     return _ACTS.get(n.target)
 
 
-def _epilogue(site: Site) -> None:
-    """Extend ``site`` over a view, an activation and a residual add that only it feeds."""
+def _activation(out: fx.Node) -> tuple[str, fx.Node, set[fx.Node]] | None:
+    """The one activation among ``out``'s users: (its name, the node holding its result, the users
+    of ``out`` that compute it), or None. SiLU also as lowered, ``out * sigmoid(out)``."""
+    found = []
+    for u in out.users:
+        if _call(u, aten.gelu.default, *_ACTS) and u.args[0] is out and _act_of(u):
+            found.append((_act_of(u), u, {u}))
+        elif _call(u, aten.sigmoid.default) and u.args[0] is out and not u.kwargs:
+            m = _single_user(u)
+            if _call(m, aten.mul.Tensor) and not m.kwargs and len(m.args) == 2 and set(m.args) == {out, u}:
+                found.append(("silu", m, {u, m}))
+    if len(found) != 1:
+        return None
+    vo, va = _val(out), _val(found[0][1])
+    if vo is None or va is None or va.shape != vo.shape or va.dtype != vo.dtype:
+        return None  # a promoting or broadcasting pattern: not what the epilogue computes
+    return found[0]
+
+
+def _materialised(n: fx.Node) -> bool:
+    """Whether fusion groups would write ``n``'s value to memory: a user (through views) that a
+    generated kernel cannot absorb (a matmul, attention, an op left to ATen, the graph's output).
+    Otherwise the consumers' generated kernel computes ``n`` on the fly from its inputs."""
+    for u in n.users:
+        kind = classify(u, FUSIBLE)
+        if kind == "view" and _materialised(u) or kind not in ("view", "fusible"):
+            return True
+    return False
+
+
+def _epilogue(site: Site, order: dict[fx.Node, int]) -> None:
+    """Extend ``site`` over a view, an activation and a residual add that only it feeds
+    (``order``: the graph's node positions)."""
     out = site.mm
     nxt = _single_user(out)
     if _call(nxt, aten.view.default, aten._unsafe_view.default):
         out = nxt
-    site.last = out
-    nxt = _single_user(out)
-    if _call(nxt, *(aten.gelu.default, *_ACTS)) and _act_of(nxt):
-        site.act, site.last = _act_of(nxt), nxt
-        out = nxt
+    site.last = product = out
+    hit = _activation(out)
+    if hit is not None:
+        site.act, site.last, computes = hit
+        if set(out.users) - computes:
+            site.pre = out  # read elsewhere too (the backward): the fused op writes it as well
+        out = site.last
     nxt = _single_user(out)
     if _call(nxt, aten.add.Tensor) and not nxt.kwargs and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is out else nxt.args[0]
         vo, vr = _val(out), _val(other)
+        # with the product written for other users, the fused op goes where the product was: the
+        # residual must exist by then (it might even depend on the product otherwise)
+        before = site.pre is None or (isinstance(other, fx.Node) and order[other] < order[site.pre])
         if (other is not out and vr is not None and vo is not None and vr.shape == vo.shape and vr.dtype == vo.dtype
-                and vr.is_contiguous() and _val(nxt).dtype == vo.dtype):
+                and vr.is_contiguous() and _val(nxt).dtype == vo.dtype and before):
             site.residual, site.last = other, nxt
+    if site.act != "none" and not _materialised(site.last):
+        # an activation (and residual) only generated kernels read is computed there on the fly:
+        # moving it into the matmul saves no bytes (and, the product being read elsewhere too,
+        # writes one more tensor): the site stays a plain matmul
+        site.act, site.pre, site.residual, site.last = "none", None, None, product
 
 
 def find_sites(graph: fx.Graph) -> list[Site]:
     """Every fusable matmul of ``graph`` with its epilogue and (where its norm allows) prologue."""
     sites: list[Site] = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for n in graph.nodes:
         if _call(n, aten.mm.default):
             a, b, bias = n.args[0], n.args[1], None
@@ -188,7 +240,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
         if va is None or vb is None or va.dtype != vb.dtype or not va.dtype.is_floating_point:
             continue
         site = Site(n, a, b, bias)
-        _epilogue(site)
+        _epilogue(site, order)
         sites.append(site)
     # prologues: a norm whose every user is, through a (rows, K) view, an operand of sites: the A
     # operand of the matmuls it feeds, the B operand of the weight gradients (dy^T @ xn) in joint graphs
@@ -222,16 +274,20 @@ def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.normal_() if v.dtype.is_floating_point else t.zero_()
 
 
-def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], torch.Tensor], Callable[[], object], Callable[[], torch.Tensor]]:
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], Outputs], Callable[[], object], Callable[[], Outputs]]:
     """(fused, unfused, reference) launches of ``site`` on random inputs of its shapes.
 
-    fused: the Triton kernel. unfused: what the graph runs without it, by memory traffic: the norm's
-    row kernel writing the normalised tensor (a copy of x: the statistics pass both sides share is
-    left out), cuBLAS (with its bias), then one elementwise pass reading the product (and the
-    residual) and writing the result, as the generated kernel after the matmul would.
+    fused: the Triton kernel (writing the product too where ``site.pre`` is read elsewhere).
+    unfused: what the graph runs without it, by memory traffic: the norm's row kernel writing the
+    normalised tensor (a copy of x: the statistics pass both sides share is left out), cuBLAS (with
+    its bias; it writes the product, pre-activation or not), then one elementwise pass reading the
+    product (and the residual) and writing the result, as the generated kernel after the matmul would.
     """
     import torch.nn.functional as F
-    from mtc.kernels.fused_matmul import fused_mm, fused_mm_ref
+    from mtc.kernels.fused_matmul import fused_mm, fused_mm_pre, fused_mm_pre_ref, fused_mm_ref
 
     a2 = _random(_val(site.a), device)
     b = _random(_val(site.b), device)
@@ -255,11 +311,13 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], torch.Ten
                 kw[name] = _random(_val(node), device)
     round_norm = bool(p and p.round_norm)
 
-    def fused() -> torch.Tensor:
-        return fused_mm(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
+    kernel, ref = (fused_mm_pre, fused_mm_pre_ref) if site.pre is not None else (fused_mm, fused_mm_ref)
 
-    def reference() -> torch.Tensor:
-        return fused_mm_ref(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
+    def fused() -> Outputs:
+        return kernel(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
+
+    def reference() -> Outputs:
+        return ref(a2, b, act=site.act, round_norm=round_norm, norm_on_b=on_b, **kw)
 
     raw = b if on_b else a2
     xn = torch.empty(raw.shape, dtype=b.dtype, device=device) if p is not None else raw
@@ -300,7 +358,7 @@ class Choices:
             err: float | None = None
             tf: float | None = None
             try:
-                got, want = fused().float(), reference().float()
+                got, want = _flat_float(fused()), _flat_float(reference())
                 err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
                 if err <= _tolerance(want.device, _val(site.b).dtype):
                     tf = self.bench(fused)
@@ -324,6 +382,11 @@ class Choices:
         tmp.replace(self.path)
 
 
+def _flat_float(out: Outputs) -> torch.Tensor:
+    """All of a launch's outputs as one fp32 vector (the error is judged over pre and post together)."""
+    return torch.cat([t.float().reshape(-1) for t in (out if isinstance(out, tuple) else (out,))])
+
+
 def _tolerance(device: torch.device, dtype: torch.dtype) -> float:
     """Relative (norm) error a fused matmul may show against its reference: products rounded to
     half precision, TF32 where torch allows it, plain fp32 otherwise."""
@@ -339,33 +402,52 @@ def _view(graph: fx.Graph, n: fx.Node, shape: list[int]) -> fx.Node:
 
 
 def _rewrite(graph: fx.Graph, site: Site, with_prologue: bool, moved: dict[fx.Node, fx.Node]) -> None:
-    """Put one ``mtc::fused_mm`` call where ``site.last`` was; ``moved`` maps the values earlier
-    rewrites replaced to their new nodes (sites were found before any rewrite)."""
-    import mtc.kernels.fused_matmul  # noqa: F401  (registers mtc::fused_mm)
+    """Put one ``mtc::fused_mm`` call where ``site.last`` was (``mtc::fused_mm_pre`` right after the
+    product, where ``site.pre`` has other users: they read its first output); ``moved`` maps the
+    values earlier rewrites replaced to their new nodes (sites were found before any rewrite)."""
+    import mtc.kernels.fused_matmul  # noqa: F401  (registers mtc::fused_mm, mtc::fused_mm_pre)
 
     def now(n: fx.Node | None) -> fx.Node | None:
         return moved.get(n, n) if n is not None else None
+
+    def shaped(n: fx.Node, like: fx.Node) -> fx.Node:
+        shape = tuple(_val(like).shape)
+        return _view(graph, n, list(shape)) if shape != (M, N) else n
 
     va, vb = _val(site.a), _val(site.b)
     M, N = va.shape[0], vb.shape[1]
     p = site.prologue if with_prologue else None
     on_b = p is not None and site.prologue_on == "b"
-    with graph.inserting_before(site.last):
+    # the product's other users may come before the activation: the call then goes before them all
+    # (its inputs, the residual included (see _epilogue), are computed before the product)
+    where = site.last if site.pre is None else site.pre.next
+    with graph.inserting_before(where):
         a = _view(graph, now(p.x), list(va.shape)) if p is not None and not on_b else now(site.a)
         b = _view(graph, now(p.x), list(vb.shape)) if on_b else now(site.b)
         res = _view(graph, now(site.residual), [M, N]) if site.residual is not None else None
         norm = tuple(map(now, (p.mean, p.rstd, p.w, p.b))) if p is not None else (None, None, None, None)
-        call = graph.call_function(torch.ops.mtc.fused_mm.default,
-                                   (a, b, now(site.bias), res, *norm, site.act, bool(p and p.round_norm), on_b))
-        call.meta["val"] = torch.empty((M, N), dtype=vb.dtype, device="meta")
-        out = _view(graph, call, list(_val(site.last).shape)) if tuple(_val(site.last).shape) != (M, N) else call
+        args = (a, b, now(site.bias), res, *norm, site.act, bool(p and p.round_norm), on_b)
+        if site.pre is None:
+            call = graph.call_function(torch.ops.mtc.fused_mm.default, args)
+            call.meta["val"] = torch.empty((M, N), dtype=vb.dtype, device="meta")
+            out = shaped(call, site.last)
+        else:
+            call = graph.call_function(torch.ops.mtc.fused_mm_pre.default, args)
+            call.meta["val"] = tuple(torch.empty((M, N), dtype=vb.dtype, device="meta") for _ in range(2))
+            pre, post = (graph.call_function(operator.getitem, (call, i)) for i in range(2))
+            pre.meta["val"], post.meta["val"] = call.meta["val"]
+            pre, out = shaped(pre, site.pre), shaped(post, site.last)
     site.last.replace_all_uses_with(out)
     moved[site.last] = out
+    if site.pre is not None:
+        site.pre.replace_all_uses_with(pre)  # the activation's own nodes are dead by now
+        moved[site.pre] = pre
 
 
 def fuse_matmuls(graph: fx.Graph, mode: str = "auto", cache: Path | None = None,
                  device: torch.device | None = None, choices: Choices | None = None) -> list[str]:
-    """Rewrite the sites of ``graph`` that are worth fusing into ``mtc::fused_mm``; returns a line
+    """Rewrite the sites of ``graph`` that are worth fusing into ``mtc::fused_mm`` (or
+    ``mtc::fused_mm_pre``, where the pre-activation is read elsewhere too); returns a line
     per fused site (its key). ``mode``: 'auto' (time on CUDA, nothing on the CPU), 'on', 'off'.
     ``choices`` (tests) replaces the timing cache, and then 'auto' consults it on any device."""
     if mode not in MODES:

@@ -19,6 +19,7 @@ from mtc.tracer import trace
 from tests.graphs.compiled import check_compiled
 
 FUSED = "mtc.fused_mm.default"
+FUSED_PRE = "mtc.fused_mm_pre.default"
 
 
 def _block(name):
@@ -39,8 +40,13 @@ def _gpt2_fwd_graph():
     return copy.deepcopy(_gpt2_forward()).graph
 
 
-def _fused_calls(graph):
-    return [n for n in graph.nodes if str(n.target) == FUSED]
+@functools.cache
+def _gpt2_joint():
+    return joint_graph(_block("gpt2-tiny")[2])[0]
+
+
+def _fused_calls(graph, *which):
+    return [n for n in graph.nodes if str(n.target) in (which or (FUSED, FUSED_PRE))]
 
 
 def test_sites_in_gpt2_and_llama_blocks():
@@ -59,6 +65,9 @@ def test_sites_in_gpt2_and_llama_blocks():
     jg = joint_graph(t)[0].graph
     joint = find_sites(jg)
     assert sorted(s.prologue_on for s in joint if s.prologue) == ["a"] * 5 + ["b"] * 5
+    # the gated SiLU is read only by the gating multiply's generated kernel, which computes it on
+    # the fly: the gate matmul keeps it out (absorbing it would only add a write)
+    assert not any(s.act != "none" or s.pre is not None for s in fwd + joint)
     normalised = {s.prologue.xn for s in joint if s.prologue}
     assert len(fuse_matmuls(jg, "on")) == sum(1 for s in joint if s.prologue or s.act != "none" or s.residual)
     assert not normalised & set(jg.nodes)  # fused away: nothing computes the normalised tensors any more
@@ -71,6 +80,9 @@ def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
     model, prog, t = _block(name)
     ct = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path / "on", matmul_fusion="on")
     assert _fused_calls(ct.forward_graph) and _fused_calls(ct.joint_graph)
+    # GPT-2's c_fc + GELU in the joint graph: one kernel writes the pre-activation (the backward
+    # reads it) and the GELU (c_proj reads it); the gradients above match ATen through it
+    assert len(_fused_calls(ct.joint_graph, FUSED_PRE)) == (name == "gpt2-tiny")
     if name == "tiny":  # the launch proxy needs a second compile: only in the slow case
         off = compile_template(t, tmp_path / "off", matmul_fusion="off")
         assert not _fused_calls(off.forward_graph)
@@ -79,6 +91,10 @@ def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
     # a stored plan keeps the fused matmuls (op name, None and string arguments round-trip)
     loaded = compiler._load_record(json.loads(json.dumps(compiler._record(ct, {}))), tmp_path / "on" / compiler.cache_key())
     assert len(_fused_calls(loaded.forward_graph)) == len(_fused_calls(ct.forward_graph))
+    def calls(g):  # every call with its arguments, fused kernels by name (running them is slow here)
+        return [(getattr(n.target, "__name__", str(n.target)), [str(a) for a in n.args]) for n in g.nodes]
+
+    assert calls(loaded.joint_graph) == calls(ct.joint_graph)  # mtc::fused_mm_pre and its outputs included
 
 
 def test_auto_fuses_nothing_on_the_cpu(tmp_path):
@@ -143,3 +159,76 @@ def test_a_fused_kernel_that_disagrees_keeps_cublas(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="disagrees with its reference"):
         assert not choices.fused(site, torch.device("cpu"))
     assert choices.known[site.key()]["fused_ms"] is None and choices.known[site.key()]["rel_err"] > 1e-2
+
+
+def test_pre_activation_site_in_the_gpt2_joint_graph(tmp_path):
+    g = copy.deepcopy(_gpt2_joint()).graph
+    sites = [s for s in find_sites(g) if s.pre is not None]
+    # c_fc + tanh-GELU; its product also feeds the GELU's derivative in the backward
+    assert [(s.act, s.bias is not None, s.residual is None) for s in sites] == [("gelu_tanh", True, True)]
+    assert sites[0].key().endswith(" pre=True") and len(sites[0].pre.users) > 1
+    # the timing choice runs both sides for such a site: the fused kernel (both outputs checked
+    # against the reference) and cuBLAS + the separate activation; cuBLAS winning keeps the GELU
+    cpu = torch.device("cpu")
+    slow = Choices(tmp_path, bench=lambda fn: 1.0 if fn.__name__ == "unfused" else 2.0)
+    assert not slow.fused(sites[0], cpu)
+    assert slow.known[sites[0].key()]["rel_err"] < 1e-5 and slow.known[sites[0].key()]["fused_ms"] == 2.0
+    assert all(s.pre is None for s in find_sites(_gpt2_fwd_graph()))  # inference forward: nothing else reads it
+    fuse_matmuls(g, "on")
+    (call,) = _fused_calls(g, FUSED_PRE)
+    assert not any(str(n.target) == "aten.gelu.default" for n in g.nodes)
+    pre, post = sorted(call.users, key=lambda n: n.args[1])
+
+    def readers(n):  # the ops reading n, seen through views
+        return {r for u in n.users for r in (readers(u) if str(u.target).startswith("aten.view") else [u])}
+
+    # c_proj (fused with its residual) and its weight gradient
+    assert {str(r.target) for r in readers(post)} == {FUSED, "aten.mm.default"}
+    assert {str(r.target) for r in readers(pre)} <= {"aten.mul.Tensor", "aten.add.Tensor"}  # GELU's derivative
+
+
+def _traced(fn, *shapes):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    xs = [torch.randn(*s) for s in shapes]
+    return make_fx(fn, tracing_mode="fake")(*xs), xs
+
+
+def _sig_mlp(x, w1, w2, r):
+    h = torch.mm(x, w1)
+    a = h * torch.sigmoid(h)  # SiLU as lowering writes it
+    return torch.mm(a, w2), h * 2.0
+
+
+def _res_before(x, w1, w2, r):
+    r2 = r * 3.0  # computed before the product: the fused op can take it
+    h = torch.mm(x, w1)
+    y = torch.nn.functional.gelu(h) + r2
+    return torch.mm(y, w2), h.sum(0)
+
+
+def _res_after(x, w1, w2, r):
+    h = torch.mm(x, w1)
+    # the "residual" depends on the product itself: not taken (the fused op would need its own
+    # output), and then the GELU, read only by the add's generated kernel, stays out too
+    y = torch.nn.functional.gelu(h) + h * r
+    return torch.mm(y, w2), h - 1.0
+
+
+def _pointwise_only(x, w1, w2, r):
+    h = torch.mm(x, w1)
+    return torch.nn.functional.gelu(h) * r, h + 1.0  # the GELU feeds only a generated kernel
+
+
+@pytest.mark.parametrize("fn,act,residual", [(_sig_mlp, "silu", False), (_res_before, "gelu", True),
+                                             (_res_after, "none", False), (_pointwise_only, "none", False)])
+def test_pre_sites_in_small_graphs_keep_their_values(fn, act, residual):
+    gm, xs = _traced(fn, (6, 5), (5, 7), (7, 3), (6, 7))
+    want = gm(*xs)
+    site = find_sites(gm.graph)[0]  # the first matmul (a second one reads its activation)
+    assert (site.act, site.residual is not None, site.pre is not None) == (act, residual, act != "none")
+    fuse_matmuls(gm.graph, "on")
+    gm.recompile()
+    assert len(_fused_calls(gm.graph, FUSED_PRE)) == (act != "none")
+    for a, b in zip(gm(*xs), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
