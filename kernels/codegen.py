@@ -413,8 +413,9 @@ class FusedKernel:
             # wide rows: more warps, so each thread holds a few dozen values and nothing spills
             warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
         else:
-            # the CPU interpreter pays per program: small tensors keep several (block edges tested)
-            block = 1024 if dev.type == "cuda" else (256 if numel <= 4096 else 8192)
+            # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
+            # edge and a masked tail stay tested), each one vectorised numpy op
+            block = 1024 if dev.type == "cuda" else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
             grid = (triton_cdiv(numel, block),)
             warps = 4
         ins = [x if x.dim() else x.reshape(1) for x in inputs]
