@@ -37,6 +37,7 @@ _TRAIN_FLAGS = (
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
     "dist_timeout_s",
+    "dp_collectives",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 

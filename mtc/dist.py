@@ -15,7 +15,10 @@ Process groups. Collectives are issued from two threads, each with a fixed order
 on every rank: the training thread (the step's target count, loss and squared norms: ``sync``)
 and the data-parallel comm thread (gradient reductions, all-gathers, state gathers: ``comm``,
 see `mtc.runtime.collectives`). One group per thread: two threads must never interleave
-collectives on one group, or ranks could pair different operations.
+collectives on one group, or ranks could pair different operations. The comm thread uses
+``comm`` (gloo, host tensors) on the host path and ``device`` on the device path
+(`device_collectives`): NCCL on CUDA, gloo on the CPU device, so that the CPU tests run the very
+code path a GPU run takes.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from mtc.errors import ConfigError
 
 __all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
+           "data_parallel_placement", "device_collectives", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ class _Groups:
     comm: object  # the comm thread's collectives
     startup: object  # the wait for rank 0's store (long timeout: it may write step 0 of a large model)
     commit: object = None  # the writer thread's global commit protocol (mtc.shards.committer)
+    device: object = None  # the comm thread's collectives on device tensors (NCCL on CUDA, gloo on the CPU device)
 
 
 _GROUPS: _Groups | None = None
@@ -143,6 +147,8 @@ def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
         comm=dist.new_group(backend="gloo", timeout=timeout),
         startup=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)),
         commit=dist.new_group(backend="gloo", timeout=timeout),
+        # NCCL creates its communicator at the first collective: nothing is paid on the host path
+        device=dist.new_group(backend="nccl" if cuda else "gloo", timeout=timeout),
     )
     _pin_cpus(world)
     return world
@@ -186,29 +192,52 @@ def check_launch(cfg: object, world: World, store_dir: object) -> None:
                           "step-0 commit; use durability 'weights' or 'full'")
 
 
+def device_collectives(cfg: object) -> bool:
+    """Whether a data-parallel run reduces and gathers on the device (`mtc.runtime.device_comm`):
+    config field ``dp_collectives``: ``device`` always (gloo on the CPU device), ``host`` never,
+    ``auto`` on CUDA when this torch has NCCL."""
+    mode, cuda = cfg.dp_collectives, str(cfg.device).startswith("cuda")
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    if mode == "device" and cuda and not nccl:
+        raise ConfigError("config field dp_collectives is 'device' but this torch build has no NCCL for CUDA tensors; "
+                          "install a CUDA build of torch, or pass --dp-collectives host")
+    return mode == "device" or (mode == "auto" and cuda and nccl)
+
+
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
                             program: object) -> tuple[list[str], set[int]]:
-    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM,
-    updated by the CPU; an explicit one must do so too (`check_placement`). One rank: unchanged."""
+    """The placement of a data-parallel run (one rank: unchanged). ``auto``: with device
+    collectives, the layers the single-process plan keeps on the GPU stay there (sharded, a gpu
+    layer needs less of the GPU than it did whole: 12 B/param of state become 12/N), every other
+    layer is sharded in host RAM; on the host path every layer is in RAM. No GPU updates of ram
+    layers. An explicit placement is checked (`check_placement`)."""
     if not world.distributed:
         return placement, gpu_update
+    device = device_collectives(cfg)
     if cfg.placement.strip() == "auto":
-        placement = ["ram"] * len(placement)
+        placement = ["gpu" if t == "gpu" and device else "ram" for t in placement]
     if cfg.gpu_update.strip() == "auto":
         gpu_update = set()
-    check_placement(world, placement, gpu_update, program)
+    check_placement(world, placement, gpu_update, program, device=device)
     return placement, gpu_update
 
 
-def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object) -> None:
-    """Data-parallel runs shard ram-tier state only (for now): refuse gpu and disk tiers and GPU updates."""
+def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object, *,
+                    device: bool = False) -> None:
+    """Data-parallel runs shard ram-tier state, and gpu-tier state with device collectives
+    (``device``): refuse the other tiers and GPU updates of ram layers."""
     if not world.distributed:
         return
-    other = sorted({t for i, t in enumerate(placement) if t != "ram" and program.layer_numel(i)})
+    allowed = {"ram", "gpu"} if device else {"ram"}
+    other = sorted({t for i, t in enumerate(placement) if t not in allowed and program.layer_numel(i)})
+    if other == ["gpu"]:
+        raise ConfigError("placement puts layers in gpu, which a data-parallel run shards only with device collectives "
+                          "(dp_collectives device, or auto on CUDA with NCCL); pass --dp-collectives device or --placement ram")
     if other or gpu_update:
         what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
-        raise ConfigError(f"a data-parallel run keeps every layer's state sharded in host RAM, but the {what}; pass "
-                          "--placement ram and --gpu-update none (gpu and disk tiers are not sharded yet)")
+        tiers = "ram and gpu" if device else "ram"
+        raise ConfigError(f"a data-parallel run shards the {tiers} tiers only, but the {what}; pass --placement ram "
+                          "and --gpu-update none (disk tiers and GPU updates of ram layers are not sharded yet)")
 
 
 def open_follower(cfg: object, store_dir: object) -> object:
@@ -241,16 +270,20 @@ def root_ready(world: World) -> None:
         collective("the start barrier", torch.distributed.barrier, group=groups().startup)
 
 
-def attach(engine: object, tiers: object, world: World, shard_store: object = None) -> None:
+def attach(engine: object, tiers: object, world: World, shard_store: object = None, *, device: bool = False) -> None:
     """Wire the data-parallel collectives into a built engine (optimizer and executor hooks);
-    ``shard_store``: this rank's store of its state shard (`mtc.shards`)."""
+    ``shard_store``: this rank's store of its state shard (`mtc.shards`); ``device``: reduce and
+    gather on the device (`device_collectives`)."""
     from mtc.runtime.collectives import DataParallel
 
     g = groups()
-    dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm)
+    dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm,
+                      device_group=g.device if device else None, copies=engine.copies)
     dp.shard_store = shard_store
     engine.optimizer.dp = dp
     engine.executor.reduce_count = dp.reduce_count
+    if device:  # the executor hands each final gradient slab to the device reduce-scatter
+        engine.executor.reduce_grad = dp.reduce_on_device
 
 
 def agree(flag: bool) -> bool:

@@ -162,7 +162,8 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s")
+                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
+                     "dp_collectives")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -513,7 +514,7 @@ def train(
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if world.distributed:
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
-            _dist.attach(eng, tiers, world, shard_st)
+            _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
         disk_layers = any(t == "disk" for t in placement)

@@ -73,6 +73,9 @@ class LayerState:
     # only it (padded to the common shard size), `compute` the whole layer (all-gathered), `grad`
     # the whole layer's gradient (reduced over the ranks); see mtc.runtime.collectives
     shard: tuple[int, int] | None = None
+    # data parallel, gpu tier: the all-gather of this step's updated shards into `compute` (on the
+    # comm stream); the compute stream waits for it before a visit reads the resident copy
+    gathered: Transfer | None = None
 
 
 class StateTiers:
@@ -108,6 +111,8 @@ class StateTiers:
 
     def _allocate(self, i: int, tier: str, n: int, nd: int) -> LayerState:
         fp32_compute = self.compute_dtype == STATE_DTYPE
+        if tier == "gpu" and self.world_size > 1:
+            return self._allocate_gpu_shard(i, n, nd)
         if tier == "gpu":
             master = torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
             m, v = torch.zeros_like(master), torch.zeros_like(master)
@@ -132,9 +137,23 @@ class StateTiers:
         """A ram layer of a data-parallel run: this rank's shard of the state, the whole compute copy."""
         per = -(-n // self.world_size)
         lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
-        master, m, v = (self._host(per, STATE_DTYPE, pinned=False) for _ in range(3))
+        fp32_compute = self.compute_dtype == STATE_DTYPE
+        # fp32: the master shard itself crosses to the device for the device all-gather, so it is pinned
+        master = self._host(per, STATE_DTYPE, pinned=fp32_compute)
+        m, v = (self._host(per, STATE_DTYPE, pinned=False) for _ in range(2))
         compute = self._host(per * self.world_size, self.compute_dtype, pinned=True)  # every rank's shard, padded
         return LayerState(i, "ram", n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True), shard=(lo, hi))
+
+    def _allocate_gpu_shard(self, i: int, n: int, nd: int) -> LayerState:
+        """A gpu layer of a data-parallel run: this rank's shard of master, m, v on the device, the
+        whole compute copy and gradient there too, both padded to ``world`` equal shards (what the
+        device reduce-scatter reads and the all-gather writes; the views cover the layer)."""
+        per = -(-n // self.world_size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        master, m, v = (torch.zeros(per, dtype=STATE_DTYPE, device=self.device) for _ in range(3))
+        compute = torch.zeros(per * self.world_size, dtype=self.compute_dtype, device=self.device)
+        grad = torch.zeros(per * self.world_size, dtype=STATE_DTYPE, device=self.device)[:n]
+        return LayerState(i, "gpu", n, nd, master, m, v, compute, grad, shard=(lo, hi))
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
