@@ -9,7 +9,10 @@ of one host (affinity and torch's thread count), so the host-side AdamW of N ran
 oversubscribe the cores.
 
 Without torchrun (no ``WORLD_SIZE``, or 1) the world has one rank, no process group is created and
-nothing here costs anything: the trainer runs today's single-process path.
+nothing here costs anything: the trainer runs today's single-process path. ``MTC_DP_ONE_RANK=1``
+with one rank under torchrun runs the data-parallel engine anyway (a process group of one, shard
+stores, the collectives): to measure its overhead over the plain path, and to check the NCCL
+device path on a machine with one GPU.
 
 Process groups. Collectives are issued from two threads, each with a fixed order that is the same
 on every rank: the training thread (the step's target count, loss and squared norms: ``sync``)
@@ -33,7 +36,7 @@ import torch
 from mtc.errors import ConfigError
 
 __all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "device_collectives", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
+           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,11 +47,13 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    force: bool = False  # one rank that runs the data-parallel engine anyway (MTC_DP_ONE_RANK=1)
 
     @property
     def distributed(self) -> bool:
-        """Whether more than one rank takes part (a process group exists once `init_world` ran)."""
-        return self.world_size > 1
+        """Whether the data-parallel engine runs: more than one rank, or one forced to (a process
+        group exists once `init_world` ran)."""
+        return self.world_size > 1 or self.force
 
     @property
     def is_root(self) -> bool:
@@ -88,7 +93,8 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size or local_size > size:
         raise ConfigError(f"inconsistent launch environment: RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local_rank} "
                           f"LOCAL_WORLD_SIZE={local_size}; launch with `torchrun --nproc-per-node N -m mtc train ...`")
-    return World(rank, size, local_rank, local_size)
+    force = size == 1 and env.get("MTC_DP_ONE_RANK", "") == "1" and "MASTER_ADDR" in env
+    return World(rank, size, local_rank, local_size, force)
 
 
 def current_world() -> World:
@@ -204,18 +210,34 @@ def device_collectives(cfg: object) -> bool:
     return mode == "device" or (mode == "auto" and cuda and nccl)
 
 
+def gpu_shard_bytes(numel: int, world_size: int, compute_bytes: int) -> int:
+    """GPU bytes a gpu-tier layer of ``numel`` parameters takes on each of ``world_size`` ranks
+    (`StateTiers` and `DataParallel` allocate them): the shard's master, m, v and reduced gradient
+    (16 B per shard element, and its compute-dtype copy when that is not fp32), the whole gradient
+    and compute copy (padded to ``world_size`` shards)."""
+    per = -(-numel // world_size)
+    return 16 * per + (compute_bytes * per if compute_bytes != 4 else 0) + (4 + compute_bytes) * per * world_size
+
+
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
-                            program: object) -> tuple[list[str], set[int]]:
-    """The placement of a data-parallel run (one rank: unchanged). ``auto``: with device
-    collectives, the layers the single-process plan keeps on the GPU stay there (sharded, a gpu
-    layer needs less of the GPU than it did whole: 12 B/param of state become 12/N), every other
-    layer is sharded in host RAM; on the host path every layer is in RAM. No GPU updates of ram
-    layers. An explicit placement is checked (`check_placement`)."""
+                            program: object, *, gpu_bytes: int | None = None) -> tuple[list[str], set[int]]:
+    """The placement of a data-parallel run (one rank: unchanged). ``auto`` with device
+    collectives on CUDA: in forward order, a layer goes to the gpu tier while its per-rank bytes
+    (`gpu_shard_bytes`: the state is sharded, the gradient and compute copy are whole) fit in
+    what is left of this rank's GPU budget ``gpu_bytes``, else its shard is kept in host RAM;
+    otherwise every layer is sharded in host RAM. No GPU updates of ram layers. An explicit
+    placement is checked (`check_placement`)."""
     if not world.distributed:
         return placement, gpu_update
     device = device_collectives(cfg)
     if cfg.placement.strip() == "auto":
-        placement = ["gpu" if t == "gpu" and device else "ram" for t in placement]
+        left, cbytes = gpu_bytes or 0, torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+        placement = []
+        for i in range(program.n_layers):
+            need = gpu_shard_bytes(program.layer_numel(i), world.world_size, cbytes)
+            fits = device and gpu_bytes is not None and need <= left
+            left -= need if fits else 0
+            placement.append("gpu" if fits else "ram")
     if cfg.gpu_update.strip() == "auto":
         gpu_update = set()
     check_placement(world, placement, gpu_update, program, device=device)

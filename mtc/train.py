@@ -460,13 +460,15 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program)
+        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
+                                                              gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
                                      disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
-                           spill_grads=spill, rank=world.rank, world_size=world.world_size)
+                           spill_grads=spill, rank=world.rank, world_size=world.world_size,
+                           sharded=world.distributed)
         durable = cfg.durability != "none"
         shard_st = None
         if world.distributed:  # each rank's shard in its own store, one global commit (mtc.shards)

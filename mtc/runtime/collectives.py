@@ -34,6 +34,7 @@ sequence; the training thread's own collectives use a separate group (`mtc.dist`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -175,7 +176,10 @@ class DataParallel:
         self._scr_c = torch.zeros(big, dtype=cdt, device=dev)
         self._scr_full = torch.zeros(big * W, dtype=cdt, device=dev)
         self._sq = torch.zeros(max(1, self.tiers.program.n_layers), dtype=torch.float32, device=dev)
-        self._staging: dict[int, list[torch.Tensor]] = {}  # gpu layers: pinned host copies of the shard for commits
+        # gpu layers: pinned host copies of the shard for commits (two sets), the set used last, each set's last write
+        self._staging: dict[int, list[list[torch.Tensor]]] = {}
+        self._stage_next: dict[int, int] = {}
+        self._stage_write: dict[tuple[int, int], Future[None]] = {}
 
     # -- the training thread's collectives -----------------------------------------------------
 
@@ -329,16 +333,26 @@ class DataParallel:
         else:
             s.update = _done()
         if kinds:
-            stage = self._staging.get(i)
-            if stage is None:
+            # two staging sets per layer, alternating between commits: the store reads a set in
+            # place until its write ends, so a set is refilled only once the write of two commits
+            # ago has ended (long since, in practice: the wait is a guard, not a stall)
+            sets = self._staging.setdefault(i, [])
+            j = self._stage_next[i] = 1 - self._stage_next.get(i, 1)
+            if len(sets) <= j:
                 pin = self.tiers.device.type == "cuda"
-                stage = self._staging[i] = [torch.zeros(k, dtype=torch.float32, pin_memory=pin) for _ in range(3)]
+                sets.append([torch.zeros(k, dtype=torch.float32, pin_memory=pin) for _ in range(3)])
+            stage = sets[j]
+            last = self._stage_write.get((i, j))
+            if last is not None:
+                with contextlib.suppress(Exception):  # a failed write is reported by its own commit
+                    last.result()
             staged = self.copies.d2h(list(zip(stage, (s.master[:k], s.m[:k], s.v[:k]), strict=True)), after=self.copies.marker(),
                                      layer=i, stage="stage_out")
             s.last_read = staged  # the next update waits for it (ordered on the compute stream)
             s.write = Future()
             self._comm.submit(self._shard_write, opt, i, staged, dict(zip(("master", "m", "v"), stage, strict=True)), kinds,
                               gen, prev_commit, tstep, s.write)
+            self._stage_write[(i, j)] = s.write
             writes.append(s.write)
 
     def _all_gather_gpu(self, i: int, after: Marker, fut: Future) -> None:

@@ -85,7 +85,7 @@ class StateTiers:
 
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
                  streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, sharded: bool | None = None) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         if disk_compute not in DISK_COMPUTE:
@@ -100,6 +100,8 @@ class StateTiers:
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
         self.rank, self.world_size = rank, world_size  # > 1: ram layers keep only this rank's shard of master, m, v
+        # (also at world size 1 when the data-parallel engine is forced there: `mtc.dist.World.force`)
+        self.sharded = world_size > 1 if sharded is None else sharded
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
@@ -111,7 +113,7 @@ class StateTiers:
 
     def _allocate(self, i: int, tier: str, n: int, nd: int) -> LayerState:
         fp32_compute = self.compute_dtype == STATE_DTYPE
-        if tier == "gpu" and self.world_size > 1:
+        if tier == "gpu" and self.sharded:
             return self._allocate_gpu_shard(i, n, nd)
         if tier == "gpu":
             master = torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
@@ -119,7 +121,7 @@ class StateTiers:
             compute = master if fp32_compute else torch.zeros(n, dtype=self.compute_dtype, device=self.device)
             grad = torch.zeros_like(master)
             return LayerState(i, tier, n, nd, master, m, v, compute, grad)
-        if tier == "ram" and self.world_size > 1:
+        if tier == "ram" and self.sharded:
             return self._allocate_shard(i, n, nd)
         if tier == "ram":
             # the master itself is the PCIe source in fp32 compute, so it is the pinned buffer then
