@@ -4,32 +4,50 @@ Every rank streams the same layers over its own micro-batches (`mtc.train` split
 global batch contiguously by rank). Each layer's flat fp32 state of ``n`` elements is split into
 ``world`` contiguous shards of ``S = ceil(n / world)`` (the last ones shorter, possibly empty):
 rank ``r`` owns ``[r*S, min((r+1)*S, n))`` of the master weights, Adam's m and v, and updates only
-that range. Per layer and step:
+that range. Two paths move the gradients and weights (config field ``dp_collectives``,
+`mtc.dist.device_collectives`):
 
-1. backward: once the layer's gradient is final and copied to its host buffer, the comm thread
-   reduce-scatters it over the ranks, so each rank receives the sum of its shard only (gloo gained
-   reduce-scatter in recent torch; where it is missing, an all-reduce, each rank reading its
-   shard), and takes the squared norm of that shard. The layer loop never waits for it.
+- device (CUDA with NCCL by default; gloo on the CPU device when forced, so the CPU tests run this
+  very code): the executor hands each layer's final summed gradient (its slab, or a gpu layer's
+  own buffer) to `reduce_on_device`; the comm thread reduce-scatters it on the comm stream
+  (`mtc.runtime.device_comm`) into a device shard, takes the shard's squared norm there and, for
+  a ``ram`` layer, copies only the shard (1/N) to the host. The slab goes back to the executor's
+  ring once the collective has read it. ``gpu`` layers keep their shard of master, m, v on the
+  device and are updated there (the device AdamW), ``ram`` layers on the host; then the updated
+  compute-dtype shards are all-gathered on the device: into the gpu layer's resident compute copy,
+  or, for a ram layer, into the host compute copy the next fetch reads (see `_init_device` for
+  why there and the PCIe bytes). ``gpu_update`` (ram layers updated on the GPU) is not sharded.
+- host (``dp_collectives host``; ram tier only): the gradient's copy to its host buffer, then gloo
+  reduce-scatters it in host memory on the comm thread and all-gathers the updated shards there.
+
+Per layer and step, either way:
+
+1. backward: once the layer's gradient is final, the comm thread reduce-scatters it over the
+   ranks, so each rank receives the sum of its shard only (gloo gained reduce-scatter in recent
+   torch; where it is missing, an all-reduce, each rank reading its shard), and takes the
+   squared norm of that shard. The layer loop does not wait for it.
 2. `finish_step`: one all-reduce of [loss share, sum of squared shard norms] on the training thread
    gives the step's loss and the exact global gradient norm, so clipping is the single-process
    clipping (up to the reduction order).
-3. the host AdamW updates this rank's shard, writing its compute-dtype copy, and the comm thread
-   all-gathers the shards into every rank's full compute copy; the layer's next fetch waits for
-   that (`LayerState.update` completes after the all-gather).
-4. on a commit step the comm thread writes the layer's updated master, m and v shards into this
-   rank's own shard store (its stale generation, once the last global commit has landed); once
-   every layer is written the writer thread runs the global commit protocol of `mtc.shards`
-   (per-rank record, agreement of all ranks, rank 0's global record, barrier).
+3. the update of this rank's shard writes its compute-dtype copy, and the comm thread all-gathers
+   the shards into every rank's full compute copy; the layer's next fetch waits for that
+   (`LayerState.update`, and for a resident gpu layer `LayerState.gathered`).
+4. on a commit step the commit thread writes the layer's updated master, m and v shards (a gpu
+   layer's through pinned staging) into this rank's own shard store (its stale generation, once
+   the last global commit has landed); once every layer is written it runs the global commit
+   protocol of `mtc.shards` (per-rank record, agreement of all ranks, rank 0's global record,
+   barrier).
 
 Store layout: one shard store per rank (``RUN/ranks/rank-R-of-N/``) and one global commit record in
 the run directory, which names each shard's digest (see `mtc.shards`): commit I/O is spread over
 the ranks, nothing is gathered to rank 0, a missing or stale shard is refused on resume, and
-``mtc reshard`` rewrites the state for another world size. Only ``ram``-tier placements are
-supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
+``mtc reshard`` rewrites the state for another world size (the stored arrays are the same for a
+gpu or a ram layer). The ``disk`` tier is refused with more than one rank.
 
 All collectives of the comm thread are enqueued by the training thread in a fixed order (the
 executor's finalisation order, then `finish_step`'s forward order), so every rank issues the same
-sequence; the training thread's own collectives use a separate group (`mtc.dist`).
+sequence on one group (``comm`` on the host path, ``device`` on the device path); the training
+thread's own collectives use a separate group (`mtc.dist`).
 """
 
 from __future__ import annotations
@@ -300,7 +318,9 @@ class DataParallel:
             if kinds:
                 s.write = Future()
                 src = {"master": s.master, "m": s.m, "v": s.v}
-                self._comm.submit(self._shard_write, opt, i, upd, src, kinds, write_generation, prev_commit, step, s.write)
+                # on the commit thread: it waits for the update and the last commit, which must not hold
+                # up the comm thread's collectives (the next step's reductions queue behind them)
+                opt._writer.submit(self._shard_write, opt, i, upd, src, kinds, write_generation, prev_commit, step, s.write)
                 writes.append(s.write)
         if commit is not None:
             opt.commit_future = opt._writer.submit(self._commit_all, opt, writes, commit, write_generation, step)
@@ -350,7 +370,7 @@ class DataParallel:
                                      layer=i, stage="stage_out")
             s.last_read = staged  # the next update waits for it (ordered on the compute stream)
             s.write = Future()
-            self._comm.submit(self._shard_write, opt, i, staged, dict(zip(("master", "m", "v"), stage, strict=True)), kinds,
+            opt._writer.submit(self._shard_write, opt, i, staged, dict(zip(("master", "m", "v"), stage, strict=True)), kinds,
                               gen, prev_commit, tstep, s.write)
             self._stage_write[(i, j)] = s.write
             writes.append(s.write)
