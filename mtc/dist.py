@@ -238,7 +238,7 @@ def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu
             fits = device and gpu_bytes is not None and need <= left
             left -= need if fits else 0
             placement.append("gpu" if fits else "ram")
-    if cfg.gpu_update.strip() == "auto":
+    if cfg.gpu_update.strip() == "auto":  # the host's cores update the shards: 1/N of the work each
         gpu_update = set()
     check_placement(world, placement, gpu_update, program, device=device)
     return placement, gpu_update
@@ -246,8 +246,8 @@ def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu
 
 def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object, *,
                     device: bool = False) -> None:
-    """Data-parallel runs shard ram-tier state, and gpu-tier state with device collectives
-    (``device``): refuse the other tiers and GPU updates of ram layers."""
+    """Data-parallel runs shard ram-tier state, and with device collectives (``device``) gpu-tier
+    state and GPU updates of ram layers (``gpu_update``): refuse the rest."""
     if not world.distributed:
         return
     allowed = {"ram", "gpu"} if device else {"ram"}
@@ -255,11 +255,13 @@ def check_placement(world: World, placement: list[str], gpu_update: set[int], pr
     if other == ["gpu"]:
         raise ConfigError("placement puts layers in gpu, which a data-parallel run shards only with device collectives "
                           "(dp_collectives device, or auto on CUDA with NCCL); pass --dp-collectives device or --placement ram")
-    if other or gpu_update:
+    if other or (gpu_update and not device):
         what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
         tiers = "ram and gpu" if device else "ram"
+        fix = ("disk tiers are not sharded yet" if device else
+               "GPU updates of ram layers need device collectives: --dp-collectives device, or auto on CUDA with NCCL")
         raise ConfigError(f"a data-parallel run shards the {tiers} tiers only, but the {what}; pass --placement ram "
-                          "and --gpu-update none (disk tiers and GPU updates of ram layers are not sharded yet)")
+                          f"and --gpu-update none ({fix})")
 
 
 def open_follower(cfg: object, store_dir: object) -> object:

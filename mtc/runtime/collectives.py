@@ -301,6 +301,7 @@ class DataParallel:
         writes: list[Future[None]] = []
         prev_commit = opt.commit_future
         kinds = state_kinds("ram", opt.durability) if commit is not None else ()
+        streamed: list[tuple[int, Future[None], dict, tuple]] = []  # ram layers the GPU updates (gpu_update)
         for i in range(opt.program.n_layers):
             s = self.tiers[i]
             if not s.numel:
@@ -312,7 +313,11 @@ class DataParallel:
                 self._step_gpu_layer(opt, i, coef, hp, skipped, kinds, write_generation, prev_commit, step, writes)
                 continue
             deps = (s.write, s.grad_ready, s.last_read)
-            upd = opt._cpu.submit(self._update_shard, opt, i, coef, hp, deps, step, skipped)
+            if i in opt.gpu_update and not skipped:
+                upd = Future()
+                streamed.append((i, upd, hp, deps))
+            else:
+                upd = opt._cpu.submit(self._update_shard, opt, i, coef, hp, deps, step, skipped)
             gather = self._all_gather if self.dev is None else self._all_gather_ram_device
             s.update = upd if skipped else self._comm.submit(gather, i, upd)
             if kinds:
@@ -322,6 +327,15 @@ class DataParallel:
                 # up the comm thread's collectives (the next step's reductions queue behind them)
                 opt._writer.submit(self._shard_write, opt, i, upd, src, kinds, write_generation, prev_commit, step, s.write)
                 writes.append(s.write)
+        if streamed:  # this rank's shards stream to the GPU and back (`StreamingAdamW._update_streamed`)
+            views = {}
+            for i, *_ in streamed:
+                s = self.tiers[i]
+                k = s.shard[1] - s.shard[0]
+                master = s.master[:k]
+                out = master if self._shard_out(i) is s.master else self._shard_out(i)[:k]  # fp32: the master is the copy
+                views[i] = (master, s.m[:k], s.v[:k], self._gshard[i][:k], out)
+            opt._gpu.submit(opt._update_streamed, streamed, coef, step, views)
         if commit is not None:
             opt.commit_future = opt._writer.submit(self._commit_all, opt, writes, commit, write_generation, step)
         if opt.engine.serialize:

@@ -139,10 +139,11 @@ class StateTiers:
         """A ram layer of a data-parallel run: this rank's shard of the state, the whole compute copy."""
         per = -(-n // self.world_size)
         lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
-        fp32_compute = self.compute_dtype == STATE_DTYPE
-        # fp32: the master shard itself crosses to the device for the device all-gather, so it is pinned
-        master = self._host(per, STATE_DTYPE, pinned=fp32_compute)
-        m, v = (self._host(per, STATE_DTYPE, pinned=False) for _ in range(2))
+        fp32_compute, streamed = self.compute_dtype == STATE_DTYPE, i in self.streamed
+        # fp32: the master shard itself crosses to the device for the device all-gather, so it is
+        # pinned; all three when the GPU updates the layer (`gpu_update`)
+        master = self._host(per, STATE_DTYPE, pinned=fp32_compute or streamed)
+        m, v = (self._host(per, STATE_DTYPE, pinned=streamed) for _ in range(2))
         compute = self._host(per * self.world_size, self.compute_dtype, pinned=True)  # every rank's shard, padded
         return LayerState(i, "ram", n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True), shard=(lo, hi))
 

@@ -25,6 +25,7 @@ from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_close, _config, _e
 from tests.runtime.engine_util import skewed_tokens
 
 MIXED = "gpu:0,ram:1,gpu:2,ram:3"  # embed and a block resident and sharded on the device, the others in host RAM
+STREAMED = "1"  # ram layer 1's shard is updated on the device (gpu_update), layer 3's by the host
 
 
 def _write(cfg: object, path: Path) -> Path:
@@ -63,8 +64,11 @@ def test_gpu_tier_is_sharded_only_with_device_collectives(program):
     dist.check_placement(w2, gpu, set(), program, device=True)
     with pytest.raises(ConfigError, match="only with device collectives .* --dp-collectives device"):
         dist.check_placement(w2, gpu, set(), program, device=False)
-    with pytest.raises(ConfigError, match="gpu_update names layers"):
-        dist.check_placement(w2, ["ram"] * n, {1}, program, device=True)
+    dist.check_placement(w2, ["ram"] * n, {1}, program, device=True)  # the GPU updates ram layer 1's shard
+    with pytest.raises(ConfigError, match="gpu_update names layers .* need device collectives"):
+        dist.check_placement(w2, ["ram"] * n, {1}, program, device=False)
+    with pytest.raises(ConfigError, match="placement puts layers in disk"):
+        dist.check_placement(w2, ["disk"] * n, set(), program, device=True)
     # auto placement: gpu layers in forward order while their per-rank bytes fit the GPU budget, the rest in RAM
     auto = _config(placement="auto", gpu_update="auto", dp_collectives="device")
     plan = ["gpu", "disk"] + ["ram"] * (n - 2)  # the single-process choice does not matter
@@ -110,7 +114,7 @@ def runs(tmp_path_factory):
     rank forced onto the data-parallel engine (MTC_DP_ONE_RANK=1), the same placement."""
     d = tmp_path_factory.mktemp("dpdev")
     tokens = skewed_tokens(d / "tok.bin")
-    mixed = _write(_config(placement=MIXED, dp_collectives="device"), d / "mixed.json")
+    mixed = _write(_config(placement=MIXED, gpu_update=STREAMED, dp_collectives="device"), d / "mixed.json")
     port = _free_port()
     stopped = [subprocess.Popen([sys.executable, *_train_args(mixed, d / "mixed", tokens.path), "--stop-after", "1"],
                                 env=dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
@@ -132,11 +136,13 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_device_path_matches_the_single_process_run(runs):
     """Loss, gradient norm (clipping active), master, m and v to 1e-5, with grad accumulation
-    (3 micro-batches per rank): ram and gpu layers side by side, stopped after step 1 and resumed
+    (3 micro-batches per rank): gpu layers, a ram layer the GPU updates and one the host updates
+    side by side, stopped after step 1 and resumed
     (bit-identical resumes: the existing ram-tier kill test, tests/mtc/test_data_parallel.py)."""
     _assert_close(runs / "mixed", runs / "ref")
     resolved = json.loads((runs / "mixed" / "logs" / "config-step1.json").read_text())
     assert resolved["resolved_placement"] == MIXED and resolved["dp_collectives"] == "device"
+    assert resolved["gpu_update_layers"] == [1]
     for r in range(2):
         with shards.TensorStore.open(shards.rank_dir(runs / "mixed", r, 2), read_only=True) as rs:
             assert rs.last_commit().step == STEPS
