@@ -322,11 +322,14 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
         allowed = engine.tiers if cuda else ("ram",)
         other = sorted({t for i, t in enumerate(placement) if t not in allowed and n[i]})
         named = cfg.gpu_update.strip() not in ("auto", "none", "")
-        if other or named:
+        streams = cuda and engine.device_collectives  # the GPU may update ram layers' shards (named ones; auto: none)
+        if other or (named and not streams):
             what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
             raise ConfigError(f"the data-parallel engine shards the {' and '.join(allowed)} tiers, but the {what}; pass "
                               "--placement ram and --gpu-update none (or plan issue 13's design with --dp-model design)")
-        return placement, set()
+        if not named:
+            return placement, set()
+        return placement, pl.resolve_gpu_update(cfg.gpu_update, placement, list(s), device_is_cuda=True)
     auto = None
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None

@@ -285,7 +285,7 @@ class DataParallel:
         else:  # the squared shard norms are on the device, final once the compute stream waited for every reduction
             for i in owners:
                 self._reduced.pop(i).wait_stream(self.copies.compute_stream)
-            sq_dev = self._sq[owners].double().sum()
+            sq_dev = self._sq.double().sum()  # layers without state never write theirs: it stays 0
             host = torch.stack([loss.detach().double().reshape(()), sq_dev]).cpu()  # the step's one sync
         # the step's one collective on this thread
         collective("the loss and norm all-reduce", self.dist.all_reduce, host, group=self.sync_group)

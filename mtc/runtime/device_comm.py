@@ -70,7 +70,10 @@ class DeviceComm:
     def __init__(self, dist: object, group: object, device: torch.device, world_size: int) -> None:
         self.dist, self.group, self.device, self.world_size = dist, group, device, world_size
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # "cuda" names no index: the rank's GPU is the constructing (training) thread's current
+        # device (`mtc.dist.init_world` set it to LOCAL_RANK); a new thread's would be GPU 0
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
+        self.stream = torch.cuda.Stream(self.index) if self.cuda else None
         self.nccl = dist.get_backend(group) == "nccl"
         self._scatter, self._gather = self._probe()
 
@@ -97,7 +100,7 @@ class DeviceComm:
         """Make this (the comm) thread's current CUDA device the rank's: the CUDA runtime keeps
         it per thread, and NCCL and the comm stream must run on the rank's GPU."""
         if self.cuda:
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.index)
 
     @contextlib.contextmanager
     def on_stream(self, after: Marker | None = None) -> Iterator[None]:

@@ -3,7 +3,9 @@
 A layer's state is its flat fp32 master weights, Adam m and v (one 1-D tensor each, in the
 program's flat-parameter order). The placement puts every layer in one tier:
 
-- ``gpu``: master, m, v and a gradient buffer resident in GPU memory; the GPU updates them.
+- ``gpu``: master, m, v and a gradient buffer resident in GPU memory; the GPU updates them. In a
+  data-parallel run (device collectives) only this rank's shard of master, m, v; the gradient and
+  compute copy stay whole, padded to ``world`` shards for the reduce-scatter and all-gather.
 - ``ram``: master, m, v in host RAM; the compute-dtype copy (bf16, or the master itself in fp32)
   in pinned memory, ready to cross PCIe; the gradient arrives in a pinned host buffer; the CPU
   updates the layer (or the GPU, streaming the state, when the cost model picks it).

@@ -92,6 +92,9 @@ def test_the_engine_shards_the_gpu_and_ram_tiers(shape):
     assert make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape).placement == ["gpu"] * shape.n_layers
     with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):
         make_dist_plan(dataclasses.replace(CFG, placement="disk"), prof, 8, shape=shape)
+    assert make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape).gpu_update == {1, 2}
+    with pytest.raises(ConfigError, match="gpu_update '1-2' names layers"):  # gloo in host memory: the host updates
+        make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape, engine="host")
     with pytest.raises(ConfigError, match="durability 'none' cannot run on several ranks"):
         make_dist_plan(dataclasses.replace(CFG, durability="none"), prof, 8, shape=shape)
     design = make_dist_plan(CFG, prof, 8, shape=shape, engine="design")

@@ -26,6 +26,8 @@ from tests.runtime.engine_util import skewed_tokens
 
 MIXED = "gpu:0,ram:1,gpu:2,ram:3"  # embed and a block resident and sharded on the device, the others in host RAM
 STREAMED = "1"  # ram layer 1's shard is updated on the device (gpu_update), layer 3's by the host
+# the head (ram) shares the embedding's weight (gpu): its fetch copies a resident gpu layer's gathered range
+TIED = {"n_layers": 2, "tie_embeddings": True}
 
 
 def _write(cfg: object, path: Path) -> Path:
@@ -114,13 +116,13 @@ def runs(tmp_path_factory):
     rank forced onto the data-parallel engine (MTC_DP_ONE_RANK=1), the same placement."""
     d = tmp_path_factory.mktemp("dpdev")
     tokens = skewed_tokens(d / "tok.bin")
-    mixed = _write(_config(placement=MIXED, gpu_update=STREAMED, dp_collectives="device"), d / "mixed.json")
+    mixed = _write(_config(placement=MIXED, gpu_update=STREAMED, dp_collectives="device", model_overrides=TIED), d / "mixed.json")
     port = _free_port()
     stopped = [subprocess.Popen([sys.executable, *_train_args(mixed, d / "mixed", tokens.path), "--stop-after", "1"],
                                 env=dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
                                          LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"),
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    res = train(_config(), d / "ref", tokens)
+    res = train(_config(model_overrides=TIED), d / "ref", tokens)
     res.store.close()
     _wait(stopped)
     assert json.loads((d / "mixed" / "commit.json").read_text())["step"] == 1
@@ -161,6 +163,7 @@ def test_reshard_gpu_tier_store_2_to_1_is_bit_identical(runs, tmp_path):
     store = tmp_path / "mixed"
     shutil.copytree(runs / "mixed", store)
     before, _, _ = _state(store)
+    assert main(["verify", str(store)]) == 0  # the global record and both shard stores
     assert main(["reshard", str(store), "--world-size", "1"]) == 0
     assert not shards.rank_dir(store, 0, 2).exists()
     after, _, _ = _state(store)
