@@ -112,8 +112,8 @@ def test_the_engine_model_predicts_the_device_path_on_cuda():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The single-process reference; 2 ranks with device collectives and mixed gpu/ram placement,
-    stopped after step 1 and relaunched (the resume of sharded gpu- and ram-tier state); and one
-    rank forced onto the data-parallel engine (MTC_DP_ONE_RANK=1), the same placement."""
+    unbroken, and the same stopped after step 1 and relaunched (the resume of sharded gpu- and
+    ram-tier state); and one rank forced onto the data-parallel engine (MTC_DP_ONE_RANK=1)."""
     d = tmp_path_factory.mktemp("dpdev")
     tokens = skewed_tokens(d / "tok.bin")
     mixed = _write(_config(placement=MIXED, gpu_update=STREAMED, dp_collectives="device", model_overrides=TIED), d / "mixed.json")
@@ -122,6 +122,7 @@ def runs(tmp_path_factory):
                                 env=dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
                                          LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"),
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    unbroken = _launch(2, mixed, d / "unbroken", tokens.path)
     res = train(_config(model_overrides=TIED), d / "ref", tokens)
     res.store.close()
     _wait(stopped)
@@ -131,7 +132,7 @@ def runs(tmp_path_factory):
                            env=dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                                     LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MTC_DP_ONE_RANK="1"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait([*again, one])
+    _wait([*again, one, *unbroken])
     return d
 
 
@@ -140,7 +141,7 @@ def test_device_path_matches_the_single_process_run(runs):
     """Loss, gradient norm (clipping active), master, m and v to 1e-5, with grad accumulation
     (3 micro-batches per rank): gpu layers, a ram layer the GPU updates and one the host updates
     side by side, stopped after step 1 and resumed
-    (bit-identical resumes: the existing ram-tier kill test, tests/mtc/test_data_parallel.py)."""
+    (kill -9 of a rank: the ram-tier test in tests/mtc/test_data_parallel.py)."""
     _assert_close(runs / "mixed", runs / "ref")
     resolved = json.loads((runs / "mixed" / "logs" / "config-step1.json").read_text())
     assert resolved["resolved_placement"] == MIXED and resolved["dp_collectives"] == "device"
@@ -148,6 +149,13 @@ def test_device_path_matches_the_single_process_run(runs):
     for r in range(2):
         with shards.TensorStore.open(shards.rank_dir(runs / "mixed", r, 2), read_only=True) as rs:
             assert rs.last_commit().step == STEPS
+
+
+@pytest.mark.slow
+def test_stopped_and_relaunched_is_bit_identical_to_the_unbroken_run(runs):
+    """Sharded gpu-tier (and ram-tier) state resumes bit-identically at the same world size."""
+    (a, la, na), (b, lb, nb) = _state(runs / "mixed"), _state(runs / "unbroken")
+    assert la == lb and na == nb and all(torch.equal(a[k], b[k]) for k in b)
 
 
 @pytest.mark.slow
