@@ -14,8 +14,11 @@ between steps, in forward order, so layer i's update overlaps the forward of lay
 Gradients of each micro-batch are summed in fp32 into a flat per-layer slab on the device; when a
 layer's gradient is final (last micro-batch, last user of tied weights) its per-parameter norms are
 taken on the device and the slab is copied to the layer's pinned host buffer on the device-to-host
-stream (`gpu`-tier layers keep theirs on the device). Nothing in the layer loop synchronises the
-host with the GPU: the optimizer reads the loss and the global norm once per step.
+stream (`gpu`-tier layers keep theirs on the device). In a data-parallel run with device
+collectives the slab (or a gpu layer's gradient) goes to `reduce_grad` instead, which
+reduce-scatters it on the device (`mtc.runtime.collectives`); the slab returns to the ring once
+that has read it. Nothing in the layer loop synchronises the host with the GPU: the optimizer
+reads the loss and the global norm once per step.
 """
 
 from __future__ import annotations
