@@ -38,6 +38,7 @@ _TRAIN_FLAGS = (
     "cuda_graphs",
     "dist_timeout_s",
     "matmul_fusion",
+    "dp_collectives",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -708,9 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan one rank of a data-parallel run of N ranks (torchrun --nproc-per-node), its host's totals and "
                          "the scaling at 1, 2, 4, 8 ranks (default 1: the single-process plan)")
     pl.add_argument("--nodes", type=int, default=1, metavar="K", help="hosts the N ranks are spread over (default 1)")
-    pl.add_argument("--dp-model", choices=["engine", "design"], default="engine",
-                    help="with --world-size: model the data-parallel engine as built (gloo collectives in host memory, rank 0 "
-                         "writes the store, ram tier only; default) or issue 13's design (NCCL on the GPUs, a store per rank)")
+    pl.add_argument("--dp-model", choices=["engine", "host", "design"], default="engine",
+                    help="with --world-size: model the data-parallel engine as built (default: NCCL collectives on the GPUs, "
+                         "gpu and ram tiers, a store per rank), with --dp-collectives host (gloo in host memory, ram tier only), "
+                         "or issue 13's whole design (every tier)")
     pl.set_defaults(fn=_cmd_plan)
 
     ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")

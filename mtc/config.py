@@ -243,6 +243,10 @@ class TrainConfig:
     # torchrun launches: every collective gives up after this long, so a dead rank stops the others
     dist_timeout_s: float = field(60.0, gt=0, help="data-parallel runs: seconds a collective waits for the other ranks "
                                   "before the run fails")
+    dp_collectives: str = field("auto", choices=("auto", "host", "device"),
+                                help="data-parallel runs: where gradients are reduce-scattered and weights all-gathered: "
+                                "device (NCCL on the GPUs; gloo on the CPU device), host (gloo in host memory), or auto "
+                                "(device on CUDA with NCCL, else host)")
 
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""

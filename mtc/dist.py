@@ -9,13 +9,19 @@ of one host (affinity and torch's thread count), so the host-side AdamW of N ran
 oversubscribe the cores.
 
 Without torchrun (no ``WORLD_SIZE``, or 1) the world has one rank, no process group is created and
-nothing here costs anything: the trainer runs today's single-process path.
+nothing here costs anything: the trainer runs today's single-process path. ``MTC_DP_ONE_RANK=1``
+with one rank under torchrun runs the data-parallel engine anyway (a process group of one, shard
+stores, the collectives): to measure its overhead over the plain path, and to check the NCCL
+device path on a machine with one GPU.
 
 Process groups. Collectives are issued from two threads, each with a fixed order that is the same
 on every rank: the training thread (the step's target count, loss and squared norms: ``sync``)
 and the data-parallel comm thread (gradient reductions, all-gathers, state gathers: ``comm``,
 see `mtc.runtime.collectives`). One group per thread: two threads must never interleave
-collectives on one group, or ranks could pair different operations.
+collectives on one group, or ranks could pair different operations. The comm thread uses
+``comm`` (gloo, host tensors) on the host path and ``device`` on the device path
+(`device_collectives`): NCCL on CUDA, gloo on the CPU device, so that the CPU tests run the very
+code path a GPU run takes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from mtc.errors import ConfigError
 
 __all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
+           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,11 +47,13 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    force: bool = False  # one rank that runs the data-parallel engine anyway (MTC_DP_ONE_RANK=1)
 
     @property
     def distributed(self) -> bool:
-        """Whether more than one rank takes part (a process group exists once `init_world` ran)."""
-        return self.world_size > 1
+        """Whether the data-parallel engine runs: more than one rank, or one forced to (a process
+        group exists once `init_world` ran)."""
+        return self.world_size > 1 or self.force
 
     @property
     def is_root(self) -> bool:
@@ -59,6 +67,7 @@ class _Groups:
     comm: object  # the comm thread's collectives
     startup: object  # the wait for rank 0's store (long timeout: it may write step 0 of a large model)
     commit: object = None  # the writer thread's global commit protocol (mtc.shards.committer)
+    device: object = None  # the comm thread's collectives on device tensors (NCCL on CUDA, gloo on the CPU device)
 
 
 _GROUPS: _Groups | None = None
@@ -84,7 +93,8 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size or local_size > size:
         raise ConfigError(f"inconsistent launch environment: RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local_rank} "
                           f"LOCAL_WORLD_SIZE={local_size}; launch with `torchrun --nproc-per-node N -m mtc train ...`")
-    return World(rank, size, local_rank, local_size)
+    force = size == 1 and env.get("MTC_DP_ONE_RANK", "") == "1" and "MASTER_ADDR" in env
+    return World(rank, size, local_rank, local_size, force)
 
 
 def current_world() -> World:
@@ -143,6 +153,8 @@ def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
         comm=dist.new_group(backend="gloo", timeout=timeout),
         startup=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)),
         commit=dist.new_group(backend="gloo", timeout=timeout),
+        # NCCL creates its communicator at the first collective: nothing is paid on the host path
+        device=dist.new_group(backend="nccl" if cuda else "gloo", timeout=timeout),
     )
     _pin_cpus(world)
     return world
@@ -186,29 +198,70 @@ def check_launch(cfg: object, world: World, store_dir: object) -> None:
                           "step-0 commit; use durability 'weights' or 'full'")
 
 
+def device_collectives(cfg: object) -> bool:
+    """Whether a data-parallel run reduces and gathers on the device (`mtc.runtime.device_comm`):
+    config field ``dp_collectives``: ``device`` always (gloo on the CPU device), ``host`` never,
+    ``auto`` on CUDA when this torch has NCCL."""
+    mode, cuda = cfg.dp_collectives, str(cfg.device).startswith("cuda")
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    if mode == "device" and cuda and not nccl:
+        raise ConfigError("config field dp_collectives is 'device' but this torch build has no NCCL for CUDA tensors; "
+                          "install a CUDA build of torch, or pass --dp-collectives host")
+    return mode == "device" or (mode == "auto" and cuda and nccl)
+
+
+def gpu_shard_bytes(numel: int, world_size: int, compute_bytes: int) -> int:
+    """GPU bytes a gpu-tier layer of ``numel`` parameters takes on each of ``world_size`` ranks
+    (`StateTiers` and `DataParallel` allocate them): the shard's master, m, v and reduced gradient
+    (16 B per shard element, and its compute-dtype copy when that is not fp32), the whole gradient
+    and compute copy (padded to ``world_size`` shards)."""
+    per = -(-numel // world_size)
+    return 16 * per + (compute_bytes * per if compute_bytes != 4 else 0) + (4 + compute_bytes) * per * world_size
+
+
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
-                            program: object) -> tuple[list[str], set[int]]:
-    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM,
-    updated by the CPU; an explicit one must do so too (`check_placement`). One rank: unchanged."""
+                            program: object, *, gpu_bytes: int | None = None) -> tuple[list[str], set[int]]:
+    """The placement of a data-parallel run (one rank: unchanged). ``auto`` with device
+    collectives on CUDA: in forward order, a layer goes to the gpu tier while its per-rank bytes
+    (`gpu_shard_bytes`: the state is sharded, the gradient and compute copy are whole) fit in
+    what is left of this rank's GPU budget ``gpu_bytes``, else its shard is kept in host RAM;
+    otherwise every layer is sharded in host RAM. No GPU updates of ram layers. An explicit
+    placement is checked (`check_placement`)."""
     if not world.distributed:
         return placement, gpu_update
+    device = device_collectives(cfg)
     if cfg.placement.strip() == "auto":
-        placement = ["ram"] * len(placement)
-    if cfg.gpu_update.strip() == "auto":
+        left, cbytes = gpu_bytes or 0, torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+        placement = []
+        for i in range(program.n_layers):
+            need = gpu_shard_bytes(program.layer_numel(i), world.world_size, cbytes)
+            fits = device and gpu_bytes is not None and need <= left
+            left -= need if fits else 0
+            placement.append("gpu" if fits else "ram")
+    if cfg.gpu_update.strip() == "auto":  # the host's cores update the shards: 1/N of the work each
         gpu_update = set()
-    check_placement(world, placement, gpu_update, program)
+    check_placement(world, placement, gpu_update, program, device=device)
     return placement, gpu_update
 
 
-def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object) -> None:
-    """Data-parallel runs shard ram-tier state only (for now): refuse gpu and disk tiers and GPU updates."""
+def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object, *,
+                    device: bool = False) -> None:
+    """Data-parallel runs shard ram-tier state, and with device collectives (``device``) gpu-tier
+    state and GPU updates of ram layers (``gpu_update``): refuse the rest."""
     if not world.distributed:
         return
-    other = sorted({t for i, t in enumerate(placement) if t != "ram" and program.layer_numel(i)})
-    if other or gpu_update:
+    allowed = {"ram", "gpu"} if device else {"ram"}
+    other = sorted({t for i, t in enumerate(placement) if t not in allowed and program.layer_numel(i)})
+    if other == ["gpu"]:
+        raise ConfigError("placement puts layers in gpu, which a data-parallel run shards only with device collectives "
+                          "(dp_collectives device, or auto on CUDA with NCCL); pass --dp-collectives device or --placement ram")
+    if other or (gpu_update and not device):
         what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
-        raise ConfigError(f"a data-parallel run keeps every layer's state sharded in host RAM, but the {what}; pass "
-                          "--placement ram and --gpu-update none (gpu and disk tiers are not sharded yet)")
+        tiers = "ram and gpu" if device else "ram"
+        fix = ("disk tiers are not sharded yet" if device else
+               "GPU updates of ram layers need device collectives: --dp-collectives device, or auto on CUDA with NCCL")
+        raise ConfigError(f"a data-parallel run shards the {tiers} tiers only, but the {what}; pass --placement ram "
+                          f"and --gpu-update none ({fix})")
 
 
 def open_follower(cfg: object, store_dir: object) -> object:
@@ -241,16 +294,20 @@ def root_ready(world: World) -> None:
         collective("the start barrier", torch.distributed.barrier, group=groups().startup)
 
 
-def attach(engine: object, tiers: object, world: World, shard_store: object = None) -> None:
+def attach(engine: object, tiers: object, world: World, shard_store: object = None, *, device: bool = False) -> None:
     """Wire the data-parallel collectives into a built engine (optimizer and executor hooks);
-    ``shard_store``: this rank's store of its state shard (`mtc.shards`)."""
+    ``shard_store``: this rank's store of its state shard (`mtc.shards`); ``device``: reduce and
+    gather on the device (`device_collectives`)."""
     from mtc.runtime.collectives import DataParallel
 
     g = groups()
-    dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm)
+    dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm,
+                      device_group=g.device if device else None, copies=engine.copies)
     dp.shard_store = shard_store
     engine.optimizer.dp = dp
     engine.executor.reduce_count = dp.reduce_count
+    if device:  # the executor hands each final gradient slab to the device reduce-scatter
+        engine.executor.reduce_grad = dp.reduce_on_device
 
 
 def agree(flag: bool) -> bool:

@@ -9,18 +9,20 @@ rank has its shard, and after the update the compute-dtype shards are all-gather
 rank's compute copy before the layer's next visit.
 
 Two ways of doing that are modelled (`ENGINES`): ``engine``, what `torchrun ... mtc train` does
-today: the whole gradient crosses to the host, gloo reduce-scatters it and all-gathers the
-shards in host memory (also on CUDA), each rank writes its shard into its own store, and only the
-ram tier is sharded; and ``design``, issue 13's target (not built): on CUDA NCCL
-reduce-scatters the gradient on the GPUs (only the shard crosses PCIe) and all-gathers the
-updated shards there (the shard goes up, the others' come down into the host copy), each rank
-keeps its shard in its own store, every tier.
+today (`mtc.runtime.collectives`, `mtc.runtime.device_comm`): on CUDA NCCL reduce-scatters each
+layer's gradient on the GPUs (only the rank's shard crosses PCIe) and all-gathers the updated
+shards there (the shard goes up, the gathered layer comes down into the host compute copy), the
+gpu and ram tiers are sharded (auto: the GPU first, from the rank's budget, then RAM; no disk),
+each rank writes its shard into its own store; on CPU machines gloo reduce-scatters and
+all-gathers in host memory; and ``design``, issue 13's whole target: the same, every tier (disk
+included, not built yet). ``host`` models ``dp_collectives = "host"`` on CUDA: the whole
+gradient crosses to the host and gloo reduces and gathers in host memory; ram tier only.
 
 What a rank needs, per layer of n parameters and shard s (c: compute-dtype bytes):
 
 | tier | GPU | host RAM | disk (both generations, by durability) |
 |---|---|---|---|
-| gpu  | 12 s + 4 n (gradient) + c n (gathered copy) | 0 | full 24 s, weights 8 s, none 0 |
+| gpu  | 16 s (+ c s, bf16) + 4 n (gradient) + c n (gathered copy) | 0 | full 24 s, weights 8 s, none 0 |
 | ram  | 0 | 12 s + 4 n (4 s: NCCL reduce-scatter) + c n | full 24 s, weights 8 s, none 0 |
 | disk | 4 n (gradient, CUDA) | c n (+ 4 n on the CPU device) | 24 s |
 
@@ -86,10 +88,15 @@ class Engine:
 
 
 ENGINES = {
-    "engine": Engine("engine", False, ("ram",),
-                     "the engine as built (mtc.runtime.collectives): the whole gradient crosses to the host, gloo reduce-scatters "
-                     "it and all-gathers weights in host memory, also on CUDA; a store per rank; ram tier only",
+    "engine": Engine("engine", True, ("gpu", "ram"),
+                     "the engine as built (mtc.runtime.collectives, dp_collectives auto): on CUDA NCCL reduce-scatters the gradient "
+                     "and all-gathers the updated shards on the GPUs, only the shard crosses PCIe down; gloo in host memory on CPU "
+                     "machines; a store per rank; gpu and ram tiers",
                      durability_none=False, host_reduce_scatter=True),
+    "host": Engine("host", False, ("ram",),
+                   "the engine with dp_collectives host: the whole gradient crosses to the host, gloo reduce-scatters it and "
+                   "all-gathers weights in host memory, also on CUDA; a store per rank; ram tier only",
+                   durability_none=False, host_reduce_scatter=True),
     "design": Engine("design", True, ("gpu", "ram", "disk"),
                      "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier"),
 }
@@ -261,8 +268,8 @@ def _rank_cfg(cfg: TrainConfig, world: int) -> TrainConfig:
 def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False) -> tuple[int, int]:
     """(GPU, host RAM) bytes of one layer of ``n`` parameters, shard ``s``, in ``tier`` (the table
     above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU)."""
-    if tier == "gpu":
-        return 12 * s + 4 * n + c * n, 0
+    if tier == "gpu":  # what `mtc.dist.gpu_shard_bytes` counts
+        return 16 * s + (c * s if c != 4 else 0) + 4 * n + c * n, 0
     if tier == "ram":
         return 0, 12 * s + (4 * s if grad_shard else 4 * n) + c * n
     if tier == "disk":
@@ -302,15 +309,27 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     tier) and the ram layers the GPU updates (none there)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
     s = shard_numels(n, world)
-    if engine.tiers == ("ram",):
-        placement = pl.resolve_placement(cfg.placement, len(n), auto=["ram"] * len(n))
-        other = sorted({t for i, t in enumerate(placement) if t != "ram" and n[i]})
+    if "disk" not in engine.tiers:  # as `mtc.dist.data_parallel_placement`: the GPU first (per-rank bytes), then RAM
+        auto = ["ram"] * len(n)
+        if cuda and engine.device_collectives and cfg.placement.strip() == "auto":
+            g_left = (cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
+                      else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
+            for i in range(len(n)):
+                need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
+                if need <= g_left:
+                    auto[i], g_left = "gpu", g_left - need
+        placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
+        allowed = engine.tiers if cuda else ("ram",)
+        other = sorted({t for i, t in enumerate(placement) if t not in allowed and n[i]})
         named = cfg.gpu_update.strip() not in ("auto", "none", "")
-        if other or named:
+        streams = cuda and engine.device_collectives  # the GPU may update ram layers' shards (named ones; auto: none)
+        if other or (named and not streams):
             what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
-            raise ConfigError(f"the data-parallel engine keeps every layer's state sharded in host RAM, but the {what}; pass "
+            raise ConfigError(f"the data-parallel engine shards the {' and '.join(allowed)} tiers, but the {what}; pass "
                               "--placement ram and --gpu-update none (or plan issue 13's design with --dp-model design)")
-        return placement, set()
+        if not named:
+            return placement, set()
+        return placement, pl.resolve_gpu_update(cfg.gpu_update, placement, list(s), device_is_cuda=True)
     auto = None
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
@@ -358,7 +377,7 @@ def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout
         checks.append(Check(f"host RAM per rank (the --ram-budget-gb; placement {desc})", mem.host, int(cfg.ram_budget_gb * GiB),
                             "raise --ram-budget-gb or put more layers on disk (--placement)"))
     fewer = ("more ranks hold smaller shards of master, m and v (the gradient and the compute copy stay whole), or "
-             + more_hosts + (" RAM" if r == 1 else "")) if engine.tiers == ("ram",) else (
+             + more_hosts + (" RAM" if r == 1 else "")) if "disk" not in engine.tiers else (
         f"put more layers on disk (--placement), or {more_hosts}" + (" RAM" if r == 1 else ""))
     checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host)}; placement {desc})", r * mem.host, host_available, fewer))
     if gpu_total is not None:

@@ -287,14 +287,23 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
                     t.zero_()
                 for k in kinds:
                     if hi > lo:
-                        st.read_into(state_array_name(s.layer, k, last.generation), {"master": s.master, "m": s.m, "v": s.v}[k][: hi - lo])
-            # every rank's compute copy is the whole layer: all-gather the master shards once
+                        dst = {"master": s.master, "m": s.m, "v": s.v}[k][: hi - lo]
+                        name = state_array_name(s.layer, k, last.generation)
+                        if dst.device.type == "cpu":
+                            st.read_into(name, dst)
+                        else:  # a gpu-tier shard: through host memory
+                            dst.copy_(st.read(name))
+            # every rank's compute copy is the whole layer: all-gather the master shards once (in
+            # host memory over gloo; a gpu layer's copy then goes to the device)
             for s in tiers.layers:
                 if s.numel:
                     per = s.master.numel()
-                    parts = [s.compute[r * per : (r + 1) * per] for r in range(world_size)]
-                    src = s.master if s.compute.dtype == s.master.dtype else s.master.to(s.compute.dtype)
+                    out = s.compute if s.compute.device.type == "cpu" else torch.empty(s.compute.numel(), dtype=s.compute.dtype)
+                    parts = [out[r * per : (r + 1) * per] for r in range(world_size)]
+                    src = s.master.to("cpu", s.compute.dtype)
                     collective(f"layer {s.layer}'s start all-gather", dist.all_gather, parts, src, group=groups().startup)
+                    if out is not s.compute:
+                        s.compute.copy_(out)
         except BaseException:
             st.close()
             raise

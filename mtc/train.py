@@ -163,7 +163,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
-                     "matmul_fusion")
+                     "matmul_fusion", "dp_collectives")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -460,13 +460,15 @@ def train(
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         placement, gpu_update = plan_placement(cfg, program)
-        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program)
+        placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
+                                                              gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
                                      disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
-                           spill_grads=spill, rank=world.rank, world_size=world.world_size)
+                           spill_grads=spill, rank=world.rank, world_size=world.world_size,
+                           sharded=world.distributed)
         durable = cfg.durability != "none"
         shard_st = None
         if world.distributed:  # each rank's shard in its own store, one global commit (mtc.shards)
@@ -514,7 +516,7 @@ def train(
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if world.distributed:
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
-            _dist.attach(eng, tiers, world, shard_st)
+            _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
         disk_layers = any(t == "disk" for t in placement)

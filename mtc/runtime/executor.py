@@ -14,8 +14,11 @@ between steps, in forward order, so layer i's update overlaps the forward of lay
 Gradients of each micro-batch are summed in fp32 into a flat per-layer slab on the device; when a
 layer's gradient is final (last micro-batch, last user of tied weights) its per-parameter norms are
 taken on the device and the slab is copied to the layer's pinned host buffer on the device-to-host
-stream (`gpu`-tier layers keep theirs on the device). Nothing in the layer loop synchronises the
-host with the GPU: the optimizer reads the loss and the global norm once per step.
+stream (`gpu`-tier layers keep theirs on the device). In a data-parallel run with device
+collectives the slab (or a gpu layer's gradient) goes to `reduce_grad` instead, which
+reduce-scatters it on the device (`mtc.runtime.collectives`); the slab returns to the ring once
+that has read it. Nothing in the layer loop synchronises the host with the GPU: the optimizer
+reads the loss and the global norm once per step.
 """
 
 from __future__ import annotations
@@ -135,8 +138,9 @@ class StreamingExecutor:
         n_open = 2 + len(tied)
         # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram
         # layers, and disk layers whose gradient is spilled to the store (`mtc.runtime.grad_spill`)
+        # (+ world - 1: data parallel reduce-scatters a slab padded to world equal shards)
         slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers) if s.tier == "ram" or s.grad is None),
-                         default=1)
+                         default=1) + tiers.world_size - 1
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
             self.ring.preallocate()
@@ -154,6 +158,9 @@ class StreamingExecutor:
         self.on_visit = on_visit  # test hook: called as (phase, layer) after each layer's group visit
         # data parallel: maps this rank's target count to the global one (the loss is normalised by it)
         self.reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # data parallel with device collectives: takes a ram or gpu layer's final gradient on the
+        # device and returns what its slab's next user (and the update) waits for
+        self.reduce_grad: Callable[[int, torch.Tensor], Transfer] | None = None
         for name in program.batch:
             if name not in ("ids", "targets"):
                 raise PlanError(f"unexpected batch input {name!r} in the plan")
@@ -196,8 +203,11 @@ class StreamingExecutor:
         plan = self._plans[layer]
         if plan.resident:  # views on the resident compute copy; updates are ordered on the compute stream
             fut: Future[LayerWeights] = Future()
-            src = self.tiers[layer].compute
-            fut.set_result(LayerWeights(None, {k: src[o : o + _numel(s)].view(s) for k, (o, s) in plan.views.items()}, None))
+            st = self.tiers[layer]
+            src = st.compute
+            # data parallel: the compute stream waits for the all-gather of the updated shards
+            fut.set_result(LayerWeights(None, {k: src[o : o + _numel(s)].view(s) for k, (o, s) in plan.views.items()},
+                                        st.gathered))
             return fut
         slot = self.ring.acquire()
         if self.engine.serialize:  # the reference schedule: no fetch runs beside compute
@@ -224,7 +234,11 @@ class StreamingExecutor:
                   for s in plan.segments if not (self._read_into_slot and self.tiers[s.owner].compute is None)]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
-            # a resident owner is updated on the compute stream: copy only after what is queued there
+            # a resident owner is updated on the compute stream (data parallel: then all-gathered
+            # on the comm stream, which the compute stream waits for first): copy only after that
+            for o in owners:
+                if self.tiers[o].gathered is not None:
+                    self.engine.wait_on_compute(self.tiers[o].gathered)
             after = self.engine.marker()
         tr = self.engine.h2d(copies, after=after, layer=layer)
         for o in owners:
@@ -438,7 +452,9 @@ class StreamingExecutor:
                 norms = torch.stack(torch._foreach_norm(views))
             else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
-        if st.tier == "ram":
+        if self.reduce_grad is not None and st.tier in ("ram", "gpu"):  # reduce-scattered on the device
+            st.grad_ready = self.reduce_grad(owner, acc)
+        elif st.tier == "ram":
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
         elif st.grad is None:  # spilled to the store; the slab is free again once copied out
             assert self.tiers.spill is not None

@@ -327,19 +327,24 @@ class StreamingAdamW:
             _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
                           **hp, **self._hyper())
 
-    def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int) -> None:
+    def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
+                         views: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
         """Ram layers updated on the GPU, pipelined over two scratch sets: layer j's state crosses
         PCIe in while layer j-1's kernel runs and its state crosses back (each direction on its
-        own stream); a layer's future completes once its state is back in host memory."""
+        own stream); a layer's future completes once its state is back in host memory.
+        ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
+        the layer's own (data parallel: this rank's shard; compute may be master itself)."""
         pending: list[tuple[Future[None], Transfer]] = []
         try:
             for j, (i, fut, hp, deps) in enumerate(jobs):
                 s = self.tiers[i]
+                hm, hmo, hv, hg, hc = views[i] if views is not None else (s.master, s.m, s.v, s.grad, s.compute)
+                n = hm.numel()
                 _wait_all(self.timeline, i, deps, tstep)
                 with self.timeline.span("update_streamed", i, step=tstep):
-                    p, m, v, g, c = (t[: s.numel] for t in self._scratch[j % 2])
-                    cast = s.compute is not s.master
-                    tr_in = self.engine.h2d([(p, s.master), (m, s.m), (v, s.v), (g, s.grad)], after=self._scratch_free[j % 2],
+                    p, m, v, g, c = (t[:n] for t in self._scratch[j % 2])
+                    cast = hc is not hm
+                    tr_in = self.engine.h2d([(p, hm), (m, hmo), (v, hv), (g, hg)], after=self._scratch_free[j % 2],
                                             layer=i, stage="opt_h2d")
                     if self._opt_stream is not None:
                         self._opt_stream.wait_event(tr_in.event)
@@ -352,7 +357,7 @@ class StreamingAdamW:
                         tr_in.wait()
                         _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
                         after = None
-                    back = [(s.master, p), (s.m, m), (s.v, v)] + ([(s.compute, c)] if cast else [])
+                    back = [(hm, p), (hmo, m), (hv, v)] + ([(hc, c)] if cast else [])
                     tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h")
                     self._scratch_free[j % 2] = tr_out
                 pending.append((fut, tr_out))

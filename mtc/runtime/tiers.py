@@ -3,7 +3,9 @@
 A layer's state is its flat fp32 master weights, Adam m and v (one 1-D tensor each, in the
 program's flat-parameter order). The placement puts every layer in one tier:
 
-- ``gpu``: master, m, v and a gradient buffer resident in GPU memory; the GPU updates them.
+- ``gpu``: master, m, v and a gradient buffer resident in GPU memory; the GPU updates them. In a
+  data-parallel run (device collectives) only this rank's shard of master, m, v; the gradient and
+  compute copy stay whole, padded to ``world`` shards for the reduce-scatter and all-gather.
 - ``ram``: master, m, v in host RAM; the compute-dtype copy (bf16, or the master itself in fp32)
   in pinned memory, ready to cross PCIe; the gradient arrives in a pinned host buffer; the CPU
   updates the layer (or the GPU, streaming the state, when the cost model picks it).
@@ -73,6 +75,9 @@ class LayerState:
     # only it (padded to the common shard size), `compute` the whole layer (all-gathered), `grad`
     # the whole layer's gradient (reduced over the ranks); see mtc.runtime.collectives
     shard: tuple[int, int] | None = None
+    # data parallel, gpu tier: the all-gather of this step's updated shards into `compute` (on the
+    # comm stream); the compute stream waits for it before a visit reads the resident copy
+    gathered: Transfer | None = None
 
 
 class StateTiers:
@@ -82,7 +87,7 @@ class StateTiers:
 
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
                  streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, sharded: bool | None = None) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         if disk_compute not in DISK_COMPUTE:
@@ -97,6 +102,8 @@ class StateTiers:
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
         self.rank, self.world_size = rank, world_size  # > 1: ram layers keep only this rank's shard of master, m, v
+        # (also at world size 1 when the data-parallel engine is forced there: `mtc.dist.World.force`)
+        self.sharded = world_size > 1 if sharded is None else sharded
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
@@ -108,13 +115,15 @@ class StateTiers:
 
     def _allocate(self, i: int, tier: str, n: int, nd: int) -> LayerState:
         fp32_compute = self.compute_dtype == STATE_DTYPE
+        if tier == "gpu" and self.sharded:
+            return self._allocate_gpu_shard(i, n, nd)
         if tier == "gpu":
             master = torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
             m, v = torch.zeros_like(master), torch.zeros_like(master)
             compute = master if fp32_compute else torch.zeros(n, dtype=self.compute_dtype, device=self.device)
             grad = torch.zeros_like(master)
             return LayerState(i, tier, n, nd, master, m, v, compute, grad)
-        if tier == "ram" and self.world_size > 1:
+        if tier == "ram" and self.sharded:
             return self._allocate_shard(i, n, nd)
         if tier == "ram":
             # the master itself is the PCIe source in fp32 compute, so it is the pinned buffer then
@@ -132,9 +141,24 @@ class StateTiers:
         """A ram layer of a data-parallel run: this rank's shard of the state, the whole compute copy."""
         per = -(-n // self.world_size)
         lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
-        master, m, v = (self._host(per, STATE_DTYPE, pinned=False) for _ in range(3))
+        fp32_compute, streamed = self.compute_dtype == STATE_DTYPE, i in self.streamed
+        # fp32: the master shard itself crosses to the device for the device all-gather, so it is
+        # pinned; all three when the GPU updates the layer (`gpu_update`)
+        master = self._host(per, STATE_DTYPE, pinned=fp32_compute or streamed)
+        m, v = (self._host(per, STATE_DTYPE, pinned=streamed) for _ in range(2))
         compute = self._host(per * self.world_size, self.compute_dtype, pinned=True)  # every rank's shard, padded
         return LayerState(i, "ram", n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True), shard=(lo, hi))
+
+    def _allocate_gpu_shard(self, i: int, n: int, nd: int) -> LayerState:
+        """A gpu layer of a data-parallel run: this rank's shard of master, m, v on the device, the
+        whole compute copy and gradient there too, both padded to ``world`` equal shards (what the
+        device reduce-scatter reads and the all-gather writes; the views cover the layer)."""
+        per = -(-n // self.world_size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        master, m, v = (torch.zeros(per, dtype=STATE_DTYPE, device=self.device) for _ in range(3))
+        compute = torch.zeros(per * self.world_size, dtype=self.compute_dtype, device=self.device)
+        grad = torch.zeros(per * self.world_size, dtype=STATE_DTYPE, device=self.device)[:n]
+        return LayerState(i, "gpu", n, nd, master, m, v, compute, grad, shard=(lo, hi))
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]

@@ -75,20 +75,26 @@ def test_ranks_divide_the_state(shape, engine):
         # a store per rank: each keeps both generations of its shards
         assert p.memory.disk == {"full": 24 * sum(s), "weights": 8 * sum(s), "none": 0}
         assert one.memory.disk["full"] / w <= p.memory.disk["full"] <= one.memory.disk["full"] / w + 24 * len(s)
-        if engine == "engine":  # host RAM per rank: 12 B of the shard + the whole gradient (it crosses to the host) and bf16 copy
-            assert p.memory.host == sum(12 * si + (4 + c) * n for si, n in zip(s, shape.numels, strict=True))
-        else:  # NCCL reduce-scatters on the GPU, so only the gradient's shard comes to the host
-            assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
+        # both reduce-scatter on the GPU (NCCL), so only the gradient's shard comes to the host
+        assert p.memory.host == sum(16 * si + c * n for si, n in zip(s, shape.numels, strict=True))
         # the rank's CPU AdamW updates its shard only; ranks on separate hosts each have a whole host's rate
         assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * p.layout.ranks_per_host / w, rel=0.01)
 
 
-def test_the_engine_shards_only_the_ram_tier(shape):
+def test_the_engine_shards_the_gpu_and_ram_tiers(shape):
     prof = builtin("8x-h100")
     auto = make_dist_plan(CFG, prof, 8, shape=shape)
-    assert set(auto.placement) == {"ram"} and auto.gpu_update == set() and auto.dist.reduce_scatter  # gloo, on the host
+    # NCCL on the GPUs; auto takes the GPU first from the rank's budget (the tiny model fits), never disk
+    assert set(auto.placement) == {"gpu"} and auto.gpu_update == set() and auto.dist.reduce_scatter
+    assert auto.engine.device_collectives and "nccl" in auto.dist.link.name
+    tight = make_dist_plan(dataclasses.replace(CFG, gpu_budget_gb=1e-4), prof, 8, shape=shape)
+    assert "ram" in tight.placement and "disk" not in tight.placement
+    assert make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape).placement == ["gpu"] * shape.n_layers
     with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):
-        make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape)
+        make_dist_plan(dataclasses.replace(CFG, placement="disk"), prof, 8, shape=shape)
+    assert make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape).gpu_update == {1, 2}
+    with pytest.raises(ConfigError, match="gpu_update '1-2' names layers"):  # gloo in host memory: the host updates
+        make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape, engine="host")
     with pytest.raises(ConfigError, match="durability 'none' cannot run on several ranks"):
         make_dist_plan(dataclasses.replace(CFG, durability="none"), prof, 8, shape=shape)
     design = make_dist_plan(CFG, prof, 8, shape=shape, engine="design")
@@ -145,14 +151,17 @@ def test_collective_bytes_follow_the_ring_formula(shape):
     busy = sum(link.seconds("reduce_scatter", 4 * 4 * s, 4) + link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert p.step.stages()["collectives"] == pytest.approx(busy)
-    # the engine (gloo in host memory): the whole gradient crosses to the host, gloo reduce-scatters it
-    g = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
+    # the engine on CUDA: NCCL, as the design
+    e = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape)
+    assert e.dist.link == p.dist.link and e.collective_bytes() == p.collective_bytes()
+    # dp_collectives host (gloo in host memory): the whole gradient crosses to the host, gloo reduce-scatters it
+    g = make_dist_plan(CFG, prof, 4, nodes=2, shape=shape, engine="host")
     assert g.collective_bytes()["gradient reduce-scatter (fp32)"] == pytest.approx(0.75 * 4 * padded)
     assert g.dist.link.gbps == 2.0 and "gloo" in g.dist.link.name  # loopback gloo is slower than the network here
     busy = sum(g.dist.link.seconds("reduce_scatter", 4 * 4 * s, 4) + g.dist.link.seconds("all_gather", 2 * 4 * s, 4)
                for s in shard_numels(shape.numels, 4) if s)
     assert g.step.stages()["collectives"] == pytest.approx(busy)
-    one_host = make_dist_plan(CFG, dataclasses.replace(prof, gloo_gbps=0.7), 2, nodes=1, shape=shape)
+    one_host = make_dist_plan(CFG, dataclasses.replace(prof, gloo_gbps=0.7), 2, nodes=1, shape=shape, engine="host")
     assert one_host.dist.link.gbps == 0.7 and not any("loopback" in a for a in one_host.assumed)  # `mtc calibrate` measured it
     c = make_dist_plan(CFG, _cpu_host(), 2, shape=model_shape(CFG, "float32"))
     assert c.layout.backend == "gloo" and next(iter(c.collective_bytes())) == "gradient reduce-scatter (fp32)"
