@@ -188,27 +188,37 @@ def check_launch(cfg: object, world: World, store_dir: object) -> None:
 
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
                             program: object) -> tuple[list[str], set[int]]:
-    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM,
-    updated by the CPU; an explicit one must do so too (`check_placement`). One rank: unchanged."""
+    """The placement of a data-parallel run: ``auto`` puts every layer's (sharded) state in host RAM
+    while the rank's RAM budget holds it and the rest on disk (`mtc.runtime.dp_disk.dp_auto_placement`),
+    updated by the CPU; an explicit one must use those tiers too (`check_placement`). One rank: unchanged."""
     if not world.distributed:
         return placement, gpu_update
+    numels = [program.layer_numel(i) for i in range(len(placement))]
     if cfg.placement.strip() == "auto":
-        placement = ["ram"] * len(placement)
+        from mtc.runtime.dp_disk import dp_auto_placement, rank_ram_budget
+
+        cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+        placement = dp_auto_placement(numels, world.world_size, cbytes, rank_ram_budget(cfg, world.local_world_size))
     if cfg.gpu_update.strip() == "auto":
         gpu_update = set()
     check_placement(world, placement, gpu_update, program)
+    if cfg.disk_compute == "store" and any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
+        raise ConfigError("config field disk_compute: 'store' reads a disk layer's weights from the store at each visit, but a "
+                          "data-parallel rank's store holds only its shard; use disk_compute 'ram' or 'auto' (the ranks "
+                          "all-gather each disk layer's compute copy into RAM)")
     return placement, gpu_update
 
 
 def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object) -> None:
-    """Data-parallel runs shard ram-tier state only (for now): refuse gpu and disk tiers and GPU updates."""
+    """Data-parallel runs shard ram- and disk-tier state (for now): refuse the gpu tier and GPU updates."""
     if not world.distributed:
         return
-    other = sorted({t for i, t in enumerate(placement) if t != "ram" and program.layer_numel(i)})
+    other = sorted({t for i, t in enumerate(placement) if t not in ("ram", "disk") and program.layer_numel(i)})
     if other or gpu_update:
         what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
-        raise ConfigError(f"a data-parallel run keeps every layer's state sharded in host RAM, but the {what}; pass "
-                          "--placement ram and --gpu-update none (gpu and disk tiers are not sharded yet)")
+        raise ConfigError(f"a data-parallel run keeps every layer's state sharded in host RAM or on disk, but the {what}; "
+                          "pass --placement ram (or disk, or a split such as ram:0-3,disk:4-9) and --gpu-update none (the gpu tier "
+                          "is not sharded yet)")
 
 
 def open_follower(cfg: object, store_dir: object) -> object:
@@ -249,6 +259,11 @@ def attach(engine: object, tiers: object, world: World, shard_store: object = No
     g = groups()
     dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm)
     dp.shard_store = shard_store
+    from mtc.runtime.dp_disk import DiskShards, disk_shard_layers
+
+    if disk_shard_layers(tiers):  # disk layers: their shards are read from and written to this rank's store
+        dp.disk = DiskShards(tiers, shard_store, rank=world.rank, world_size=world.world_size)
+        engine.optimizer.disk = dp.disk.ring  # the optimizer posts its read-ahead each step and closes it
     engine.optimizer.dp = dp
     engine.executor.reduce_count = dp.reduce_count
 

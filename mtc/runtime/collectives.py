@@ -24,8 +24,9 @@ that range. Per layer and step:
 Store layout: one shard store per rank (``RUN/ranks/rank-R-of-N/``) and one global commit record in
 the run directory, which names each shard's digest (see `mtc.shards`): commit I/O is spread over
 the ranks, nothing is gathered to rank 0, a missing or stale shard is refused on resume, and
-``mtc reshard`` rewrites the state for another world size. Only ``ram``-tier placements are
-supported with more than one rank (``gpu`` and ``disk`` tiers are refused with a clear error).
+``mtc reshard`` rewrites the state for another world size. ``ram`` and ``disk`` placements are
+supported with more than one rank (a disk layer's shard is read from and written to the rank's
+shard store each step: `mtc.runtime.dp_disk`); the ``gpu`` tier is refused with a clear error.
 
 All collectives of the comm thread are enqueued by the training thread in a fixed order (the
 executor's finalisation order, then `finish_step`'s forward order), so every rank issues the same
@@ -49,6 +50,7 @@ from mtc.runtime.tiers import state_kinds
 from mtc.store import state_array_name
 
 if TYPE_CHECKING:
+    from mtc.runtime.dp_disk import DiskShards
     from mtc.runtime.optimizer import StreamingAdamW
     from mtc.runtime.tiers import StateTiers
     from mtc.store import TensorStore
@@ -104,8 +106,9 @@ class DataParallel:
         self.dist, self.tiers, self.rank, self.world_size = dist, tiers, rank, world_size
         self.sync_group, self.comm_group = sync_group, comm_group
         for s in tiers.layers:
-            if s.numel and s.tier != "ram":
-                raise ValueError(f"data parallel runs support the ram tier only, layer {s.layer} is {s.tier!r}")
+            if s.numel and s.tier not in ("ram", "disk"):
+                raise ValueError(f"data parallel runs support the ram and disk tiers only, layer {s.layer} is {s.tier!r}")
+        self.disk: DiskShards | None = None  # the disk layers' shards (mtc.runtime.dp_disk), set by mtc.dist.attach
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-comm")
         self._scatter = _reduce_scatter_fn(dist, comm_group)
         # reduce-scatter needs world equal parts: the gradient buffer is padded to world * shard
@@ -116,7 +119,7 @@ class DataParallel:
         for s in tiers.layers:
             if not s.numel:
                 continue
-            per = s.master.numel()
+            per = -(-s.numel // world_size)  # (a disk layer has no master in RAM)
             pad = torch.zeros(per * world_size, dtype=torch.float32, pin_memory=s.grad.is_pinned())
             s.grad = pad[: s.numel]
             self._gpad[s.layer], self._gshard[s.layer] = pad, torch.zeros(per, dtype=torch.float32)
@@ -185,6 +188,9 @@ class DataParallel:
             s = self.tiers[i]
             if not s.numel:
                 continue
+            if s.tier == "disk":  # hook: read from, updated in and written to this rank's shard store (mtc.runtime.dp_disk)
+                writes.append(self.disk.schedule(self, opt, i, coef, step, skipped, prev_commit))
+                continue
             lo, hi = s.shard
             decay = min(max(s.decay_numel - lo, 0), hi - lo)
             hp = {"lr": opt._lr, "step": step + 1, "decay_numel": decay}
@@ -195,6 +201,8 @@ class DataParallel:
                 s.write = Future()
                 self._comm.submit(self._shard_write, opt, i, upd, kinds, write_generation, prev_commit, step, s.write)
                 writes.append(s.write)
+        if self.disk is not None:  # hook: the next step's disk reads come from the generation just written
+            self.disk.end_step()
         if commit is not None:
             opt.commit_future = opt._writer.submit(self._commit_all, opt, writes, commit, write_generation, step)
         if opt.engine.serialize:
