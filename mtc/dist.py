@@ -195,7 +195,7 @@ def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu
         return placement, gpu_update
     numels = [program.layer_numel(i) for i in range(len(placement))]
     if cfg.placement.strip() == "auto":
-        from mtc.runtime.dp_disk import dp_auto_placement, rank_ram_budget
+        from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
         cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
         placement = dp_auto_placement(numels, world.world_size, cbytes, rank_ram_budget(cfg, world.local_world_size))

@@ -60,6 +60,7 @@ from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan
 from mtc.runtime import placement as pl
+from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
 __all__ = ["ENGINES", "DistPlan", "Engine", "Layout", "Link", "RankDist", "check_fit_ranks", "make_dist_plan", "rank_memory",
            "rank_profile", "ring_bytes", "scaling", "shard_numels", "world_from_env"]
@@ -86,9 +87,10 @@ class Engine:
 
 
 ENGINES = {
-    "engine": Engine("engine", False, ("ram",),
+    "engine": Engine("engine", False, ("ram", "disk"),
                      "the engine as built (mtc.runtime.collectives): the whole gradient crosses to the host, gloo reduce-scatters "
-                     "it and all-gathers weights in host memory, also on CUDA; a store per rank; ram tier only",
+                     "it and all-gathers weights in host memory, also on CUDA; a store per rank; ram and disk tiers "
+                     "(a disk shard is read from and written to the rank's store each step)",
                      durability_none=False, host_reduce_scatter=True),
     "design": Engine("design", True, ("gpu", "ram", "disk"),
                      "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier"),
@@ -258,9 +260,12 @@ def _rank_cfg(cfg: TrainConfig, world: int) -> TrainConfig:
 # -- memory per rank ---------------------------------------------------------------------------
 
 
-def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False) -> tuple[int, int]:
+def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False, host_grad: bool = False) -> tuple[int, int]:
     """(GPU, host RAM) bytes of one layer of ``n`` parameters, shard ``s``, in ``tier`` (the table
-    above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU)."""
+    above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU);
+    ``host_grad``: a disk layer's whole gradient goes to the host (reduced there, as a ram layer's)."""
+    if tier == "disk" and host_grad:
+        return 0, c * n + 4 * n
     if tier == "gpu":
         return 12 * s + 4 * n + c * n, 0
     if tier == "ram":
@@ -284,7 +289,8 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
     s = shard_numels(n, world)
     gpu = host = pinned = 0
     for i, t in enumerate(placement):
-        g, h = _tier_bytes(t, n[i], s[i], c, cuda, grad_shard=cuda and engine.device_collectives)
+        g, h = _tier_bytes(t, n[i], s[i], c, cuda, grad_shard=cuda and engine.device_collectives,
+                           host_grad=not engine.device_collectives)
         gpu, host = gpu + g, host + h
         if cuda and t != "gpu":  # the gradient shard and the gathered compute copy are pinned
             pinned += h
@@ -302,14 +308,19 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     tier) and the ram layers the GPU updates (none there)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
     s = shard_numels(n, world)
-    if engine.tiers == ("ram",):
-        placement = pl.resolve_placement(cfg.placement, len(n), auto=["ram"] * len(n))
-        other = sorted({t for i, t in enumerate(placement) if t != "ram" and n[i]})
+    if "gpu" not in engine.tiers:  # the engine as built: sharded in host RAM, the rest on disk (as mtc.dist places it)
+        auto = None
+        if cfg.placement.strip() == "auto":
+            budget = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(rprof.host_available_bytes)
+            auto = dp_auto_placement(n, world, c, int(budget))
+        placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
+        other = sorted({t for i, t in enumerate(placement) if t not in engine.tiers and n[i]})
         named = cfg.gpu_update.strip() not in ("auto", "none", "")
         if other or named:
             what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
-            raise ConfigError(f"the data-parallel engine keeps every layer's state sharded in host RAM, but the {what}; pass "
-                              "--placement ram and --gpu-update none (or plan issue 13's design with --dp-model design)")
+            raise ConfigError(f"the data-parallel engine keeps every layer's state sharded in host RAM or on disk, but the {what}; "
+                              "pass --placement ram (or disk, or a ram/disk split) and --gpu-update none (or plan issue 13's "
+                              "design with --dp-model design)")
         return placement, set()
     auto = None
     if cfg.placement.strip() == "auto":
@@ -612,6 +623,8 @@ def check_fit_ranks(cfg: TrainConfig, shape: ModelShape, placement: list[str], w
                     host_available: int, gpu_total: int | None, where: str) -> list[Check]:
     """The fit checks of one rank of ``world`` with ``local`` ranks on this host (``cfg``: the run's)."""
     rcfg = dataclasses.replace(cfg, grad_accum=max(1, cfg.grad_accum // world))
+    if cfg.placement.strip() == "auto":  # the placement the ranks will take (`mtc.dist.data_parallel_placement`)
+        placement = dp_auto_placement(list(shape.numels), world, shape.compute_bytes, rank_ram_budget(cfg, local))
     lay = Layout(world, max(1, world // local), "nccl" if gpu_total is not None else "gloo")
     mem = rank_memory(rcfg, shape, placement, world, cuda=gpu_total is not None, engine=ENGINES["engine"])
     return rank_checks(rcfg, mem, placement, lay, disk_free=disk_free, host_available=host_available, gpu_total=gpu_total,

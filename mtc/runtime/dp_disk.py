@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mtc.runtime.disk_tier import DISK_CHUNK_NUMEL, DiskRing
+from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import _release_after_reads, _wait_all, _when_all
 from mtc.store import state_array_name
@@ -46,46 +46,9 @@ if TYPE_CHECKING:
     from mtc.runtime.tiers import StateTiers
     from mtc.store import TensorStore
 
-__all__ = ["DiskShards", "disk_shard_layers", "dp_auto_placement", "rank_ram_budget"]
+__all__ = ["DiskShards", "disk_shard_layers"]
 
 _KINDS = ("master", "m", "v")
-
-
-def rank_host_bytes(tier: str, numel: int, world_size: int, compute_bytes: int) -> int:
-    """Host RAM of one layer on one rank: a ram layer holds its state shard (12 B x shard), the
-    whole gradient (4 B) and the whole compute copy; a disk layer only the gradient and the copy."""
-    per = -(-numel // world_size)
-    return (12 * per if tier == "ram" else 0) + (4 + compute_bytes) * per * world_size
-
-
-def dp_auto_placement(numels: list[int], world_size: int, compute_bytes: int, ram_bytes: int, *, slots: int = 3,
-                      chunk: int = DISK_CHUNK_NUMEL) -> list[str]:
-    """``placement = auto`` on ``world_size`` ranks: every layer in RAM when the rank's budget
-    ``ram_bytes`` holds them all; else every layer starts on disk (the disk ring's ``slots`` sets
-    of one chunk off the budget first) and, in forward order, a layer moves up to RAM while the
-    budget holds the difference (as the single-process `auto_placement`, without the GPU tier).
-    When even all-disk does not fit, the result is all-disk (the launch fit check says so)."""
-    if sum(rank_host_bytes("ram", n, world_size, compute_bytes) for n in numels) <= ram_bytes:
-        return ["ram"] * len(numels)
-    shards = [-(-n // world_size) for n in numels]
-    left = ram_bytes - slots * 12 * min(max(shards, default=0), chunk)
-    left -= sum(rank_host_bytes("disk", n, world_size, compute_bytes) for n in numels)
-    placement = ["disk"] * len(numels)
-    for i, n in enumerate(numels):
-        up = rank_host_bytes("ram", n, world_size, compute_bytes) - rank_host_bytes("disk", n, world_size, compute_bytes)
-        if left >= 0 and up <= left:
-            placement[i], left = "ram", left - up
-    return placement
-
-
-def rank_ram_budget(cfg: object, local_world_size: int) -> int:
-    """One rank's host RAM for state: ``ram_budget_gb`` (per rank), else its share of what the
-    host has available (the ranks of a host split it evenly)."""
-    from mtc.runtime.placement import default_ram_budget
-
-    if cfg.ram_budget_gb is not None:
-        return int(cfg.ram_budget_gb * 2**30)
-    return default_ram_budget() // max(1, local_world_size)
 
 
 def disk_shard_layers(tiers: StateTiers) -> dict[int, int]:

@@ -26,7 +26,7 @@ from mtc.dist_plan import check_fit_ranks
 from mtc.errors import ConfigError
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
-from mtc.runtime.dp_disk import dp_auto_placement, rank_host_bytes
+from mtc.runtime.dp_placement import dp_auto_placement, rank_host_bytes
 from mtc.train import train
 from tests.mtc.test_data_parallel import ROOT, STEPS, _config, _env, _free_port, _state, _train_args
 from tests.runtime.engine_util import skewed_tokens
