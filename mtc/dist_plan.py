@@ -319,8 +319,8 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
         if other or named:
             what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
             raise ConfigError(f"the data-parallel engine keeps every layer's state sharded in host RAM or on disk, but the {what}; "
-                              "pass --placement ram (or disk, or a ram/disk split) and --gpu-update none (or plan issue 13's "
-                              "design with --dp-model design)")
+                              "pass --placement ram and --gpu-update none (the placement may also be disk or a ram/disk split; or "
+                              "plan issue 13's design with --dp-model design)")
         return placement, set()
     auto = None
     if cfg.placement.strip() == "auto":

@@ -8,6 +8,7 @@ records every state read, so the tests can see where the state comes from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -71,6 +72,7 @@ def runs(tmp_path_factory):
     return d, tokens
 
 
+@pytest.mark.slow
 def test_disk_and_mixed_placements_match_the_single_process_run(runs):
     d, _ = runs
     ref, lref, nref = _state(d / "ref")
@@ -90,6 +92,7 @@ def test_disk_and_mixed_placements_match_the_single_process_run(runs):
             assert all(rs.array_info(f"layers/{i:04d}/{k}/g{g}").shape == (hi - lo,) for k in ("master", "m", "v") for g in (0, 1))
 
 
+@pytest.mark.slow
 def test_ram_layers_are_not_read_after_start_up_and_disk_layers_only_from_the_ranks_own_store(runs):
     d, _ = runs
     for rank in range(2):
@@ -107,6 +110,7 @@ def test_ram_layers_are_not_read_after_start_up_and_disk_layers_only_from_the_ra
         assert {p for p, _, phase in _reads(d / "disk-reads", rank) if phase == "step"} == {str(shards.rank_dir(d / "disk", rank, 2))}
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_then_relaunch_is_bit_identical(runs):
     d, tokens = runs
     store, log = d / "killed", d / "killed-reads"
@@ -130,6 +134,7 @@ def test_kill_9_of_one_rank_then_relaunch_is_bit_identical(runs):
     assert la[-1] == lb[-1] and all(torch.equal(a[k], b[k]) for k in b), "the relaunched run differs from the unbroken one"
 
 
+@pytest.mark.slow
 def test_reshard_of_a_disk_tier_store_keeps_the_state_bit_identical(runs, tmp_path):
     d, tokens = runs
     store = tmp_path / "re"
@@ -213,3 +218,36 @@ def test_launch_disk_check_counts_every_rank_of_the_host(program):
 
     assert disk_ok(1, need_one) and not disk_ok(1, need_one - 1)
     assert disk_ok(2, 2 * need_one) and not disk_ok(2, 2 * need_one - 1)
+
+
+def test_a_disk_shard_holds_no_state_in_ram(program):
+    """Host RAM of a rank's disk layer: the whole gradient and compute copy, never master, m or v
+    (those cost the disk ring's sets only); as `rank_host_bytes` plans it, up to the padding."""
+    from mtc.runtime.tiers import StateTiers
+
+    placement = ["ram", "ram", "disk", "disk"]
+    tiers = StateTiers(program, placement, torch.device("cpu"), torch.float32, rank=1, world_size=2)
+    for s in tiers.layers[2:]:
+        lo, hi, per = shard_range(s.numel, 1, 2)
+        assert s.tier == "disk" and s.master is None and s.m is None and s.v is None and s.shard == (lo, hi)
+        assert s.compute.numel() == 2 * per and s.grad.numel() == s.numel
+    planned = sum(rank_host_bytes(t, program.layer_numel(i), 2, 4) for i, t in enumerate(placement))
+    assert 0 <= planned - tiers.host_bytes() <= 4 * len(placement)  # the gradient's padding element per layer
+
+
+def test_the_engine_plan_shards_the_disk_tier():
+    """`mtc plan --world-size N` with disk placements: the ranks' disk and host RAM as the engine keeps them."""
+    from mtc.calibrate import builtin
+    from mtc.config import TrainConfig
+    from mtc.costmodel import model_shape
+    from mtc.dist_plan import make_dist_plan
+
+    cfg = TrainConfig(model="tiny", micro_batch_size=2, seq_len=16, grad_accum=8, durability="weights")
+    shape = model_shape(cfg, "bfloat16")
+    prof = builtin("8x-h100")
+    ram = make_dist_plan(cfg, prof, 8, shape=shape)
+    disk = make_dist_plan(dataclasses.replace(cfg, placement="disk"), prof, 8, shape=shape)
+    assert set(disk.placement) == {"disk"} and disk.gpu_update == set()
+    shard = sum(-(-n // 8) for n in shape.numels)
+    assert disk.memory.disk["weights"] == 24 * shard > ram.memory.disk["weights"]  # a disk layer keeps m and v
+    assert disk.memory.gpu_state == 0 and disk.memory.host < ram.memory.host  # no state shard in RAM, gradient on the host
