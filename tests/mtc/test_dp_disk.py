@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from mtc.store import LAYOUT_ATTR, TensorStore
+from safetensors.torch import load_file
 
 from mtc import dist, shards
 from mtc.cli import main
 from mtc.data import TokenFile
 from mtc.dist_plan import check_fit_ranks
 from mtc.errors import ConfigError
+from mtc.hf import export_hf
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
 from mtc.runtime.dp_placement import dp_auto_placement, rank_host_bytes
@@ -36,13 +38,13 @@ CHUNK = 4096  # elements per disk chunk in the ranks (a block's shard is several
 MIXED = "ram:0-1,disk:2-3"  # embed and the first block in RAM, the second block and the head on disk
 
 
-def _launch(n: int, cfg_file: Path, store: Path, data: Path, log: Path) -> list[subprocess.Popen]:
+def _launch(n: int, cfg_file: Path, store: Path, data: Path, log: Path, *extra: str) -> list[subprocess.Popen]:
     """``n`` ranks of `mtc train` through the spying wrapper, with torchrun's environment."""
     port, procs = _free_port(), []
     for r in range(n):
         env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                    LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
-        cmd = [sys.executable, str(ROOT / "tests/mtc/dp_disk_rank.py"), str(log), str(CHUNK), *_train_args(cfg_file, store, data)[2:]]
+        cmd = [sys.executable, str(ROOT / "tests/mtc/dp_disk_rank.py"), str(log), str(CHUNK), *_train_args(cfg_file, store, data)[2:], *extra]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -147,17 +149,28 @@ def test_reshard_of_a_disk_tier_store_keeps_the_state_bit_identical(runs, tmp_pa
     assert all(torch.equal(before[k], mid[k]) and torch.equal(before[k], after[k]) for k in before)  # m and v too
     with TensorStore.open(store, read_only=True) as st:  # one process sees the disk layers' full state and placement
         assert st.attributes()[LAYOUT_ATTR]["placement"] == ["ram", "ram", "disk", "disk"]
-    # one more step in one process from the resharded store: as the reference run continued
-    more = _config(steps=STEPS + 1, placement=MIXED)
-    train(more, store, TokenFile.open(tokens.path), allow_change=("steps",)).store.close()
+    # export of the disk-tier store equals the single-process run's export
+    export_hf(store, tmp_path / "hf2")
+    export_hf(d / "ref", tmp_path / "hf1")
+    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+    # the single-process layout opened by 2 ranks again (each copies its disk shards out of the full
+    # arrays), one more step: as the reference run continued
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps(_config(steps=STEPS + 1, placement=MIXED).to_dict()))
+    _wait(_launch(2, more, store, tokens.path, tmp_path / "reads", "--allow-change", "steps"))
     ref = tmp_path / "ref"
     shutil.copytree(d / "ref", ref)
     train(_config(steps=STEPS + 1), ref, TokenFile.open(tokens.path), allow_change=("steps",)).store.close()
-    with TensorStore.open(store, read_only=True) as a, TensorStore.open(ref, read_only=True) as b:
-        g = a.last_commit().generation
+    with TensorStore.open(store, read_only=True) as st, TensorStore.open(ref, read_only=True) as rs:
+        last, rlast = st.last_commit(), rs.last_commit()
+        assert last.step == rlast.step == STEPS + 1 and shards.shard_world(last) == 2
         for i in range(4):
-            torch.testing.assert_close(a.read(f"layers/{i:04d}/master/g{g}"), b.read(f"layers/{i:04d}/master/g{g}"),
-                                       atol=1e-5, rtol=1e-5)
+            for k in ("master", "m", "v"):
+                got = shards.read_layer(store, last, i, k, rs.array_info(f"layers/{i:04d}/{k}/g{rlast.generation}").shape[0])
+                torch.testing.assert_close(got, rs.read(f"layers/{i:04d}/{k}/g{rlast.generation}"), atol=1e-5, rtol=1e-5)
 
 
 # -- placement and fit checks (fast) -------------------------------------------------------------
