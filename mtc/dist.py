@@ -221,47 +221,58 @@ def gpu_shard_bytes(numel: int, world_size: int, compute_bytes: int) -> int:
 
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
                             program: object, *, gpu_bytes: int | None = None) -> tuple[list[str], set[int]]:
-    """The placement of a data-parallel run (one rank: unchanged). ``auto`` with device
-    collectives on CUDA: in forward order, a layer goes to the gpu tier while its per-rank bytes
+    """The placement of a data-parallel run (one rank: unchanged). ``auto``: with device
+    collectives on CUDA, in forward order, a layer goes to the gpu tier while its per-rank bytes
     (`gpu_shard_bytes`: the state is sharded, the gradient and compute copy are whole) fit in
-    what is left of this rank's GPU budget ``gpu_bytes``, else its shard is kept in host RAM;
-    otherwise every layer is sharded in host RAM. No GPU updates of ram layers. An explicit
+    what is left of this rank's GPU budget ``gpu_bytes``; the other layers' shards stay in host
+    RAM while the rank's RAM budget holds them, the rest on disk
+    (`mtc.runtime.dp_placement.dp_auto_placement`). No GPU updates of ram layers. An explicit
     placement is checked (`check_placement`)."""
     if not world.distributed:
         return placement, gpu_update
     device = device_collectives(cfg)
+    numels = [program.layer_numel(i) for i in range(len(placement))]
     if cfg.placement.strip() == "auto":
+        from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
+
         left, cbytes = gpu_bytes or 0, torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
-        placement = []
-        for i in range(program.n_layers):
-            need = gpu_shard_bytes(program.layer_numel(i), world.world_size, cbytes)
+        on_gpu = []
+        for n in numels:
+            need = gpu_shard_bytes(n, world.world_size, cbytes)
             fits = device and gpu_bytes is not None and need <= left
             left -= need if fits else 0
-            placement.append("gpu" if fits else "ram")
+            on_gpu.append(fits)
+        host = dp_auto_placement([0 if g else n for g, n in zip(on_gpu, numels, strict=True)], world.world_size, cbytes,
+                                 rank_ram_budget(cfg, world.local_world_size))
+        placement = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
     if cfg.gpu_update.strip() == "auto":  # the host's cores update the shards: 1/N of the work each
         gpu_update = set()
     check_placement(world, placement, gpu_update, program, device=device)
+    if cfg.disk_compute == "store" and any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
+        raise ConfigError("config field disk_compute: 'store' reads a disk layer's weights from the store at each visit, but a "
+                          "data-parallel rank's store holds only its shard; use disk_compute 'ram' or 'auto' (the ranks "
+                          "all-gather each disk layer's compute copy into RAM)")
     return placement, gpu_update
 
 
 def check_placement(world: World, placement: list[str], gpu_update: set[int], program: object, *,
                     device: bool = False) -> None:
-    """Data-parallel runs shard ram-tier state, and with device collectives (``device``) gpu-tier
-    state and GPU updates of ram layers (``gpu_update``): refuse the rest."""
+    """Data-parallel runs shard ram- and disk-tier state, and with device collectives (``device``)
+    gpu-tier state and GPU updates of ram layers (``gpu_update``): refuse the rest."""
     if not world.distributed:
         return
-    allowed = {"ram", "gpu"} if device else {"ram"}
+    allowed = {"ram", "disk", "gpu"} if device else {"ram", "disk"}
     other = sorted({t for i, t in enumerate(placement) if t not in allowed and program.layer_numel(i)})
     if other == ["gpu"]:
         raise ConfigError("placement puts layers in gpu, which a data-parallel run shards only with device collectives "
                           "(dp_collectives device, or auto on CUDA with NCCL); pass --dp-collectives device or --placement ram")
     if other or (gpu_update and not device):
         what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update names layers {sorted(gpu_update)}"
-        tiers = "ram and gpu" if device else "ram"
-        fix = ("disk tiers are not sharded yet" if device else
-               "GPU updates of ram layers need device collectives: --dp-collectives device, or auto on CUDA with NCCL")
+        tiers = "ram, disk and gpu" if device else "ram and disk"
+        fix = ("" if other else " (GPU updates of ram layers need device collectives: --dp-collectives device, or auto on "
+               "CUDA with NCCL)")
         raise ConfigError(f"a data-parallel run shards the {tiers} tiers only, but the {what}; pass --placement ram "
-                          f"and --gpu-update none ({fix})")
+                          f"(or disk, or a split such as ram:0-3,disk:4-9) and --gpu-update none{fix}")
 
 
 def open_follower(cfg: object, store_dir: object) -> object:
@@ -299,11 +310,15 @@ def attach(engine: object, tiers: object, world: World, shard_store: object = No
     ``shard_store``: this rank's store of its state shard (`mtc.shards`); ``device``: reduce and
     gather on the device (`device_collectives`)."""
     from mtc.runtime.collectives import DataParallel
+    from mtc.runtime.dp_disk import DiskShards, disk_shard_layers
 
     g = groups()
     dp = DataParallel(tiers, rank=world.rank, world_size=world.world_size, sync_group=g.sync, comm_group=g.comm,
                       device_group=g.device if device else None, copies=engine.copies)
     dp.shard_store = shard_store
+    if disk_shard_layers(tiers):  # disk layers: their shards are read from and written to this rank's store
+        dp.disk = DiskShards(tiers, shard_store, rank=world.rank, world_size=world.world_size)
+        engine.optimizer.disk = dp.disk.ring  # the optimizer posts its read-ahead each step and closes it
     engine.optimizer.dp = dp
     engine.executor.reduce_count = dp.reduce_count
     if device:  # the executor hands each final gradient slab to the device reduce-scatter

@@ -62,6 +62,7 @@ from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan
 from mtc.runtime import placement as pl
+from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
 __all__ = ["ENGINES", "DistPlan", "Engine", "Layout", "Link", "RankDist", "check_fit_ranks", "make_dist_plan", "rank_memory",
            "rank_profile", "ring_bytes", "scaling", "shard_numels", "world_from_env"]
@@ -85,20 +86,23 @@ class Engine:
     summary: str
     durability_none: bool = True  # can run with durability 'none' (the engine's ranks start from the step-0 commit)
     host_reduce_scatter: bool = False  # gloo reduce-scatters the host gradient (torch 2.13's gloo has it), not all-reduce
+    built: bool = True  # places layers as `mtc.dist.data_parallel_placement` does (a disk shard's compute copy whole in RAM)
 
 
 ENGINES = {
-    "engine": Engine("engine", True, ("gpu", "ram"),
+    "engine": Engine("engine", True, ("gpu", "ram", "disk"),
                      "the engine as built (mtc.runtime.collectives, dp_collectives auto): on CUDA NCCL reduce-scatters the gradient "
                      "and all-gathers the updated shards on the GPUs, only the shard crosses PCIe down; gloo in host memory on CPU "
-                     "machines; a store per rank; gpu and ram tiers",
+                     "machines; a store per rank; gpu, ram and disk tiers (a disk shard is read from and written to the rank's "
+                     "store each step, its compute copy whole in RAM)",
                      durability_none=False, host_reduce_scatter=True),
-    "host": Engine("host", False, ("ram",),
+    "host": Engine("host", False, ("ram", "disk"),
                    "the engine with dp_collectives host: the whole gradient crosses to the host, gloo reduce-scatters it and "
-                   "all-gathers weights in host memory, also on CUDA; a store per rank; ram tier only",
+                   "all-gathers weights in host memory, also on CUDA; a store per rank; ram and disk tiers",
                    durability_none=False, host_reduce_scatter=True),
     "design": Engine("design", True, ("gpu", "ram", "disk"),
-                     "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier"),
+                     "issue 13's design, not built: NCCL reduce-scatter and all-gather on the GPUs, a store per rank, every tier",
+                     built=False),
 }
 
 
@@ -265,9 +269,13 @@ def _rank_cfg(cfg: TrainConfig, world: int) -> TrainConfig:
 # -- memory per rank ---------------------------------------------------------------------------
 
 
-def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False) -> tuple[int, int]:
+def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool = False, host_grad: bool = False) -> tuple[int, int]:
     """(GPU, host RAM) bytes of one layer of ``n`` parameters, shard ``s``, in ``tier`` (the table
-    above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU)."""
+    above); ``grad_shard``: only the gradient's shard comes to the host (reduce-scattered on the GPU);
+    ``host_grad``: a disk layer's gradient goes to the host (reduced there or its shard, as a ram
+    layer's) and its compute copy is whole in RAM (the engine as built, `mtc.runtime.dp_disk`)."""
+    if tier == "disk" and host_grad:
+        return 0, c * n + (4 * s if grad_shard else 4 * n)
     if tier == "gpu":  # what `mtc.dist.gpu_shard_bytes` counts
         return 16 * s + (c * s if c != 4 else 0) + 4 * n + c * n, 0
     if tier == "ram":
@@ -291,7 +299,8 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
     s = shard_numels(n, world)
     gpu = host = pinned = 0
     for i, t in enumerate(placement):
-        g, h = _tier_bytes(t, n[i], s[i], c, cuda, grad_shard=cuda and engine.device_collectives)
+        g, h = _tier_bytes(t, n[i], s[i], c, cuda, grad_shard=cuda and engine.device_collectives,
+                           host_grad=engine.built)
         gpu, host = gpu + g, host + h
         if cuda and t != "gpu":  # the gradient shard and the gathered compute copy are pinned
             pinned += h
@@ -305,28 +314,34 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
 def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
                    engine: Engine = ENGINES["design"]) -> tuple[list[str], set[int]]:
     """Each layer's tier for one rank (auto: the GPU first, then the rank's share of RAM, the rest
-    on disk, with the per-rank bytes above; every layer in RAM where the engine shards only that
-    tier) and the ram layers the GPU updates (none there)."""
+    on disk, with the per-rank bytes above; the built engines as `mtc.dist.data_parallel_placement`
+    places them) and the ram layers the GPU updates (auto: none under the built engines)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
     s = shard_numels(n, world)
-    if "disk" not in engine.tiers:  # as `mtc.dist.data_parallel_placement`: the GPU first (per-rank bytes), then RAM
-        auto = ["ram"] * len(n)
-        if cuda and engine.device_collectives and cfg.placement.strip() == "auto":
-            g_left = (cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
-                      else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
-            for i in range(len(n)):
-                need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
-                if need <= g_left:
-                    auto[i], g_left = "gpu", g_left - need
+    if engine.built:  # as `mtc.dist.data_parallel_placement`: the GPU first (per-rank bytes), then RAM, the rest on disk
+        auto = None
+        if cfg.placement.strip() == "auto":
+            on_gpu = [False] * len(n)
+            if cuda and engine.device_collectives:
+                g_left = (cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
+                          else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
+                for i in range(len(n)):
+                    need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
+                    if need <= g_left:
+                        on_gpu[i], g_left = True, g_left - need
+            budget = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(rprof.host_available_bytes)
+            host = dp_auto_placement([0 if g else k for g, k in zip(on_gpu, n, strict=True)], world, c, int(budget))
+            auto = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
         placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
-        allowed = engine.tiers if cuda else ("ram",)
+        allowed = engine.tiers if cuda and engine.device_collectives else tuple(t for t in engine.tiers if t != "gpu")
         other = sorted({t for i, t in enumerate(placement) if t not in allowed and n[i]})
         named = cfg.gpu_update.strip() not in ("auto", "none", "")
         streams = cuda and engine.device_collectives  # the GPU may update ram layers' shards (named ones; auto: none)
         if other or (named and not streams):
             what = f"placement puts layers in {', '.join(other)}" if other else f"gpu_update {cfg.gpu_update!r} names layers"
-            raise ConfigError(f"the data-parallel engine shards the {' and '.join(allowed)} tiers, but the {what}; pass "
-                              "--placement ram and --gpu-update none (or plan issue 13's design with --dp-model design)")
+            raise ConfigError(f"the data-parallel engine shards the {', '.join(allowed)} tiers, but the {what}; pass "
+                              "--placement ram and --gpu-update none (the placement may also be disk or a ram/disk split; or "
+                              "plan issue 13's design with --dp-model design)")
         if not named:
             return placement, set()
         return placement, pl.resolve_gpu_update(cfg.gpu_update, placement, list(s), device_is_cuda=True)
@@ -631,6 +646,8 @@ def check_fit_ranks(cfg: TrainConfig, shape: ModelShape, placement: list[str], w
                     host_available: int, gpu_total: int | None, where: str) -> list[Check]:
     """The fit checks of one rank of ``world`` with ``local`` ranks on this host (``cfg``: the run's)."""
     rcfg = dataclasses.replace(cfg, grad_accum=max(1, cfg.grad_accum // world))
+    if cfg.placement.strip() == "auto":  # the placement the ranks will take (`mtc.dist.data_parallel_placement`)
+        placement = dp_auto_placement(list(shape.numels), world, shape.compute_bytes, rank_ram_budget(cfg, local))
     lay = Layout(world, max(1, world // local), "nccl" if gpu_total is not None else "gloo")
     mem = rank_memory(rcfg, shape, placement, world, cuda=gpu_total is not None, engine=ENGINES["engine"])
     return rank_checks(rcfg, mem, placement, lay, disk_free=disk_free, host_available=host_available, gpu_total=gpu_total,

@@ -67,27 +67,54 @@ def layer_ranges(numels: list[int], rank: int, world_size: int) -> list[tuple[in
     return out
 
 
+def layer_kinds(tier: str, durability: str) -> tuple[str, ...]:
+    """The state arrays a layer in ``tier`` keeps in the store (`mtc.runtime.tiers.state_kinds`):
+    a disk layer always all three (the store is its tier), any other what the durability keeps."""
+    return ("master", "m", "v") if tier == "disk" else REQUIRED_KINDS[durability]
+
+
+def stored_placement(st: TensorStore, n_layers: int) -> list[str]:
+    """The placement a store's layout records (``ram`` for every layer where it records none)."""
+    layout = st.attributes().get(LAYOUT_ATTR)
+    placement = layout.get("placement") if isinstance(layout, dict) else None
+    if isinstance(placement, list) and len(placement) == n_layers:
+        return [str(t) for t in placement]
+    return ["ram"] * n_layers
+
+
 def open_rank_store(root: Path, rank: int, world_size: int, numels: list[int], durability: str, *, io_threads: int,
-                    fresh: bool) -> TensorStore:
+                    fresh: bool, placement: list[str] | None = None, disk_chunk_rows: int | None = None) -> TensorStore:
     """This rank's shard store, created (``fresh``: a new run, or a single-process store opened
-    at this world size) with both generations of its shard arrays, else opened."""
+    at this world size) with both generations of its shard arrays, else opened. ``placement``
+    (default all ``ram``): which arrays each layer keeps (`layer_kinds`); an opened store gains the
+    arrays a changed placement needs. ``disk_chunk_rows``: the chunk of disk layers' arrays
+    (default the store's)."""
     path = rank_dir(root, rank, world_size)
+    placement = placement if placement is not None else ["ram"] * len(numels)
+    ranges = layer_ranges(numels, rank, world_size)
     if not fresh:
         if not (path / "commit.json").exists():
             raise StoreError(f"rank {rank}'s shard store {path} is missing or was never committed; the run's commit "
                              "record names it. Restore that directory (node-local disk: relaunch on the same nodes), "
                              "or start over with --overwrite")
-        return TensorStore.open(path, io_threads=io_threads)
-    st = TensorStore.create(path, io_threads=io_threads, overwrite=True)
-    ranges = layer_ranges(numels, rank, world_size)
-    st.set_attribute(LAYOUT_ATTR, {"numels": [hi - lo for lo, hi in ranges], "compute_dtype": None,
-                                   "placement": ["ram"] * len(numels), "shard": {"rank": rank, "world_size": world_size,
-                                                                                  "ranges": ranges}})
-    for i, (lo, hi) in enumerate(ranges):
-        if hi > lo:
-            for k in REQUIRED_KINDS[durability]:
-                for g in (0, 1):
-                    st.create_array(state_array_name(i, k, g), (hi - lo,), STATE_DTYPE)
+        st = TensorStore.open(path, io_threads=io_threads)
+    else:
+        st = TensorStore.create(path, io_threads=io_threads, overwrite=True)
+    try:
+        if not st.read_only:
+            st.set_attribute(LAYOUT_ATTR, {"numels": [hi - lo for lo, hi in ranges], "compute_dtype": None,
+                                           "placement": list(placement), "shard": {"rank": rank, "world_size": world_size,
+                                                                                   "ranges": ranges}})
+        for i, (lo, hi) in enumerate(ranges):
+            if hi > lo:
+                for k in layer_kinds(placement[i], durability):
+                    for g in (0, 1):
+                        if not st.has_array(state_array_name(i, k, g)):
+                            st.create_array(state_array_name(i, k, g), (hi - lo,), STATE_DTYPE,
+                                            chunk_rows=disk_chunk_rows if placement[i] == "disk" else None)
+    except BaseException:
+        st.close()
+        raise
     return st
 
 
@@ -165,17 +192,23 @@ def reshard(root: Path, world_size: int, *, io_threads: int = 4, log: Callable[[
                     check_shard(root, last, r, rs)
         program = load_plan(root / "plan")
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
-        kinds = REQUIRED_KINDS[last.durability]
+        # disk-tier layers keep m and v whatever the durability: carry what each layer keeps
+        if is_sharded(last):
+            with TensorStore.open(rank_dir(root, 0, old), read_only=True) as rs:
+                placement = stored_placement(rs, len(numels))
+        else:
+            placement = stored_placement(st, len(numels))
         gen = last.generation
         targets: list[TensorStore] = []
         try:
             if world_size > 1:
-                targets = [open_rank_store(root, r, world_size, numels, last.durability, io_threads=io_threads, fresh=True)
+                targets = [open_rank_store(root, r, world_size, numels, last.durability, io_threads=io_threads, fresh=True,
+                                           placement=placement)
                            for r in range(world_size)]
             else:  # the full arrays in the run directory (generation `gen` is unused while the state is sharded)
-                st.set_attribute(LAYOUT_ATTR, {"numels": numels, "compute_dtype": None, "placement": ["ram"] * len(numels)})
+                st.set_attribute(LAYOUT_ATTR, {"numels": numels, "compute_dtype": None, "placement": placement})
                 for i, n in enumerate(numels):
-                    for k in kinds:
+                    for k in layer_kinds(placement[i], last.durability):
                         for g in (0, 1):
                             name = state_array_name(i, k, g)
                             if n and not st.has_array(name):
@@ -183,7 +216,7 @@ def reshard(root: Path, world_size: int, *, io_threads: int = 4, log: Callable[[
             for i, n in enumerate(numels):
                 if not n:
                     continue
-                for k in kinds:
+                for k in layer_kinds(placement[i], last.durability):
                     full = read_layer(root, last, i, k, n, root_store=st, io_threads=io_threads)
                     if world_size == 1:
                         st.write(state_array_name(i, k, gen), full)
@@ -268,24 +301,27 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
     from mtc.dist import groups
     from mtc.runtime.collectives import collective
     from mtc.runtime.state import flatten_layer
+    from mtc.runtime.tiers import DISK_CHUNK_NUMEL
 
     numels = [program.layer_numel(i) for i in range(program.n_layers)]
     durability = first.durability if last is None else last.durability
-    kinds = REQUIRED_KINDS[durability]
+    placement = list(tiers.placement)
+    rows = None if tiers.disk_chunk_numel == DISK_CHUNK_NUMEL else tiers.disk_chunk_numel  # as `StateTiers.create_arrays`
     if last is not None and is_sharded(last):
         if shard_world(last) != world_size:
             raise StoreError(f"store {root} was last committed at world size {shard_world(last)}, this launch has {world_size} "
                              f"ranks: run `mtc reshard {root} --world-size {world_size}` first (or launch {shard_world(last)} ranks)")
-        st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=False)
+        st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=False,
+                             placement=placement, disk_chunk_rows=rows)
         try:
             check_shard(root, last, rank, st)
             for s in tiers.layers:
                 lo, hi = s.shard if s.shard is not None else (0, 0)
-                if not s.numel:
+                if not s.numel or s.tier == "disk":  # a disk layer's shard is read from the store each step
                     continue
                 for t in (s.master, s.m, s.v):
                     t.zero_()
-                for k in kinds:
+                for k in layer_kinds(s.tier, durability):
                     if hi > lo:
                         dst = {"master": s.master, "m": s.m, "v": s.v}[k][: hi - lo]
                         name = state_array_name(s.layer, k, last.generation)
@@ -297,10 +333,17 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             # host memory over gloo; a gpu layer's copy then goes to the device)
             for s in tiers.layers:
                 if s.numel:
-                    per = s.master.numel()
+                    per = -(-s.numel // world_size)
                     out = s.compute if s.compute.device.type == "cpu" else torch.empty(s.compute.numel(), dtype=s.compute.dtype)
                     parts = [out[r * per : (r + 1) * per] for r in range(world_size)]
-                    src = s.master.to("cpu", s.compute.dtype)
+                    if s.tier == "disk":  # its master shard, read for the gather only (one shard in RAM at a time)
+                        lo, hi = s.shard
+                        master = torch.zeros(per, dtype=STATE_DTYPE)
+                        if hi > lo:
+                            st.read_into(state_array_name(s.layer, "master", last.generation), master[: hi - lo])
+                    else:
+                        master = s.master
+                    src = master.to("cpu", s.compute.dtype)
                     collective(f"layer {s.layer}'s start all-gather", dist.all_gather, parts, src, group=groups().startup)
                     if out is not s.compute:
                         s.compute.copy_(out)
@@ -308,10 +351,12 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             st.close()
             raise
         return st, last
-    st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=True)
+    st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=True, placement=placement,
+                         disk_chunk_rows=rows)
     try:
         if last is not None:  # the single-process layout: each rank reads its range of the full arrays
             tiers.load(root_st, last.generation, durability)
+            _copy_disk_shards(root_st, st, tiers, last.generation)
             return st, last
         for s in tiers.layers:
             if not s.numel:
@@ -322,13 +367,30 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             tiers.set_layer(s.layer, flat)
             lo, hi = s.shard
             if hi > lo:
-                for k in kinds:
+                for k in layer_kinds(s.tier, durability):
                     st.write(state_array_name(s.layer, k, 0), flat[lo:hi].clone() if k == "master" else torch.zeros(hi - lo))
         committer(root_st, st, rank, world_size, lambda gen: first)(0, None)
     except BaseException:
         st.close()
         raise
     return st, first
+
+
+def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen: int) -> None:
+    """A single-process store opened on several ranks: each disk layer's range of the full arrays
+    of generation ``gen`` into this rank's shard store (the disk tier reads it from there); moments
+    the store did not keep (a ram layer under durability 'weights' before) start at zero, as a
+    single-process resume starts them."""
+    for s in tiers.layers:
+        if s.tier != "disk" or not s.numel or s.shard[1] == s.shard[0]:
+            continue
+        lo, hi = s.shard
+        for k in ("master", "m", "v"):
+            name = state_array_name(s.layer, k, gen)
+            buf = torch.zeros(hi - lo, dtype=STATE_DTYPE)
+            if k == "master" or root_st.has_array(name):
+                root_st.read_rows_into(name, lo, buf)
+            st.write(name, buf)
 
 
 def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:

@@ -42,7 +42,9 @@ Store layout: one shard store per rank (``RUN/ranks/rank-R-of-N/``) and one glob
 the run directory, which names each shard's digest (see `mtc.shards`): commit I/O is spread over
 the ranks, nothing is gathered to rank 0, a missing or stale shard is refused on resume, and
 ``mtc reshard`` rewrites the state for another world size (the stored arrays are the same for a
-gpu or a ram layer). The ``disk`` tier is refused with more than one rank.
+gpu or a ram layer). A ``disk`` layer's shard is read from and written to the rank's shard store
+each step (`mtc.runtime.dp_disk`); its gradient is reduced like a ram layer's, on either path, and
+its weights are all-gathered in host memory (gloo) on either path.
 
 All collectives of the comm thread are enqueued by the training thread in a fixed order (the
 executor's finalisation order, then `finish_step`'s forward order), so every rank issues the same
@@ -69,6 +71,7 @@ from mtc.runtime.tiers import state_kinds
 from mtc.store import state_array_name
 
 if TYPE_CHECKING:
+    from mtc.runtime.dp_disk import DiskShards
     from mtc.runtime.optimizer import StreamingAdamW
     from mtc.runtime.tiers import StateTiers
     from mtc.runtime.transfer import CopyEngine, Marker, Transfer
@@ -128,10 +131,11 @@ class DataParallel:
         self.dist, self.tiers, self.rank, self.world_size = dist, tiers, rank, world_size
         self.sync_group, self.comm_group = sync_group, comm_group
         self.copies = copies
-        allowed = ("ram", "gpu") if device_group is not None else ("ram",)
+        allowed = ("ram", "disk", "gpu") if device_group is not None else ("ram", "disk")
         for s in tiers.layers:
             if s.numel and s.tier not in allowed:
-                raise ValueError(f"data parallel runs shard the {' and '.join(allowed)} tiers here, layer {s.layer} is {s.tier!r}")
+                raise ValueError(f"data parallel runs shard the {', '.join(allowed)} tiers here, layer {s.layer} is {s.tier!r}")
+        self.disk: DiskShards | None = None  # the disk layers' shards (mtc.runtime.dp_disk), set by mtc.dist.attach
         self.dev = DeviceComm(dist, device_group, tiers.device, world_size) if device_group is not None else None
         self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-comm",
                                         initializer=self.dev.bind_thread if self.dev is not None else None)
@@ -151,7 +155,7 @@ class DataParallel:
         for s in tiers.layers:
             if not s.numel:
                 continue
-            per = s.master.numel()
+            per = -(-s.numel // world_size)  # (a disk layer has no master in RAM)
             pad = torch.zeros(per * world_size, dtype=torch.float32, pin_memory=s.grad.is_pinned())
             s.grad = pad[: s.numel]
             self._gpad[s.layer], self._gshard[s.layer] = pad, torch.zeros(per, dtype=torch.float32)
@@ -174,14 +178,15 @@ class DataParallel:
         """
         dev, W, cdt = self.tiers.device, self.world_size, self.tiers.compute_dtype
         pin = dev.type == "cuda"
-        ram = [s for s in self.tiers.layers if s.numel and s.tier == "ram"]
+        # ram and (data-parallel) disk layers: only the gradient shard comes to the host
+        ram = [s for s in self.tiers.layers if s.numel and s.tier in ("ram", "disk")]
         self._gdev: dict[int, torch.Tensor] = {}  # gpu layers: the reduce-scatter's output, resident
         self._cdev: dict[int, torch.Tensor] = {}  # gpu layers in bf16: the updated shard's compute copy
         for s in self.tiers.layers:
             if not s.numel:
                 continue
-            per = s.master.numel()
-            if s.tier == "ram":
+            per = -(-s.numel // W)  # (a disk layer has no master in RAM)
+            if s.tier in ("ram", "disk"):
                 s.grad = None  # only the shard comes to the host
                 self._gshard[s.layer] = torch.zeros(per, dtype=torch.float32, pin_memory=pin)
             else:
@@ -189,7 +194,7 @@ class DataParallel:
                 if cdt != s.master.dtype:
                     self._cdev[s.layer] = torch.zeros(per, dtype=cdt, device=dev)
         # ram layers pass through one scratch set on the device: all its users are ordered on the comm stream
-        big = max((s.master.numel() for s in ram), default=1)
+        big = max((-(-s.numel // W) for s in ram), default=1)
         self._scr_g = torch.zeros(big, dtype=torch.float32, device=dev)
         self._scr_c = torch.zeros(big, dtype=cdt, device=dev)
         self._scr_full = torch.zeros(big * W, dtype=cdt, device=dev)
@@ -224,7 +229,7 @@ class DataParallel:
         next user waits for: the reduce-scatter has read it (and, for a ram layer, the shard is
         in host memory). Nothing here waits for the device."""
         s = self.tiers[layer]
-        per = s.master.numel()
+        per = -(-s.numel // self.world_size)
         # both buffers are allocated with room for world equal shards (the executor's slabs, the
         # tiers' gpu gradients): the padding lands in the last shards' unused tail
         assert acc.untyped_storage().nbytes() >= (acc.storage_offset() + per * self.world_size) * acc.element_size()
@@ -242,13 +247,13 @@ class DataParallel:
         and (ram) the shard's copy into its pinned host buffer; ``fut`` gets the event after them."""
         try:
             s = self.tiers[layer]
-            per = s.master.numel()
+            per = -(-s.numel // self.world_size)
             k = s.shard[1] - s.shard[0]
             out = self._gdev[layer] if s.tier == "gpu" else self._scr_g[:per]
             with self.dev.on_stream(after):
                 self.dev.reduce_scatter(out, padded, f"layer {layer}'s gradient reduce-scatter")
                 self._sq[layer] = torch.dot(out[:k], out[:k])
-                if s.tier == "ram":
+                if s.tier in ("ram", "disk"):
                     self._gshard[layer].copy_(out, non_blocking=True)
                 fut.set_result(self.dev.record())
         except BaseException as e:
@@ -306,6 +311,9 @@ class DataParallel:
             s = self.tiers[i]
             if not s.numel:
                 continue
+            if s.tier == "disk":  # hook: read from, updated in and written to this rank's shard store (mtc.runtime.dp_disk)
+                writes.append(self.disk.schedule(self, opt, i, coef, step, skipped, prev_commit))
+                continue
             lo, hi = s.shard
             decay = min(max(s.decay_numel - lo, 0), hi - lo)
             hp = {"lr": opt._lr, "step": step + 1, "decay_numel": decay}
@@ -336,6 +344,8 @@ class DataParallel:
                 out = master if self._shard_out(i) is s.master else self._shard_out(i)[:k]  # fp32: the master is the copy
                 views[i] = (master, s.m[:k], s.v[:k], self._gshard[i][:k], out)
             opt._gpu.submit(opt._update_streamed, streamed, coef, step, views)
+        if self.disk is not None:  # hook: the next step's disk reads come from the generation just written
+            self.disk.end_step()
         if commit is not None:
             opt.commit_future = opt._writer.submit(self._commit_all, opt, writes, commit, write_generation, step)
         if opt.engine.serialize:

@@ -73,22 +73,31 @@ class DiskRing:
     """``slots`` buffer sets for the disk layers of ``tiers`` and the thread that fills them ahead.
 
     ``spill``: the layers' gradients are in the store's scratch arrays; each set gets a gradient
-    buffer that the read-ahead fills once the step's gradient has landed there.
+    buffer that the read-ahead fills once the step's gradient has landed there. ``numels``: each
+    disk layer's array length in ``store`` (default: the whole layer; a data-parallel rank's shard
+    store holds its shard only). ``grad_buffers``: whether each set carries a gradient buffer
+    (default: on CUDA or when spilling).
     """
 
-    def __init__(self, tiers: StateTiers, store: TensorStore, *, slots: int = 3, spill: GradSpill | None = None) -> None:
+    def __init__(self, tiers: StateTiers, store: TensorStore, *, slots: int = 3, spill: GradSpill | None = None,
+                 numels: dict[int, int] | None = None, grad_buffers: bool | None = None) -> None:
         if slots < 1:
             raise ValueError(f"the disk ring needs at least one slot, got {slots}")
         self.tiers, self.store, self.spill = tiers, store, spill
-        self.layers = [s.layer for s in tiers.layers if s.tier == "disk" and s.numel]
+        # the length of each disk layer's arrays in `store`: the whole layer, or (data parallel) this
+        # rank's shard of it (`mtc.runtime.dp_disk`); layers of length 0 have nothing to read
+        self.numels = numels if numels is not None else {s.layer: s.numel for s in tiers.layers if s.tier == "disk"}
+        self.layers = [i for i, n in sorted(self.numels.items()) if n]
         # per layer, its chunk: a whole number of the store's chunks (direct I/O, one writer per chunk)
         self.chunk: dict[int, int] = {}
         for i in self.layers:
             rows = store.array_info(state_array_name(i, "master", 0)).chunk_rows
-            self.chunk[i] = min(tiers[i].numel, max(1, tiers.disk_chunk_numel // rows) * rows)
+            self.chunk[i] = min(self.numels[i], max(1, tiers.disk_chunk_numel // rows) * rows)
         numel = max(self.chunk.values(), default=0)
         cuda = tiers.device.type == "cuda"
-        grad_buf = cuda or spill is not None
+        # a set needs a gradient buffer unless the update reads the gradient from host memory
+        # (CPU device; data parallel: this rank's reduced shard)
+        grad_buf = (cuda or spill is not None) if grad_buffers is None else grad_buffers
         self.sets = [StateSet(k, *(_host_buffer(numel, cuda) for _ in range(3)), _host_buffer(numel, cuda) if grad_buf else None)
                      for k in range(slots if self.layers else 0)]
         tiers.pipeline_bytes["disk_ring"] = sum(t.numel() * 4 for st in self.sets
@@ -108,7 +117,7 @@ class DiskRing:
     def post(self, generation: int, after: dict[int, Future[None] | None]) -> None:
         """Read every disk layer's state of ``generation`` ahead, in forward order; layer i's read
         starts once ``after[i]`` (its previous write) is done and a set is free."""
-        futs = {i: [Future() for _ in layer_chunks(self.tiers[i].numel, self.chunk[i])] for i in self.layers}
+        futs = {i: [Future() for _ in layer_chunks(self.numels[i], self.chunk[i])] for i in self.layers}
         for i, f in futs.items():
             self._reads[i].append(f)
         self._jobs.put((generation, self._posted, dict(after), futs))
@@ -130,7 +139,7 @@ class DiskRing:
             gen, seq, after, futs = job
             for i in self.layers:
                 landed = self.spill.landed(i, seq) if self.spill is not None else None
-                for fut, (lo, hi) in zip(futs[i], layer_chunks(self.tiers[i].numel, self.chunk[i]), strict=True):
+                for fut, (lo, hi) in zip(futs[i], layer_chunks(self.numels[i], self.chunk[i]), strict=True):
                     st = None
                     try:
                         st = self._free.get()

@@ -138,8 +138,10 @@ class StreamingExecutor:
         n_open = 2 + len(tied)
         # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram
         # layers, and disk layers whose gradient is spilled to the store (`mtc.runtime.grad_spill`)
-        # (+ world - 1: data parallel reduce-scatters a slab padded to world equal shards)
-        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers) if s.tier == "ram" or s.grad is None),
+        # (+ world - 1: data parallel reduce-scatters a slab padded to world equal shards; a
+        # data-parallel disk layer's gradient goes to the host like a ram layer's: `mtc.runtime.dp_disk`)
+        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers)
+                          if s.tier == "ram" or s.grad is None or (s.tier == "disk" and s.shard is not None)),
                          default=1) + tiers.world_size - 1
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
@@ -429,7 +431,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if st.tier in ("gpu", "disk") and st.grad is not None:  # their own buffer on the device, kept until the update
+            if (st.tier == "gpu" or (st.tier == "disk" and st.shard is None)) and st.grad is not None:  # their own buffer on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -452,9 +454,10 @@ class StreamingExecutor:
                 norms = torch.stack(torch._foreach_norm(views))
             else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
-        if self.reduce_grad is not None and st.tier in ("ram", "gpu"):  # reduce-scattered on the device
+        host_reduced = st.tier == "ram" or (st.tier == "disk" and st.shard is not None)  # data parallel disk: as ram
+        if self.reduce_grad is not None and (host_reduced or st.tier == "gpu"):  # reduce-scattered on the device
             st.grad_ready = self.reduce_grad(owner, acc)
-        elif st.tier == "ram":
+        elif host_reduced:
             st.grad_ready = self.engine.d2h([(st.grad, acc)], after=self.engine.marker(), layer=owner, stage="grad_d2h")
         elif st.grad is None:  # spilled to the store; the slab is free again once copied out
             assert self.tiers.spill is not None

@@ -115,7 +115,8 @@ class StreamingAdamW:
                              + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)] for _ in range(2)]
         self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
         self.commit_future: Future[None] = _done()  # the last commit record's write
-        has_disk = any(s.tier == "disk" and s.numel for s in tiers.layers)
+        # a data-parallel run's disk shards are read from the rank's shard store: `mtc.dist.attach` sets `disk` then
+        has_disk = any(s.tier == "disk" and s.numel and s.shard is None for s in tiers.layers)
         if has_disk and store is None:
             raise ValueError("disk-tier layers need the store")
         self.disk = DiskRing(tiers, store, slots=disk_slots, spill=tiers.spill) if has_disk else None

@@ -93,7 +93,8 @@ class StateTiers:
         if disk_compute not in DISK_COMPUTE:
             raise ValueError(f"disk_compute must be one of {DISK_COMPUTE}, got {disk_compute!r}")
         self.disk_compute = disk_compute
-        self.spill_grads = spill_grads and any(t == "disk" for t in placement)
+        # data parallel: a disk layer's gradient is reduced over the ranks from a host buffer, never spilled
+        self.spill_grads = spill_grads and any(t == "disk" for t in placement) and not (world_size > 1 or sharded)
         self.spill: GradSpill | None = None  # set by `create_arrays` when spilling
         self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
         self.disk_generation = 0  # the generation holding disk layers' newest state (the optimizer flips it)
@@ -132,6 +133,8 @@ class StateTiers:
             m, v = self._host(n, STATE_DTYPE, pinned=streamed), self._host(n, STATE_DTYPE, pinned=streamed)
             compute = master if fp32_compute else self._host(n, self.compute_dtype, pinned=True)
             return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
+        if self.sharded:
+            return self._allocate_disk_shard(i, n, nd)
         # disk: the gradient stays on the compute device (a bounded ring of host buffers takes it at the update)
         compute = self._host(n, self.compute_dtype, pinned=True) if self.disk_compute == "ram" else None
         grad = None if self.spill_grads else torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
@@ -160,6 +163,16 @@ class StateTiers:
         grad = torch.zeros(per * self.world_size, dtype=STATE_DTYPE, device=self.device)[:n]
         return LayerState(i, "gpu", n, nd, master, m, v, compute, grad, shard=(lo, hi))
 
+    def _allocate_disk_shard(self, i: int, n: int, nd: int) -> LayerState:
+        """A disk layer of a data-parallel run: no state in RAM (this rank's shard of it lives in its
+        shard store, `mtc.runtime.dp_disk`), the whole compute copy in pinned RAM, padded as a ram
+        shard's (the all-gather fills it; a per-visit read from the store would need every rank's
+        store), and a host gradient buffer (reduced over the ranks like a ram layer's)."""
+        per = -(-n // self.world_size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        compute = self._host(per * self.world_size, self.compute_dtype, pinned=True)
+        return LayerState(i, "disk", n, nd, None, None, None, compute, self._host(n, STATE_DTYPE, pinned=True), shard=(lo, hi))
+
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
 
@@ -178,7 +191,7 @@ class StateTiers:
         s = self.layers[layer]
         if s.tier == "disk":
             if s.compute is not None:
-                s.compute.copy_(master)
+                s.compute[: s.numel].copy_(master)  # a data-parallel run's copy is padded
             return
         if s.shard is not None:  # data parallel: this rank's range of the state, the whole compute copy
             lo, hi = s.shard

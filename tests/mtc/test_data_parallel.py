@@ -135,18 +135,19 @@ def program():
 def test_placement_check_refuses_tiers_that_are_not_sharded(program):
     w2 = dist.World(1, 2, 1, 2)
     dist.check_placement(w2, ["ram"] * program.n_layers, set(), program)
-    with pytest.raises(ConfigError, match="placement puts layers in disk"):
-        dist.check_placement(w2, ["ram"] * (program.n_layers - 1) + ["disk"], set(), program)
+    dist.check_placement(w2, ["ram"] * (program.n_layers - 1) + ["disk"], set(), program)  # disk: tests/mtc/test_dp_disk.py
+    with pytest.raises(ConfigError, match="placement puts layers in gpu"):
+        dist.check_placement(w2, ["ram"] * (program.n_layers - 1) + ["gpu"], set(), program)
     with pytest.raises(ConfigError, match="gpu_update names layers"):
         dist.check_placement(w2, ["ram"] * program.n_layers, {1}, program)
     dist.check_placement(dist.World(), ["disk"] * program.n_layers, set(), program)
     # auto placement on several ranks: every layer sharded in host RAM, updated by the CPU
-    auto = _config(placement="auto", gpu_update="auto")
+    auto = _config(placement="auto", gpu_update="auto", ram_budget_gb=64)  # (a short budget puts layers on disk)
     got = dist.data_parallel_placement(w2, auto, ["gpu"] * program.n_layers, {1}, program)
     assert got == (["ram"] * program.n_layers, set())
     assert dist.data_parallel_placement(dist.World(), auto, ["gpu"], {0}, program) == (["gpu"], {0})
     with pytest.raises(ConfigError, match="--placement ram"):
-        dist.data_parallel_placement(w2, _config(placement="disk"), ["disk"] * program.n_layers, set(), program)
+        dist.data_parallel_placement(w2, _config(placement="gpu"), ["gpu"] * program.n_layers, set(), program)
 
 
 def test_sharded_tiers_hold_this_ranks_range_and_the_whole_compute_copy(program):

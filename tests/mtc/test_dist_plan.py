@@ -81,7 +81,7 @@ def test_ranks_divide_the_state(shape, engine):
         assert p.step.optimizer_s == pytest.approx(one.step.optimizer_s * p.layout.ranks_per_host / w, rel=0.01)
 
 
-def test_the_engine_shards_the_gpu_and_ram_tiers(shape):
+def test_the_engine_shards_the_gpu_ram_and_disk_tiers(shape):
     prof = builtin("8x-h100")
     auto = make_dist_plan(CFG, prof, 8, shape=shape)
     # NCCL on the GPUs; auto takes the GPU first from the rank's budget (the tiny model fits), never disk
@@ -90,8 +90,9 @@ def test_the_engine_shards_the_gpu_and_ram_tiers(shape):
     tight = make_dist_plan(dataclasses.replace(CFG, gpu_budget_gb=1e-4), prof, 8, shape=shape)
     assert "ram" in tight.placement and "disk" not in tight.placement
     assert make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape).placement == ["gpu"] * shape.n_layers
-    with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):
-        make_dist_plan(dataclasses.replace(CFG, placement="disk"), prof, 8, shape=shape)
+    assert make_dist_plan(dataclasses.replace(CFG, placement="disk"), prof, 8, shape=shape).placement == ["disk"] * shape.n_layers
+    with pytest.raises(ConfigError, match="--placement ram and --gpu-update none"):  # gloo in host memory: no gpu tier
+        make_dist_plan(dataclasses.replace(CFG, placement="gpu"), prof, 8, shape=shape, engine="host")
     assert make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape).gpu_update == {1, 2}
     with pytest.raises(ConfigError, match="gpu_update '1-2' names layers"):  # gloo in host memory: the host updates
         make_dist_plan(dataclasses.replace(CFG, placement="ram", gpu_update="1-2"), prof, 8, shape=shape, engine="host")

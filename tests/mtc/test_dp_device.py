@@ -24,7 +24,7 @@ from mtc.train import train
 from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_close, _config, _env, _free_port, _launch, _state, _train_args
 from tests.runtime.engine_util import skewed_tokens
 
-MIXED = "gpu:0,ram:1,gpu:2,ram:3"  # embed and a block resident and sharded on the device, the others in host RAM
+MIXED = "gpu:0,ram:1,disk:2,ram:3"  # embed resident and sharded on the device, a block on disk (its shard in the rank's store), the others in host RAM
 STREAMED = "1"  # ram layer 1's shard is updated on the device (gpu_update), layer 3's by the host
 # the head (ram) shares the embedding's weight (gpu): its fetch copies a resident gpu layer's gathered range
 TIED = {"n_layers": 2, "tie_embeddings": True}
@@ -69,8 +69,7 @@ def test_gpu_tier_is_sharded_only_with_device_collectives(program):
     dist.check_placement(w2, ["ram"] * n, {1}, program, device=True)  # the GPU updates ram layer 1's shard
     with pytest.raises(ConfigError, match="gpu_update names layers .* need device collectives"):
         dist.check_placement(w2, ["ram"] * n, {1}, program, device=False)
-    with pytest.raises(ConfigError, match="placement puts layers in disk"):
-        dist.check_placement(w2, ["disk"] * n, set(), program, device=True)
+    dist.check_placement(w2, ["gpu", "disk"] + ["ram"] * (n - 2), set(), program, device=True)  # every tier (disk: dp_disk)
     # auto placement: gpu layers in forward order while their per-rank bytes fit the GPU budget, the rest in RAM
     auto = _config(placement="auto", gpu_update="auto", dp_collectives="device")
     plan = ["gpu", "disk"] + ["ram"] * (n - 2)  # the single-process choice does not matter
