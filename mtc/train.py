@@ -162,7 +162,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
-                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s")
+                     "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s", "rank_dir")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
