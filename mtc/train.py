@@ -503,7 +503,13 @@ def train(
         else:
             sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         compile_s = time.perf_counter()
-        compiled = _compile(cfg, program, st, private=not world.is_root)
+        if world.distributed and cfg.fused:  # rank 0 compiles, the others load its kernels (mtc.dp_compile)
+            from mtc.compiler import compile_program
+            from mtc.dp_compile import compile_on_ranks
+
+            compiled = compile_on_ranks(program, Path(store_dir), world.is_root, compile_program, parts)
+        else:
+            compiled = _compile(cfg, program, st)
         compile_s = time.perf_counter() - compile_s
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -706,20 +712,13 @@ def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: 
     return commit
 
 
-def _compile(cfg: TrainConfig, program: Program, st: TensorStore, *, private: bool = False) -> dict | None:
-    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None.
-    ``private``: a data-parallel rank other than 0 compiles into its own copy of that cache (rank 0
-    may be writing it at the same time)."""
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
     if not cfg.fused:
         return None
     from mtc.compiler import compile_program
 
     cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
-    if private and st.path is not None:
-        own = Path(tempfile.mkdtemp(prefix="mtc-kernels-rank-"))
-        if cache.is_dir():
-            shutil.copytree(cache, own, dirs_exist_ok=True)
-        cache = own
     return compile_program(program, cache)
 
 

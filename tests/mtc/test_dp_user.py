@@ -26,7 +26,7 @@ from mtc.evaluate import evaluate_store
 from mtc.train import train
 from mtc.warmstart import init_from, load_state_dict
 from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_close, _config, _env, _free_port, _state, _train_args
-from tests.runtime.engine_util import skewed_tokens
+from tests.runtime.engine_util import skewed_tokens, small_config
 
 # -- templates (fast) ---------------------------------------------------------------------------
 
@@ -84,16 +84,19 @@ def test_a_bad_rank_dir_flag_is_one_line_before_anything_is_written(tmp_path, ca
 # -- a 2-rank run with its shards outside the run directory (two launches) ----------------------
 
 
-def _ranks(n: int, cfg_file: Path, store: Path, data: Path, *extra: str) -> None:
-    """``n`` ranks launched directly with torchrun's environment, to the end."""
+def _ranks(n: int, args: list[str], **env: str) -> list[str]:
+    """``n`` ranks of ``python args...`` launched directly with torchrun's environment, to the end; their stderr."""
     port, procs = _free_port(), []
     for r in range(n):
-        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
-                   LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
-        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, store, data), *extra], env=env, cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        e = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
+                 LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n), **env)
+        procs.append(subprocess.Popen([sys.executable, *args], env=e, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = []
     for p in procs:
-        assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
+        errs.append(p.communicate(timeout=400)[1])
+        assert p.returncode == 0, errs[-1][-3000:]
+    return errs
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +110,10 @@ def runs(tmp_path_factory):
     res = train(cfg, d / "ref", tokens)
     res.store.close()
     template = str(d / "nvme" / "{host}" / "rank-{rank}")
-    _ranks(2, cfg_file, d / "w2", tokens.path, "--rank-dir", template, "--stop-after", "2")
+    _ranks(2, [*_train_args(cfg_file, d / "w2", tokens.path), "--rank-dir", template, "--stop-after", "2"])
     with TensorStore.open(d / "w2", read_only=True) as st:
         first = st.last_commit()
-    _ranks(2, cfg_file, d / "w2", tokens.path)  # resumes; the record's template finds the shards
+    _ranks(2, _train_args(cfg_file, d / "w2", tokens.path))  # resumes; the record's template finds the shards
     return d, tokens, template, first
 
 
@@ -217,3 +220,41 @@ def test_reshard_with_a_rank_dir_then_to_one_process_keeps_the_state_and_exports
     assert a.keys() == b.keys()
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+
+# -- a compiled (fused) plan on two ranks (Triton's interpreter: slow) --------------------------
+
+
+@pytest.mark.slow
+def test_two_ranks_run_a_compiled_plan_like_one_process_and_compile_nothing_again(tmp_path):
+    from mtc.compiler import compile_program
+    from mtc.plan import save_plan, save_plan_model
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    # the smallest Llama that has every template kind (embed, block, head)
+    cfg = small_config(model_overrides={"n_layers": 1, "dim": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64},
+                       micro_batch_size=1, seq_len=8)
+    plan = tmp_path / "plan"
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len, name=cfg.model)
+    save_plan(program, plan)
+    save_plan_model(plan, cfg.to_dict())
+    compile_program(program, plan / "kernels")  # what `mtc compile` does
+    made = {p.relative_to(plan): p.stat().st_mtime_ns for p in (plan / "kernels").rglob("*") if p.is_file()}
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    flags = ["--data", str(tokens.path), "--steps", "2", "--grad-accum", "2", "--commit-every", "1", "--kernels", "fused",
+             "--placement", "ram", "--gpu-update", "none"]
+    assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "ref"), *flags]) == 0
+    tmp = tmp_path / "tmp"  # where the ranks' private kernel caches go
+    tmp.mkdir()
+    errs = _ranks(2, ["-m", "mtc", "train", "--plan", str(plan), "--store", str(tmp_path / "w2"), *flags], TMPDIR=str(tmp))
+    assert not any("recompiling" in e for e in errs), errs
+    shared = tmp_path / "w2" / "plan" / "kernels"  # rank 0 loaded the plan's kernels; nobody wrote new ones
+    assert {Path("kernels") / p.relative_to(shared) for p in shared.rglob("*") if p.is_file()} == set(made)
+    assert {p.relative_to(plan): p.stat().st_mtime_ns for p in (plan / "kernels").rglob("*") if p.is_file()} == made
+    assert not list(tmp.glob("mtc-kernels-*")), "a rank's private kernel cache was left behind"
+    logs = [[json.loads(x) for x in (tmp_path / s / "logs" / "metrics.jsonl").read_text().splitlines()] for s in ("w2", "ref")]
+    assert [r["loss"] for r in logs[0]] == pytest.approx([r["loss"] for r in logs[1]], abs=1e-5, rel=1e-5)
+    got, ref = load_state_dict(tmp_path / "w2"), load_state_dict(tmp_path / "ref")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
