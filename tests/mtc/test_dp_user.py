@@ -81,6 +81,32 @@ def test_a_bad_rank_dir_flag_is_one_line_before_anything_is_written(tmp_path, ca
     assert not (tmp_path / "s").exists()
 
 
+# -- the torchrun-1 overhead measurement (bench/dp_runs.py, fast: no launch) --------------------
+
+
+def test_torchrun_one_overhead_is_a_per_round_ratio_with_its_spread_and_the_machines_noise():
+    from tests.mtc.test_dist_plan import _dp_runs
+
+    dp = _dp_runs()
+    names = dp.settings(1)
+    assert dp.round_order(0, names) == names and dp.round_order(1, names) == names[::-1]
+    run = lambda step, out=1.0: {"median_step_s": step, "outside_steps_s": out}
+    rounds = {"plain": [run(1.00), run(1.10), run(0.90), {"error": "crashed"}, run(1.00)],
+              "torchrun-1": [run(1.01, 3.0), run(1.10, 3.5), run(0.91, 2.5), run(1.0), run(0.99, 3.0)]}
+    ov = dp.overhead(rounds)
+    assert ov["ratio_per_round"] == pytest.approx([1 / 1.01, 1.0, 0.9 / 0.91, 1 / 0.99])  # the crashed round is left out
+    assert ov["ratio"]["n"] == 4 and ov["ratio"]["min"] == pytest.approx(0.9 / 0.91) and "q1" in ov["ratio"]
+    assert ov["noise_by_setting"]["plain"] == pytest.approx(1.1 / 0.9 - 1)
+    assert ov["launch_overhead_s"]["median"] == pytest.approx(2.0)
+    assert ov["verdict"].startswith("undecided: this machine's run-to-run noise (22.2%) exceeds the 2% bound")
+    quiet = {"plain": [run(1.0), run(1.001), run(1.002)], "torchrun-1": [run(1.0), run(1.002), run(1.001)]}
+    assert dp.overhead(quiet)["verdict"].startswith("within the bound")
+    slow = {"plain": [run(1.0), run(1.001), run(1.002)], "torchrun-1": [run(1.05), run(1.052), run(1.051)]}
+    assert dp.overhead(slow)["verdict"].startswith("outside the bound")
+    assert dp.overhead({"plain": [run(1.0)], "torchrun-1": [run(1.0)]})["verdict"].startswith("undecided: 1 paired round")
+    assert "error" in dp.overhead({"plain": [{"error": "x"}], "torchrun-1": [run(1.0)]})
+
+
 # -- a 2-rank run with its shards outside the run directory (two launches) ----------------------
 
 
