@@ -331,8 +331,8 @@ def _cmd_repair(a: argparse.Namespace) -> int:
         record = st.last_commit()
     print("\n".join(done.actions))
     if shards.is_sharded(record):  # a data-parallel run: every rank's shard store too
-        for r in range(shards.shard_world(record)):
-            with TensorStore.open(shards.shard_dir(Path(a.store), record, r)) as rs:
+        for r, path in enumerate(shards.require_visible(Path(a.store), record, "mtc repair")):
+            with TensorStore.open(path) as rs:
                 print("\n".join(f"rank {r}: {x}" for x in repair(rs).actions))
     return 0
 

@@ -3,7 +3,8 @@
 Layout. With world size N > 1 the run directory RUN keeps the plan, logs and the *global* commit
 record (``RUN/commit.json``); each rank r keeps its contiguous shard ``[lo, hi)`` of every layer's
 master, m and v (both generations, the single-process array names, shape ``(hi - lo,)``) in its
-own store ``RUN/ranks/rank-r-of-N/`` with its own per-rank commit record. A step is committed
+own store ``RUN/ranks/rank-r-of-N/`` (or where ``--rank-dir`` puts it, e.g. node-local disks: see
+`mtc.rank_dirs`; the global record names each shard's directory) with its own per-rank commit record. A step is committed
 when (1) every rank's generation is written and its per-rank record is durable, (2) the ranks
 agree that all of them succeeded (one all-gather of each rank's record digest), (3) rank 0 writes
 the global record naming step, generation, world size and each shard's digest, and (4) a barrier
@@ -56,7 +57,7 @@ def require_visible(root: Path, record: CommitRecord, what: str) -> list[Path]:
     """Every shard directory ``record`` names, or one StoreError saying that ``what`` needs them
     all on this machine (node-local shards of a multi-node run)."""
     paths = [shard_dir(root, record, r) for r in range(shard_world(record))]
-    gone = [(r, p) for r, p in enumerate(paths) if not (p / "commit.json").is_file()]
+    gone = [(r, p) for r, p in enumerate(paths) if not p.is_dir()]
     if gone:
         r, p = gone[0]
         more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
