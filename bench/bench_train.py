@@ -641,6 +641,10 @@ def _print_dp(rec: dict[str, Any]) -> None:
               f"over {r['n']} rounds; noise (round medians' max/min - 1): "
               + ", ".join(f"{k} {_f(v and 100 * v, '.1f')}%" for k, v in noise.items())
               + f"; launch + start-up overhead {ov['launch_overhead_s']['median']:+.1f} s per run")
+        if ov.get("launcher_cpu_cores"):
+            c = ov["launcher_cpu_cores"]
+            print(f"DP     torchrun's agent process from the first step to exit: {c['median']:.4f} of one core (median; range "
+                  f"{c['min']:.4f}-{c['max']:.4f}), CPU taken from the rank's host")
         print(f"DP     verdict: {ov['verdict']}")
     elif ov:
         print(f"DP     torchrun-1 overhead: {ov['error']}")

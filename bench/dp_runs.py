@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,18 +105,51 @@ def run_setting(name: str, ranks: int | None, *, config: Path, data: Path, root:
     argv = train_argv(config, store, data, ranks)
     print(f"  DP / {name}: {' '.join(argv[1:])}", flush=True)
     t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    samples: list[tuple[float, float]] = []  # under torchrun: (time, the launcher's own CPU seconds) while steps run
+    watch = threading.Thread(target=_watch_launcher, args=(proc, store / "logs" / "metrics.jsonl", samples), daemon=True)
+    if ranks is not None:
+        watch.start()
     try:
-        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"setting": name, "argv": argv, "error": f"timed out after {timeout_s:.0f} s"}
+    finally:
+        if watch.is_alive():
+            watch.join()
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         return {"setting": name, "argv": argv, "returncode": proc.returncode, "wall_s": wall,
-                "error": f"exit {proc.returncode}: {_error_line(proc.stderr + proc.stdout)}", "stderr_tail": proc.stderr[-4000:]}
+                "error": f"exit {proc.returncode}: {_error_line(stderr + stdout)}", "stderr_tail": stderr[-4000:]}
     out = summarize(name, ranks or 1, step_seconds(store, warmup), tokens_per_step)
     every = step_seconds(store, 0)  # warm-up included: what is outside them is start-up, launcher and exit
     out.update(argv=argv, returncode=0, wall_s=wall, outside_steps_s=wall - max((sum(s) for s in every.values()), default=0.0))
+    if len(samples) >= 2 and samples[-1][0] - samples[0][0] >= 0.5:
+        # torchrun's agent process beside the worker: the share of one core it took from the first logged step to its exit
+        out["launcher_cpu_cores"] = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
     return out
+
+
+def own_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) that process ``pid`` used itself, its children's not included
+    (Linux /proc; None where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _watch_launcher(proc: subprocess.Popen, metrics: Path, samples: list[tuple[float, float]]) -> None:
+    """Sample the launcher's own CPU time every 0.1 s once the run logs steps, until it exits."""
+    while proc.poll() is None:
+        if metrics.exists():
+            cpu = own_cpu_s(proc.pid)
+            if cpu is not None and proc.poll() is None:
+                samples.append((time.perf_counter(), cpu))
+        time.sleep(0.1)
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,8 +202,9 @@ def overhead(rounds: dict[str, list[dict[str, Any]]], base: str = "plain", other
         verdict = f"within the bound: median ratio {r['median']:.3f} >= {bound}"
     else:
         verdict = f"outside the bound: median ratio {r['median']:.3f} < {bound}"
+    cores = [b["launcher_cpu_cores"] for b in rounds[other] if "launcher_cpu_cores" in b]
     return {"ratio_per_round": per_round, "ratio": r, "noise_by_setting": noise, "launch_overhead_s": spread(launch),
-            "bound": bound, "verdict": verdict}
+            "launcher_cpu_cores": spread(cores) if cores else None, "bound": bound, "verdict": verdict}
 
 
 def predicted(cfg: Any, world: int) -> dict[str, Any]:

@@ -105,6 +105,13 @@ def test_torchrun_one_overhead_is_a_per_round_ratio_with_its_spread_and_the_mach
     assert dp.overhead(slow)["verdict"].startswith("outside the bound")
     assert dp.overhead({"plain": [run(1.0)], "torchrun-1": [run(1.0)]})["verdict"].startswith("undecided: 1 paired round")
     assert "error" in dp.overhead({"plain": [{"error": "x"}], "torchrun-1": [run(1.0)]})
+    # the launcher's own CPU (its children's not included), read from /proc
+    t0 = dp.own_cpu_s(os.getpid())
+    sum(i * i for i in range(300_000))
+    assert t0 is not None and dp.own_cpu_s(os.getpid()) > t0
+    assert dp.own_cpu_s(2**22 + 12345) is None  # above Linux's default pid_max: no such process
+    with_cpu = {"plain": quiet["plain"], "torchrun-1": [dict(r, launcher_cpu_cores=c) for r, c in zip(quiet["torchrun-1"], (0.01, 0.02, 0.03))]}
+    assert dp.overhead(with_cpu)["launcher_cpu_cores"]["median"] == 0.02
 
 
 # -- a 2-rank run with its shards outside the run directory (two launches) ----------------------
