@@ -643,7 +643,7 @@ def _print_dp(rec: dict[str, Any]) -> None:
               + f"; launch + start-up overhead {ov['launch_overhead_s']['median']:+.1f} s per run")
         if ov.get("launcher_cpu_cores"):
             c = ov["launcher_cpu_cores"]
-            print(f"DP     torchrun's agent process from the first step to exit: {c['median']:.4f} of one core (median; range "
+            print(f"DP     torchrun's agent process while steps ran: {c['median']:.4f} of one core (median; range "
                   f"{c['min']:.4f}-{c['max']:.4f}), CPU taken from the rank's host")
         print(f"DP     verdict: {ov['verdict']}")
     elif ov:

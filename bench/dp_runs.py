@@ -106,7 +106,7 @@ def run_setting(name: str, ranks: int | None, *, config: Path, data: Path, root:
     print(f"  DP / {name}: {' '.join(argv[1:])}", flush=True)
     t = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    samples: list[tuple[float, float]] = []  # under torchrun: (time, the launcher's own CPU seconds) while steps run
+    samples: list[tuple[float, float, int]] = []  # under torchrun: (time, the launcher's own CPU seconds, metrics bytes)
     watch = threading.Thread(target=_watch_launcher, args=(proc, store / "logs" / "metrics.jsonl", samples), daemon=True)
     if ranks is not None:
         watch.start()
@@ -126,9 +126,12 @@ def run_setting(name: str, ranks: int | None, *, config: Path, data: Path, root:
     out = summarize(name, ranks or 1, step_seconds(store, warmup), tokens_per_step)
     every = step_seconds(store, 0)  # warm-up included: what is outside them is start-up, launcher and exit
     out.update(argv=argv, returncode=0, wall_s=wall, outside_steps_s=wall - max((sum(s) for s in every.values()), default=0.0))
-    if len(samples) >= 2 and samples[-1][0] - samples[0][0] >= 0.5:
-        # torchrun's agent process beside the worker: the share of one core it took from the first logged step to its exit
-        out["launcher_cpu_cores"] = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+    # torchrun's agent process beside the worker: the share of one core it took while steps were
+    # logged (from the first sample that saw a step to the first that saw the last one; not the exit)
+    ends = [i for i in range(1, len(samples)) if samples[i][2] != samples[i - 1][2]]
+    if ends and samples[ends[-1]][0] - samples[0][0] >= 0.5:
+        a, b = samples[0], samples[ends[-1]]
+        out["launcher_cpu_cores"] = (b[1] - a[1]) / (b[0] - a[0])
     return out
 
 
@@ -142,14 +145,16 @@ def own_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _watch_launcher(proc: subprocess.Popen, metrics: Path, samples: list[tuple[float, float]]) -> None:
-    """Sample the launcher's own CPU time every 0.1 s once the run logs steps, until it exits."""
+def _watch_launcher(proc: subprocess.Popen, metrics: Path, samples: list[tuple[float, float, int]]) -> None:
+    """Sample the launcher's own CPU time and the metrics file's size every 0.05 s once the run
+    logs steps, until it exits."""
     while proc.poll() is None:
         if metrics.exists():
+            size = metrics.stat().st_size
             cpu = own_cpu_s(proc.pid)
             if cpu is not None and proc.poll() is None:
-                samples.append((time.perf_counter(), cpu))
-        time.sleep(0.1)
+                samples.append((time.perf_counter(), cpu, size))
+        time.sleep(0.05)
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:

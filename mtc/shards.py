@@ -251,12 +251,7 @@ def reshard(root: Path, world_size: int, *, template: str | None = None, io_thre
             if log:
                 log(f"{root} is already laid out for world size {world_size}; nothing to do")
             return last
-        old_dirs: list[Path] = []
-        if is_sharded(last):
-            old_dirs = require_visible(root, last, "mtc reshard")
-            for r, p in enumerate(old_dirs):
-                with TensorStore.open(p, read_only=True) as rs:
-                    check_shard(root, last, r, rs)
+        old_dirs = require_visible(root, last, "mtc reshard") if is_sharded(last) else []
         new_dirs = [rank_dirs.resolve(template, root, rank_dirs.Place(r, world_size)) for r in range(world_size)]
         clash = {os.path.realpath(p) for p in new_dirs} & {os.path.realpath(p) for p in old_dirs}
         if world_size > 1 and clash:
@@ -268,6 +263,7 @@ def reshard(root: Path, world_size: int, *, template: str | None = None, io_thre
         kinds = REQUIRED_KINDS[last.durability]
         gen = last.generation
         targets: list[TensorStore] = []
+        # every old shard is checked against the record here, before anything is written
         reader = StateReader(root, last, io_threads=io_threads, what="mtc reshard") if is_sharded(last) else None
         try:
             if world_size > 1:
