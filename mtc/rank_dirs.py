@@ -136,7 +136,7 @@ def missing_text(rank: int, path: Path, template: str | None, recorded: Path | N
     """The one line for a resumed rank whose shard directory is not there."""
     how = f"from {_FLAG} {template!r}" if template is not None else "the default under the run directory"
     rec = f"; the run's commit record names {recorded} for this rank" if recorded is not None and recorded != path else ""
-    return (f"rank {rank}'s shard store {path} ({how}) is missing or was never committed{rec}. Relaunch on the nodes that hold "
+    return (f"rank {rank}'s shard store {path} is missing or was never committed (its directory: {how}){rec}. Relaunch on the nodes that hold "
             f"it with the same --rank-dir, restore that directory, or start over with --overwrite")
 
 
