@@ -537,7 +537,8 @@ def part_p5(env: Env, shape_name: str, depths: tuple[int, int], budget_gb: float
 
 def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
     """The same run plain, under torchrun at one rank and at ``world`` ranks (bench/dp_runs.py),
-    in ``repeats`` interleaved rounds; each setting's figures are its fastest round's."""
+    in ``repeats`` interleaved rounds (order alternating); each setting's figures are the median
+    over rounds, and the torchrun-1 overhead is the per-round ratio's median and spread."""
     mb, accum = (2, 2 * world) if env.smoke else (env.micro_batch, 16 // env.micro_batch)
     if accum % world:
         raise SystemExit(f"bench_train: --world-size {world} must divide the {accum} micro-batches per step; "
@@ -552,7 +553,7 @@ def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
     tokens = mb * accum * cfg.seq_len
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in dp_runs.settings(world)}
     for k in range(repeats):
-        for name, ranks in dp_runs.settings(world):
+        for name, ranks in dp_runs.round_order(k, dp_runs.settings(world)):
             why = dp_runs.dist_engine_missing() if (ranks or 1) > 1 else None
             if why is None and ranks and ranks > 1 and not env.smoke and torch.cuda.device_count() < ranks:
                 why = f"NCCL needs one GPU per rank: this machine has {torch.cuda.device_count()}"
@@ -568,9 +569,10 @@ def part_dp(env: Env, world: int, root: Path, repeats: int) -> dict[str, Any]:
             rounds[name].append(r)
             if "error" in r:
                 print(f"    {name} failed: {r['error']}", flush=True)
-    results = [dp_runs.best_round(rs) for rs in rounds.values()]
+    results = [dp_runs.median_round(rs) for rs in rounds.values()]
     return {"settings": results, "world_size": world, "config": cfg.to_dict(), "dist_engine": dp_runs.dist_engine_missing() is None,
-            **dp_runs.ratios(results, world), "predicted_by_mtc_plan": dp_runs.predicted(cfg, world)}
+            **dp_runs.ratios(results, world), "torchrun_1_overhead": dp_runs.overhead(rounds),
+            "predicted_by_mtc_plan": dp_runs.predicted(cfg, world)}
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -629,8 +631,23 @@ def _print_dp(rec: dict[str, Any]) -> None:
               f"{r['tokens_per_s_per_rank']:9.0f} per rank")
     w = rec["world_size"]
     many = f"; torchrun-{w} per rank / plain: {_f(rec.get(f'torchrun_{w}_per_rank_over_plain'), '.3f')}" if w > 1 else ""
-    print(f"DP     torchrun-1 / plain tokens/s: {_f(rec['torchrun_1_over_plain'], '.3f')} (goal >= {rec['goal_torchrun_1_over_plain']})"
-          + many)
+    print(f"DP     torchrun-1 / plain tokens/s (medians over rounds): {_f(rec['torchrun_1_over_plain'], '.3f')} "
+          f"(goal >= {rec['goal_torchrun_1_over_plain']})" + many)
+    ov = rec.get("torchrun_1_overhead") or {}
+    if "ratio" in ov:
+        r, noise = ov["ratio"], ov["noise_by_setting"]
+        quart = f", quartiles {r['q1']:.3f}-{r['q3']:.3f}" if "q1" in r else ""
+        print(f"DP     torchrun-1 / plain per round: median {r['median']:.3f}, range {r['min']:.3f}-{r['max']:.3f}{quart} "
+              f"over {r['n']} rounds; noise (round medians' max/min - 1): "
+              + ", ".join(f"{k} {_f(v and 100 * v, '.1f')}%" for k, v in noise.items())
+              + f"; launch + start-up overhead {ov['launch_overhead_s']['median']:+.1f} s per run")
+        if ov.get("launcher_cpu_cores"):
+            c = ov["launcher_cpu_cores"]
+            print(f"DP     torchrun's agent process while steps ran: {c['median']:.4f} of one core (median; range "
+                  f"{c['min']:.4f}-{c['max']:.4f}), CPU taken from the rank's host")
+        print(f"DP     verdict: {ov['verdict']}")
+    elif ov:
+        print(f"DP     torchrun-1 overhead: {ov['error']}")
     pred = rec.get("predicted_by_mtc_plan") or {}
     if "error" in pred:
         print(f"DP     mtc plan's prediction: {pred['error']}")
@@ -659,7 +676,8 @@ def main() -> None:
                     help="each setting in its own process (default: on CUDA yes, with --smoke no)")
     ap.add_argument("--quiet", action="store_true", help="no line per step")
     ap.add_argument("--world-size", type=int, help="run part DP only: plain vs torchrun at 1 and at N ranks (see above)")
-    ap.add_argument("--repeats", type=int, help="part DP: interleaved rounds of its settings, the fastest kept (default 3; 1 with --smoke)")
+    ap.add_argument("--repeats", type=int, help="part DP: interleaved rounds of its settings, medians over them (default 3; "
+                    "1 with --smoke; 5 or more for the torchrun-1 overhead's spread)")
     a = ap.parse_args()
     parts = [p.strip() for p in a.only.split(",") if p.strip()]
     if a.world_size is not None:

@@ -8,9 +8,17 @@ and global batch:
   torchrun-N   ... --nproc-per-node N ...
 
 Step times come from the runs' own metrics (``logs/metrics.jsonl`` under each store directory:
-one file per rank where every rank logs, else rank 0's), after the warm-up steps. Tokens/s per
-rank is the global batch's tokens over N, over the median step. The ratios: torchrun at one rank
-over the plain path (the issue's bound: within 2 %), and per-rank tokens/s at N over the plain run.
+one file per rank where every rank logs, else rank 0's), after the warm-up steps, so process
+start-up and the launcher are left out (their cost is reported apart: each run's wall time less
+its steps). Tokens/s per rank is the global batch's tokens over N, over the median step.
+
+The settings run in interleaved rounds, the order alternating (plain first in even rounds, last
+in odd ones) so that a drift of the machine's load hits both alike. Each setting's figure is the
+median over rounds of its per-round median step. The torchrun-1 overhead (the issue's bound:
+within 2 %) is measured per round, as the ratio of the two runs of that round, and reported as the
+median of those ratios with their spread (min, max, quartiles); beside it the machine's own noise:
+how far one setting's per-round medians lie apart. When that noise exceeds the 2 % bound, the
+record says the machine cannot resolve it rather than pretending a verdict.
 Data-parallel training is issue 13's engine (`mtc.dist`); where the checkout lacks it, torchrun-N
 is not launched (N independent runs would race on one store) and the record says why.
 """
@@ -23,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +44,12 @@ def settings(world: int) -> list[tuple[str, int | None]]:
     """(name, ranks under torchrun; None: no torchrun) of each setting, in run order."""
     out: list[tuple[str, int | None]] = [("plain", None), ("torchrun-1", 1)]
     return out + ([(f"torchrun-{world}", world)] if world > 1 else [])
+
+
+def round_order(k: int, names: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
+    """The settings of round ``k``: in order in even rounds, reversed in odd ones (a load drift
+    during the rounds then favours neither plain nor torchrun-1)."""
+    return list(names) if k % 2 == 0 else list(reversed(names))
 
 
 def train_argv(config: Path, store: Path, data: Path, ranks: int | None) -> list[str]:
@@ -72,7 +87,8 @@ def summarize(name: str, ranks: int, per_file: dict[str, list[float]], tokens_pe
     step = max(medians.values())
     return {"setting": name, "ranks": ranks, "median_step_s_by_file": medians, "median_step_s": step,
             "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / step,
-            "tokens_per_s_per_rank": tokens_per_step / ranks / step}
+            "tokens_per_s_per_rank": tokens_per_step / ranks / step,
+            "steps_s_total": max(sum(s) for s in per_file.values()), "steps_measured": min(len(s) for s in per_file.values())}
 
 
 def _error_line(text: str) -> str:
@@ -89,26 +105,111 @@ def run_setting(name: str, ranks: int | None, *, config: Path, data: Path, root:
     argv = train_argv(config, store, data, ranks)
     print(f"  DP / {name}: {' '.join(argv[1:])}", flush=True)
     t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    samples: list[tuple[float, float, int]] = []  # under torchrun: (time, the launcher's own CPU seconds, metrics bytes)
+    watch = threading.Thread(target=_watch_launcher, args=(proc, store / "logs" / "metrics.jsonl", samples), daemon=True)
+    if ranks is not None:
+        watch.start()
     try:
-        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"setting": name, "argv": argv, "error": f"timed out after {timeout_s:.0f} s"}
+    finally:
+        if watch.is_alive():
+            watch.join()
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         return {"setting": name, "argv": argv, "returncode": proc.returncode, "wall_s": wall,
-                "error": f"exit {proc.returncode}: {_error_line(proc.stderr + proc.stdout)}", "stderr_tail": proc.stderr[-4000:]}
+                "error": f"exit {proc.returncode}: {_error_line(stderr + stdout)}", "stderr_tail": stderr[-4000:]}
     out = summarize(name, ranks or 1, step_seconds(store, warmup), tokens_per_step)
-    out.update(argv=argv, returncode=0, wall_s=wall)
+    every = step_seconds(store, 0)  # warm-up included: what is outside them is start-up, launcher and exit
+    out.update(argv=argv, returncode=0, wall_s=wall, outside_steps_s=wall - max((sum(s) for s in every.values()), default=0.0))
+    # torchrun's agent process beside the worker: the share of one core it took while steps were
+    # logged (from the first sample that saw a step to the first that saw the last one; not the exit)
+    ends = [i for i in range(1, len(samples)) if samples[i][2] != samples[i - 1][2]]
+    if ends and samples[ends[-1]][0] - samples[0][0] >= 0.5:
+        a, b = samples[0], samples[ends[-1]]
+        out["launcher_cpu_cores"] = (b[1] - a[1]) / (b[0] - a[0])
     return out
 
 
-def best_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """A setting's fastest successful round (with every round's median step beside it), else its last error."""
-    ok = [r for r in rounds if "tokens_per_s_per_rank" in r]
+def own_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) that process ``pid`` used itself, its children's not included
+    (Linux /proc; None where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _watch_launcher(proc: subprocess.Popen, metrics: Path, samples: list[tuple[float, float, int]]) -> None:
+    """Sample the launcher's own CPU time and the metrics file's size every 0.05 s once the run
+    logs steps, until it exits."""
+    while proc.poll() is None:
+        if metrics.exists():
+            size = metrics.stat().st_size
+            cpu = own_cpu_s(proc.pid)
+            if cpu is not None and proc.poll() is None:
+                samples.append((time.perf_counter(), cpu, size))
+        time.sleep(0.05)
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A setting's figures over its successful rounds: the median round's (by median step), with
+    every round's median step beside it; else its last error."""
+    ok = sorted((r for r in rounds if "tokens_per_s_per_rank" in r), key=lambda r: r["median_step_s"])
     if not ok:
         return rounds[-1]
-    best = max(ok, key=lambda r: r["tokens_per_s_per_rank"])
-    return {**best, "rounds_median_step_s": [r.get("median_step_s") for r in rounds]}
+    mid = ok[(len(ok) - 1) // 2]  # the lower median: a round that ran
+    return {**mid, "median_step_s": statistics.median(r["median_step_s"] for r in ok),
+            "tokens_per_s_per_rank": statistics.median(r["tokens_per_s_per_rank"] for r in ok),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+            "rounds_median_step_s": [r.get("median_step_s") for r in rounds], "rounds_ok": len(ok)}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and (with 4 or more values) the quartiles of ``values``."""
+    out: dict[str, Any] = {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values)}
+    if len(values) >= 4:
+        q = statistics.quantiles(values, n=4)
+        out.update(q1=q[0], q3=q[2])
+    return out
+
+
+def overhead(rounds: dict[str, list[dict[str, Any]]], base: str = "plain", other: str = "torchrun-1",
+             bound: float = GOAL_TORCHRUN_ONE) -> dict[str, Any]:
+    """``other``'s tokens/s over ``base``'s, per round (the two runs of one round ran back to back),
+    with its spread; the machine's noise (per setting: the largest round median over the smallest,
+    less 1); and whether the figures can decide the bound."""
+    pairs = [(a["median_step_s"], b["median_step_s"]) for a, b in zip(rounds.get(base, []), rounds.get(other, []), strict=False)
+             if "median_step_s" in a and "median_step_s" in b]
+    if not pairs:
+        return {"error": f"no round in which both {base} and {other} ran"}
+    per_round = [sa / sb for sa, sb in pairs]  # step time ratio = tokens/s of `other` over `base`
+    noise = {}
+    for name in (base, other):
+        meds = [r["median_step_s"] for r in rounds[name] if "median_step_s" in r]
+        noise[name] = max(meds) / min(meds) - 1 if len(meds) > 1 else None
+    launch = [b.get("outside_steps_s", 0.0) - a.get("outside_steps_s", 0.0)
+              for a, b in zip(rounds[base], rounds[other], strict=False) if "median_step_s" in a and "median_step_s" in b]
+    r = spread(per_round)
+    worst_noise = max((x for x in noise.values() if x is not None), default=None)
+    tol = 1 - bound
+    if len(pairs) < 3 or worst_noise is None:
+        verdict = f"undecided: {len(pairs)} paired round(s); run 3 or more (--repeats)"
+    elif worst_noise > tol:
+        verdict = (f"undecided: this machine's run-to-run noise ({worst_noise:.1%}) exceeds the {tol:.0%} bound; "
+                   f"median ratio {r['median']:.3f} (range {r['min']:.3f}-{r['max']:.3f})")
+    elif r["median"] >= bound:
+        verdict = f"within the bound: median ratio {r['median']:.3f} >= {bound}"
+    else:
+        verdict = f"outside the bound: median ratio {r['median']:.3f} < {bound}"
+    cores = [b["launcher_cpu_cores"] for b in rounds[other] if "launcher_cpu_cores" in b]
+    return {"ratio_per_round": per_round, "ratio": r, "noise_by_setting": noise, "launch_overhead_s": spread(launch),
+            "launcher_cpu_cores": spread(cores) if cores else None, "bound": bound, "verdict": verdict}
 
 
 def predicted(cfg: Any, world: int) -> dict[str, Any]:

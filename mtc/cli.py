@@ -39,6 +39,7 @@ _TRAIN_FLAGS = (
     "dist_timeout_s",
     "matmul_fusion",
     "dp_collectives",
+    "rank_dir",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -332,8 +333,8 @@ def _cmd_repair(a: argparse.Namespace) -> int:
         record = st.last_commit()
     print("\n".join(done.actions))
     if shards.is_sharded(record):  # a data-parallel run: every rank's shard store too
-        for r in range(shards.shard_world(record)):
-            with TensorStore.open(shards.rank_dir(Path(a.store), r, shards.shard_world(record))) as rs:
+        for r, path in enumerate(shards.require_visible(Path(a.store), record, "mtc repair")):
+            with TensorStore.open(path) as rs:
                 print("\n".join(f"rank {r}: {x}" for x in repair(rs).actions))
     return 0
 
@@ -424,7 +425,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 def _cmd_reshard(a: argparse.Namespace) -> int:
     from mtc.shards import reshard
 
-    reshard(Path(a.store), a.world_size, log=print)
+    reshard(Path(a.store), a.world_size, template=a.rank_dir, log=print)
     return 0
 
 
@@ -678,6 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("reshard", help="rewrite a data-parallel run's state for another world size (bit-identical, one new commit)")
     rs.add_argument("store", help="the run directory")
     rs.add_argument("--world-size", type=int, required=True, help="ranks of the next launch (1: the single-process layout)")
+    rs.add_argument("--rank-dir", metavar="TEMPLATE", help="where the new shard stores go, e.g. /nvme/run/rank-{rank}-of-{world_size} "
+                    "(placeholders {rank}, {world_size}; default: RUN/ranks/); every current shard must be visible here")
     rs.set_defaults(fn=_cmd_reshard)
     ex = sub.add_parser("export", help="write a run's weights as a Hugging Face checkpoint directory, streamed")
     ex.add_argument("run", help="store directory of the run")

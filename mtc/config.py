@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc.errors import ConfigError
+from mtc.rank_dirs import check_template as _rank_dir_template
 from mtc.schema import Rule, check_dataclass, check_value, describe, field, field_types, parse_text, unwrap_optional
 
 __all__ = [
@@ -247,6 +248,10 @@ class TrainConfig:
                                 help="data-parallel runs: where gradients are reduce-scattered and weights all-gathered: "
                                 "device (NCCL on the GPUs; gloo on the CPU device), host (gloo in host memory), or auto "
                                 "(device on CUDA with NCCL, else host)")
+    # data-parallel runs: each rank's shard store, e.g. on its node's local disk (mtc.rank_dirs)
+    rank_dir: str | None = field(None, syntax=_rank_dir_template, syntax_doc="a path template such as '/nvme/run/rank-{rank}'",
+                                 help="data-parallel runs: where each rank keeps its shard store, a path template with "
+                                 "{rank}, {world_size}, {local_rank}, {node}, {host}; none: RUN/ranks/rank-R-of-N")
 
     def validate(self) -> None:
         """Raise ConfigError (naming the field, the value and what is expected) for any bad setting."""

@@ -22,8 +22,8 @@ import torch
 from mtc.data import BatchSampler, TokenFile, check_fits
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
-from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.runtime.executor import IGNORE_INDEX
+from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.weight_sources import StoreWeights, pick_step
 
 __all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
@@ -150,7 +150,8 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
         bs = eval_batches(tokens, program, n=batches, seed=cfg.get("seed", 0) if seed is None else seed, split=split)
-        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes)
+        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes,
+                           record=at.record)
         try:
             loss = forward_loss(program, unfused_runners(program), src, bs, dev)
         finally:

@@ -213,7 +213,7 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         if device_budget_bytes is None:
             device_budget_bytes = _default_budget(dev, available_host_bytes)
         src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes,
-                           host_budget_bytes=int(available_host_bytes() * 0.5))
+                           host_budget_bytes=int(available_host_bytes() * 0.5), record=at.record)
         try:
             res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=context or cfg.get("seq_len", 128),
                                   device=dev, temperature=temperature, top_k=top_k, seed=seed, kv_cache=kv_cache,

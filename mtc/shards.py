@@ -3,7 +3,8 @@
 Layout. With world size N > 1 the run directory RUN keeps the plan, logs and the *global* commit
 record (``RUN/commit.json``); each rank r keeps its contiguous shard ``[lo, hi)`` of every layer's
 master, m and v (both generations, the single-process array names, shape ``(hi - lo,)``) in its
-own store ``RUN/ranks/rank-r-of-N/`` with its own per-rank commit record. A step is committed
+own store ``RUN/ranks/rank-r-of-N/`` (or where ``--rank-dir`` puts it, e.g. node-local disks: see
+`mtc.rank_dirs`; the global record names each shard's directory) with its own per-rank commit record. A step is committed
 when (1) every rank's generation is written and its per-rank record is durable, (2) the ranks
 agree that all of them succeeded (one all-gather of each rank's record digest), (3) rank 0 writes
 the global record naming step, generation, world size and each shard's digest, and (4) a barrier
@@ -21,26 +22,49 @@ makes that a new global commit of the same step.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import torch
 
+from mtc import rank_dirs
 from mtc.errors import StoreError
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
 from mtc.store.verify import REQUIRED_KINDS
 
-__all__ = ["RANKS_DIR", "check_shard", "digest", "is_sharded", "layer_ranges", "open_rank_store", "rank_dir", "read_layer",
-           "reshard", "shard_world"]
+__all__ = ["RANKS_DIR", "StateReader", "check_shard", "digest", "is_sharded", "layer_ranges", "open_rank_store", "rank_dir",
+           "read_layer", "require_visible", "reshard", "shard_dir", "shard_world"]
 
 RANKS_DIR = "ranks"
 
 
 def rank_dir(root: Path, rank: int, world_size: int) -> Path:
-    """Where rank ``rank`` of ``world_size`` keeps its shard store."""
-    return Path(root) / RANKS_DIR / f"rank-{rank}-of-{world_size}"
+    """Where rank ``rank`` of ``world_size`` keeps its shard store by default (see `mtc.rank_dirs`)."""
+    return rank_dirs.default_dir(root, rank, world_size)
+
+
+def shard_dir(root: Path, record: CommitRecord, rank: int) -> Path:
+    """Rank ``rank``'s shard store as the global ``record`` names it, seen from this process."""
+    return rank_dirs.located(root, record.meta["shards"]["ranks"][rank]["dir"])
+
+
+def require_visible(root: Path, record: CommitRecord, what: str) -> list[Path]:
+    """Every shard directory ``record`` names, or one StoreError saying that ``what`` needs them
+    all on this machine (node-local shards of a multi-node run)."""
+    paths = [shard_dir(root, record, r) for r in range(shard_world(record))]
+    gone = [(r, p) for r, p in enumerate(paths) if not p.is_dir()]
+    if gone:
+        r, p = gone[0]
+        more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+        raise StoreError(f"rank {r}'s shard store {p}{more}, named by {root}'s commit record, is not visible here: {what} reads "
+                         "every rank's shard, so all of them must be on this machine; copy or mount the node-local shard "
+                         "directories at those paths (the record names each as its rank saw it) and run it again")
+    return paths
 
 
 def digest(record: CommitRecord) -> str:
@@ -83,25 +107,29 @@ def stored_placement(st: TensorStore, n_layers: int) -> list[str]:
 
 
 def open_rank_store(root: Path, rank: int, world_size: int, numels: list[int], durability: str, *, io_threads: int,
-                    fresh: bool, placement: list[str] | None = None, disk_chunk_rows: int | None = None) -> TensorStore:
-    """This rank's shard store, created (``fresh``: a new run, or a single-process store opened
-    at this world size) with both generations of its shard arrays, else opened. ``placement``
+                    fresh: bool, placement: list[str] | None = None, disk_chunk_rows: int | None = None,
+                    path: Path | None = None, template: str | None = None) -> TensorStore:
+    """This rank's shard store at ``path`` (default: under the run directory; ``template``: the
+    --rank-dir it came from), created (``fresh``: a new run, or a single-process store opened at
+    this world size) with both generations of its shard arrays, else opened. ``placement``
     (default all ``ram``): which arrays each layer keeps (`layer_kinds`); an opened store gains the
     arrays a changed placement needs. ``disk_chunk_rows``: the chunk of disk layers' arrays
     (default the store's)."""
-    path = rank_dir(root, rank, world_size)
+    path = rank_dir(root, rank, world_size) if path is None else Path(path)
     placement = placement if placement is not None else ["ram"] * len(numels)
     ranges = layer_ranges(numels, rank, world_size)
+    where = {"run": os.path.abspath(root), "dir": rank_dirs.recorded_form(root, path), "template": template}
     if not fresh:
         if not (path / "commit.json").exists():
-            raise StoreError(f"rank {rank}'s shard store {path} is missing or was never committed; the run's commit "
-                             "record names it. Restore that directory (node-local disk: relaunch on the same nodes), "
-                             "or start over with --overwrite")
+            raise StoreError(rank_dirs.missing_text(rank, path, template, None))
         st = TensorStore.open(path, io_threads=io_threads)
     else:
+        rank_dirs.check_owner(path, root, _attributes(path))
         st = TensorStore.create(path, io_threads=io_threads, overwrite=True)
     try:
         if not st.read_only:
+            if st.attributes().get(rank_dirs.SHARD_DIR_ATTR) != where:  # new, moved, or the run directory was: record it
+                st.set_attribute(rank_dirs.SHARD_DIR_ATTR, where)
             st.set_attribute(LAYOUT_ATTR, {"numels": [hi - lo for lo, hi in ranges], "compute_dtype": None,
                                            "placement": list(placement), "shard": {"rank": rank, "world_size": world_size,
                                                                                    "ranges": ranges}})
@@ -118,16 +146,29 @@ def open_rank_store(root: Path, rank: int, world_size: int, numels: list[int], d
     return st
 
 
+def _attributes(path: Path) -> dict | None:
+    """The root attributes of the store at ``path`` (None: no readable store there)."""
+    if not (path / "zarr.json").is_file():
+        return None
+    try:
+        with TensorStore.open(path, read_only=True) as st:
+            return st.attributes()
+    except Exception:  # noqa: BLE001 - not a store mtc can read: treated as foreign files
+        return None
+
+
 def rank_record(step: int, gen: int, cursor: int, config: dict, durability: str, rank: int, world_size: int) -> CommitRecord:
     """The per-rank commit record of ``step`` (what the global record's digest names)."""
     return CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state={}, config=config, time_unix=time.time(),
                         durability=durability, meta={"rank": rank, "world_size": world_size})
 
 
-def shards_meta(world_size: int, digests: list[str]) -> dict:
-    """The global record's ``meta["shards"]``: the world size and each rank's directory and digest."""
-    return {"world_size": world_size, "ranks": [{"rank": r, "dir": f"{RANKS_DIR}/rank-{r}-of-{world_size}", "digest": d}
-                                                 for r, d in enumerate(digests)]}
+def shards_meta(world_size: int, digests: list[str], dirs: list[str] | None = None, template: str | None = None) -> dict:
+    """The global record's ``meta["shards"]``: the world size, the --rank-dir template (None: the
+    default layout) and each rank's directory (`mtc.rank_dirs.recorded_form`) and digest."""
+    dirs = dirs or [f"{RANKS_DIR}/rank-{r}-of-{world_size}" for r in range(world_size)]
+    return {"world_size": world_size, "template": template,
+            "ranks": [{"rank": r, "dir": dirs[r], "digest": d} for r, d in enumerate(digests)]}
 
 
 def check_shard(root: Path, record: CommitRecord, rank: int, st: TensorStore) -> None:
@@ -152,59 +193,114 @@ def read_layer(root: Path, record: CommitRecord, layer: int, kind: str, numel: i
                io_threads: int = 4) -> torch.Tensor:
     """Layer ``layer``'s whole ``kind`` array of ``record``'s generation, assembled from the
     shard stores ``record`` names (or read from the run directory's store)."""
-    name = state_array_name(layer, kind, record.generation)
-    if not is_sharded(record):
-        if root_store is not None:
-            return root_store.read(name)
-        with TensorStore.open(root, read_only=True, io_threads=io_threads) as st:
-            return st.read(name)
-    world = shard_world(record)
-    out = torch.empty(numel, dtype=STATE_DTYPE)
-    for r in range(world):
-        lo, hi = layer_ranges([numel], r, world)[0]
-        if hi > lo:
-            with TensorStore.open(rank_dir(root, r, world), read_only=True, io_threads=io_threads) as st:
+    if not is_sharded(record) and root_store is None:
+        with TensorStore.open(root, read_only=True, io_threads=io_threads) as st, StateReader(root, record, root_store=st) as reader:
+            return reader.read(layer, kind, numel)
+    with StateReader(root, record, root_store=root_store, io_threads=io_threads) as reader:
+        return reader.read(layer, kind, numel)
+
+
+class StateReader:
+    """The state of one commit ``record``, layer by layer: assembled from the shard stores a
+    data-parallel run's record names (kept open, each checked against the record), or read from
+    ``root_store``, the run directory's store, for the single-process layout. Read-only, so it
+    works beside a training run; ``what`` names the reader in the error when a shard is not visible."""
+
+    def __init__(self, root: Path, record: CommitRecord, *, root_store: TensorStore | None = None, io_threads: int = 4,
+                 what: str = "reading the weights") -> None:
+        self.record, self.world, self.root_store = record, shard_world(record), root_store
+        self._stores: list[TensorStore] = []
+        if not is_sharded(record):
+            if root_store is None:
+                raise ValueError("a single-process layout is read from the run directory's store: pass root_store")
+            return
+        try:
+            for r, p in enumerate(require_visible(Path(root), record, what)):
+                self._stores.append(TensorStore.open(p, read_only=True, io_threads=io_threads))
+                check_shard(Path(root), record, r, self._stores[-1])
+        except BaseException:
+            self.close()
+            raise
+
+    def read_into(self, layer: int, kind: str, out: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s whole ``kind`` array of the record's generation into ``out`` (flat fp32)."""
+        name = state_array_name(layer, kind, self.record.generation)
+        if not self._stores:
+            self.root_store.read_into(name, out)
+            return out
+        for r, st in enumerate(self._stores):
+            lo, hi = layer_ranges([out.numel()], r, self.world)[0]
+            if hi > lo:
                 st.read_into(name, out[lo:hi])
-    return out
+        return out
+
+    def read(self, layer: int, kind: str, numel: int) -> torch.Tensor:
+        """Layer ``layer``'s whole ``kind`` array of the record's generation (a new tensor)."""
+        return self.read_into(layer, kind, torch.empty(numel, dtype=STATE_DTYPE))
+
+    def close(self) -> None:
+        """Close the shard stores."""
+        for st in self._stores:
+            st.close()
+        self._stores = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def reshard(root: Path, world_size: int, *, io_threads: int = 4, log: Callable[[str], None] | None = None) -> CommitRecord:
+def reshard(root: Path, world_size: int, *, template: str | None = None, io_threads: int = 4,
+            log: Callable[[str], None] | None = None) -> CommitRecord:
     """Rewrite the state of run ``root``'s last commit for ``world_size`` ranks (1: the
     single-process layout in ``root``), bit-identically, and commit it as a new global record of
-    the same step. The old layout stays valid until that commit; its shard stores are removed after."""
+    the same step. ``template``: where the new shard stores go (``--rank-dir`` with ``{rank}`` and
+    ``{world_size}`` only; default: under ``root``). Every old shard must be visible here. The old
+    layout stays valid until that commit; its shard stores are removed after."""
+    from mtc.errors import ConfigError
     from mtc.plan import load_plan
 
     root = Path(root)
     if world_size < 1:
         raise StoreError(f"--world-size must be at least 1, got {world_size}")
+    if template is not None:
+        if world_size == 1:
+            raise ConfigError("--rank-dir: at world size 1 the state goes into the run directory itself; drop --rank-dir")
+        rank_dirs.check_reshard_template(template)
     with TensorStore.open(root) as st:  # the lock: no run may commit meanwhile
         last = st.last_commit()
         if last is None:
             raise StoreError(f"store {root} has no commit to reshard")
         old = shard_world(last)
-        if old == world_size:
+        if old == world_size and (not is_sharded(last) or template == last.meta["shards"].get("template")):
             if log:
                 log(f"{root} is already laid out for world size {world_size}; nothing to do")
             return last
-        if is_sharded(last):
-            for r in range(old):
-                with TensorStore.open(rank_dir(root, r, old), read_only=True) as rs:
-                    check_shard(root, last, r, rs)
+        old_dirs = require_visible(root, last, "mtc reshard") if is_sharded(last) else []
+        new_dirs = [rank_dirs.resolve(template, root, rank_dirs.Place(r, world_size)) for r in range(world_size)]
+        clash = {os.path.realpath(p) for p in new_dirs} & {os.path.realpath(p) for p in old_dirs}
+        if world_size > 1 and clash:
+            raise ConfigError(f"--rank-dir {template!r} gives {min(clash)}, which holds a shard of the current layout; the "
+                              "old shards stay valid until the new commit, so the new ones need other directories "
+                              "(e.g. put {world_size} in the template)")
         program = load_plan(root / "plan")
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         # disk-tier layers keep m and v whatever the durability: carry what each layer keeps
         if is_sharded(last):
-            with TensorStore.open(rank_dir(root, 0, old), read_only=True) as rs:
+            with TensorStore.open(old_dirs[0], read_only=True) as rs:
                 placement = stored_placement(rs, len(numels))
         else:
             placement = stored_placement(st, len(numels))
         gen = last.generation
         targets: list[TensorStore] = []
+        # every old shard is checked against the record here, before anything is written
+        reader = StateReader(root, last, io_threads=io_threads, what="mtc reshard") if is_sharded(last) else None
         try:
             if world_size > 1:
-                targets = [open_rank_store(root, r, world_size, numels, last.durability, io_threads=io_threads, fresh=True,
-                                           placement=placement)
-                           for r in range(world_size)]
+                for r, p in enumerate(new_dirs):
+                    targets.append(open_rank_store(root, r, world_size, numels, last.durability, io_threads=io_threads,
+                                                   fresh=True, placement=placement, path=p, template=template))
             else:  # the full arrays in the run directory (generation `gen` is unused while the state is sharded)
                 st.set_attribute(LAYOUT_ATTR, {"numels": numels, "compute_dtype": None, "placement": placement})
                 for i, n in enumerate(numels):
@@ -217,7 +313,7 @@ def reshard(root: Path, world_size: int, *, io_threads: int = 4, log: Callable[[
                 if not n:
                     continue
                 for k in layer_kinds(placement[i], last.durability):
-                    full = read_layer(root, last, i, k, n, root_store=st, io_threads=io_threads)
+                    full = reader.read(i, k, n) if reader is not None else st.read(state_array_name(i, k, gen))
                     if world_size == 1:
                         st.write(state_array_name(i, k, gen), full)
                         continue
@@ -233,16 +329,18 @@ def reshard(root: Path, world_size: int, *, io_threads: int = 4, log: Callable[[
         finally:
             for ts in targets:
                 ts.close()
+            if reader is not None:
+                reader.close()
         meta = {k: v for k, v in last.meta.items() if k not in ("shards", "world_size")}
         if world_size > 1:
-            meta.update(shards=shards_meta(world_size, digests), world_size=world_size)
+            meta.update(shards=shards_meta(world_size, digests, [rank_dirs.recorded_form(root, p) for p in new_dirs], template),
+                        world_size=world_size)
         meta["resharded_from"] = old
         new = CommitRecord(step=last.step, generation=gen, data_cursor=last.data_cursor, rng_state=last.rng_state,
                            config=last.config, time_unix=time.time(), extra=last.extra, durability=last.durability, meta=meta)
         st.commit(new)
-    if old > 1:  # no record names them any more
-        for r in range(old):
-            shutil.rmtree(rank_dir(root, r, old), ignore_errors=True)
+    for p in old_dirs:  # no record names them any more
+        shutil.rmtree(p, ignore_errors=True)
     if log:
         log(f"resharded {root} at step {last.step} from world size {old} to {world_size}")
     return new
@@ -261,14 +359,17 @@ def committer(root_st: TensorStore, shard_st: TensorStore, rank: int, world_size
     from mtc.dist import groups
     from mtc.runtime.collectives import collective
 
+    # where this rank's shard lies, as the record names it (set by open_rank_store)
+    where = shard_st.attributes().get(rank_dirs.SHARD_DIR_ATTR) or {"dir": f"{RANKS_DIR}/rank-{rank}-of-{world_size}"}
+
     def commit(gen: int, error: BaseException | None) -> None:
         record = make_record(gen)
-        mine = ""
+        mine: object = ""
         if error is None:
             try:
                 rec = rank_record(record.step, gen, record.data_cursor, record.config, record.durability, rank, world_size)
                 shard_st.commit(rec)
-                mine = digest(rec)
+                mine = [digest(rec), where["dir"], where.get("template")]
             except Exception as e:  # noqa: BLE001 - still take part below, so the other ranks learn of it at once
                 error = e
         got: list[object] = [None] * world_size
@@ -280,7 +381,8 @@ def committer(root_st: TensorStore, shard_st: TensorStore, rank: int, world_size
             raise StoreError(f"rank(s) {bad} could not write their shard of step {record.step} (see their error); the run's "
                              "last commit is unchanged: fix that and relaunch the same command to resume from it")
         if rank == 0:
-            meta = dict(record.meta, shards=shards_meta(world_size, [str(d) for d in got]), world_size=world_size)
+            meta = dict(record.meta, shards=shards_meta(world_size, [d[0] for d in got], [d[1] for d in got], got[0][2]),
+                        world_size=world_size)
             root_st.commit(CommitRecord(step=record.step, generation=gen, data_cursor=record.data_cursor,
                                         rng_state=record.rng_state, config=record.config, time_unix=record.time_unix,
                                         extra=record.extra, durability=record.durability, meta=meta))
@@ -288,6 +390,27 @@ def committer(root_st: TensorStore, shard_st: TensorStore, rank: int, world_size
         collective(f"step {record.step}'s commit barrier", dist.barrier, group=groups().commit)
 
     return commit
+
+
+def this_rank_dir(root: Path, template: str | None, last: CommitRecord | None, rank: int, world_size: int) -> tuple[Path, str | None]:
+    """This rank's shard directory and the template it comes from (``template``: the launch's
+    --rank-dir; None: the one the run's record names, else the default). Collective: refuses a
+    directory another rank on this host also got, and a resumed shard that is not there."""
+    import torch.distributed as dist
+
+    from mtc.dist import groups
+    from mtc.runtime.collectives import collective
+
+    if template is None and is_sharded(last):
+        template = last.meta["shards"].get("template")
+    path = rank_dirs.resolve(template, root, rank_dirs.place_from_env(rank, world_size))
+    seen: list[object] = [None] * world_size
+    collective("the shard directory check", dist.all_gather_object, seen, (socket.gethostname(), os.path.realpath(path)),
+               group=groups().startup)
+    rank_dirs.duplicates(seen, template)
+    if is_sharded(last) and shard_world(last) == world_size and not (path / "commit.json").exists():
+        raise StoreError(rank_dirs.missing_text(rank, path, template, shard_dir(root, last, rank)))
+    return path, template
 
 
 def start_state(root: Path, root_st: TensorStore, program: object, tiers: object, rank: int, world_size: int, last: CommitRecord | None,
@@ -307,12 +430,13 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
     durability = first.durability if last is None else last.durability
     placement = list(tiers.placement)
     rows = None if tiers.disk_chunk_numel == DISK_CHUNK_NUMEL else tiers.disk_chunk_numel  # as `StateTiers.create_arrays`
+    path, template = this_rank_dir(root, first.config.get("rank_dir"), last, rank, world_size)
     if last is not None and is_sharded(last):
         if shard_world(last) != world_size:
             raise StoreError(f"store {root} was last committed at world size {shard_world(last)}, this launch has {world_size} "
                              f"ranks: run `mtc reshard {root} --world-size {world_size}` first (or launch {shard_world(last)} ranks)")
         st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=False,
-                             placement=placement, disk_chunk_rows=rows)
+                             placement=placement, disk_chunk_rows=rows, path=path, template=template)
         try:
             check_shard(root, last, rank, st)
             for s in tiers.layers:
@@ -352,7 +476,7 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             raise
         return st, last
     st = open_rank_store(root, rank, world_size, numels, durability, io_threads=io_threads, fresh=True, placement=placement,
-                         disk_chunk_rows=rows)
+                         disk_chunk_rows=rows, path=path, template=template)
     try:
         if last is not None:  # the single-process layout: each rank reads its range of the full arrays
             tiers.load(root_st, last.generation, durability)
@@ -400,7 +524,12 @@ def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:
 
     ok, lines = True, [f"global commit: step {record.step}, generation {record.generation}, world size {shard_world(record)}"]
     for r in range(shard_world(record)):
-        path = rank_dir(root, r, shard_world(record))
+        path = shard_dir(root, record, r)
+        if not (path / "commit.json").is_file():
+            ok = False
+            lines.append(f"rank {r}: damaged or not visible here: {path} holds no shard store (node-local shards: verify where "
+                         "every rank's directory is mounted at the path the record names)")
+            continue
         try:
             with TensorStore.open(path, read_only=True) as st:
                 report = verify(st)

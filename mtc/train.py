@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -163,7 +164,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
                      "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
-                     "matmul_fusion", "dp_collectives")
+                     "matmul_fusion", "dp_collectives", "rank_dir")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -506,7 +507,14 @@ def train(
         else:
             sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         compile_s = time.perf_counter()
-        compiled = _compile(cfg, program, st, private=not world.is_root)
+        if world.distributed and cfg.fused:  # rank 0 compiles, the others load its kernels (mtc.dp_compile)
+            from mtc.compiler import compile_program
+            from mtc.dp_compile import compile_on_ranks
+
+            compiled = compile_on_ranks(program, Path(store_dir), world.is_root,
+                                        functools.partial(compile_program, matmul_fusion=cfg.matmul_fusion), parts)
+        else:
+            compiled = _compile(cfg, program, st)
         compile_s = time.perf_counter() - compile_s
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -709,20 +717,13 @@ def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: 
     return commit
 
 
-def _compile(cfg: TrainConfig, program: Program, st: TensorStore, *, private: bool = False) -> dict | None:
-    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None.
-    ``private``: a data-parallel rank other than 0 compiles into its own copy of that cache (rank 0
-    may be writing it at the same time)."""
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
+    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
     if not cfg.fused:
         return None
     from mtc.compiler import compile_program
 
     cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
-    if private and st.path is not None:
-        own = Path(tempfile.mkdtemp(prefix="mtc-kernels-rank-"))
-        if cache.is_dir():
-            shutil.copytree(cache, own, dirs_exist_ok=True)
-        cache = own
     return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion)
 
 

@@ -29,6 +29,7 @@ from mtc.errors import ConfigError, PlanError, StoreError
 from mtc.graphs.program import Program
 from mtc.models import model_config
 from mtc.plan import load_plan, save_plan
+from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
 
 __all__ = ["INIT_ATTR", "available_steps", "create_seeded_store", "init_from", "is_seeded", "load_state_dict", "open_seeded",
@@ -194,16 +195,17 @@ def init_from(source: str | Path, store_dir: str | Path, cfg: TrainConfig, *, ov
     with TensorStore.open(src, read_only=True) as st:
         steps = available_steps(st)
         step = max(steps)
-        gen = steps[step]
         program = load_plan(src / "plan")
         shape = {k: st.last_commit().config[k] for k in ("micro_batch_size", "seq_len")}
         seed = seed_config(want["model"], want["model_overrides"], **shape)
+        # a data-parallel source run's weights are assembled from its shard stores
+        with StateReader(src, _record_of(st, step, steps[step]), root_store=st, what="--init-from") as reader:
 
-        def fill(layer: int, flat: torch.Tensor) -> None:
-            st.read_into(state_array_name(layer, "master", gen), flat)
+            def fill(layer: int, flat: torch.Tensor) -> None:
+                reader.read_into(layer, "master", flat)
 
-        create_seeded_store(dst, seed, program, fill, {"kind": "run", "source": str(src), "step": step},
-                            overwrite=overwrite, io_threads=cfg.io_threads)
+            create_seeded_store(dst, seed, program, fill, {"kind": "run", "source": str(src), "step": step},
+                                overwrite=overwrite, io_threads=cfg.io_threads)
 
 
 # -- reading weights back ----------------------------------------------------------------------
@@ -219,6 +221,10 @@ def available_steps(st: TensorStore) -> dict[int, int]:
     last = st.last_commit()
     if last is None:
         raise StoreError(f"store {st.path} has no commit: no weights to read")
+    if is_sharded(last):  # a data-parallel run: its run directory holds no state, its shard stores do
+        from mtc.weight_sources import committed_steps
+
+        return {s.step: s.generation for s in reversed(committed_steps(st))} if last.durability != "none" else {}
     out: dict[int, int] = {}
     history = [r for r in st.commit_history() if r.step < last.step and r.generation != last.generation]
     if history and history[-1].durability != "none":
@@ -268,9 +274,18 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
     its lock, so it works beside a running trainer. Holds the whole model in host memory: for
     models larger than RAM, use `mtc.export_hf` (streamed) instead.
     """
-    from mtc.runtime.state import read_params
-
     with TensorStore.open(run, read_only=True) as st:
-        _step, gen = resolve_step(st, step)
+        step, gen = resolve_step(st, step)
         program = load_plan(Path(run) / "plan")
-        return dict(read_params(program, st, gen))
+        out: dict[str, torch.Tensor] = {}
+        with StateReader(Path(run), _record_of(st, step, gen), root_store=st, what="load_state_dict") as reader:
+            for layer in range(program.n_layers):
+                if program.layer_numel(layer):
+                    flat = reader.read(layer, "master", program.layer_numel(layer))
+                    out.update({p.key: flat[p.offset : p.offset + p.numel].view(p.spec.shape) for p in program.layer_params(layer)})
+        return out
+
+
+def _record_of(st: TensorStore, step: int, generation: int) -> CommitRecord:
+    """The newest commit record of ``step`` in ``generation`` (where a data-parallel run's shards are named)."""
+    return next((r for r in reversed(st.commit_history()) if r.step == step and r.generation == generation), st.last_commit())

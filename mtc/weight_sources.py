@@ -11,6 +11,11 @@ Which steps a store can serve (`committed_steps`): always its last commit; also 
 (the other state generation) when no write into that generation started since. Training records
 each start of a write into the store in ``logs/writes.jsonl`` (fsynced before the write begins,
 `record_write_start`), so a generation torn by a crash mid-commit is never offered.
+
+A data-parallel run's store holds no state itself: its commit records name per-rank shard stores
+(`mtc.shards`), and `StoreWeights` given the step's record assembles each layer from them. The
+previous commit is offered only when it has the same layout as the last (a reshard in between
+moved the state).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
 from mtc.runtime.tiers import StateTiers
+from mtc.shards import StateReader, is_sharded
 from mtc.store import CommitRecord, TensorStore, state_array_name
 
 __all__ = ["CommittedStep", "StoreWeights", "TierWeights", "committed_steps", "pick_step", "record_write_start",
@@ -84,11 +90,21 @@ def committed_steps(store: TensorStore) -> list[CommittedStep]:
     starts = _write_starts(store.path)
     if prev is None or prev.generation == last.generation or prev.durability == "none" or starts is None:
         return out
+    if _layout(prev) != _layout(last):  # resharded since: the previous layout's state is gone or stale
+        return out
     # any write into the previous commit's generation for a later step (a commit cut short, or a
     # disk layer written without a commit) may have overwritten part of it
     if any(s.get("generation") == prev.generation and s.get("step", 0) > prev.step for s in starts):
         return out
     return out + [CommittedStep(prev.step, prev.generation, prev, False)]
+
+
+def _layout(record: CommitRecord) -> object:
+    """Where a record's state lies: None (the run directory), else the shard stores' world size and directories."""
+    shards = record.meta.get("shards")
+    if not isinstance(shards, dict):
+        return None
+    return shards.get("world_size"), [e.get("dir") for e in shards.get("ranks", [])]
 
 
 def pick_step(store: TensorStore, step: int | None) -> CommittedStep:
@@ -118,8 +134,15 @@ class StoreWeights:
     """
 
     def __init__(self, program: Program, store: TensorStore, generation: int, *, device: torch.device | str,
-                 dtype: torch.dtype, device_budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> None:
+                 dtype: torch.dtype, device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 record: CommitRecord | None = None) -> None:
         self.program, self.store, self.generation = program, store, generation
+        # a data-parallel run's step (``record``, of ``generation``): its layers come from the shard stores
+        self._shards = None
+        if is_sharded(record):
+            if record.generation != generation:
+                raise ValueError(f"record of generation {record.generation} given for generation {generation}")
+            self._shards = StateReader(store.path, record, what="reading a data-parallel run's weights")
         self.device, self.dtype = torch.device(device), dtype
         self.device_budget, self.host_budget = device_budget_bytes, host_budget_bytes
         self._device: dict[int, torch.Tensor] = {}
@@ -133,7 +156,10 @@ class StoreWeights:
 
     def _load_host(self, owner: int) -> torch.Tensor:
         self.reads += 1
-        flat = self.store.read(state_array_name(owner, "master", self.generation))
+        if self._shards is not None:
+            flat = self._shards.read(owner, "master", self.program.layer_numel(owner))
+        else:
+            flat = self.store.read(state_array_name(owner, "master", self.generation))
         return flat if self.dtype == torch.float32 else flat.to(self.dtype)
 
     def _owner(self, owner: int) -> torch.Tensor:
@@ -177,8 +203,10 @@ class StoreWeights:
         return sorted(self._device)
 
     def close(self) -> None:
-        """Stop the reader thread."""
+        """Stop the reader thread (and close the shard stores)."""
         self._pool.shutdown(wait=True)
+        if self._shards is not None:
+            self._shards.close()
 
 
 # -- weights from a training run's tiers --------------------------------------------------------

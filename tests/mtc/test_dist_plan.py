@@ -266,8 +266,9 @@ def test_bench_world_size_commands_and_metrics(tmp_path):
             {"setting": "torchrun-2", "error": "no engine"}]
     assert dp.ratios(runs, 2) == {"torchrun_1_over_plain": 0.99, "goal_torchrun_1_over_plain": 0.98,
                                   "torchrun_2_per_rank_over_plain": None}
-    best = dp.best_round([{"tokens_per_s_per_rank": 5.0, "median_step_s": 2.0}, {"tokens_per_s_per_rank": 8.0, "median_step_s": 1.0}])
-    assert best["median_step_s"] == 1.0 and best["rounds_median_step_s"] == [2.0, 1.0]
+    mid = dp.median_round([{"tokens_per_s_per_rank": 5.0, "tokens_per_s": 5.0, "median_step_s": 2.0}, {"error": "x"},
+                           {"tokens_per_s_per_rank": 8.0, "tokens_per_s": 8.0, "median_step_s": 1.0}])
+    assert mid["median_step_s"] == 1.5 and mid["tokens_per_s_per_rank"] == 6.5 and mid["rounds_median_step_s"] == [2.0, None, 1.0]
     import importlib.util
 
     assert (dp.dist_engine_missing() is None) == (importlib.util.find_spec("mtc.dist") is not None)
