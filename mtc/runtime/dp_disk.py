@@ -28,8 +28,6 @@ chunk each, whatever the depth.
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -37,8 +35,7 @@ import torch
 
 from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import adamw_flat_
-from mtc.runtime.optimizer import _release_after_reads, _wait_all, _when_all
-from mtc.store import state_array_name
+from mtc.runtime.optimizer import update_disk_chunks
 
 if TYPE_CHECKING:
     from mtc.runtime.collectives import DataParallel
@@ -96,62 +93,21 @@ class DiskShards:
         if not self.layers.get(i):  # an empty shard: nothing to read, update or write
             written.set_result(None)
             return
-        ring = self.ring
-        try:
-            chunks: list[Future | None] = list(ring.take(i))
-        except BaseException as e:
-            written.set_exception(e)
-            raise
-        left = [len(chunks)]
-        lock = threading.Lock()
-        errors: list[BaseException] = []
-        t0 = time.perf_counter()
         per = -(-s.numel // self.world_size)
         base = self.rank * per  # this rank's range of the padded compute copy
         grad = dp._gshard[i]
 
-        def chunk_done(st: object | None, error: BaseException | None) -> None:
-            with lock:
-                if error is not None:
-                    errors.append(error)
-                left[0] -= 1
-                last = left[0] == 0
-            if st is not None:
-                ring.release(st)
-            if last:
-                opt.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
-                if errors:
-                    written.set_exception(errors[0])
-                else:
-                    written.set_result(None)
+        def update(_set: object, c_lo: int, c_hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            if skip:  # a skipped step only carries the state over into the next generation
+                return
+            with opt.timeline.span("update", i, step=tstep):
+                # element-wise: a chunk of the shard is updated as the whole layer would be
+                decay = min(max(s.decay_numel - lo - c_lo, 0), c_hi - c_lo)
+                adamw_flat_(master, grad[c_lo:c_hi], m, v, grad_scale=coef, pool=opt._chunks, impl=opt.host_impl,
+                            compute_out=s.compute[base + c_lo : base + c_hi], **dict(hp, decay_numel=decay), **opt._hyper())
 
-        try:
-            _wait_all(opt.timeline, i, deps, tstep)  # the last H2D read of its compute copy
-            for k, cf in enumerate(chunks):
-                with opt.timeline.span("disk_read_wait", i, step=tstep):
-                    st, c_lo, c_hi, reads = cf.result()
-                    for f in reads:
-                        f.result()
-                n = c_hi - c_lo
-                master, m, v = st.views(n)
-                if not skip:  # a skipped step only carries the state over into the next generation
-                    with opt.timeline.span("update", i, step=tstep):
-                        # element-wise: a chunk of the shard is updated as the whole layer would be
-                        decay = min(max(s.decay_numel - lo - c_lo, 0), n)
-                        adamw_flat_(master, grad[c_lo:c_hi], m, v, grad_scale=coef, pool=opt._chunks, impl=opt.host_impl,
-                                    compute_out=s.compute[base + c_lo : base + c_hi], **dict(hp, decay_numel=decay),
-                                    **opt._hyper())
-                prev_commit.result()  # never overwrite the generation the last global commit names
-                futs = [self.store.write_rows_async(state_array_name(i, kind, w_gen), c_lo, t, in_place=True)
-                        for kind, t in zip(_KINDS, (master, m, v), strict=True)]
-                _when_all(futs, lambda err, st=st: chunk_done(st, err))
-                chunks[k] = None  # taken: an error from here on must not count it twice
-        except BaseException as e:
-            for cf in chunks:  # the chunks not reached: their sets go back once their reads end
-                if cf is not None:
-                    cf.add_done_callback(lambda f: _release_after_reads(ring, f))
-                    chunk_done(None, e)
-            raise
+        update_disk_chunks(self.ring, self.store, i, update, deps=deps, w_gen=w_gen, prev_commit=prev_commit,
+                           timeline=opt.timeline, tstep=tstep, written=written)
 
     def _all_gather(self, dp: DataParallel, i: int, upd: Future[None]) -> None:
         """Every rank's updated range of layer ``i``'s compute copy, into every rank's copy."""

@@ -257,67 +257,28 @@ class StreamingAdamW:
         goes back to the ring as soon as its chunk is)."""
         s = self.tiers[i]
         assert self.disk is not None
-        try:
-            chunks: list[Future | None] = list(self.disk.take(i))
-        except BaseException as e:
-            written.set_exception(e)
-            raise
-        left = [len(chunks)]
-        lock = threading.Lock()
-        errors: list[BaseException] = []
-        t0 = time.perf_counter()
 
-        def chunk_done(st: object | None, error: BaseException | None) -> None:
-            with lock:
-                if error is not None:
-                    errors.append(error)
-                left[0] -= 1
-                last = left[0] == 0
-            if st is not None:
-                self.disk.release(st)
-            if last:
-                self.timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
-                if errors:
-                    written.set_exception(errors[0])
-                else:
-                    written.set_result(None)
+        def update(st: object, lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            n = hi - lo
+            if s.grad is None:  # spilled: the read-ahead brought it back with the state
+                assert st.grad is not None
+                grad = st.grad[:n]
+            elif s.grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
+                assert st.grad is not None
+                tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h")
+                tr.wait()
+                grad = st.grad[:n]
+            else:
+                grad = s.grad[lo:hi]
+            if not skip:  # a skipped step only carries the state over into the next generation
+                with self.timeline.span("update", i, step=tstep):
+                    # AdamW is element-wise: a chunk's result is the whole layer's, bit for bit
+                    adamw_flat_(master, grad, m, v, grad_scale=coef, pool=self._chunks, impl=self.host_impl,
+                                compute_out=s.compute[lo:hi] if s.compute is not None else None,
+                                **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)), **self._hyper())
 
-        try:
-            _wait_all(self.timeline, i, deps, tstep)  # the last H2D read of its compute copy
-            for k, cf in enumerate(chunks):
-                with self.timeline.span("disk_read_wait", i, step=tstep):
-                    st, lo, hi, reads = cf.result()
-                    for f in reads:
-                        f.result()
-                n = hi - lo
-                master, m, v = st.views(n)
-                if s.grad is None:  # spilled: the read-ahead brought it back with the state
-                    assert st.grad is not None
-                    grad = st.grad[:n]
-                elif s.grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
-                    assert st.grad is not None
-                    tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h")
-                    tr.wait()
-                    grad = st.grad[:n]
-                else:
-                    grad = s.grad[lo:hi]
-                if not skip:  # a skipped step only carries the state over into the next generation
-                    with self.timeline.span("update", i, step=tstep):
-                        # AdamW is element-wise: a chunk's result is the whole layer's, bit for bit
-                        adamw_flat_(master, grad, m, v, grad_scale=coef, pool=self._chunks, impl=self.host_impl,
-                                    compute_out=s.compute[lo:hi] if s.compute is not None else None,
-                                    **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)), **self._hyper())
-                prev_commit.result()  # never overwrite the generation the last durable commit names
-                futs = [self.store.write_rows_async(state_array_name(i, kind, w_gen), lo, t, in_place=True)  # no commit names w_gen
-                        for kind, t in zip(("master", "m", "v"), (master, m, v), strict=True)]
-                _when_all(futs, lambda err, st=st: chunk_done(st, err))
-                chunks[k] = None  # taken: an error from here on must not count it twice
-        except BaseException as e:
-            for cf in chunks:  # the chunks not reached: their sets go back once their reads end
-                if cf is not None:
-                    cf.add_done_callback(lambda f: _release_after_reads(self.disk, f))
-                    chunk_done(None, e)
-            raise
+        update_disk_chunks(self.disk, self.store, i, update, deps=deps, w_gen=w_gen, prev_commit=prev_commit,
+                           timeline=self.timeline, tstep=tstep, written=written)
 
     def _update_on_device(self, i: int, coef: torch.Tensor | None, hp: dict) -> None:
         s = self.tiers[i]
@@ -426,6 +387,63 @@ def _when_all(futs: list[Future[None]], then: Callable[[BaseException | None], N
 
     for f in futs:
         f.add_done_callback(one)
+
+
+def update_disk_chunks(ring: DiskRing, store: TensorStore, i: int,
+                       update: Callable[[object, int, int, torch.Tensor, torch.Tensor, torch.Tensor], None], *, deps: tuple,
+                       w_gen: int, prev_commit: Future[None], timeline: Timeline, tstep: int, written: Future[None]) -> None:
+    """Disk layer ``i``'s update, chunk by chunk in the read-ahead sets of ``ring`` (one process's
+    whole layer, or a data-parallel rank's shard: `mtc.runtime.dp_disk`): once ``deps`` are done,
+    each chunk's rows ``[lo, hi)`` are read, ``update(set, lo, hi, master, m, v)`` updates them in
+    place, and they are written behind into generation ``w_gen`` of ``store`` (after the last
+    commit, ``prev_commit``, has landed: it may name only the other generation); each set goes
+    back to the ring once its chunk is written, and ``written`` completes once the whole new state
+    is durable (or with the first error)."""
+    try:
+        chunks: list[Future | None] = list(ring.take(i))
+    except BaseException as e:
+        written.set_exception(e)
+        raise
+    left = [len(chunks)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    t0 = time.perf_counter()
+
+    def chunk_done(st: object | None, error: BaseException | None) -> None:
+        with lock:
+            if error is not None:
+                errors.append(error)
+            left[0] -= 1
+            last = left[0] == 0
+        if st is not None:
+            ring.release(st)
+        if last:
+            timeline.add("write_behind", i, t0, time.perf_counter(), step=tstep)
+            if errors:
+                written.set_exception(errors[0])
+            else:
+                written.set_result(None)
+
+    try:
+        _wait_all(timeline, i, deps, tstep)  # the last H2D read of its compute copy
+        for k, cf in enumerate(chunks):
+            with timeline.span("disk_read_wait", i, step=tstep):
+                st, lo, hi, reads = cf.result()
+                for f in reads:
+                    f.result()
+            master, m, v = st.views(hi - lo)
+            update(st, lo, hi, master, m, v)
+            prev_commit.result()  # never overwrite the generation the last durable commit names
+            futs = [store.write_rows_async(state_array_name(i, kind, w_gen), lo, t, in_place=True)  # no commit names w_gen
+                    for kind, t in zip(("master", "m", "v"), (master, m, v), strict=True)]
+            _when_all(futs, lambda err, st=st: chunk_done(st, err))
+            chunks[k] = None  # taken: an error from here on must not count it twice
+    except BaseException as e:
+        for cf in chunks:  # the chunks not reached: their sets go back once their reads end
+            if cf is not None:
+                cf.add_done_callback(lambda f: _release_after_reads(ring, f))
+                chunk_done(None, e)
+        raise
 
 
 def _release_after_reads(ring: DiskRing, chunk: Future) -> None:

@@ -230,6 +230,20 @@ def runs(tmp_path_factory):
     return d, tokens, cfg_file
 
 
+def _assert_same_export(store: Path, ref: Path, tmp_path: Path) -> None:
+    """`mtc export` of ``store`` (any layout) equals the export of the single-process run ``ref`` to 1e-5."""
+    from safetensors.torch import load_file
+
+    from mtc.hf import export_hf
+
+    export_hf(store, tmp_path / "hf2")
+    export_hf(ref, tmp_path / "hf1")
+    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+
 def _assert_close(got: Path, ref: Path) -> None:
     (a, la, na), (b, lb, nb) = _state(got), _state(ref)
     assert max(na) > _config().optim.clip_norm  # clipping took part
@@ -273,9 +287,7 @@ def test_a_missing_or_stale_shard_is_a_one_line_error(runs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_reshard_2_3_1_keeps_the_state_bit_identical_and_export_matches(runs, tmp_path):
-    from safetensors.torch import load_file
 
-    from mtc.hf import export_hf
 
     d, _, _ = runs
     store = tmp_path / "re"
@@ -292,12 +304,7 @@ def test_reshard_2_3_1_keeps_the_state_bit_identical_and_export_matches(runs, tm
     assert all(torch.equal(before[k], mid[k]) and torch.equal(before[k], after[k]) for k in before)
     assert main(["verify", str(store)]) == 0
     # export of the sharded run's store equals export of the single-process run's store
-    export_hf(d / "w2", tmp_path / "hf2")
-    export_hf(d / "ref", tmp_path / "hf1")
-    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
-    assert a.keys() == b.keys()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+    _assert_same_export(d / "w2", d / "ref", tmp_path)
 
 
 @pytest.mark.slow

@@ -19,19 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 from mtc.store import LAYOUT_ATTR, TensorStore
-from safetensors.torch import load_file
 
 from mtc import dist, shards
 from mtc.cli import main
 from mtc.data import TokenFile
 from mtc.dist_plan import check_fit_ranks
 from mtc.errors import ConfigError
-from mtc.hf import export_hf
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
 from mtc.runtime.dp_placement import dp_auto_placement, rank_host_bytes
 from mtc.train import train
-from tests.mtc.test_data_parallel import ROOT, STEPS, _config, _env, _free_port, _state, _train_args
+from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_same_export, _config, _env, _free_port, _state, _train_args
 from tests.runtime.engine_util import skewed_tokens
 
 CHUNK = 4096  # elements per disk chunk in the ranks (a block's shard is several of them)
@@ -150,12 +148,7 @@ def test_reshard_of_a_disk_tier_store_keeps_the_state_bit_identical(runs, tmp_pa
     with TensorStore.open(store, read_only=True) as st:  # one process sees the disk layers' full state and placement
         assert st.attributes()[LAYOUT_ATTR]["placement"] == ["ram", "ram", "disk", "disk"]
     # export of the disk-tier store equals the single-process run's export
-    export_hf(store, tmp_path / "hf2")
-    export_hf(d / "ref", tmp_path / "hf1")
-    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
-    assert a.keys() == b.keys()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+    _assert_same_export(store, d / "ref", tmp_path)
     # the single-process layout opened by 2 ranks again (each copies its disk shards out of the full
     # arrays), one more step: as the reference run continued
     more = tmp_path / "more.json"

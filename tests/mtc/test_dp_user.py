@@ -25,7 +25,7 @@ from mtc.errors import ConfigError, StoreError
 from mtc.evaluate import evaluate_store
 from mtc.train import train
 from mtc.warmstart import init_from, load_state_dict
-from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_close, _config, _env, _free_port, _state, _train_args
+from tests.mtc.test_data_parallel import ROOT, STEPS, _assert_close, _assert_same_export, _config, _env, _free_port, _state, _train_args
 from tests.runtime.engine_util import skewed_tokens, small_config
 
 # -- templates (fast) ---------------------------------------------------------------------------
@@ -226,9 +226,7 @@ def test_shards_that_are_not_visible_are_one_line_errors(runs, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_reshard_with_a_rank_dir_then_to_one_process_keeps_the_state_and_exports(runs, tmp_path):
-    from safetensors.torch import load_file
 
-    from mtc.hf import export_hf
 
     d, _, template, _ = runs
     store = d / "w2"  # the last test of the module: it rewrites the run's layout
@@ -247,12 +245,7 @@ def test_reshard_with_a_rank_dir_then_to_one_process_keeps_the_state_and_exports
     assert main(["reshard", str(store), "--world-size", "1"]) == 0
     after, _, _ = _state(store)
     assert all(torch.equal(before[k], mid[k]) and torch.equal(before[k], after[k]) for k in before)
-    export_hf(store, tmp_path / "hf2")
-    export_hf(d / "ref", tmp_path / "hf1")
-    a, b = load_file(next((tmp_path / "hf2").glob("*.safetensors"))), load_file(next((tmp_path / "hf1").glob("*.safetensors")))
-    assert a.keys() == b.keys()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+    _assert_same_export(store, d / "ref", tmp_path)
 
 
 # -- a compiled (fused) plan on two ranks (Triton's interpreter: slow) --------------------------
