@@ -17,6 +17,20 @@ from tests.runtime.engine_util import skewed_tokens, small_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _popen(*args: object, **kw: object) -> subprocess.Popen:
+    """`subprocess.Popen` whose child gets SIGINT as an interactive shell leaves it. A test runner
+    started in the background by a non-interactive shell ignores SIGINT, an ignored signal stays
+    ignored across exec, and Python then installs no KeyboardInterrupt handler: Ctrl-C would do
+    nothing. Pytest runs tests on the main thread, where the handler may be set for the launch."""
+    old = signal.getsignal(signal.SIGINT)
+    if old == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a Python handler: the child starts with the default
+    try:
+        return subprocess.Popen(*args, **kw)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
 def test_signal_stops_with_exit_code_and_names_the_last_commit(tmp_path, sig, code, word):
     tokens = skewed_tokens(tmp_path / "tok.bin")
@@ -24,7 +38,7 @@ def test_signal_stops_with_exit_code_and_names_the_last_commit(tmp_path, sig, co
     cfg.write_text(json.dumps(small_config(steps=400, commit_every=2).to_dict()))
     store = tmp_path / "s"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "mtc", "train", "--config", str(cfg), "--store", str(store),
+    proc = _popen([sys.executable, "-m", "mtc", "train", "--config", str(cfg), "--store", str(store),
                              "--data", str(tokens.path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -63,7 +77,7 @@ def test_ctrl_c_during_a_slow_commit_says_it_finishes_it(tmp_path):
         "runpy.run_module('mtc', run_name='__main__')\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(slow), "train", "--config", str(cfg), "--store", str(store),
+    proc = _popen([sys.executable, str(slow), "train", "--config", str(cfg), "--store", str(store),
                              "--data", str(tokens.path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
