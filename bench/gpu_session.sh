@@ -8,6 +8,8 @@
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
 #                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
+#   dp             bench_train --world-size 1: the plain run vs torchrun at one rank (issue 13's 2 %
+#                  bound), interleaved rounds, P3's shape; not in the defaults
 #   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
 #                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
@@ -52,6 +54,11 @@ for p in "${parts[@]}"; do
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+    dp)
+      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      limit=$(( left - 20 < 480 ? left - 20 : 480 ))
+      timeout "$left" python3 bench/bench_train.py --world-size 1 --repeats "${DP_REPEATS:-3}" --time-limit-s "$limit" \
+        ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     fusion)
       if [ "$left" -lt 120 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       timeout "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
@@ -60,5 +67,5 @@ for p in "${parts[@]}"; do
       timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
   esac
 done
-tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json bench_disk_tier-*.json 2>/dev/null | head -30) 2>/dev/null
+tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json bench_train-DP*.json bench_disk_tier-*.json 2>/dev/null | head -30) 2>/dev/null
 exit 0
