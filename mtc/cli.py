@@ -714,8 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=1, metavar="K", help="hosts the N ranks are spread over (default 1)")
     pl.add_argument("--dp-model", choices=["engine", "host", "design"], default="engine",
                     help="with --world-size: model the data-parallel engine as built (default: NCCL collectives on the GPUs, "
-                         "gpu and ram tiers, a store per rank), with --dp-collectives host (gloo in host memory, ram tier only), "
-                         "or issue 13's whole design (every tier)")
+                         "gpu, ram and disk tiers, a store per rank), with --dp-collectives host (gloo in host memory, ram and "
+                         "disk tiers), or issue 13's whole design (every tier)")
     pl.set_defaults(fn=_cmd_plan)
 
     ca = sub.add_parser("calibrate", help="measure this machine (copies, disk, CPU AdamW, matmul; ~10-30 s) into a profile for `mtc plan`")
