@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mtc.errors import MTCError
-from mtc.runtime.device_comm import CommTransfer, DeviceComm
+from mtc.runtime.device_comm import CommTransfer, DeviceComm, tensor_collectives
 from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import StepStats, _device_adamw, _done, _wait_all, _when_all
 from mtc.runtime.tiers import state_kinds
@@ -106,19 +106,6 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
     return min(rank * per, numel), min((rank + 1) * per, numel), per
 
 
-def _reduce_scatter_fn(dist: object, group: object) -> Callable | None:
-    """torch's reduce-scatter when this build's gloo has it (probed once, alike on every rank), else None."""
-    fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-    if fn is None:
-        return None
-    n = dist.get_world_size(group)
-    try:
-        fn(torch.empty(1), torch.zeros(n), group=group)
-    except (RuntimeError, NotImplementedError):  # "not supported" by this backend: all-reduce instead
-        return None
-    return fn
-
-
 class DataParallel:
     """The collectives of one rank: the comm thread, gradient reductions, sharded updates.
 
@@ -147,7 +134,7 @@ class DataParallel:
         if self.dev is not None:
             self._init_device()
             return
-        self._scatter = _reduce_scatter_fn(dist, comm_group)
+        self._scatter = tensor_collectives(dist, probe_group=comm_group)[0]  # None: all-reduce instead
         # reduce-scatter needs world equal parts: the gradient buffer is padded to world * shard
         # size (the executor sees its first numel elements), and this rank's summed shard lands in
         # a buffer of its own

@@ -29,8 +29,31 @@ import torch
 
 from mtc.runtime.transfer import Marker, Transfer
 
-__all__ = ["CommTransfer", "DeviceComm"]
+__all__ = ["CommTransfer", "DeviceComm", "tensor_collectives"]
 
+
+
+# torch 2.13 renamed the flat-tensor collectives (*_single); the old names remain, deprecated
+_NAMES = (("reduce_scatter_single", "reduce_scatter_tensor"), ("all_gather_single", "all_gather_into_tensor"))
+
+
+def tensor_collectives(dist: object, *, probe_group: object = None) -> tuple[Callable | None, Callable | None]:
+    """torch's flat-tensor (reduce-scatter, all-gather), each None where this torch lacks it or,
+    with ``probe_group``, where a one-element call on that group fails: gloo builds without them
+    raise "not supported" (RuntimeError / NotImplementedError), and the caller then uses
+    all-reduce / a list all-gather. The probe is itself a collective: every rank calls it alike."""
+    fns = [next((getattr(dist, a) for a in pair if hasattr(dist, a)), None) for pair in _NAMES]
+    if probe_group is None:
+        return fns[0], fns[1]
+    n, found = dist.get_world_size(probe_group), []
+    for fn, out, inp in ((fns[0], torch.empty(1), torch.zeros(n)), (fns[1], torch.empty(n), torch.zeros(1))):
+        try:
+            if fn is not None:
+                fn(out, inp, group=probe_group)
+        except (RuntimeError, NotImplementedError):  # a backend without it: the caller's fallback runs
+            fn = None
+        found.append(fn)
+    return found[0], found[1]
 
 class CommTransfer(Transfer):
     """Work the comm thread will enqueue: ``future`` resolves to the CUDA event recorded after it
@@ -79,22 +102,10 @@ class DeviceComm:
 
     def _probe(self) -> tuple[Callable | None, Callable | None]:
         """reduce_scatter_tensor / all_gather_into_tensor where the backend has them (NCCL does;
-        gloo in recent torch; probed once, alike on every rank), else None: all-reduce / all-gather
-        of a list instead."""
-        # torch 2.13 renamed them (*_single); the old names remain, deprecated
-        names = (("reduce_scatter_single", "reduce_scatter_tensor"), ("all_gather_single", "all_gather_into_tensor"))
-        fns = [next((getattr(self.dist, a) for a in pair if hasattr(self.dist, a)), None) for pair in names]
+        gloo in recent torch), else None: all-reduce / all-gather of a list instead."""
         if self.nccl:
-            return fns[0], fns[1]
-        n, found = self.world_size, []
-        for fn, out, inp in ((fns[0], torch.empty(1), torch.zeros(n)), (fns[1], torch.empty(n), torch.zeros(1))):
-            try:
-                if fn is not None:
-                    fn(out, inp, group=self.group)
-            except (RuntimeError, NotImplementedError):  # "not supported" by this build's gloo
-                fn = None
-            found.append(fn)
-        return found[0], found[1]
+            return tensor_collectives(self.dist)
+        return tensor_collectives(self.dist, probe_group=self.group)
 
     def bind_thread(self) -> None:
         """Make this (the comm) thread's current CUDA device the rank's: the CUDA runtime keeps
