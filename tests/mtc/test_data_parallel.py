@@ -28,8 +28,7 @@ from mtc.errors import ConfigError, StoreError
 from mtc.plan import load_plan
 from mtc.runtime.collectives import shard_range
 from mtc.runtime.tiers import StateTiers
-from mtc.tracer import trace
-from mtc.train import build_model, train
+from mtc.train import train
 from tests.runtime.engine_util import skewed_tokens, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,12 +123,6 @@ def test_launch_checks_are_one_line_errors_before_anything_is_written(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("mtc: error: config field grad_accum")
     assert not (tmp_path / "s").exists()
-
-
-@pytest.fixture(scope="module")
-def program():
-    cfg = _config()
-    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
 
 
 def test_placement_check_refuses_tiers_that_are_not_sharded(program):

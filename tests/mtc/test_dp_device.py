@@ -43,15 +43,6 @@ def _wait(procs: list[subprocess.Popen]) -> None:
 # -- placement and backend choice (fast) --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def program():
-    from mtc.tracer import trace
-    from mtc.train import build_model
-
-    cfg = _config()
-    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
-
-
 def test_device_collectives_choice():
     assert dist.device_collectives(_config(dp_collectives="device"))  # the CPU device: gloo on its tensors
     assert not dist.device_collectives(_config(dp_collectives="auto"))  # CPU: the host path

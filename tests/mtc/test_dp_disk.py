@@ -169,15 +169,6 @@ def test_reshard_of_a_disk_tier_store_keeps_the_state_bit_identical(runs, tmp_pa
 # -- placement and fit checks (fast) -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def program():
-    from mtc.tracer import trace
-    from mtc.train import build_model
-
-    cfg = _config()
-    return trace(build_model(cfg), cfg.micro_batch_size, cfg.seq_len)
-
-
 def test_data_parallel_placement_allows_disk_and_refuses_what_is_not_sharded(program):
     w2 = dist.World(1, 2, 1, 2)
     n = program.n_layers
