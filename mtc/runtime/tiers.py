@@ -93,8 +93,11 @@ class StateTiers:
         if disk_compute not in DISK_COMPUTE:
             raise ValueError(f"disk_compute must be one of {DISK_COMPUTE}, got {disk_compute!r}")
         self.disk_compute = disk_compute
+        # > 1 ranks: layers keep only this rank's shard of master, m, v (also at world size 1 when the
+        # data-parallel engine is forced there: `mtc.dist.World.force`)
+        self.sharded = world_size > 1 if sharded is None else sharded
         # data parallel: a disk layer's gradient is reduced over the ranks from a host buffer, never spilled
-        self.spill_grads = spill_grads and any(t == "disk" for t in placement) and not (world_size > 1 or sharded)
+        self.spill_grads = spill_grads and any(t == "disk" for t in placement) and not self.sharded
         self.spill: GradSpill | None = None  # set by `create_arrays` when spilling
         self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
         self.disk_generation = 0  # the generation holding disk layers' newest state (the optimizer flips it)
@@ -102,9 +105,7 @@ class StateTiers:
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
-        self.rank, self.world_size = rank, world_size  # > 1: ram layers keep only this rank's shard of master, m, v
-        # (also at world size 1 when the data-parallel engine is forced there: `mtc.dist.World.force`)
-        self.sharded = world_size > 1 if sharded is None else sharded
+        self.rank, self.world_size = rank, world_size
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
