@@ -55,16 +55,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hostmem
-from common import median, write_record
+from common import LLAMA, P1_SHAPE, median, write_record
 from mtc.store.diskbench import MODES, compare_throughput
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import write_token_file
 
-LLAMA = "8b"  # base preset; every shape field is overridden
 SHAPES = {
-    "4.6b": {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20, "vocab_size": 32000},
-    "2.3b": {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 9, "vocab_size": 32000},
+    "4.6b": dict(P1_SHAPE),
+    "2.3b": {**P1_SHAPE, "n_layers": 9},
     # 48 narrow layers: the largest layer is 1/48 of the model (at h=4096, 2.3B has 9 blocks of 218M
     # parameters; its fixed buffers are one 4M-element update chunk per ring set, not a whole layer)
     "smoke": {"dim": 512, "ffn_dim": 1408, "n_heads": 8, "n_kv_heads": 4, "n_layers": 48, "vocab_size": 256, "max_seq_len": 256},

@@ -13,6 +13,13 @@ record per architecture and part.
     python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
     python bench/bench_fusion.py --arch qwen2 gpt2 --part block
     python bench/bench_fusion.py --smoke         # CPU: tiny shapes, fp32, Triton interpreter (correctness, not speed)
+    python bench/bench_fusion.py --part model --shape 4.6b   # the whole-model line (bench/model_stack.py)
+
+The model part is the whole-model line: a Llama preset's full layer stack (bench_train's 1.5B P3
+and 4.6B P1 shapes, 16 x 1024 tokens per step), one training step's compute through the engine's
+own executor with all weights resident (no streaming, no optimizer): unfused vs mtc fused vs mtc
+fused replayed as CUDA graphs vs torch.compile of the same templates, ms per step and model
+TFLOP/s, every variant checked against the first on loss and per-layer gradient norms.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_stack
 from common import write_record
 from mtc.kernels.matmul_fusion import CHOICES
 
@@ -255,12 +263,50 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     return rec
 
 
+def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: int) -> None:
+    """The whole-model line: each stack's step, every variant, one record per stack."""
+    shapes = ["smoke"] if a.smoke else (a.shape or ["1.5b", "4.6b"])
+    variants = [v for v in model_stack.VARIANTS if v != "torch_compile" or not a.no_torch_compile]
+    for shape in shapes:
+        rec = model_stack.run_model(shape, device, seqs=a.model_seqs or (4 if a.smoke else 16),
+                                    micro_batch=a.model_micro_batch or (2 if a.smoke else 8),
+                                    seq_len=a.model_seq_len or (16 if a.smoke else 1024),
+                                    warmup=warmup, reps=reps, variants=variants)
+        r = rec["results"]
+        line = f"model/{shape:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
+        if "fused_speedup_vs_unfused" in rec:
+            line += f": fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x"
+        if "fused_speedup_vs_torch_compile" in rec:
+            line += f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x"
+        if "graph_speedup_vs_torch_compile" in rec:
+            line += f"; replayed vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
+        print(line)
+        for v, x in r.items():
+            extra = [f"plan compile {x['plan_compile_s']:.1f} s"] if "plan_compile_s" in x else []
+            if "loss_rel_diff_vs_reference" in x:
+                extra.append(f"vs {rec['reference_variant']}: loss {x['loss_rel_diff_vs_reference']:.1e}, "
+                             f"grad norms {x['max_rel_grad_norm_diff_vs_reference']:.1e}")
+            if "cuda_graph" in x:
+                cg = x["cuda_graph"]
+                extra.append(f"{cg['captured']} graphs, capture {cg['capture_s']:.2f} s, pool {cg['pool_bytes'] / 2**20:.0f} MiB"
+                             + (f", FELL BACK: {cg['fallbacks']}" if cg["fallbacks"] else ""))
+            if extra:
+                print(f"model/{shape:5s} {v:16s} " + "; ".join(extra))
+        print(f"record: {write_record('bench_fusion-model' + ('-smoke' if a.smoke else ''), rec)}")
+
+
 def main() -> None:
     """Parse, run each architecture, print a table, write JSON records."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", nargs="+", default=["llama", "qwen2", "gpt2"], choices=list(REAL))
-    ap.add_argument("--part", nargs="+", default=["block", "head"], choices=["block", "head"],
-                    help="block: one decoder layer; head: final norm + LM head + cross-entropy")
+    ap.add_argument("--part", nargs="+", default=["block", "head"], choices=["block", "head", "model"],
+                    help="block: one decoder layer; head: final norm + LM head + cross-entropy; model: the whole-model "
+                         "line, a Llama preset's full layer stack through the engine's executor (bench/model_stack.py)")
+    ap.add_argument("--shape", nargs="+", choices=[s for s in model_stack.SHAPES if s != "smoke"],
+                    help="model part: the stacks to run (default 1.5b 4.6b: bench_train's P3 and P1 shapes)")
+    ap.add_argument("--model-seqs", type=int, help="model part: sequences per step (default 16; 4 with --smoke)")
+    ap.add_argument("--model-micro-batch", type=int, help="model part: sequences per micro-batch (default 8; 2 with --smoke)")
+    ap.add_argument("--model-seq-len", type=int, help="model part: tokens per sequence (default 1024; 16 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks, not speed")
     ap.add_argument("--seq", type=int, help="tokens (default 8192; 16 with --smoke)")
     ap.add_argument("--warmup", type=int)
@@ -274,8 +320,14 @@ def main() -> None:
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     seq = a.seq or (16 if a.smoke else 8192)
     warmup, reps = a.warmup or (1 if a.smoke else 3), a.reps or (3 if a.smoke else 10)
-    print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
-    jobs = [(arch, part) for part in a.part for arch in a.arch]
+    if "model" in a.part:
+        if "llama" not in a.arch:
+            ap.error("the model part runs Llama stacks (bench_train's shapes): add llama to --arch")
+        # a whole step takes ~1 s at 4.6B on the H100: fewer repetitions than a single layer's
+        model_line(a, device, a.warmup or (1 if a.smoke else 2), a.reps or (2 if a.smoke else 5))
+    jobs = [(arch, part) for part in a.part if part != "model" for arch in a.arch]
+    if jobs:
+        print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
     for arch, part in jobs:
         rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile, a.trace)
         arch = f"{arch}/{part}"

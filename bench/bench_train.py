@@ -56,7 +56,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_runs
-from common import median, write_record
+from common import LLAMA, P1_SHAPE, P3_SHAPE, SMOKE_SHAPE, median, write_record
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler, TokenFile, write_token_file
@@ -67,10 +67,6 @@ from mtc.train import StepRecord, build_model, open_run, train
 from mtc.tracer import LossModel
 
 PARTS = ("P1-16", "P1-48", "P3", "P5")
-LLAMA = "8b"  # base preset: untied embeddings, RoPE theta 5e5; every shape field is overridden below
-P1_SHAPE = dict(dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, n_layers=20, vocab_size=32000)
-P3_SHAPE = dict(dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, n_layers=23, vocab_size=32000)  # 1.53B
-SMOKE_SHAPE = dict(dim=64, ffn_dim=160, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=256, max_seq_len=256)
 GOALS = {"P1-16": 230.0, "P1-48": 300.0}  # stateless model TFLOP/s
 MEGATRAIN = {"P1-16": 93.0, "P1-48": 181.0}  # MegaTrain on the same box, model TFLOP/s
 P3_GOAL, P5_GOAL = 1.0, 1.1

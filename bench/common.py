@@ -15,6 +15,13 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# the engine's benchmark shapes (bench_train's parts, bench_fusion's whole-model line): Llama
+# overrides of the base preset LLAMA (untied embeddings, RoPE theta 5e5)
+LLAMA = "8b"
+P1_SHAPE = dict(dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, n_layers=20, vocab_size=32000)  # 4.6B
+P3_SHAPE = dict(dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, n_layers=23, vocab_size=32000)  # 1.53B
+SMOKE_SHAPE = dict(dim=64, ffn_dim=160, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=256, max_seq_len=256)
+
 
 def environment() -> dict[str, Any]:
     """Device, library versions and git sha for a benchmark record."""

@@ -4,6 +4,8 @@
 # of the time budget (BENCH_BUDGET_S, default 520 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling)
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
+#   model/SHAPE    bench_fusion's whole-model line: SHAPE 1.5b or 4.6b (bench_train's P3 / P1), the full
+#                  stack's step through the executor, unfused vs mtc fused vs replayed vs torch.compile
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
@@ -59,6 +61,10 @@ for p in "${parts[@]}"; do
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       timeout "$left" python3 bench/bench_train.py --world-size 1 --repeats "${DP_REPEATS:-3}" --time-limit-s "$limit" \
         ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+    model/*)
+      if [ "$left" -lt 180 ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      timeout "$left" python3 bench/bench_fusion.py --arch llama --part model --shape "${p#model/}" ${BENCH_ARGS:-} 2>&1 \
+        | tee -a "$log" ;;
     fusion)
       if [ "$left" -lt 120 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       timeout "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;

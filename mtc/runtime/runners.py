@@ -74,16 +74,21 @@ class AutogradRunner:
         self._grad_outs = [0] + ([1 + j for j, need in enumerate(aux_needs_grad) if need] if self.embed else [])
         self._joints: dict[str, Callable[..., Any]] = {}
 
-    def forward(self, device: torch.device) -> Callable[..., Any]:
-        """The traced ATen template."""
+    def module(self, device: torch.device) -> Callable[..., Any]:
+        """The callable both `forward` and `joint` run: the traced ATen template (a subclass may
+        wrap it, e.g. in torch.compile, to compare the same schedule with another backend)."""
         return self.template.module(device)
+
+    def forward(self, device: torch.device) -> Callable[..., Any]:
+        """The traced ATen template, run as it is (no autograd)."""
+        return self.module(device)
 
     def joint(self, device: torch.device) -> Callable[..., Any]:
         """Recompute with autograd and return outputs then gradients of the ``diff`` inputs."""
         key = str(device)
         fn = self._joints.get(key)
         if fn is None:
-            gm, n_in, diff, outs_idx = self.template.module(device), len(self.template.inputs), self.diff, self._grad_outs
+            gm, n_in, diff, outs_idx = self.module(device), len(self.template.inputs), self.diff, self._grad_outs
 
             def fn(*a: torch.Tensor) -> tuple[Any, ...]:
                 args, gouts = list(a[:n_in]), list(a[n_in:])
