@@ -64,9 +64,12 @@ def _ce_rows_kernel(
         s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), 0)
         m_i = m_new
     lse = m_i + tl.log(s_i)
-    safe_target = tl.where(valid, target, 0).to(tl.int64)
+    # a target outside [0, V) that is not ignore_index is read nowhere: its row's loss is NaN (no host
+    # check on CUDA: that would synchronise every call; see _check_targets)
+    in_range = (target >= 0) & (target < V)
+    safe_target = tl.where(valid & in_range, target, 0).to(tl.int64)
     x_t = tl.load(base + safe_target).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, tl.where(in_range, lse - x_t, float("nan")), 0.0))
 
     if WRITE_GRAD:
         # pass 2: the row becomes its gradient, (softmax - onehot) / n_valid, in the logits' dtype
@@ -77,7 +80,7 @@ def _ce_rows_kernel(
             mask = cols < V
             x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             p = tl.exp(x - lse)
-            g = tl.where(cols == safe_target, p - 1.0, p) * scale
+            g = tl.where((cols == safe_target) & in_range, p - 1.0, p) * scale
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,7 +173,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tar
 
 
 def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Out-of-range targets would read outside a logits row: reject them as torch does (one sync)."""
+    """Reject targets outside [0, vocab) that are not ``ignore_index``, where that costs no device
+    synchronisation: on the CPU. On CUDA the check would stall the host once per call (every
+    micro-batch's head, inside the engine's layer loop), so there such a row reads nothing and its
+    loss is NaN instead, which the trainer reports as a non-finite step; `mtc train` checks the
+    token ids against the vocabulary before it starts (`TokenFile.check_vocab`)."""
+    if targets.is_cuda:
+        return
     bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if bool(bad.any()):
         t = targets[bad][0].item()
@@ -198,11 +207,12 @@ def _rows_ce(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor,
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=1)
     valid = targets != ignore_index
-    safe = torch.where(valid, targets, 0).long()
-    loss.copy_(torch.where(valid, lse - lf.gather(1, safe[:, None])[:, 0], 0.0))
+    in_range = (targets >= 0) & (targets < vocab)
+    safe = torch.where(valid & in_range, targets, 0).long()
+    loss.copy_(torch.where(valid, torch.where(in_range, lse - lf.gather(1, safe[:, None])[:, 0], float("nan")), 0.0))
     if write_grad:
         g = torch.exp(lf - lse[:, None])
-        g.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+        g.scatter_add_(1, safe[:, None], torch.where(in_range, -1.0, 0.0).to(lse.dtype)[:, None])
         logits.copy_(g * torch.where(valid, 1.0 / n_valid, 0.0)[:, None])
     return loss
 

@@ -53,11 +53,13 @@ class ActivationStore:
         """Start bringing an offloaded activation back (no-op when it stayed on the device)."""
         if key not in self._out or key in self._back:
             return
-        self._out[key].wait()  # its device->host copy finished long ago (a whole layer's compute)
         host = self._host[key]
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.engine.device)
-        # `dev` may reuse memory that kernels queued on the compute stream still read: copy after them
-        self._back[key] = (dev, self.engine.h2d([(dev, host)], after=self.engine.marker(), layer=key[0], stage="act_in"))
+        # the copy back waits, on the device (the host never blocks here), for the copy out to the
+        # same host buffer, and for the kernels queued on the compute stream: `dev` may reuse memory
+        # they still read
+        after = [self.engine.marker(), self._out[key]]
+        self._back[key] = (dev, self.engine.h2d([(dev, host)], after=after, layer=key[0], stage="act_in"))
 
     def take(self, key: Key) -> torch.Tensor:
         """Remove and return the activation, on the device (waits for its copy back if needed)."""

@@ -128,7 +128,7 @@ class DeviceComm:
         """An event after everything enqueued on the comm stream so far (None on the CPU)."""
         if self.stream is None:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(self.stream)
         return ev
 

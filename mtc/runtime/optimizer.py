@@ -27,6 +27,8 @@ a layer waits for its write. The AdamW math is `mtc.kernels.adamw`'s (one implem
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 import os
@@ -195,8 +197,14 @@ class StreamingAdamW:
                     self._update_on_device(i, coef, hp)
                 s.update = _done()
                 if commit is not None and state_kinds("gpu", self.durability):
+                    if s.write is not None:
+                        # the store reads the staging buffers in place until the last commit's write of
+                        # this layer ends: refill them only then (a guard: with the commit pacing the
+                        # write ended long ago; with a disk slower than a step, training waits here)
+                        with self.timeline.span("staging_wait", i), contextlib.suppress(Exception):
+                            s.write.result()  # a failed write is reported by its own commit
                     staged = self.engine.d2h(list(zip(self.tiers.staging_for(i), (s.master, s.m, s.v))),
-                                             after=self.engine.marker(), layer=i, stage="stage_out")
+                                             after=self.engine.marker(), layer=i, stage="stage_out", lane="opt")
                     s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
                     s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
@@ -265,7 +273,7 @@ class StreamingAdamW:
                 grad = st.grad[:n]
             elif s.grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
                 assert st.grad is not None
-                tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h")
+                tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h", lane="opt")
                 tr.wait()
                 grad = st.grad[:n]
             else:
@@ -307,12 +315,12 @@ class StreamingAdamW:
                     p, m, v, g, c = (t[:n] for t in self._scratch[j % 2])
                     cast = hc is not hm
                     tr_in = self.engine.h2d([(p, hm), (m, hmo), (v, hv), (g, hg)], after=self._scratch_free[j % 2],
-                                            layer=i, stage="opt_h2d")
+                                            layer=i, stage="opt_h2d", lane="opt")
                     if self._opt_stream is not None:
                         self._opt_stream.wait_event(tr_in.event)
                         with torch.cuda.stream(self._opt_stream):
                             _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
-                            ev = torch.cuda.Event()
+                            ev = torch.cuda.Event(blocking=True)
                             ev.record(self._opt_stream)
                         after: Marker | None = Marker(ev)
                     else:
@@ -320,7 +328,7 @@ class StreamingAdamW:
                         _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
                         after = None
                     back = [(hm, p), (hmo, m), (hv, v)] + ([(hc, c)] if cast else [])
-                    tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h")
+                    tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h", lane="opt")
                     self._scratch_free[j % 2] = tr_out
                 pending.append((fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued

@@ -59,10 +59,23 @@ class Transfer:
 
 
 Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) pairs
+# what a copy waits for before it starts: a point in the compute stream, another copy, or several
+After = Marker | Transfer | Sequence[Marker | Transfer] | None
+
+
+LANES = ("main", "opt")
 
 
 class CopyEngine:
-    """Host<->device copies for one device: CUDA streams and events, or threads on the CPU."""
+    """Host<->device copies for one device: CUDA streams and events, or threads on the CPU.
+
+    Copies go in one of two lanes, each with its own stream (or thread) per direction: ``main``
+    for what a visit waits on (weights, gradient slabs, activations), ``opt`` for the optimizer's
+    state traffic (GPU-side updates of ram layers, disk-layer gradient chunks, gpu-tier staging for
+    write-behind). A copy that waits (``after``) holds up everything queued behind it on its
+    stream, so the optimizer's waits on its own kernels must not sit in front of the next
+    layer's weights. Lanes are ordered with each other only through ``after`` and host futures.
+    """
 
     def __init__(self, device: torch.device, timeline: Timeline, *, serialize: bool = False) -> None:
         self.device, self.timeline = device, timeline
@@ -74,11 +87,12 @@ class CopyEngine:
         self.d2h_bytes = 0
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
-            self.d2h_stream = torch.cuda.Stream(device)
+            self._streams = {(lane, d): torch.cuda.Stream(device) for lane in LANES for d in ("h2d", "d2h")}
+            self.h2d_stream, self.d2h_stream = self._streams[("main", "h2d")], self._streams[("main", "d2h")]
         else:
             self.compute_stream = self.h2d_stream = self.d2h_stream = None
-            self._threads = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtc-{d}") for d in ("h2d", "d2h")}
+            self._threads = {(lane, d): ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtc-{lane}-{d}")
+                             for lane in LANES for d in ("h2d", "d2h")}
 
     def marker(self) -> Marker:
         """A marker at the current end of the compute stream's work."""
@@ -88,28 +102,32 @@ class CopyEngine:
         ev.record(self.compute_stream)
         return Marker(ev)
 
-    def h2d(self, copies: Copies, *, after: Marker | Transfer | None = None, layer: int = -1, stage: str = "h2d") -> Transfer:
+    def h2d(self, copies: Copies, *, after: After = None, layer: int = -1, stage: str = "h2d", lane: str = "main") -> Transfer:
         """Copy host -> device (or host -> host slot on the CPU) once ``after`` is reached."""
-        return self._copy("h2d", copies, after, layer, stage)
+        return self._copy("h2d", copies, after, layer, stage, lane)
 
-    def d2h(self, copies: Copies, *, after: Marker | Transfer | None = None, layer: int = -1, stage: str = "d2h") -> Transfer:
+    def d2h(self, copies: Copies, *, after: After = None, layer: int = -1, stage: str = "d2h", lane: str = "main") -> Transfer:
         """Copy device -> host once ``after`` is reached (e.g. the gradient slab is final)."""
-        return self._copy("d2h", copies, after, layer, stage)
+        return self._copy("d2h", copies, after, layer, stage, lane)
 
-    def _copy(self, direction: str, copies: Copies, after: Marker | Transfer | None, layer: int, stage: str) -> Transfer:
+    def _copy(self, direction: str, copies: Copies, after: After, layer: int, stage: str, lane: str) -> Transfer:
+        afters = [] if after is None else list(after) if isinstance(after, Sequence) else [after]
         nbytes = sum(s.numel() * s.element_size() for _, s in copies)
         if direction == "h2d":
             self.h2d_bytes += nbytes
         else:
             self.d2h_bytes += nbytes
         if self.cuda:
-            stream = self.h2d_stream if direction == "h2d" else self.d2h_stream
+            stream = self._streams[(lane, direction)]
             with self.timeline.span(stage, layer), torch.cuda.stream(stream):
-                if after is not None and after.event is not None:
-                    stream.wait_event(after.event)
+                for a in afters:  # the copy stream waits on the device (a copy still to be enqueued: this thread waits)
+                    if isinstance(a, Transfer):
+                        a.wait_stream(stream)
+                    elif a.event is not None:
+                        stream.wait_event(a.event)
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # host threads wait on it: sleep, not spin a core
                 ev.record(stream)
             if self.serialize:
                 torch.cuda.synchronize(self.device)
@@ -117,13 +135,14 @@ class CopyEngine:
         step = self.timeline.step
 
         def run() -> None:
-            if isinstance(after, Transfer):  # a copy in the other direction must finish first
-                after.wait()
+            for a in afters:  # a copy in the other direction must finish first (markers are reached)
+                if isinstance(a, Transfer):
+                    a.wait()
             with self.timeline.span(stage, layer, step=step):
                 for dst, src in copies:
                     dst.copy_(src)
 
-        fut = self._threads[direction].submit(run)
+        fut = self._threads[(lane, direction)].submit(run)
         if self.serialize:
             fut.result()
         return Transfer(future=fut, nbytes=nbytes)

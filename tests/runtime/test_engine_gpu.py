@@ -24,8 +24,9 @@ def tokens(tmp_path_factory):
     return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
 
 
-def test_no_host_sync_inside_the_layer_loop(tokens):
-    cfg = small_config(device="cuda", kernels="unfused", placement="gpu:0,ram:1-2,disk:3", durability="none",
+@pytest.mark.parametrize("kernels", ["unfused", "fused"])  # fused: compiled templates, replayed as CUDA graphs (the default)
+def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
+    cfg = small_config(device="cuda", kernels=kernels, placement="gpu:0,ram:1-2,disk:3", durability="none",
                        activation_budget_gb=1e-9)
     run = open_run(cfg, None)
     placement, gpu_update = plan_placement(cfg, run.program)
@@ -34,7 +35,16 @@ def test_no_host_sync_inside_the_layer_loop(tokens):
 
     for i in range(run.program.n_layers):
         tiers.set_layer(i, flatten_layer(run.program, i, run.params))
-    eng = build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline())
+    runners = None
+    if kernels == "fused":  # as mtc.train builds them
+        from mtc.compiler import compile_program
+        from mtc.runtime.graph_replay import replay_graphs
+        from mtc.runtime.runners import CompiledRunner
+
+        compiled = compile_program(run.program, tmp_path / "kernels")
+        runners = {tid: CompiledRunner(ct, run.program.templates[tid]) for tid, ct in compiled.items()}
+        runners = replay_graphs(runners, run.program.templates, compiled, torch.device("cuda"))
+    eng = build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline(), runners=runners)
     sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
     mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
     for step in range(3):
