@@ -45,6 +45,7 @@ from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
 from mtc.runtime.graph_replay import graph_report, replay_graphs
 from mtc.runtime.optimizer import StepStats, StreamingAdamW
+from mtc.runtime.pinned import pinning_report
 from mtc.runtime.runners import CompiledRunner, LayerRunner
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import flatten_layer
@@ -522,6 +523,8 @@ def train(
             runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
                                     log=notify)
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
+        if device.type == "cuda" and notify is not None:
+            notify(pinning_report())  # exact-size registered host memory, or torch's rounded allocator and why
         if world.distributed:
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
             _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mtc.runtime.pinned import host_buffer
 from mtc.runtime.transfer import CopyEngine, Transfer
 
 __all__ = ["ActivationStore"]
@@ -41,7 +42,7 @@ class ActivationStore:
             return
         host = self._host.get(key)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
-            host = self._host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.engine.cuda)
+            host = self._host[key] = host_buffer(t.numel(), t.dtype, pinned=self.engine.cuda).view(t.shape)
         self._out[key] = self.engine.d2h([(host, t)], after=self.engine.marker(), layer=key[0], stage="act_out")
         if self.engine.cuda:
             # drop `t` now (that is the point of offloading) without letting the allocator hand its

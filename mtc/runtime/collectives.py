@@ -67,6 +67,7 @@ from mtc.errors import MTCError
 from mtc.runtime.device_comm import CommTransfer, DeviceComm, tensor_collectives
 from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import StepStats, _device_adamw, _done, _wait_all, _when_all
+from mtc.runtime.pinned import host_buffer
 from mtc.runtime.tiers import state_kinds
 from mtc.store import state_array_name
 
@@ -143,7 +144,7 @@ class DataParallel:
             if not s.numel:
                 continue
             per = -(-s.numel // world_size)  # (a disk layer has no master in RAM)
-            pad = torch.zeros(per * world_size, dtype=torch.float32, pin_memory=s.grad.is_pinned())
+            pad = host_buffer(per * world_size, torch.float32, pinned=s.grad.is_pinned())
             s.grad = pad[: s.numel]
             self._gpad[s.layer], self._gshard[s.layer] = pad, torch.zeros(per, dtype=torch.float32)
 
@@ -175,7 +176,7 @@ class DataParallel:
             per = -(-s.numel // W)  # (a disk layer has no master in RAM)
             if s.tier in ("ram", "disk"):
                 s.grad = None  # only the shard comes to the host
-                self._gshard[s.layer] = torch.zeros(per, dtype=torch.float32, pin_memory=pin)
+                self._gshard[s.layer] = host_buffer(per, torch.float32, pinned=pin)
             else:
                 self._gdev[s.layer] = torch.zeros(per, dtype=torch.float32, device=dev)
                 if cdt != s.master.dtype:
@@ -371,7 +372,7 @@ class DataParallel:
             j = self._stage_next[i] = 1 - self._stage_next.get(i, 1)
             if len(sets) <= j:
                 pin = self.tiers.device.type == "cuda"
-                sets.append([torch.zeros(k, dtype=torch.float32, pin_memory=pin) for _ in range(3)])
+                sets.append([host_buffer(k, torch.float32, pinned=pin) for _ in range(3)])
             stage = sets[j]
             last = self._stage_write.get((i, j))
             if last is not None:
@@ -436,7 +437,7 @@ class DataParallel:
         out = self._out.get(i)
         if out is None:  # pinned where it crosses to the device for the device all-gather
             pin = self.dev is not None and self.tiers.device.type == "cuda"
-            out = self._out[i] = torch.empty(s.master.numel(), dtype=s.compute.dtype, pin_memory=pin)
+            out = self._out[i] = host_buffer(s.master.numel(), s.compute.dtype, pinned=pin)
         return out
 
     def _all_gather(self, i: int, upd: Future[None]) -> None:

@@ -25,13 +25,13 @@ import queue
 import threading
 from concurrent.futures import Future
 
-import numpy as np
 import torch
 
 from mtc.runtime.grad_spill import GradSpill
 from mtc.runtime.tiers import DISK_CHUNK_NUMEL, StateTiers
+from mtc.runtime.pinned import host_buffer
 from mtc.store import STATE_DTYPE, TensorStore, state_array_name
-from mtc.store.fastio import PRIORITY_READ_AHEAD, aligned_empty
+from mtc.store.fastio import PRIORITY_READ_AHEAD
 
 __all__ = ["DISK_CHUNK_NUMEL", "ChunkRead", "DiskRing", "StateSet", "layer_chunks"]
 
@@ -53,11 +53,6 @@ class StateSet:
         """master, m, v cut to ``n`` elements."""
         return self.master[:n], self.m[:n], self.v[:n]
 
-
-def _host_buffer(numel: int, pinned: bool) -> torch.Tensor:
-    if pinned:  # cudaHostAlloc memory is page-aligned: the store reads it with O_DIRECT
-        return torch.empty(numel, dtype=STATE_DTYPE, pin_memory=True)
-    return torch.from_numpy(aligned_empty(numel * 4).view(np.float32))
 
 
 def layer_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -98,7 +93,11 @@ class DiskRing:
         # a set needs a gradient buffer unless the update reads the gradient from host memory
         # (CPU device; data parallel: this rank's reduced shard)
         grad_buf = (cuda or spill is not None) if grad_buffers is None else grad_buffers
-        self.sets = [StateSet(k, *(_host_buffer(numel, cuda) for _ in range(3)), _host_buffer(numel, cuda) if grad_buf else None)
+
+        def buf() -> torch.Tensor:
+            return host_buffer(numel, STATE_DTYPE, pinned=cuda)
+
+        self.sets = [StateSet(k, buf(), buf(), buf(), buf() if grad_buf else None)
                      for k in range(slots if self.layers else 0)]
         tiers.pipeline_bytes["disk_ring"] = sum(t.numel() * 4 for st in self.sets
                                                for t in (st.master, st.m, st.v, st.grad) if t is not None)

@@ -36,6 +36,7 @@ from mtc.errors import PlanError
 from mtc.graphs.program import LayerCall, Program, Template, aux_param_dependence
 from mtc.runtime.activations import ActivationStore
 from mtc.runtime.buffers import DeviceRing, Slot
+from mtc.runtime.pinned import host_buffer
 from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
@@ -176,7 +177,7 @@ class StreamingExecutor:
         self._read_into_slot = self.device.type == "cpu" and self.ring.dtype == torch.float32
         if any(s.compute is None and s.numel for s in tiers.layers) and not self._read_into_slot:
             pin = self.device.type == "cuda"
-            self._staging = [torch.empty(ring_numel, dtype=torch.float32, pin_memory=pin) for _ in range(slots)]
+            self._staging = [host_buffer(ring_numel, torch.float32, pinned=pin) for _ in range(slots)]
             tiers.pipeline_bytes["visit_staging"] = sum(t.numel() * 4 for t in self._staging)
         if self.device.type == "cpu":  # on the CPU the device buffers are host RAM too
             tiers.pipeline_bytes["device_rings"] = self.ring.numel * self.ring.dtype.itemsize * slots + self.slabs.numel * 4 * n_open

@@ -24,13 +24,13 @@ import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from mtc.errors import StoreError
 from mtc.runtime.transfer import CopyEngine, Marker
+from mtc.runtime.pinned import host_buffer
 from mtc.store import STATE_DTYPE, TensorStore
-from mtc.store.fastio import PRIORITY_READ_AHEAD, aligned_empty
+from mtc.store.fastio import PRIORITY_READ_AHEAD
 
 __all__ = ["GradSpill", "grad_scratch_name"]
 
@@ -63,7 +63,7 @@ class GradSpill:
             rows = store.array_info(grad_scratch_name(i)).chunk_rows
             self.chunk[i] = min(n, max(1, chunk_numel // rows) * rows)
         size = max(self.chunk.values(), default=0)
-        self._staging = [_host_buffer(size, pinned) for _ in range(2 if self.numels else 0)]
+        self._staging = [host_buffer(size, STATE_DTYPE, pinned=pinned) for _ in range(2 if self.numels else 0)]
         self.staging_bytes = sum(b.numel() * 4 for b in self._staging)
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in self._staging:
@@ -158,11 +158,6 @@ class GradSpill:
         after.add_done_callback(start_read)
         return result
 
-
-def _host_buffer(numel: int, pinned: bool) -> torch.Tensor:
-    if pinned:  # cudaHostAlloc memory is page-aligned: the store writes it with O_DIRECT
-        return torch.empty(numel, dtype=STATE_DTYPE, pin_memory=True)
-    return torch.from_numpy(aligned_empty(numel * 4).view(np.float32))
 
 
 def _copy_outcome(src: Future[None], dst: Future[None]) -> None:

@@ -31,6 +31,7 @@ import torch
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
 from mtc.runtime.grad_spill import GradSpill
+from mtc.runtime.pinned import host_buffer, host_nbytes
 from mtc.runtime.transfer import Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
@@ -113,7 +114,7 @@ class StateTiers:
 
     def _host(self, n: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
         # pin only on CUDA: without it `pin_memory=True` raises (NOTES.md)
-        return torch.zeros(n, dtype=dtype, pin_memory=pinned and self.cuda)
+        return host_buffer(n, dtype, pinned=pinned and self.cuda)
 
     def _allocate(self, i: int, tier: str, n: int, nd: int) -> LayerState:
         fp32_compute = self.compute_dtype == STATE_DTYPE
@@ -280,5 +281,5 @@ class StateTiers:
         for s in self.layers:
             for t in (s.master, s.m, s.v, s.compute, s.grad, *(s.staging or [])):
                 if t is not None and t.device.type == "cpu" and (t is not s.compute or s.compute is not s.master):
-                    total += t.numel() * t.element_size()
+                    total += host_nbytes(t)
         return total
