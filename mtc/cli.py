@@ -33,7 +33,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
     "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
-    "optim_threads", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
+    "optim_threads", "host_adamw", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
     "dist_timeout_s",

@@ -225,6 +225,12 @@ class TrainConfig:
                               help="where disk layers' compute copy lives: pinned ram, or read from the store per visit; "
                               "auto: store for float32 compute, ram for bfloat16")
     optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
+    # torch's fused CPU kernel ran ~2x the exact path on the 2-core box (bench/bench_adamw.py) and
+    # stays within the parity tolerance, but is not bit-identical to torch.optim.AdamW
+    host_adamw: str = field("auto", choices=("auto", "exact", "fused"),
+                            help="CPU AdamW of ram and disk layers: exact (torch.optim.AdamW's single-tensor math, bit "
+                            "for bit) or fused (torch's one-pass CPU kernel, ~2x faster, not bit-identical); auto: fused "
+                            "on CUDA, exact on the CPU")
     # A step whose loss or grad norm is not finite is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = field(3, ge=1, help="stop with an error after this many consecutive non-finite steps")
     # Validation on the held-out split (the token file's last 5 %), on the weights of the step reported.

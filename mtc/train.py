@@ -163,7 +163,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 # fields that change how a run executes but not what it computes: free to differ on resume
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
-                     "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
+                     "host_adamw", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
                      "matmul_fusion", "dp_collectives", "rank_dir")
 
@@ -654,7 +654,7 @@ def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_upda
     executor = StreamingExecutor(program, tiers, device=device, engine=copies, timeline=timeline, runners=runners,
                                  activation_budget_bytes=budget, on_visit=on_visit)
     opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
-                         gpu_update=gpu_update, store=store, durability=cfg.durability)
+                         host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability)
     return Engine(copies, executor, opt)
 
 

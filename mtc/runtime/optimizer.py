@@ -84,6 +84,7 @@ class StreamingAdamW:
         engine: CopyEngine,
         timeline: Timeline,
         threads: int = 0,
+        host_impl: str = "auto",
         gpu_update: set[int] | None = None,
         store: TensorStore | None = None,
         durability: str = "full",
@@ -102,10 +103,12 @@ class StreamingAdamW:
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-adamw")
         self._gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-gpu-adamw")
         self._chunks = host_pool(self.threads)
-        # torch's fused CPU kernel runs ~2x the exact op-by-op math (bench/bench_adamw.py) and stays
-        # within the parity tolerance, but not bit-identical to torch.optim.AdamW: CUDA runs take
-        # the faster one, CPU runs keep the bit-exact contract
-        self.host_impl = "fused" if self.device.type == "cuda" else "exact"
+        # host_impl "auto": torch's fused CPU kernel runs ~2x the exact op-by-op math
+        # (bench/bench_adamw.py) and stays within the parity tolerance, but not bit-identical to
+        # torch.optim.AdamW: CUDA runs take the faster one, CPU runs keep the bit-exact contract
+        if host_impl not in ("auto", "exact", "fused"):
+            raise ValueError(f"host_impl must be 'auto', 'exact' or 'fused', got {host_impl!r}")
+        self.host_impl = host_impl if host_impl != "auto" else "fused" if self.device.type == "cuda" else "exact"
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")
         self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None

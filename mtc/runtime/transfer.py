@@ -10,6 +10,7 @@ by the CPU tests with real concurrency.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -85,6 +86,7 @@ class CopyEngine:
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self._count = threading.Lock()  # copies are issued from the fetch, optimizer and training threads
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(device)
             self._streams = {(lane, d): torch.cuda.Stream(device) for lane in LANES for d in ("h2d", "d2h")}
@@ -113,10 +115,11 @@ class CopyEngine:
     def _copy(self, direction: str, copies: Copies, after: After, layer: int, stage: str, lane: str) -> Transfer:
         afters = [] if after is None else list(after) if isinstance(after, Sequence) else [after]
         nbytes = sum(s.numel() * s.element_size() for _, s in copies)
-        if direction == "h2d":
-            self.h2d_bytes += nbytes
-        else:
-            self.d2h_bytes += nbytes
+        with self._count:
+            if direction == "h2d":
+                self.h2d_bytes += nbytes
+            else:
+                self.d2h_bytes += nbytes
         if self.cuda:
             stream = self._streams[(lane, direction)]
             with self.timeline.span(stage, layer), torch.cuda.stream(stream):

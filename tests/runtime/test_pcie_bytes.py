@@ -1,0 +1,93 @@
+"""What crosses PCIe per step, byte for byte: the copy engine's counters against the program.
+
+Per step, layer-major: each layer's weights cross host-to-device in the compute dtype once per
+visit (forward, then backward; the head's one visit does both), whatever the number of
+micro-batches; a `ram` layer's gradient crosses back once, in fp32; a `gpu` layer's weights and
+gradient stay on the device, and its fp32 state crosses out only at a commit (write-behind); a
+`ram` layer updated on the GPU (`gpu_update`) also streams master, m, v and the gradient in and
+the new state (and compute copy) back; offloaded boundary activations cross both ways. On the CPU
+device the copy engine runs the same copies on threads, so its counters are exact here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc.graphs.program import Program
+from mtc.runtime.tiers import state_kinds
+from mtc.train import train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
+
+
+def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int, gpu_update: set[int], n_micro: int,
+                   offload: bool, commit_kinds: tuple[str, ...]) -> tuple[int, int]:
+    """(host-to-device, device-to-host) bytes of one step on the CPU device; ``commit_kinds``: the
+    state arrays a commit of this step writes (empty on other steps)."""
+    L = program.n_layers
+    numel = [program.layer_numel(i) for i in range(L)]
+    h2d = d2h = 0
+    for i in [*range(L - 1), L - 1, *range(L - 2, -1, -1)]:  # forward, head (forward + backward), backward
+        # the visit reads its own weights and tied ones of other layers: each crosses unless resident
+        reads = {i: numel[i]}
+        for k in dict.fromkeys(program.layers[i].param_keys()):
+            p = program.params[k]
+            if p.layer != i:
+                reads[p.layer] = reads.get(p.layer, 0) + p.numel
+        h2d += compute_bytes * sum(n for owner, n in reads.items() if placement[owner] != "gpu")
+    for i, tier in enumerate(placement):
+        if tier == "ram":
+            d2h += 4 * numel[i]  # the fp32 gradient, once per step
+        # updated on the GPU: master, m, v in, with the gradient (on the host since backward: its
+        # slab was reused before the global norm was known); master, m, v (and a bf16 copy) out
+        if i in gpu_update:
+            h2d += 16 * numel[i]
+            d2h += (12 + (compute_bytes if compute_bytes != 4 else 0)) * numel[i]
+        if tier == "gpu":
+            d2h += 4 * len(commit_kinds) * numel[i]  # staged out for the write-behind
+        # a disk layer's gradient is accumulated in host memory on the CPU device (on CUDA its
+        # update copies it over, 4 B/param); its compute copy crosses like a ram layer's
+    if offload:  # every block's input, per micro-batch, out after its forward and back for its backward
+        carry = program.carry.numel * compute_bytes * n_micro * (L - 2)
+        h2d, d2h = h2d + carry, d2h + carry
+    return h2d, d2h
+
+
+CASES = {
+    "ram-bf16-accum1": dict(compute_dtype="bfloat16", grad_accum=1),
+    "ram-bf16-accum4": dict(compute_dtype="bfloat16", grad_accum=4),  # the same bytes as accum1: not per micro-batch
+    "ram-fp32-tied-accum3": dict(compute_dtype="float32", grad_accum=3, model_overrides={"n_layers": 2, "tie_embeddings": True}),
+    "mixed-offload-bf16": dict(compute_dtype="bfloat16", grad_accum=3, placement="gpu:0,ram:1,disk:2,ram:3", disk_compute="ram",
+                               activation_budget_gb=1e-9),
+    "mixed-offload-fp32": dict(compute_dtype="float32", grad_accum=2, placement="gpu:0,ram:1,disk:2,ram:3", disk_compute="ram",
+                               activation_budget_gb=1e-9),
+    "gpu-update-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2"),
+    "gpu-update-fp32": dict(compute_dtype="float32", gpu_update="1-2"),
+    "gpu-commits-bf16": dict(compute_dtype="bfloat16", placement="gpu:0-1,ram:2-3", durability="full", commit_every=2, steps=3),
+}
+
+
+@pytest.mark.parametrize("mode", CASES.values(), ids=CASES.keys())
+def test_bytes_per_step_match_the_program(tokens, mode):
+    kw = dict(placement="ram", steps=2, durability="none") | mode
+    # GPU-side updates run on the optimizer's thread after the step returns: the serialised
+    # schedule lets each step's record hold its own update's copies
+    res = train(small_config(**kw), None, tokens, serialize="gpu_update" in mode)
+    try:
+        cfg = small_config(**kw)
+        cbytes = 2 if cfg.resolved_compute_dtype == "bfloat16" else 4
+        assert res.gpu_update == ({1, 2} if "gpu_update" in mode else set())
+        got = [(r.h2d_bytes, r.d2h_bytes) for r in res.records]
+        want = [expected_bytes(res.program, res.placement, compute_bytes=cbytes, gpu_update=res.gpu_update, n_micro=cfg.grad_accum,
+                               offload="activation_budget_gb" in mode,
+                               commit_kinds=state_kinds("gpu", cfg.durability) if r.committed else ())
+                for r in res.records]
+        assert got == want
+        if "commit_every" in mode:  # both kinds of step were seen
+            assert [r.committed for r in res.records] == [False, True, True]
+    finally:
+        res.store.close()
