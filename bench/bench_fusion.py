@@ -8,7 +8,10 @@ matmul prologue/epilogue fusion forced on and off (the plain fused variant takes
 it timed faster), and torch.compile of the same template. Reports median ms, TFLOP/s (matmul +
 attention FLOPs, x3 for forward + backward), kernel counts, launches per block (the CPU proxy
 everywhere, profiled kernels on CUDA), CUDA-graph capture time and pool, peak memory; one JSON
-record per architecture and part.
+record per architecture and part. Each record has the speed-ups of eager fused (`fused_speedup_*`)
+and, on CUDA, of the replayed variant (`graph_speedup_*`: what `mtc train` runs there) over
+unfused and torch.compile, and issue 9's goal for the part with a verdict judged on the faster of
+the two (`goal`); a table of them ends the run.
 
     python bench/bench_fusion.py                 # GPU: Llama h=4096 / MLP 14336 / 32q 8kv heads, 8192 tokens, bf16
     python bench/bench_fusion.py --arch qwen2 gpt2 --part block
@@ -53,6 +56,14 @@ REAL = {
     "qwen2": ("qwen2-tiny", dict(n_layers=1, vocab_size=32000, dim=3584, n_heads=28, n_kv_heads=4, ffn_dim=18944, max_seq_len=8192)),
     "gpt2": ("gpt2-tiny", dict(n_layers=1, vocab_size=50257, dim=1600, n_heads=25, max_seq_len=8192)),
 }
+# issue 9's goals (its Benchmark section; H100, one layer, forward + backward): speed-ups of mtc's fused layer, at least
+GOALS = {
+    ("llama", "block"): {"vs_unfused": 1.25, "vs_torch_compile": 1.05},
+    ("qwen2", "block"): {"vs_unfused": 1.25, "vs_torch_compile": 1.05},
+    ("gpt2", "block"): {"vs_unfused": 1.2, "vs_torch_compile": 1.05},
+    **{(arch, "head"): {"vs_torch_compile": 1.05} for arch in ("llama", "qwen2", "gpt2")},
+}
+FUSED = ("mtc_fused", "mtc_fused_graph")  # eager fused, and replayed as a CUDA graph (what `mtc train` runs on CUDA)
 SMOKE = {
     "llama": ("tiny", dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160)),
     "qwen2": ("qwen2-tiny", dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160)),
@@ -126,6 +137,30 @@ def _inputs(t, call, device: torch.device, vocab: int) -> list[torch.Tensor]:
         else:
             args.append(torch.randn(shape, device=device, dtype=dt))
     return args
+
+
+def speedups(results: dict, variant: str) -> dict[str, float | None]:
+    """``variant``'s speed-up (median ms ratio) over unfused and over torch.compile (None: not run)."""
+    ms = results[variant]["median_ms"]
+    return {"vs_unfused": results["unfused"]["median_ms"] / ms if "unfused" in results else None,
+            "vs_torch_compile": results["torch_compile"]["median_ms"] / ms if "torch_compile" in results else None}
+
+
+def goal_verdict(arch: str, part: str, results: dict, device: torch.device) -> dict:
+    """Issue 9's goal for this part, judged on the faster of eager fused and replayed (named)."""
+    goal = GOALS[(arch, part)]
+    best = min((v for v in FUSED if v in results), key=lambda v: results[v]["median_ms"])
+    got = speedups(results, best)
+    checks = {k: got[k] >= want for k, want in goal.items() if got[k] is not None}
+    out = {"goal_at_least": goal, "judged_on": best, "speedup": {k: got[k] for k in goal}, "checks": checks}
+    if device.type != "cuda":
+        out.update(met=None, verdict="not judged: the goals are H100 figures, this run is on the CPU")
+    elif len(checks) < len(goal):
+        out.update(met=None, verdict=f"not judged: {', '.join(k for k in goal if k not in checks)} not measured "
+                                     "(torch.compile left out)")
+    else:
+        out.update(met=all(checks.values()), verdict=("met" if all(checks.values()) else "missed") + f" on {best}")
+    return out
 
 
 def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmup: int, reps: int, use_compile: bool,
@@ -260,7 +295,33 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     rec["fused_speedup_vs_unfused"] = r["unfused"]["median_ms"] / r["mtc_fused"]["median_ms"]
     if "torch_compile" in r:
         rec["fused_speedup_vs_torch_compile"] = r["torch_compile"]["median_ms"] / r["mtc_fused"]["median_ms"]
+    if "mtc_fused_graph" in r:  # what `mtc train` runs on CUDA (--cuda-graphs auto)
+        g = speedups(r, "mtc_fused_graph")
+        rec["graph_speedup_vs_unfused"] = g["vs_unfused"]
+        if g["vs_torch_compile"] is not None:
+            rec["graph_speedup_vs_torch_compile"] = g["vs_torch_compile"]
+    rec["goal"] = goal_verdict(arch, part, r, device)
     return rec
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def _goal_text(goal: dict[str, float]) -> str:
+    return ", ".join(f">= {v}x {k.removeprefix('vs_').replace('_', '.')}" for k, v in goal.items())
+
+
+def print_goals(recs: list[dict]) -> None:
+    """One row per part: eager fused and replayed against unfused and torch.compile, the goal, the verdict."""
+    print(f"\n{'part':12s} {'fused/unf':>9s} {'fused/tc':>9s} {'graph/unf':>9s} {'graph/tc':>9s}  {'goal':40s} verdict")
+    for rec in recs:
+        want = _goal_text(rec["goal"]["goal_at_least"])
+        print(f"{rec['arch'] + '/' + rec['part']:12s} {_x(rec['fused_speedup_vs_unfused']):>9s} "
+              f"{_x(rec.get('fused_speedup_vs_torch_compile')):>9s} {_x(rec.get('graph_speedup_vs_unfused')):>9s} "
+              f"{_x(rec.get('graph_speedup_vs_torch_compile')):>9s}  {want:40s} {rec['goal']['verdict']}")
+    print("fused: mtc_fused (eager); graph: mtc_fused_graph (replayed as a CUDA graph, CUDA only); unf: unfused; "
+          "tc: torch.compile; the verdict takes the faster of the two")
 
 
 def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: int) -> None:
@@ -278,8 +339,11 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
             line += f": fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x"
         if "fused_speedup_vs_torch_compile" in rec:
             line += f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x"
+        if "graph_speedup_vs_unfused" in rec:
+            line += f"; replayed vs unfused {rec['graph_speedup_vs_unfused']:.2f}x"
         if "graph_speedup_vs_torch_compile" in rec:
-            line += f"; replayed vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
+            line += f", vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
+        line += " (issue 9 states no goal for the whole-model line)"
         print(line)
         for v, x in r.items():
             extra = [f"plan compile {x['plan_compile_s']:.1f} s"] if "plan_compile_s" in x else []
@@ -309,8 +373,8 @@ def main() -> None:
     ap.add_argument("--model-seq-len", type=int, help="model part: tokens per sequence (default 1024; 16 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks, not speed")
     ap.add_argument("--seq", type=int, help="tokens (default 8192; 16 with --smoke)")
-    ap.add_argument("--warmup", type=int)
-    ap.add_argument("--reps", type=int)
+    ap.add_argument("--warmup", type=int, help="untimed calls (steps) first (default 3, model part 2; 1 with --smoke)")
+    ap.add_argument("--reps", type=int, help="timed calls (steps), median taken (default 10, model part 5; 3 / 2 with --smoke)")
     ap.add_argument("--no-torch-compile", action="store_true")
     ap.add_argument("--profile", action="store_true", help="CUDA: print and record the top kernels of unfused and mtc fused")
     ap.add_argument("--trace", metavar="DIR", help="CUDA: write a chrome trace (CPU + GPU) of one mtc fused call to DIR")
@@ -319,13 +383,15 @@ def main() -> None:
     if not a.smoke and device.type != "cuda":
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     seq = a.seq or (16 if a.smoke else 8192)
-    warmup, reps = a.warmup or (1 if a.smoke else 3), a.reps or (3 if a.smoke else 10)
+    warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 3)
+    reps = a.reps or (3 if a.smoke else 10)
     if "model" in a.part:
         if "llama" not in a.arch:
             ap.error("the model part runs Llama stacks (bench_train's shapes): add llama to --arch")
         # a whole step takes ~1 s at 4.6B on the H100: fewer repetitions than a single layer's
-        model_line(a, device, a.warmup or (1 if a.smoke else 2), a.reps or (2 if a.smoke else 5))
+        model_line(a, device, a.warmup if a.warmup is not None else (1 if a.smoke else 2), a.reps or (2 if a.smoke else 5))
     jobs = [(arch, part) for part in a.part if part != "model" for arch in a.arch]
+    recs = []
     if jobs:
         print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
     for arch, part in jobs:
@@ -343,6 +409,11 @@ def main() -> None:
                           for v, m in rec["matmul_fusion"].items()))
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")
+        if "graph_speedup_vs_unfused" in rec:
+            print(f"{arch:12s} replayed (CUDA graph) vs unfused {_x(rec['graph_speedup_vs_unfused'])}, "
+                  f"vs torch.compile {_x(rec.get('graph_speedup_vs_torch_compile'))}")
+        print(f"{arch:12s} goal {_goal_text(rec['goal']['goal_at_least'])}: {rec['goal']['verdict']} "
+              f"(on {rec['goal']['judged_on']}: {', '.join(f'{k} {_x(v)}' for k, v in rec['goal']['speedup'].items())})")
         print(f"{arch:12s} launches per block: {rec['launches_per_block']}")
         if "cuda_graph" in rec:
             cg = rec["cuda_graph"]
@@ -354,6 +425,9 @@ def main() -> None:
             for r in prof["top"]:
                 print(f"    {r['ms']:8.3f} ms  x{r['calls']:<4d} {r['kernel'][:100]}")
         print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
+        recs.append(rec)
+    if recs:
+        print_goals(recs)
 
 
 if __name__ == "__main__":

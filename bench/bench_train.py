@@ -16,7 +16,15 @@ Per setting: median step time after warm-up, model TFLOP/s (6 x params x tokens 
 tokens/s, GPU busy % (CUDA: kernel time in one profiled extra step, from torch.profiler, over that
 step's wall time), host-device traffic per step (computed from the placement; beside it the copy
 engine's own counters) and the average GB/s it implies, optimizer time hidden vs exposed (from the
-engine's timeline), GPU peak memory, host RSS per parameter, and how often clipping fired.
+engine's timeline), GPU peak memory, host RSS per parameter, how often clipping fired, and how the
+setting got its compiled plan: `plan.how` compiled or loaded, `plan.compile_or_load_s`.
+
+Fused settings (the default on CUDA; `--kernels`) share one compiled plan per model shape: the
+first setting of a shape traces it and compiles its templates (generated kernels, matmul-fusion
+tuning) into a plan directory, as `mtc compile` does, and every setting trains from that directory
+(`open_run(plan=DIR)` with an in-memory store), so later settings of the shape, in the same part or
+another (P1-16 and P1-48 share theirs), load it instead of compiling again. Templates go through one
+kernel cache per invocation, so P5's two depths compile their common block template once.
 
 On CUDA every setting runs in its own process (clean GPU memory, pinned-host cache and peak RSS;
 one crash or timeout loses one setting), and an invocation stops starting settings past
@@ -27,6 +35,7 @@ one crash or timeout loses one setting), and an invocation stops starting settin
     python bench/bench_train.py --only P3
     python bench/bench_train.py --only P5
     python bench/bench_train.py --smoke                      # CPU, tiny shapes, every part, < 1 min
+    python bench/bench_train.py --smoke --only P3 --kernels fused --warmup 0 --steps 1   # CPU: the compiled-plan path
     python bench/bench_train.py --smoke --world-size 2       # CPU (gloo): plain vs torchrun 1 vs torchrun 2 (bench/dp_runs.py)
     python bench/bench_train.py --world-size 1               # CUDA: the P3 shape, plain vs torchrun at one rank (within 2 %?)
 
@@ -38,9 +47,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import re
 import shutil
 import sys
@@ -50,6 +61,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel import: a --smoke --kernels fused run needs the interpreter
+
 import numpy as np
 import torch
 from torch import nn
@@ -58,13 +72,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_runs
 from common import LLAMA, P1_SHAPE, P3_SHAPE, SMOKE_SHAPE, median, write_record
 
+from mtc.compiler import compile_program
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.models import build, model_config
+from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
 from mtc.runtime.placement import describe
 from mtc.runtime.timeline import Timeline
-from mtc.train import StepRecord, build_model, open_run, train
-from mtc.tracer import LossModel
+from mtc.train import StepRecord, TrainResult, build_model, open_run, train
+from mtc.tracer import LossModel, trace
 
 PARTS = ("P1-16", "P1-48", "P3", "P5")
 GOALS = {"P1-16": 230.0, "P1-48": 300.0}  # stateless model TFLOP/s
@@ -218,6 +234,53 @@ def _initial_model(cfg: TrainConfig) -> nn.Module:
     return model
 
 
+# -- the compiled plan, once per model shape ---------------------------------------------------
+
+
+def plan_name(cfg: TrainConfig) -> str:
+    """The plan directory's name for ``cfg``: one per traced shape and kernel options (what
+    `mtc compile` fixes), so the settings of a shape, and parts at the same shape, share it."""
+    d = cfg.to_dict()
+    fields = {k: d[k] for k in (*PLAN_MODEL_FIELDS, *PLAN_KERNEL_FIELDS)} | {"compute_dtype": cfg.resolved_compute_dtype}
+    return f"{cfg.model}-{hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def _counts(compiled: dict) -> dict[str, int]:
+    return {"compiled": sum(not ct.loaded for ct in compiled.values()), "loaded": sum(ct.loaded for ct in compiled.values())}
+
+
+def prepare_plan(cfg: TrainConfig, model: nn.Module, plan_dir: Path, shared: Path) -> dict[str, Any]:
+    """Trace ``model`` and compile its plan into ``plan_dir`` (as `mtc compile` does), unless an
+    earlier setting of this shape has. Templates go through ``shared``, one kernel cache for the
+    whole invocation: a template another shape compiled (P5's depths share theirs) loads from it."""
+    if (plan_dir / PROGRAM_FILE).is_file():
+        return {"prepared_here": False, "prepare_s": None, "prepare_templates": None}
+    t = time.perf_counter()
+    program = trace(model, cfg.micro_batch_size, cfg.seq_len)
+    compiled = compile_program(program, shared, matmul_fusion=cfg.matmul_fusion)
+    shutil.copytree(shared, plan_dir / "kernels", dirs_exist_ok=True)
+    save_plan(program, plan_dir)  # last: its program file marks the plan complete
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what tuning the matmuls held must not shrink the placement's GPU budget
+    return {"prepared_here": True, "prepare_s": time.perf_counter() - t, "prepare_templates": _counts(compiled)}
+
+
+def _plan_record(plan_dir: Path | None, prepared: dict[str, Any] | None, res: TrainResult) -> dict[str, Any]:
+    """How this setting got its compiled plan and what that took (``train_report``: train()'s lines,
+    the plan's compile or load time and, on CUDA, graph replay per template)."""
+    if res.compiled is None:
+        return {"kernels": "unfused", "how": "none: the traced ATen templates run under autograd", "compile_or_load_s": None}
+    assert plan_dir is not None and prepared is not None, "fused settings run from a plan directory"
+    in_train = _counts(res.compiled)
+    made = prepared["prepare_templates"] or {"compiled": 0}
+    return {"kernels": "fused", "dir": plan_dir.name, **prepared, "train_s": res.compile_s, "train_templates": in_train,
+            "how": "compiled" if made["compiled"] or in_train["compiled"] else "loaded",
+            "compile_or_load_s": (prepared["prepare_s"] or 0.0) + (res.compile_s or 0.0),
+            "method": "prepare = trace + compile_program into the plan directory (the first setting of a shape only); "
+                      "train = train() compiling or loading the plan's templates; compile_or_load_s = both",
+            "train_report": res.graph_report}
+
+
 def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec['cfg']`` for warm-up + measured (+ one profiled) steps; the setting's figures."""
     cfg = TrainConfig.from_dict(spec["cfg"])
@@ -226,7 +289,13 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = _initial_model(cfg)
     t1 = time.perf_counter()
-    run = open_run(cfg, None, model=model)  # an in-memory store: with durability none it holds nothing
+    plan_dir = prepared = None
+    if cfg.fused:  # the shape's plan, compiled by its first setting; train() loads it
+        plan_dir = Path(spec["plans"]) / plan_name(cfg)
+        prepared = prepare_plan(cfg, model, plan_dir, Path(spec["plans"]) / "kernels")
+    tp = time.perf_counter()
+    # an in-memory store (with durability none it holds nothing), from the plan directory if fused
+    run = open_run(cfg, None, model=model, plan=plan_dir)
     del model  # run.params holds the initial weights until train() has filled the tiers
     t2 = time.perf_counter()
     if cuda:
@@ -261,8 +330,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "gpu_update_spec": cfg.gpu_update, "gpu_update_layers": sorted(res.gpu_update),
         "gpu_update_params": planned["streamed_update_params"],
         "n_params": n_params, "tokens_per_step": tokens,
-        "setup_s": {"init_model": t1 - t0, "open_run": t2 - t1,
+        "setup_s": {"init_model": t1 - t0, "plan_prepare": tp - t1, "open_run": t2 - tp,
                     "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s},
+        "plan": _plan_record(plan_dir, prepared, res),
         "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
         "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,
         "losses": [r.loss for r in res.records], "grad_norms": [r.grad_norm for r in res.records],
@@ -332,7 +402,11 @@ def resident_job(spec: dict[str, Any]) -> dict[str, Any]:
     mb = spec["micro_batch"]
     accum = cfg.micro_batch_size * cfg.grad_accum // mb
     out: dict[str, Any] = {"setting": spec["setting"], "micro_batch_size": mb, "grad_accum": accum,
-                           "torch_compile": spec["compile"], "n_params": mcfg.n_params()}
+                           "torch_compile": spec["compile"], "n_params": mcfg.n_params(),
+                           # mtc's compiler is not used; torch.compile compiles inside the first steps
+                           "plan": {"kernels": "torch.compile" if spec["compile"] else "torch eager",
+                                    "how": "torch.compile in the warm-up steps (see first_step_s)" if spec["compile"]
+                                    else "none: eager PyTorch", "compile_or_load_s": None}}
     if device.type == "cuda":
         need, (free, _) = _resident_bytes(mcfg, mb, cfg.seq_len), torch.cuda.mem_get_info(device)
         out.update(estimated_need_bytes=need, gpu_free_bytes=free)
@@ -373,6 +447,7 @@ def resident_job(spec: dict[str, Any]) -> dict[str, Any]:
     w = spec["warmup"]
     med = median(times[w:])
     tokens = mb * accum * cfg.seq_len
+    out["plan"]["first_step_s"] = times[0]
     out.update(steps_s=times, warmup_steps=w, median_step_s=med, tokens_per_s=tokens / med,
                model_tflops=6 * mcfg.n_params() * tokens / med / 1e12, grad_norms=[float(n) for n in norms],
                gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None)
@@ -449,6 +524,8 @@ class Env:
     deadline: float
     min_job_s: float
     micro_batch: int  # sequences per micro-batch of the mtc runs (smoke: 2)
+    kernels: str = "auto"  # TrainConfig.kernels of the mtc runs (auto: fused on CUDA, unfused on the CPU)
+    plans: str = ""  # where fused settings keep their shape's compiled plan (one per shape, per invocation)
 
     def split(self, seqs: int) -> tuple[int, int]:
         """(micro_batch_size, grad_accum) for ``seqs`` sequences per step (smoke: 2 x 2 or 2 x 3)."""
@@ -468,7 +545,7 @@ def _cfg(env: Env, shape: dict, *, micro_batch: int, accum: int, placement: str,
     return TrainConfig(
         model="tiny" if env.smoke else LLAMA, model_overrides=dict(shape),
         steps=steps, micro_batch_size=micro_batch, seq_len=32 if env.smoke else 1024, grad_accum=accum,
-        device=env.device, compute_dtype="float32" if env.smoke else "bfloat16", placement=placement,
+        device=env.device, compute_dtype="float32" if env.smoke else "bfloat16", placement=placement, kernels=env.kernels,
         gpu_update="auto", durability="none", activation_budget_gb=activation_budget_gb,
         optim=OptimConfig(clip_norm=1.0),
     )
@@ -480,7 +557,8 @@ def _run(env: Env, part: str, setting: str, kind: str, cfg: TrainConfig, **extra
         print(f"  {part} / {setting}: skipped, {left:.0f} s left of the time limit", flush=True)
         return {"setting": setting, "skipped": f"out of time ({left:.0f} s left)"}
     spec = {"kind": kind, "part": part, "setting": setting, "cfg": cfg.to_dict(), "data": env.data,
-            "warmup": env.warmup, "measure": env.measure, "profile": env.profile, "verbose": env.verbose, **extra}
+            "warmup": env.warmup, "measure": env.measure, "profile": env.profile, "verbose": env.verbose, "plans": env.plans,
+            **extra}
     return run_job(spec, isolate=env.isolate, timeout_s=left)
 
 
@@ -582,7 +660,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     """Medians and ratios, one row per setting, goals beside."""
     head = (f"{'part':6s} {'setting':22s} {'placement':22s} {'gpu upd':>8s} {'step s':>8s} {'tok/s':>9s} {'TFLOP/s':>8s} "
             f"{'busy%':>6s} {'H2D GB/s':>8s} {'D2H GB/s':>8s} {'opt s':>6s} {'exp<=s':>6s} {'GPU GiB':>8s} {'RSS B/p':>8s} "
-            f"{'clip':>5s}")
+            f"{'clip':>5s} {'plan s':>9s}")
     print("\n" + head)
     for part, rec in results.items():
         if part == "DP":
@@ -599,10 +677,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             upd = r.get("gpu_update_params")
             upd_s = f"{upd / 1e9:.2f}B" if upd else "-"
             clip = f"{r['clipped_steps']}/{len(r['steps_s'])}" if "clipped_steps" in r else "-"
+            plan = r.get("plan") or {}
+            plan_s = (f"{plan['how'][0]} {plan['compile_or_load_s']:7.1f}" if plan.get("compile_or_load_s") is not None
+                      else "-")
             print(f"{part:6s} {name:22s} {r.get('placement', 'resident'):22.22s} {upd_s:>8s} "
                   f"{r['median_step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} {_f(prof.get('busy_pct'), '6.1f')} "
                   f"{_f(tr.get('h2d_gbps_avg'), '8.1f')} {_f(tr.get('d2h_gbps_avg'), '8.1f')} {_f(opt.get('update_s'), '6.2f')} "
-                  f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s}")
+                  f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s} "
+                  f"{plan_s:>9s}")
         if part in GOALS:
             st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
             got = f"{st['model_tflops']:.1f}" if st else "-"
@@ -614,7 +696,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                   f"(goal <= {P5_GOAL}; activation budget {rec['activation_budget_gb']} GB)")
     print("busy%: GPU kernel time in one profiled step / its wall time; GB/s: bytes per step / step time; opt s: "
           "optimizer update seconds per step; exp<=s: fetch_wait (upper bound on exposed optimizer time); RSS B/p: "
-          "steady host RSS per parameter")
+          "steady host RSS per parameter; plan s: compiling (c) or loading (l) the fused plan, trace and tuning included "
+          "(each shape's first setting compiles it, later ones load it)")
 
 
 def _print_dp(rec: dict[str, Any]) -> None:
@@ -663,6 +746,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="measured steps after warm-up (default 4; 2 with --smoke)")
     ap.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiled extra step (no GPU busy %%)")
     ap.add_argument("--no-torch-compile", action="store_true", help="P3: leave out the torch.compile baseline")
+    ap.add_argument("--kernels", choices=("auto", "fused", "unfused"), default="auto",
+                    help="mtc settings' kernels (default auto: fused on CUDA; --smoke --kernels fused runs the Triton "
+                         "interpreter). Fused settings compile each shape's plan once and later settings load it")
     ap.add_argument("--micro-batch", type=int, default=4, help="mtc sequences per micro-batch; 16 and 48 per step (default 4)")
     ap.add_argument("--baseline-micro-batch", type=int, default=16, help="P3 resident baseline micro-batch (default 16)")
     ap.add_argument("--p5-shape", choices=["p3", "p1"], default="p3", help="P5 layer shape (p1 needs ~165 GB of RAM at 40 blocks)")
@@ -701,7 +787,7 @@ def main() -> None:
               measure=a.steps or ((6 if a.world_size else 2) if a.smoke else 4), profile=not a.smoke and not a.no_profile,
               isolate=a.isolate if a.isolate is not None else not a.smoke, verbose=not a.quiet,
               deadline=start + a.time_limit_s, min_job_s=0 if a.smoke else 45,
-              micro_batch=a.micro_batch)
+              micro_batch=a.micro_batch, kernels=a.kernels, plans=str(tmp / "plans"))
     # no CUDA call in this process: a context here would hold GPU memory the settings' processes measure
     print(f"bench_train{' smoke (CPU, tiny shapes)' if a.smoke else ''}: parts {', '.join(parts)}, "
           f"time limit {a.time_limit_s:.0f} s", flush=True)
@@ -717,7 +803,7 @@ def main() -> None:
         else:
             rec = part_p5(env, a.p5_shape, (2, 4) if a.smoke else (10, 40), a.p5_budget_gb)
         rec = {"part": part, "smoke": a.smoke, "part_wall_s": time.monotonic() - t,
-               "env": {k: v for k, v in dataclasses.asdict(env).items() if k not in ("data", "deadline")}, **rec}
+               "env": {k: v for k, v in dataclasses.asdict(env).items() if k not in ("data", "deadline", "plans")}, **rec}
         results[part] = rec
     for part, rec in results.items():  # at the end: write_record asks CUDA for the device name
         name = f"bench_train-{'smoke-' if a.smoke else ''}{part}"

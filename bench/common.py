@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import socket
 import statistics
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "BENCH_RESULTS_DIR"  # records go there instead when set (tests: a temporary directory)
 
 # the engine's benchmark shapes (bench_train's parts, bench_fusion's whole-model line): Llama
 # overrides of the base preset LLAMA (untied embeddings, RoPE theta 5e5)
@@ -60,10 +62,12 @@ def median(xs: list[float]) -> float:
 
 
 def write_record(name: str, record: dict[str, Any]) -> Path:
-    """Write ``record`` (plus the environment) as JSON under bench/results/ and return the path."""
-    RESULTS.mkdir(exist_ok=True)
+    """Write ``record`` (plus the environment) as JSON under bench/results/ (or $BENCH_RESULTS_DIR)
+    and return the path."""
+    out = Path(os.environ.get(RESULTS_ENV) or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
     env = environment()
     stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    path = RESULTS / f"{name}-{env['host']}-{stamp}.json"
+    path = out / f"{name}-{env['host']}-{stamp}.json"
     path.write_text(json.dumps({"benchmark": name, **env, **record}, indent=1))
     return path

@@ -83,6 +83,7 @@ class CompiledTemplate:
     diff: list[int]
     forward_report: GraphReport
     backward_report: GraphReport
+    loaded: bool = False  # read back from a stored record (`compile_program`), not compiled in this process
     _modules: dict[tuple[str, str], fx.GraphModule] = dataclasses.field(default_factory=dict, repr=False)
 
     def module(self, which: str, device: torch.device | str) -> fx.GraphModule:
@@ -394,7 +395,7 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
 
         graphs[which] = graph_from_dict(rec["nodes"], resolve)
     return CompiledTemplate(doc["template"], graphs["forward"], graphs["joint"], list(doc["diff"]),
-                            GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]))
+                            GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]), loaded=True)
 
 
 def _stale_fields(old: dict[str, str], new: dict[str, str]) -> str:

@@ -104,6 +104,9 @@ class Run:
     params: dict[str, torch.Tensor] | None  # a new run's initial parameters (None when resuming)
     changes: list[str] = dataclasses.field(default_factory=list)  # fields --allow-change let differ on resume
     change_values: dict = dataclasses.field(default_factory=dict)  # {field: [old, new]} of those changes
+    # an in-memory run opened from a plan directory: its compiled templates (`mtc compile`,
+    # `mtc.compile`), copied into the run's kernel cache so they load instead of compiling
+    plan_kernels: Path | None = None
 
     @property
     def start_step(self) -> int:
@@ -129,6 +132,7 @@ class TrainResult:
     host_state_bytes: int
     tiers: StateTiers
     compiled: dict | None = None
+    compile_s: float | None = None  # compiling or loading the fused plan's templates (None: unfused)
     graph_report: list[str] = dataclasses.field(default_factory=list)  # CUDA-graph replay per template (runtime/graph_replay.py)
 
 
@@ -353,7 +357,9 @@ def open_run(
     except BaseException:
         store.close()
         raise
-    return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()})
+    # an in-memory store has no plan dir to copy a plan's kernels into now: train() seeds its cache from them
+    kernels = Path(plan, "kernels") if path is None and plan is not None and not isinstance(plan, Program) else None
+    return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()}, plan_kernels=kernels)
 
 
 def last_committed_step(store_dir: str | Path) -> int | None:
@@ -515,7 +521,7 @@ def train(
             compiled = compile_on_ranks(program, Path(store_dir), world.is_root,
                                         functools.partial(compile_program, matmul_fusion=cfg.matmul_fusion), parts)
         else:
-            compiled = _compile(cfg, program, st)
+            compiled = _compile(cfg, program, st, run.plan_kernels)
         compile_s = time.perf_counter() - compile_s
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -625,7 +631,8 @@ def train(
     return TrainResult(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
-        host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, graph_report=graph_lines,
+        host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
+        graph_report=graph_lines,
     )
 
 
@@ -720,13 +727,20 @@ def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: 
     return commit
 
 
-def _compile(cfg: TrainConfig, program: Program, st: TensorStore) -> dict | None:
-    """The compiled templates for a fused run (kernels cached in the store's plan dir), else None."""
+def _compile(cfg: TrainConfig, program: Program, st: TensorStore, plan_kernels: Path | None = None) -> dict | None:
+    """The compiled templates for a fused run, else None. Kernels are cached in the store's plan
+    dir; an in-memory store gets a fresh cache, seeded with ``plan_kernels`` (the compiled templates
+    of the plan directory it was opened from, copied: the plan directory is never written)."""
     if not cfg.fused:
         return None
     from mtc.compiler import compile_program
 
-    cache = st.path / "plan" / "kernels" if st.path is not None else Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+    if st.path is not None:
+        cache = st.path / "plan" / "kernels"
+    else:
+        cache = Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+        if plan_kernels is not None and plan_kernels.is_dir():
+            shutil.copytree(plan_kernels, cache, dirs_exist_ok=True)
     return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion)
 
 

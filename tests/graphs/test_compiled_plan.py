@@ -80,6 +80,7 @@ def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, 
     msgs: list[str] = []
     again = compile_program(prog, tmp_path, log=msgs.append)
     assert counted == [] and msgs == []
+    assert all(ct.loaded for ct in again.values()) and not any(ct.loaded for ct in first.values())
     block = next(c.template for c in prog.iter_blocks())
     for tid, ct in again.items():
         assert ct.diff == first[tid].diff and ct.forward_report == first[tid].forward_report

@@ -220,3 +220,22 @@ def test_mtc_train_is_the_api_function_after_importing_the_submodule():
     importlib.import_module("mtc.train")
     assert mtc.train.__module__ == "mtc.api" and callable(mtc.compile)
     assert np.all(np.array([callable(getattr(mtc, n)) for n in ("trace", "save_plan", "load_plan")]))
+
+
+def test_an_in_memory_run_loads_the_plan_it_was_given(tokens, tmp_path, monkeypatch):
+    """A compiled plan directory trained without a store: its compiled templates are loaded, not
+    compiled again, and the plan directory is left as it was."""
+    from mtc import compiler
+
+    plan = mtc.compile(TinyLM(n_layers=1), tmp_path / "plan", batch_size=1, seq_len=8).path
+    before = {p: p.stat().st_mtime_ns for p in plan.rglob("*") if p.is_file()}
+    compiled: list[str] = []
+    real = compiler.compile_template
+    monkeypatch.setattr(compiler, "compile_template", lambda t, *a, **k: compiled.append(t.id) or real(t, *a, **k))
+    torch.manual_seed(0)
+    res = mtc.train(model=TinyLM(n_layers=1), plan=plan, data=tokens, steps=1, kernels="fused", optim=OPTIM)
+    res.store.close()
+    assert compiled == [], "an in-memory run compiled templates its plan directory holds"
+    assert res.compiled and all(ct.loaded for ct in res.compiled.values())
+    assert res.compile_s is not None and res.compile_s > 0 and math.isfinite(res.losses[0])
+    assert {p: p.stat().st_mtime_ns for p in plan.rglob("*") if p.is_file()} == before

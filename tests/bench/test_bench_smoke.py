@@ -1,0 +1,137 @@
+"""The benchmarks' smoke modes on the CPU, so a broken record field shows here and not first on
+the GPU box: bench_train (issue 8's record fields; a shape's compiled plan compiled by its first
+setting and loaded by the next) and bench_fusion's whole-model line (variants agree on loss and
+gradient norms), each run as a user runs it, records written under a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(script: str, args: list[str], out: Path, timeout: int = 180) -> list[dict]:
+    """Run ``bench/script`` with ``args``, records redirected to ``out``; the records it wrote."""
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(out), TRITON_INTERPRET="1")
+    before = set((BENCH / "results").iterdir())
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, env=env,
+                          cwd=BENCH.parent, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set((BENCH / "results").iterdir()) == before, "a test's record went to bench/results/"
+    paths = sorted(out.glob("*.json"))
+    assert paths, f"{script} wrote no record under {out}:\n{proc.stdout[-2000:]}"
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def check_mtc_setting(r: dict) -> None:
+    """Issue 8's figures of one mtc setting are present and sane."""
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    assert r["durability"] == "none" and r["config"]["durability"] == "none"
+    steps = r["steps_s"]
+    assert steps and all(finite(s) and s > 0 for s in steps)
+    assert r["median_step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["median_step_s"])
+    assert r["model_tflops"] == pytest.approx(6 * r["n_params"] * r["tokens_per_step"] / r["median_step_s"] / 1e12)
+    prof = r["gpu_profile"]  # CUDA only: the profiled step's busy %; None on the CPU, never missing
+    assert prof is None and r["gpu_peak_allocated_bytes"] is None
+    tr = r["transfer_per_step"]
+    assert finite(tr["h2d_gbps_avg"]) and finite(tr["d2h_gbps_avg"]) and tr["h2d_gbps_avg"] >= 0
+    assert tr["planned"]["grads_d2h"] > 0  # stateless / ram layers send their gradients to the host
+    opt = r["optimizer"]
+    assert opt["update_s"] > 0 and 0 <= opt["hidden_s"] <= opt["update_s"] and opt["exposed_upper_s"] >= 0
+    host = r["host"]
+    # (VmHWM and VmRSS are sampled apart: the peak may read a little below the steady figure)
+    assert host["steady_rss_per_param"] > 0 and host["peak_rss_per_param"] > 0 and host["state_bytes"] > 0
+    assert r["clip_norm"] == 1.0 and 0 <= r["clipped_steps"] <= len(steps)
+    assert r["clipped_steps"] == sum(1 for g in r["grad_norms"] if g > r["clip_norm"])
+    assert all(finite(x) for x in r["losses"])
+
+
+@pytest.mark.slow  # two fused settings under the Triton interpreter (~15 s)
+def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path):
+    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P3", "--kernels", "fused", "--warmup", "0", "--steps", "1",
+                                          "--quiet"], tmp_path)
+    assert rec["benchmark"] == "bench_train-smoke-P3" and rec["part"] == "P3"
+    first, second = rec["settings"]
+    assert (first["setting"], second["setting"]) == ("stateless", "auto")
+    for r in (first, second):
+        check_mtc_setting(r)
+        plan = r["plan"]
+        assert plan["kernels"] == "fused" and finite(plan["compile_or_load_s"]) and plan["compile_or_load_s"] > 0
+        assert plan["train_templates"]["compiled"] == 0  # train() loads what the plan directory holds
+    # the first setting of the shape compiles the plan, the second loads it: the same directory,
+    # nothing traced or compiled again
+    p1, p2 = first["plan"], second["plan"]
+    assert p1["dir"] == p2["dir"]
+    assert p1["prepared_here"] and p1["how"] == "compiled" and p1["prepare_templates"]["compiled"] == 3
+    assert not p2["prepared_here"] and p2["how"] == "loaded" and p2["prepare_s"] is None
+    assert p2["train_templates"] == {"compiled": 0, "loaded": 3}
+    assert p2["compile_or_load_s"] == pytest.approx(p2["train_s"]) and p2["compile_or_load_s"] < p1["compile_or_load_s"]
+    # both settings trained the same model from the same weights and data
+    assert first["losses"][0] == pytest.approx(second["losses"][0], rel=1e-5)
+    # the resident baseline runs without mtc's compiler and says so
+    base = rec["baselines"][0]
+    assert base["setting"] == "torch_eager" and base["plan"]["kernels"] == "torch eager"
+    assert base["plan"]["compile_or_load_s"] is None and base["tokens_per_s"] > 0
+    assert rec["ratio_mtc_over_baseline"] == pytest.approx(rec["mtc_best_tokens_per_s"] / rec["baseline_best_tokens_per_s"])
+
+
+def test_bench_train_unfused_smoke_records_p1(tmp_path):
+    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P1-16", "--quiet"], tmp_path)
+    assert rec["part"] == "P1-16" and rec["goal_stateless_tflops"] == 230.0
+    assert [r["setting"] for r in rec["settings"]] == ["stateless", "auto"]
+    for r in rec["settings"]:
+        check_mtc_setting(r)
+        assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
+    assert rec["settings"][0]["placement_spec"] == "stateless"
+
+
+@pytest.mark.slow  # the whole-model line under the Triton interpreter (~10 s)
+def test_bench_fusion_model_line_smoke_agrees_with_unfused(tmp_path):
+    (rec,) = run_bench("bench_fusion.py", ["--smoke", "--part", "model", "--no-torch-compile", "--model-seqs", "4",
+                                           "--model-micro-batch", "2", "--model-seq-len", "8", "--warmup", "0", "--reps", "1"],
+                       tmp_path)
+    assert rec["benchmark"] == "bench_fusion-model-smoke" and rec["micro_batches"] == 2 and rec["tokens_per_step"] == 32
+    assert rec["reference_variant"] == "unfused" and rec["variant_order"] == ["unfused", "mtc_fused"]
+    fused = rec["results"]["mtc_fused"]
+    assert fused["loss_rel_diff_vs_reference"] < 1e-5 and fused["max_rel_grad_norm_diff_vs_reference"] < 1e-5
+    assert fused["plan_compile_s"] > 0 and finite(rec["fused_speedup_vs_unfused"])
+    assert rec["fused_speedup_vs_unfused"] == pytest.approx(rec["results"]["unfused"]["median_ms"] / fused["median_ms"])
+    assert "graph_speedup_vs_unfused" not in rec  # CUDA graphs: CUDA only
+    assert rec["goal"].startswith("none")
+
+
+def test_fusion_goal_verdict_takes_the_faster_fused_variant_and_says_which():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_fusion
+
+    cuda = torch.device("cuda")  # the verdict is judged on CUDA runs only; no device is touched
+    res = {"unfused": {"median_ms": 26.0}, "mtc_fused": {"median_ms": 22.0}, "mtc_fused_graph": {"median_ms": 20.0},
+           "torch_compile": {"median_ms": 21.5}}
+    v = bench_fusion.goal_verdict("llama", "block", res, cuda)
+    assert v["judged_on"] == "mtc_fused_graph" and v["speedup"]["vs_unfused"] == pytest.approx(1.3)
+    assert v["checks"] == {"vs_unfused": True, "vs_torch_compile": True} and v["met"] and v["verdict"] == "met on mtc_fused_graph"
+    # GPT-2's block goal is 1.2x unfused: 24 / 20 meets it, Llama's 1.25x would not
+    res["unfused"]["median_ms"] = 24.0
+    assert bench_fusion.goal_verdict("gpt2", "block", res, cuda)["met"]
+    assert bench_fusion.goal_verdict("llama", "block", res, cuda)["checks"]["vs_unfused"] is False
+    # eager fused faster than the replay: judged on it; heads have only the torch.compile goal
+    res["mtc_fused"]["median_ms"] = 19.0
+    head = bench_fusion.goal_verdict("qwen2", "head", res, cuda)
+    assert head["judged_on"] == "mtc_fused" and set(head["checks"]) == {"vs_torch_compile"} and head["met"]
+    # without torch.compile the verdict is not judged; on the CPU never
+    del res["torch_compile"]
+    assert bench_fusion.goal_verdict("llama", "block", res, cuda)["met"] is None
+    assert bench_fusion.goal_verdict("llama", "block", res, torch.device("cpu"))["verdict"].startswith("not judged")
