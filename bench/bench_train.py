@@ -358,8 +358,12 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     h["peak_rss_per_param"] = h["peak_rss_bytes"] / n_params if h["peak_rss_bytes"] else None
     h["steady_rss_per_param"] = h["steady_rss_bytes"] / n_params if h["steady_rss_bytes"] else None
     if cuda:
-        out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        out["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        # the run's watcher resets the peak counter after every step (each record holds its step's
+        # peak): the run's peak is the largest of them and what came after the last reset; the
+        # caching allocator's reserved pool only grows (nothing empties it during train())
+        out["gpu_peak_allocated_bytes"] = max([torch.cuda.max_memory_allocated()]
+                                              + [r.gpu_peak_bytes for r in res.records if r.gpu_peak_bytes is not None])
+        out["gpu_peak_reserved_bytes"] = max(torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved())
         if probe.prof is not None:
             try:
                 out["gpu_profile"] = _gpu_profile(probe.prof, steps[warmup + measure])

@@ -480,12 +480,15 @@ class StepTime:
         return (0.0 if self.disk_read_warm else self.disk_read_s) + self.disk_write_s
 
 
-def adamw_rate(profile: MachineProfile, threads: int, *, zero_grad: bool = False) -> float:
-    """CPU AdamW params/s with ``threads`` pool threads (0: all cores), the engine's impl;
-    ``zero_grad``: on all-zero gradients and moments."""
+def adamw_rate(profile: MachineProfile, threads: int, *, zero_grad: bool = False, impl: str = "auto") -> float:
+    """CPU AdamW params/s with ``threads`` pool threads (0: all cores); ``impl`` the run's
+    `host_adamw` ('auto': the engine's default here; a named one at its measured rate, where the
+    profile has it); ``zero_grad``: on all-zero gradients and moments."""
     cores = max(1, profile.cores)
     t = cores if threads <= 0 else min(threads, cores)
     full, one = profile.adamw_rate, profile.adamw_one_thread_gparams_s or profile.adamw_rate / cores
+    if impl != "auto" and profile.adamw_gparams_s.get(impl):  # the one-thread figure is the default impl's: scale it
+        full, one = profile.adamw_gparams_s[impl], one * profile.adamw_gparams_s[impl] / profile.adamw_rate
     if zero_grad:
         full, one = full * profile.adamw_zero_grad_factor, one * profile.adamw_zero_grad_factor_one_thread
     rate = full if t >= cores else one + (full - one) * (t - 1) / max(1, cores - 1)
@@ -524,7 +527,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     B = [mb * compute_seconds(shape.costs[i], profile, backward=True) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
          for i in range(L)]
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
-    cpu_rate = adamw_rate(profile, cfg.optim_threads) * (profile.adamw_with_copies if cuda else 1.0)
+    cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
     gpu_rate = (profile.gpu_adamw_gparams_s or 1e3) * gb
     n_disk = sum(sn[i] for i in range(L) if placement[i] == "disk")
     warm = 24 * n_disk <= 0.8 * (profile.host_available_bytes - host_need)  # both generations stay in the page cache
@@ -535,7 +538,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     tokens = mb * shape.tokens_per_micro_batch
     idle = [sum((rows - min(rows, tokens)) * width for rows, width in shape.sparse_tables[i]) * sn[i] // max(1, n[i])
             for i in range(L)]
-    zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True) * (profile.adamw_with_copies if cuda else 1.0)
+    zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
     adam = [0.0 if placement[i] == "gpu" or i in gpu_update else (sn[i] - idle[i]) / cpu_rate + idle[i] / zero_rate
             for i in range(L)]
     io_r = [12 * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]

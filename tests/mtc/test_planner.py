@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -177,3 +178,14 @@ def test_plan_cli_takes_a_plan_directory_and_a_config_file(tmp_path, capsys):
     out = capsys.readouterr().out
     chosen = [line for line in out.splitlines() if line.endswith("<- chosen")]
     assert "4 x 64 tokens" in out and len(chosen) == 1 and chosen[0].startswith("  durability weights")
+
+
+def test_the_plan_times_the_host_adamw_the_run_chose():
+    """`--host-adamw exact` on the H100 box is planned at exact's measured rate, not fused's."""
+    prof = builtin("h100-box")
+    base = TrainConfig(model="tiny", device="cuda", seq_len=16, micro_batch_size=2, placement="ram", gpu_update="none")
+    cpu = {impl: make_plan(dataclasses.replace(base, host_adamw=impl), prof).step.stages()["CPU optimizer"]
+           for impl in ("auto", "exact", "fused")}
+    assert cpu["auto"] == cpu["fused"] > 0  # fused is the CUDA default
+    rates = prof.adamw_gparams_s
+    assert cpu["exact"] == pytest.approx(cpu["fused"] * rates["fused"] / rates["exact"])
