@@ -218,11 +218,15 @@ def wait_for_updates(tiers: StateTiers) -> None:
     A layer's update future completes once its master and compute copy hold the new values (for
     `gpu` layers the update is queued on the compute stream, ahead of anything queued after). This
     is the same condition the executor's next fetch of the layer waits for; write-behind and commits
-    may still be in flight (they only read the state).
+    may still be in flight (they only read the state). A data-parallel gpu-tier layer's update ends
+    with the all-gather of its shards into the compute copy on the comm stream: wait for that too
+    (the executor makes its compute stream wait for it; a reader here may use any stream).
     """
     for s in tiers.layers:
         if s.update is not None:
             s.update.result()
+        if s.gathered is not None:
+            s.gathered.wait()
 
 
 class TierWeights:

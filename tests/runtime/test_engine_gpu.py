@@ -61,10 +61,11 @@ def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
     run.store.close()
 
 
+@pytest.mark.parametrize("kernels", ["unfused", "fused"])  # fused: compiled templates replayed as CUDA graphs, the default
 @pytest.mark.parametrize("mode", [dict(placement="ram", gpu_update="none"), dict(placement="gpu:0-1,ram:2,disk:3", gpu_update="2"),
                                   dict(placement="stateless", gpu_update="all", activation_budget_gb=1e-9)])
-def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode):
-    cfg = small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels="unfused", **mode)
+def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels):
+    cfg = small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels=kernels, **mode)
     a = train(cfg, None, tokens)
     b = train(cfg, None, tokens, serialize=True)
     try:
@@ -76,9 +77,10 @@ def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode):
         b.store.close()
 
 
-def test_bf16_loss_curve_tracks_torch_amp(tokens):
+@pytest.mark.parametrize("kernels", ["unfused", "fused"])
+def test_bf16_loss_curve_tracks_torch_amp(tokens, kernels):
     steps = 200
-    cfg = small_config(steps=steps, device="cuda", compute_dtype="bfloat16", durability="none", kernels="unfused",
+    cfg = small_config(steps=steps, device="cuda", compute_dtype="bfloat16", durability="none", kernels=kernels,
                        model_overrides={"n_layers": 4}, micro_batch_size=8, seq_len=64, grad_accum=1,
                        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=10, weight_decay=0.1, clip_norm=1.0))
     res = train(cfg, None, tokens)
