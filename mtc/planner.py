@@ -22,10 +22,10 @@ from mtc.costmodel import ModelShape, StepTime, model_shape, shape_from_program,
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
-from mtc.runtime.graph_replay import graph_memory_bytes
+from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
 
-__all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "largest_fit", "make_plan",
-           "memory", "placement_for"]
+__all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra", "largest_fit",
+           "make_plan", "memory", "placement_for"]
 
 GiB = 2**30
 MODES = ("full", "weights", "none")
@@ -46,18 +46,31 @@ def compute_bytes(cfg: TrainConfig, profile: MachineProfile) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
+def _graph_layers(cfg: TrainConfig, shape: ModelShape) -> list[GraphBuffers | None]:
+    """Per layer, its template's CUDA-graph buffers when the run replays it (fused plans with graphs
+    on): the blocks'; embed stages and heads save too few launches to be replayed."""
+    if cfg.kernels == "unfused" or cfg.cuda_graphs == "off":
+        return [None] * shape.n_layers
+    return [b if 0 < i < shape.n_layers - 1 else None for i, b in enumerate(shape.graph_buffers)]
+
+
+def graph_gpu_extra(cfg: TrainConfig, shape: ModelShape) -> list[int]:
+    """Per layer, the GPU bytes its own replayed graphs add when it is placed on the GPU
+    (`mtc.runtime.graph_replay.resident_graph_bytes`): what `auto_placement` charges besides its state."""
+    return resident_graph_bytes(_graph_layers(cfg, shape))
+
+
+def gpu_workspace(cfg: TrainConfig, shape: ModelShape, placement: list[str] | None = None) -> int:
     """GPU memory besides resident state: weight ring, gradient slabs, boundary activations, the
     head's logits, one layer's work, the fixed buffers of replayed CUDA graphs (fused plans) and 2 GiB of
-    slack (`mtc.train`'s estimate)."""
+    slack (`mtc.train`'s estimate). The graphs' buffers depend on ``placement`` (a graph per resident
+    layer): None counts the part no placement changes (`graph_gpu_extra` is the rest, per layer)."""
     c = shape.compute_bytes
     largest = max(shape.numels)
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
     acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
     head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
-    # replayed graphs are the blocks' (embed stages and heads save too few launches to be replayed)
-    block = max(shape.numels[1:-1], default=largest)
-    graphs = graph_memory_bytes(block, c, hidden) if cfg.kernels != "unfused" and cfg.cuda_graphs != "off" else 0
+    graphs = graph_memory_bytes(_graph_layers(cfg, shape), placement)
     return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
 
 
@@ -85,7 +98,9 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
         ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
         ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
-                                 grads_on_device=cuda)
+                                 grads_on_device=cuda,
+                                 # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
+                                 gpu_extra=graph_gpu_extra(cfg, shape) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
     if not cuda and "gpu" in placement:
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
@@ -128,7 +143,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill),
+                  gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES})
 
 
@@ -384,4 +400,4 @@ def _with_blocks(one: ModelShape, blocks: int) -> ModelShape:
         return (t[0],) + (t[1],) * blocks + (t[2],)
 
     return dataclasses.replace(one, numels=rep(one.numels), fetch_numels=rep(one.fetch_numels), costs=rep(one.costs),
-                               sparse_tables=rep(one.sparse_tables))
+                               sparse_tables=rep(one.sparse_tables), graph_buffers=rep(one.graph_buffers))

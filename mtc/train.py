@@ -206,10 +206,20 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
         ram = _ram_budget(cfg) - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=cfg.resolved_disk_compute,
                                                           device_is_cuda=cuda)
         auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=cfg.resolved_disk_compute,
-                                 grads_on_device=cuda)
+                                 grads_on_device=cuda,
+                                 # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
+                                 gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"))
     return placement, gpu_update
+
+
+def _graph_gpu_extra(cfg: TrainConfig, program: Program, cbytes: int) -> list[int]:
+    """Per layer, the GPU bytes its own CUDA graphs add when it is resident (`mtc.planner.graph_gpu_extra`)."""
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import graph_gpu_extra
+
+    return graph_gpu_extra(cfg, shape_from_program(program, cfg.model, cbytes))
 
 
 def _gpu_budget(cfg: TrainConfig, program: Program, cbytes: int) -> int:

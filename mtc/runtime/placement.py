@@ -195,7 +195,7 @@ def available_host_bytes() -> int:
 
 
 def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int, disk_compute: str = "ram",
-                   grads_on_device: bool = False) -> list[str]:
+                   grads_on_device: bool = False, gpu_extra: list[int] | None = None) -> list[str]:
     """Fill the GPU first (fastest: no PCIe for state, updates in HBM), then RAM, then disk.
 
     Every layer starts on disk, with its disk cost charged to the budgets; then, in forward order,
@@ -203,6 +203,8 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     difference. Layers go up from the last backward-visited end (the embed stage and the first
     blocks are updated first in the next forward, so resident updates there shorten the critical
     path). When even all-disk does not fit ``ram_bytes`` the result is all-disk (the fit check says so).
+    ``gpu_extra``: per layer, GPU bytes it costs on the GPU besides its state (the CUDA graphs that
+    read its resident weights: `mtc.planner.graph_gpu_extra`).
     """
     def disk_host(n: int) -> int:
         return host_bytes_per_param("disk", compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
@@ -212,7 +214,7 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     g_left = gpu_bytes - sum(disk_gpu * n for n in numels)
     r_left = ram_bytes - sum(disk_host(n) for n in numels)
     for i, n in enumerate(numels):
-        up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n
+        up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n + (gpu_extra[i] if gpu_extra is not None else 0)
         up_ram = host_bytes_per_param("ram", compute_bytes) * n - disk_host(n)
         if g_left >= 0 and up_gpu <= g_left:
             placement[i], g_left = "gpu", g_left - up_gpu
