@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
+import mtc.calibrate as _calibrate
 from mtc.calibrate import MachineProfile, builtin
 from mtc.config import TrainConfig
-from mtc.costmodel import ModelShape, StepTime, model_shape, shape_from_program, step_time
+from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, shape_from_program, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
 from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
 
-__all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra", "largest_fit",
-           "make_plan", "memory", "placement_for"]
+__all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
+           "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "update_rates"]
 
 GiB = 2**30
 MODES = ("full", "weights", "none")
@@ -82,6 +83,62 @@ def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:
     return "store" if shape.compute_bytes == 4 else "ram"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateRates:
+    """What the GPU-update cost model (`mtc.runtime.placement.choose_gpu_update`) balances, and
+    where the figures come from."""
+
+    cpu_params_per_s: float  # CPU AdamW while PCIe copies run
+    pcie_bytes_per_s: float  # each direction while both run
+    source: str
+
+    def line(self) -> str:
+        """One line for the run's log."""
+        return (f"CPU AdamW {self.cpu_params_per_s / 1e9:.2f} G params/s, PCIe {self.pcie_bytes_per_s / 1e9:.1f} GB/s "
+                f"per direction ({self.source})")
+
+
+def update_rates(cfg: TrainConfig, profile: MachineProfile | None, why: str = "no machine profile") -> UpdateRates:
+    """``profile``'s rates as the cost model takes them (as `mtc.dist_plan` reads them: AdamW on
+    ``cfg.optim_threads`` threads slowed by concurrent copies, half the two-way PCIe rate), or
+    the defaults when there is no profile (``why``)."""
+    if profile is None:
+        return UpdateRates(pl.DEFAULT_CPU_ADAMW_PARAMS_S, pl.DEFAULT_PCIE_BYTES_S, f"defaults: {why}")
+    created = f", {profile.created}" if profile.created else ""
+    return UpdateRates(adamw_rate(profile, cfg.optim_threads) * profile.adamw_with_copies, profile.both_gbps * 1e9 / 2,
+                       f"machine profile {profile.name!r}{created}: {profile.source.split(' (')[0] or 'no source recorded'}")
+
+
+def local_profile(device: str, path: str | Path | None = None) -> tuple[MachineProfile | None, str]:
+    """The last `mtc calibrate` profile (``path``, default ``~/.cache/mtc/machine.json``) when it
+    was measured on this host and, for a CUDA ``device``, on its GPU model; else None and why not."""
+    import socket
+
+    p = Path(path) if path is not None else _calibrate.DEFAULT_PROFILE_PATH
+    if not p.is_file():
+        return None, f"no calibrated profile at {p} (`mtc calibrate` writes one)"
+    try:
+        prof = MachineProfile.load(p)
+    except ConfigError as e:
+        return None, f"profile {p} unreadable: {e}"
+    cuda = torch.device(device).type == "cuda"
+    host, gpu = prof.identity.get("host"), prof.identity.get("gpu")
+    if host != socket.gethostname():
+        return None, f"profile {p} was measured on host {host!r}, this is {socket.gethostname()!r}"
+    if prof.accelerator != ("cuda" if cuda else "cpu"):
+        return None, f"profile {p} was measured for accelerator {prof.accelerator!r}, the run uses {device!r}"
+    here = torch.cuda.get_device_name(torch.device(device)) if cuda and torch.cuda.is_available() else "none"
+    if gpu != here:
+        return None, f"profile {p} was measured on GPU {gpu!r}, the run's is {here!r}"
+    return prof, ""
+
+
+def local_update_rates(cfg: TrainConfig, path: str | Path | None = None) -> UpdateRates:
+    """The cost model's rates for a run on this machine: measured when this host's calibrated
+    profile matches ``cfg.device`` (`local_profile`), else the defaults."""
+    return update_rates(cfg, *local_profile(cfg.device, path))
+
+
 def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, *, disk_tier: bool = False) -> tuple[list[str], set[int]]:
     """Each layer's tier and the GPU-updated `ram` layers, as `mtc.train.plan_placement` chooses
     them, on ``profile``'s memory: the GPU first, then RAM up to the budget (less the disk
@@ -105,7 +162,9 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
     if not cuda and "gpu" in placement:
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
                           "use ram or disk")
-    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda)
+    rates = update_rates(cfg, profile)  # the planned machine's figures
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
+                                       pcie_bytes_per_s=rates.pcie_bytes_per_s)
     return placement, gpu_update
 
 

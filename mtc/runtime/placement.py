@@ -37,6 +37,8 @@ from mtc.errors import ConfigError
 from mtc.runtime.tiers import StateTiers
 
 __all__ = [
+    "DEFAULT_CPU_ADAMW_PARAMS_S",
+    "DEFAULT_PCIE_BYTES_S",
     "auto_placement",
     "available_host_bytes",
     "choose_gpu_update",
@@ -51,6 +53,10 @@ __all__ = [
 ]
 
 _FP32 = 4
+# what `choose_gpu_update` balances when no measured figures are given: CPU AdamW params/s while
+# PCIe copies run, and PCIe bytes/s per direction while both run (the H100 box's DESIGN.md table)
+DEFAULT_CPU_ADAMW_PARAMS_S = 2.7e9
+DEFAULT_PCIE_BYTES_S = 50e9
 
 
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
@@ -64,7 +70,7 @@ def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None
 
 
 def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
-                       cpu_params_per_s: float = 2.7e9, pcie_bytes_per_s: float = 50e9) -> set[int]:
+                       cpu_params_per_s: float = DEFAULT_CPU_ADAMW_PARAMS_S, pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_S) -> set[int]:
     """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto" (cost model)."""
     chosen = parse_layer_set(spec, len(placement))
     if chosen is None:
