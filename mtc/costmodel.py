@@ -50,7 +50,9 @@ import torch
 from mtc.calibrate import MachineProfile
 from mtc.config import TrainConfig
 from mtc.errors import ConfigError
-from mtc.graphs.program import Program, Template
+from mtc.graphs.lower import diff_inputs, grad_outputs
+from mtc.graphs.program import Program, Template, aux_param_dependence
+from mtc.runtime.graph_replay import GraphBuffers, template_graph_buffers
 
 if TYPE_CHECKING:
     from mtc.dist_plan import RankDist
@@ -180,6 +182,7 @@ class ModelShape:
     micro_batch_size: int
     seq_len: int
     compute_bytes: int
+    graph_buffers: tuple[GraphBuffers, ...]  # per layer: its template's fixed buffers when replayed as CUDA graphs
 
     @property
     def n_layers(self) -> int:
@@ -217,6 +220,8 @@ def shape_from_program(program: Program, name: str, compute_bytes: int, *, n_blo
     for call in program.layers:
         for k in dict.fromkeys(call.param_keys()):
             users[k] = users.get(k, 0) + 1
+    aux = aux_param_dependence(program.template_of(0))
+    gbuf = {tid: template_graph_buffers(t, diff_inputs(t, aux), grad_outputs(t, aux)) for tid, t in program.templates.items()}
     numels, fetch, costs, tables = [], [], [], []
     for src in layers:
         call = program.layers[src]
@@ -232,7 +237,8 @@ def shape_from_program(program: Program, name: str, compute_bytes: int, *, n_blo
     b, t = program.batch["ids"].shape
     return ModelShape(name=name, numels=tuple(numels), fetch_numels=tuple(fetch), costs=tuple(costs),
                       sparse_tables=tuple(tables), hidden=_hidden(program),
-                      head_width=width, micro_batch_size=b, seq_len=t, compute_bytes=compute_bytes)
+                      head_width=width, micro_batch_size=b, seq_len=t, compute_bytes=compute_bytes,
+                      graph_buffers=tuple(gbuf[program.layers[src].template] for src in layers))
 
 
 def model_shape(cfg: TrainConfig, compute_dtype: str, *, program: Program | None = None) -> ModelShape:

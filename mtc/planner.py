@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
+import mtc.calibrate as _calibrate
 from mtc.calibrate import MachineProfile, builtin
 from mtc.config import TrainConfig
-from mtc.costmodel import ModelShape, StepTime, model_shape, shape_from_program, step_time
+from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, shape_from_program, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
-from mtc.runtime.graph_replay import graph_memory_bytes
+from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
 
-__all__ = ["Check", "Memory", "Plan", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "largest_fit", "make_plan",
-           "memory", "placement_for"]
+__all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
+           "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "update_rates"]
 
 GiB = 2**30
 MODES = ("full", "weights", "none")
@@ -46,18 +47,31 @@ def compute_bytes(cfg: TrainConfig, profile: MachineProfile) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def gpu_workspace(cfg: TrainConfig, shape: ModelShape) -> int:
+def _graph_layers(cfg: TrainConfig, shape: ModelShape) -> list[GraphBuffers | None]:
+    """Per layer, its template's CUDA-graph buffers when the run replays it (fused plans with graphs
+    on): the blocks'; embed stages and heads save too few launches to be replayed."""
+    if cfg.kernels == "unfused" or cfg.cuda_graphs == "off":
+        return [None] * shape.n_layers
+    return [b if 0 < i < shape.n_layers - 1 else None for i, b in enumerate(shape.graph_buffers)]
+
+
+def graph_gpu_extra(cfg: TrainConfig, shape: ModelShape) -> list[int]:
+    """Per layer, the GPU bytes its own replayed graphs add when it is placed on the GPU
+    (`mtc.runtime.graph_replay.resident_graph_bytes`): what `auto_placement` charges besides its state."""
+    return resident_graph_bytes(_graph_layers(cfg, shape))
+
+
+def gpu_workspace(cfg: TrainConfig, shape: ModelShape, placement: list[str] | None = None) -> int:
     """GPU memory besides resident state: weight ring, gradient slabs, boundary activations, the
     head's logits, one layer's work, the fixed buffers of replayed CUDA graphs (fused plans) and 2 GiB of
-    slack (`mtc.train`'s estimate)."""
+    slack (`mtc.train`'s estimate). The graphs' buffers depend on ``placement`` (a graph per resident
+    layer): None counts the part no placement changes (`graph_gpu_extra` is the rest, per layer)."""
     c = shape.compute_bytes
     largest = max(shape.numels)
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
     acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
     head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
-    # replayed graphs are the blocks' (embed stages and heads save too few launches to be replayed)
-    block = max(shape.numels[1:-1], default=largest)
-    graphs = graph_memory_bytes(block, c, hidden) if cfg.kernels != "unfused" and cfg.cuda_graphs != "off" else 0
+    graphs = graph_memory_bytes(_graph_layers(cfg, shape), placement)
     return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
 
 
@@ -67,6 +81,62 @@ def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:
     if cfg.disk_compute != "auto":
         return cfg.disk_compute
     return "store" if shape.compute_bytes == 4 else "ram"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateRates:
+    """What the GPU-update cost model (`mtc.runtime.placement.choose_gpu_update`) balances, and
+    where the figures come from."""
+
+    cpu_params_per_s: float  # CPU AdamW while PCIe copies run
+    pcie_bytes_per_s: float  # each direction while both run
+    source: str
+
+    def line(self) -> str:
+        """One line for the run's log."""
+        return (f"CPU AdamW {self.cpu_params_per_s / 1e9:.2f} G params/s, PCIe {self.pcie_bytes_per_s / 1e9:.1f} GB/s "
+                f"per direction ({self.source})")
+
+
+def update_rates(cfg: TrainConfig, profile: MachineProfile | None, why: str = "no machine profile") -> UpdateRates:
+    """``profile``'s rates as the cost model takes them (as `mtc.dist_plan` reads them: AdamW on
+    ``cfg.optim_threads`` threads slowed by concurrent copies, half the two-way PCIe rate), or
+    the defaults when there is no profile (``why``)."""
+    if profile is None:
+        return UpdateRates(pl.DEFAULT_CPU_ADAMW_PARAMS_S, pl.DEFAULT_PCIE_BYTES_S, f"defaults: {why}")
+    created = f", {profile.created}" if profile.created else ""
+    return UpdateRates(adamw_rate(profile, cfg.optim_threads) * profile.adamw_with_copies, profile.both_gbps * 1e9 / 2,
+                       f"machine profile {profile.name!r}{created}: {profile.source.split(' (')[0] or 'no source recorded'}")
+
+
+def local_profile(device: str, path: str | Path | None = None) -> tuple[MachineProfile | None, str]:
+    """The last `mtc calibrate` profile (``path``, default ``~/.cache/mtc/machine.json``) when it
+    was measured on this host and, for a CUDA ``device``, on its GPU model; else None and why not."""
+    import socket
+
+    p = Path(path) if path is not None else _calibrate.DEFAULT_PROFILE_PATH
+    if not p.is_file():
+        return None, f"no calibrated profile at {p} (`mtc calibrate` writes one)"
+    try:
+        prof = MachineProfile.load(p)
+    except ConfigError as e:
+        return None, f"profile {p} unreadable: {e}"
+    cuda = torch.device(device).type == "cuda"
+    host, gpu = prof.identity.get("host"), prof.identity.get("gpu")
+    if host != socket.gethostname():
+        return None, f"profile {p} was measured on host {host!r}, this is {socket.gethostname()!r}"
+    if prof.accelerator != ("cuda" if cuda else "cpu"):
+        return None, f"profile {p} was measured for accelerator {prof.accelerator!r}, the run uses {device!r}"
+    here = torch.cuda.get_device_name(torch.device(device)) if cuda and torch.cuda.is_available() else "none"
+    if gpu != here:
+        return None, f"profile {p} was measured on GPU {gpu!r}, the run's is {here!r}"
+    return prof, ""
+
+
+def local_update_rates(cfg: TrainConfig, path: str | Path | None = None) -> UpdateRates:
+    """The cost model's rates for a run on this machine: measured when this host's calibrated
+    profile matches ``cfg.device`` (`local_profile`), else the defaults."""
+    return update_rates(cfg, *local_profile(cfg.device, path))
 
 
 def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, *, disk_tier: bool = False) -> tuple[list[str], set[int]]:
@@ -85,12 +155,16 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
         ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
         ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
-                                 grads_on_device=cuda)
+                                 grads_on_device=cuda,
+                                 # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
+                                 gpu_extra=graph_gpu_extra(cfg, shape) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
     if not cuda and "gpu" in placement:
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
                           "use ram or disk")
-    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda)
+    rates = update_rates(cfg, profile)  # the planned machine's figures
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
+                                       pcie_bytes_per_s=rates.pcie_bytes_per_s)
     return placement, gpu_update
 
 
@@ -128,7 +202,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill), gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0,
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill),
+                  gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES})
 
 
@@ -384,4 +459,4 @@ def _with_blocks(one: ModelShape, blocks: int) -> ModelShape:
         return (t[0],) + (t[1],) * blocks + (t[2],)
 
     return dataclasses.replace(one, numels=rep(one.numels), fetch_numels=rep(one.fetch_numels), costs=rep(one.costs),
-                               sparse_tables=rep(one.sparse_tables))
+                               sparse_tables=rep(one.sparse_tables), graph_buffers=rep(one.graph_buffers))

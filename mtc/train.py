@@ -58,6 +58,7 @@ from mtc.watch import RunWatcher, check_eval_data
 from mtc.weight_sources import record_write_start
 
 if TYPE_CHECKING:
+    from mtc.planner import UpdateRates
     from mtc.stagewatch import StageWatch
 
 __all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
@@ -211,10 +212,30 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
         ram = _ram_budget(cfg) - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=cfg.resolved_disk_compute,
                                                           device_is_cuda=cuda)
         auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=cfg.resolved_disk_compute,
-                                 grads_on_device=cuda)
+                                 grads_on_device=cuda,
+                                 # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
+                                 gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
-    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"))
+    rates = _gpu_update_rates(cfg)
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"),
+                                       cpu_params_per_s=rates.cpu_params_per_s, pcie_bytes_per_s=rates.pcie_bytes_per_s)
     return placement, gpu_update
+
+
+def _gpu_update_rates(cfg: TrainConfig) -> UpdateRates:
+    """The rates the GPU-update cost model weighs for this run: this host's calibrated profile's
+    when it matches the device (`mtc.planner.local_update_rates`), else the defaults."""
+    from mtc.planner import local_update_rates
+
+    return local_update_rates(cfg)
+
+
+def _graph_gpu_extra(cfg: TrainConfig, program: Program, cbytes: int) -> list[int]:
+    """Per layer, the GPU bytes its own CUDA graphs add when it is resident (`mtc.planner.graph_gpu_extra`)."""
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import graph_gpu_extra
+
+    return graph_gpu_extra(cfg, shape_from_program(program, cfg.model, cbytes))
 
 
 def _gpu_budget(cfg: TrainConfig, program: Program, cbytes: int) -> int:
@@ -501,7 +522,10 @@ def train(
         if st.path is not None and world.is_root:
             logs = st.path / "logs"
             logs.mkdir(exist_ok=True)
+            # the cost model's rates, when it chose the GPU-updated layers
+            rates = _gpu_update_rates(cfg).line() if device.type == "cuda" and cfg.gpu_update.strip() == "auto" else None
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
+                            gpu_update_rates=rates,
                             resolved_disk_compute=cfg.resolved_disk_compute,
                             resolved_compute_dtype=cfg.resolved_compute_dtype,
                             mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)

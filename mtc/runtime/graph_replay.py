@@ -5,10 +5,12 @@ call that launches a kernel, and between launches the GPU idles (~2 ms of a 22 m
 the H100). `GraphRunner` wraps a template's runner and replays each graph as a CUDA graph instead:
 
 - **Inputs.** Weights and constants that live in buffers the executor keeps for its whole life
-  (its weight-ring slots, resident compute copies, constants: `bind_stable`) are read in place;
-  a captured graph is keyed by their addresses, so each ring slot gets its own graph. Everything
-  else (activations, aux inputs, the batch, incoming gradients, weights from anywhere else) is
-  copied into the graph's fixed input buffers before each replay, on the compute stream.
+  (its weight-ring slots, resident compute copies, constants: `bind_stable`) are read in place:
+  a captured graph is keyed by their addresses, so each ring slot and each resident (`gpu`-tier)
+  layer of the template gets its own graph, and no call copies weights. Everything else
+  (activations, aux inputs, the batch, incoming gradients) is copied before each replay, on the
+  compute stream, into fixed input buffers that all graphs of one callable share (replays are
+  sequential on that stream, and each fills them right before it runs).
 - **Outputs.** A replay overwrites the same output buffers, and all graphs share one memory pool
   (a later capture may place its buffers where an earlier graph keeps temporaries). So every
   output that outlives the next replay is cloned right after it: forward outputs, the joint's
@@ -18,6 +20,19 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   writes a slab, so a slab's device-to-host copy stays ordered by the executor's slab ring (the
   slab is not written again before that copy has finished), and gradients accumulate across
   micro-batches exactly as in eager execution.
+- **One pool, any order.** torch documents a shared pool as safe for graphs "always replayed in
+  the same order they were captured, and never concurrently" (CUDA semantics notes, "Sharing
+  memory across captures"). Replays here run in layer order (forward ascending, backward
+  descending, ring slots alternating between steps), not in capture order, and are still safe:
+  they never run concurrently (one compute stream), and nothing a replay leaves in the pool is
+  read after the next replay begins (the rule above), so a later capture that took an earlier
+  graph's temporaries for its own buffers only ever overwrites values already consumed. The
+  copied-in buffers are allocated outside the pool.
+- **Memory.** Temporaries share the pool; each graph keeps its outputs, for a block one set of
+  parameter gradients (compute dtype) and a few activations, per weight address: the ring's
+  slots plus every resident layer of the template. `template_graph_buffers` and
+  `graph_memory_bytes` count these fixed buffers exactly, for the planner; a run reports what
+  its captures allocated.
 - **Capture.** The first call of a key warms the graph up on a side stream (cuBLAS/cuDNN handles,
   Triton JIT compilation and kernel tuning happen here, never under capture), then captures on
   that same stream in ``thread_local`` mode (the fetch and optimizer threads keep issuing copies
@@ -28,7 +43,11 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   allocates host memory or reads a CPU tensor) runs that graph eagerly for the rest of the run.
   Either way the reason is logged once and kept in `report_lines`. Calls whose argument shapes
   differ from the captured ones (a plan is static, so only foreign callers), or whose weights are
-  not in the executor's buffers (an evaluation's), run eagerly too.
+  not in the executor's buffers (an evaluation's), run eagerly too. A runner given a cap on
+  graphs per callable (``max_graphs``; none by default) runs the addresses beyond it through one
+  graph that copies its weights in at every call (and keeps a copy of them): logged once, and
+  counted in the report line. A runner that no executor bound (`bind_stable`) has no buffers to
+  read in place: its one graph copies the weights in too.
 
 The capture itself is a small `Capture` backend: `CudaGraphCapture` on CUDA; `EmulatedCapture`
 reproduces a graph's buffer semantics on the CPU (fixed input buffers read at replay, fixed
@@ -50,8 +69,9 @@ from mtc.graphs.program import Template
 from mtc.runtime.runners import LayerRunner
 
 __all__ = [
-    "MIN_LAUNCHES_SAVED", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphRunner", "ReplayStats", "capture_blocker",
-    "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs",
+    "MIN_LAUNCHES_SAVED", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphBuffers", "GraphRunner", "ReplayStats",
+    "capture_blocker", "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs", "resident_graph_bytes",
+    "template_graph_buffers",
 ]
 
 # ATen ops that make the host wait for the device (a data-dependent output size or a value read
@@ -158,14 +178,18 @@ class EmulatedCapture:
 class ReplayStats:
     """What one graph (forward or joint) of a template did in this run."""
 
-    captured: int = 0  # graphs captured (keys: one per weight-ring slot, plus copy-in graphs)
+    captured: int = 0  # graphs captured (keys: one per weight address set, plus a copy-in graph)
+    copy_in: int = 0  # of which copy their weights in at every call (0 or 1: beyond max_graphs, or no executor bound)
     replays: int = 0
+    copy_in_replays: int = 0  # of which through the copy-in graph
     eager_calls: int = 0  # calls run as the plain GraphModule (fallback, skipped, foreign weights or shapes)
     warmup_s: float = 0.0
     capture_s: float = 0.0
     pool_bytes: int = 0  # GPU memory the captures added to the shared pool (reserved bytes)
-    static_bytes: int = 0  # the graphs' fixed input buffers
-    launches_per_call: int = 0  # input copies + 1 graph launch + output clones, of the last capture
+    static_bytes: int = 0  # the fixed input buffers (shared by the callable's graphs)
+    kept_bytes: int = 0  # the fixed output buffers the graphs keep (in the pool; parameter gradients included)
+    launches_per_call: int = 0  # input copies + 1 graph launch + output clones, of a graph reading weights in place
+    copy_in_launches_per_call: int = 0  # the same, of the copy-in graph
     fallback: str | None = None  # why this graph cannot be replayed, when it cannot
     skipped: str | None = None  # why replaying it would not pay (it runs eagerly by choice)
 
@@ -178,13 +202,19 @@ class _Entry:
     outputs: list[Any]
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class _Replayer:
     """The callable the executor gets for one (template, forward|joint, device)."""
 
     def __init__(self, owner: GraphRunner, which: str, fn: Callable[..., Any], alias: frozenset[int], stats: ReplayStats) -> None:
         self.owner, self.which, self.fn, self.alias, self.stats = owner, which, fn, alias, stats
+        # key: per argument, (address, strides) of a weight read in place, else None (copied in)
         self.entries: dict[tuple[Any, ...], _Entry] = {}
-        self.copy_in_shapes: tuple[Any, ...] | None = None  # the signature of the copy-in graph, once made
+        self.shapes: tuple[Any, ...] | None = None  # the argument signature every graph was captured for
+        self.buffers: dict[int, torch.Tensor] = {}  # argument index -> its fixed input buffer, shared by all graphs
 
     def __call__(self, *args: Any) -> Any:
         st = self.stats
@@ -198,32 +228,44 @@ class _Replayer:
             st.eager_calls += 1
             return self.fn(*args)
         shapes = tuple((a.shape, a.dtype, a.device) for a in args)
-        key = (shapes, tuple((args[k].data_ptr(), args[k].stride()) if k in bound else None for k in range(len(args))))
+        if self.shapes is not None and shapes != self.shapes:
+            st.eager_calls += 1  # a plan's shapes are static: only a foreign caller gets here
+            return self.fn(*args)
+        key = tuple((args[k].data_ptr(), args[k].stride()) if k in bound else None for k in range(len(args)))
         e = self.entries.get(key)
-        if e is None and bound and sum(1 for k in self.entries if any(k[1])) >= self.owner.max_graphs:
-            bound, key = frozenset(), (shapes, (None,) * len(args))  # too many addresses: one graph that copies all
+        cap = self.owner.max_graphs
+        if e is None and bound and cap is not None and sum(1 for k in self.entries if any(k)) >= cap:
+            if not any(not any(k) for k in self.entries) and self.owner.log is not None:
+                self.owner.log(f"cuda graphs: template {self.owner.template.id} {self.which}: more than {cap} weight addresses; "
+                               "the others replay one graph that copies the weights in at every call")
+            bound, key = frozenset(), (None,) * len(args)  # one graph that copies all
             e = self.entries.get(key)
         if e is None:
-            if self.copy_in_shapes is not None and shapes != self.copy_in_shapes or (
-                    self.entries and shapes != next(iter(self.entries))[0]):
-                st.eager_calls += 1  # a plan's shapes are static: only a foreign caller gets here
-                return self.fn(*args)
             e = self._capture(key, args, bound)
             if e is None:
                 st.eager_calls += 1
                 return self.fn(*args)
-            if not any(key[1]):
-                self.copy_in_shapes = shapes
+            self.shapes = shapes
         for buf, a in zip(e.static_in, args, strict=True):
             if buf is not None and buf.data_ptr() != a.data_ptr():
                 buf.copy_(a)
         e.replay()
         st.replays += 1
+        if not any(key) and self.owner._weights:
+            st.copy_in_replays += 1
         return tuple(o if (j in self.alias or not isinstance(o, torch.Tensor)) else o.clone() for j, o in enumerate(e.outputs))
+
+    def _buffer(self, k: int, a: torch.Tensor) -> torch.Tensor:
+        """Argument ``k``'s fixed input buffer, made on first use (graphs of one callable share it)."""
+        buf = self.buffers.get(k)
+        if buf is None:
+            buf = self.buffers[k] = torch.empty_like(a)
+            self.stats.static_bytes += _nbytes(buf)
+        return buf.copy_(a)
 
     def _capture(self, key: tuple[Any, ...], args: Sequence[torch.Tensor], bound: frozenset[int]) -> _Entry | None:
         st = self.stats
-        static_in = [None if k in bound else torch.empty_like(a).copy_(a) for k, a in enumerate(args)]
+        static_in = [None if k in bound else self._buffer(k, a) for k, a in enumerate(args)]
         call_args = [a if s is None else s for a, s in zip(args, static_in, strict=True)]
         try:
             replay, out, fig = self.owner.backend.capture(self.fn, call_args)
@@ -237,10 +279,14 @@ class _Replayer:
         st.warmup_s += fig["warmup_s"]
         st.capture_s += fig["capture_s"]
         st.pool_bytes += int(fig["pool_bytes"])
-        st.static_bytes += sum(s.numel() * s.element_size() for s in static_in if s is not None)
+        st.kept_bytes += sum(_nbytes(o) for o in outputs if isinstance(o, torch.Tensor))
         copies = sum(1 for s in static_in if s is not None)
         clones = sum(1 for j, o in enumerate(outputs) if isinstance(o, torch.Tensor) and j not in self.alias)
-        st.launches_per_call = copies + 1 + clones
+        if not any(key) and self.owner._weights:  # weights copied in too
+            st.copy_in += 1
+            st.copy_in_launches_per_call = copies + 1 + clones
+        else:
+            st.launches_per_call = copies + 1 + clones
         return e
 
 
@@ -253,14 +299,15 @@ class GraphRunner:
     cannot be captured; ``eager_launches``: their kernel launches per eager call (the compile
     report's count): a graph whose replay would save fewer than `MIN_LAUNCHES_SAVED` runs eagerly
     (a head: the fused linear + cross-entropy is already a few launches, and replay adds copies);
-    ``backend``: how to capture; ``max_graphs``: graphs per callable keyed by weight addresses
-    (one per weight-ring slot), beyond which one graph copies its weights in; ``log``: receives
-    one line per fallback.
+    ``backend``: how to capture; ``max_graphs``: at most this many graphs per callable read their
+    weights in place (None, the default: one per weight address set the executor calls it with,
+    i.e. per ring slot and per resident layer), the addresses beyond share one graph that copies
+    its weights in; ``log``: receives one line per fallback.
     """
 
     def __init__(self, inner: LayerRunner, template: Template, backend: Capture, *,
                  graphs: dict[str, fx.Graph] | None = None, eager_launches: dict[str, int] | None = None,
-                 max_graphs: int = 2, log: Callable[[str], None] | None = None) -> None:
+                 max_graphs: int | None = None, log: Callable[[str], None] | None = None) -> None:
         self.inner, self.template, self.backend = inner, template, backend
         self.diff, self.n_out = list(inner.diff), inner.n_out
         self.max_graphs, self.log = max_graphs, log
@@ -315,7 +362,8 @@ class GraphRunner:
                 self.log(f"cuda graphs: template {self.template.id} {which} runs without graph replay ({why})")
 
     def report_lines(self) -> list[str]:
-        """One line per graph: replayed (how many graphs, launches per call, time, memory) or why not."""
+        """One line per graph: replayed (how many graphs, which copy their weights in, launches per
+        call, time, memory) or why not."""
         lines = []
         for which, st in self.stats.items():
             head = f"{self.template.id} {which}:"
@@ -324,10 +372,16 @@ class GraphRunner:
             elif st.skipped is not None:
                 lines.append(f"{head} not replayed ({st.skipped})")
             elif st.captured:
+                in_place = st.captured - st.copy_in
+                graphs = f"{st.captured} graphs ({in_place} reading weights in place"
+                if st.copy_in:
+                    graphs += (f", 1 copying them in: {st.copy_in_replays} of the replays, "
+                               f"{st.copy_in_launches_per_call} launches per call")
+                launches = f", {st.launches_per_call} launches per call" if in_place else ""
                 eager = f", {st.eager_calls} eager calls (weights outside the executor's buffers, or shapes not captured)" if st.eager_calls else ""
-                lines.append(f"{head} {st.captured} graphs, {st.replays} replays, {st.launches_per_call} launches per call; "
-                             f"warm-up {st.warmup_s:.2f} s, capture {st.capture_s:.2f} s; pool {st.pool_bytes / 2**20:.0f} MiB, "
-                             f"input buffers {st.static_bytes / 2**20:.0f} MiB{eager}")
+                lines.append(f"{head} {graphs}), {st.replays} replays{launches}; "
+                             f"warm-up {st.warmup_s:.2f} s, capture {st.capture_s:.2f} s; pool {st.pool_bytes / 2**20:.0f} MiB "
+                             f"(outputs kept {st.kept_bytes / 2**20:.0f} MiB), input buffers {st.static_bytes / 2**20:.0f} MiB{eager}")
         return lines
 
 
@@ -343,15 +397,65 @@ def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: S
     return (placeholders - weights) + 1 + (n_outputs - aliased)
 
 
-def graph_memory_bytes(block_numel: int, compute_bytes: int, activation_bytes: int, *, slots: int = 2) -> int:
-    """GPU memory that graph replay adds to a run's workspace beyond eager execution (an estimate
-    for the planner; runs report what their captures measured). The joint graph of each
-    weight-ring slot keeps its block's parameter gradients as fixed buffers, where eager execution
-    needs one such set at a time (a joint call returns them all at once): ``slots - 1`` sets more;
-    the forward and joint graphs of each slot keep their activation outputs and input buffers
-    (about three activations each); the graphs' temporaries share one pool, sized like the one
-    layer's work eager execution needs anyway."""
-    return (slots - 1) * block_numel * compute_bytes + slots * 3 * activation_bytes
+@dataclasses.dataclass(frozen=True, slots=True)
+class GraphBuffers:
+    """The fixed buffers of one template's replayed graphs, forward and joint together, as
+    `GraphRunner` allocates them (the shared pool's temporaries aside)."""
+
+    template: str  # the template's id
+    copied: int  # one set of input buffers (activations, aux, batch, incoming gradients): all the template's graphs share it
+    kept: int  # the outputs one weight address set's forward and joint graphs keep (parameter gradients included)
+
+
+def _spec_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype.itemsize
+
+
+def template_graph_buffers(template: Template, diff: Sequence[int], grad_outs: Sequence[int]) -> GraphBuffers:
+    """What replaying ``template`` allocates, from its specs: ``diff``, the inputs the joint returns
+    gradients for, and ``grad_outs``, the outputs it takes incoming gradients for (the runner's
+    joint signature: `mtc.graphs.lower.diff_inputs` and `grad_outputs`). Weights and constants
+    are read in place; an input the graph never reads gets no gradient buffer."""
+    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+    vals = [o.meta["val"] for o in next(n for n in template.graph.nodes if n.op == "output").args[0]]
+    outs = [_spec_bytes(v.shape, v.dtype) for v in vals]
+    inputs = [_spec_bytes(i.spec.shape, i.spec.torch_dtype) for i in template.inputs]
+    copied = sum(b for b, i in zip(inputs, template.inputs, strict=True) if i.kind not in ("param", "const"))
+    grads = sum(inputs[k] for k in diff if placeholders[k].users)
+    # forward: copies the inputs, keeps the outputs; joint: copies them and the incoming
+    # gradients, keeps the recomputed outputs and the gradients
+    return GraphBuffers(template.id, copied=2 * copied + sum(outs[j] for j in grad_outs), kept=2 * sum(outs) + grads)
+
+
+def graph_memory_bytes(layers: Sequence[GraphBuffers | None], placement: Sequence[str] | None = None, *, slots: int = 2) -> int:
+    """GPU memory in the fixed buffers of replayed graphs (beyond the shared pool's temporaries,
+    which hold one layer's work at a time, as eager execution needs anyway). ``layers``: per
+    program layer, its template's buffers (None: not replayed). Each template keeps one set of
+    copied-input buffers and, per weight address set, ``kept``: the ``slots`` weight-ring slots
+    (when any of its layers streams) plus each of its layers placed on the GPU. ``placement``
+    None: the part no placement changes (as if every layer streamed; `resident_graph_bytes` is
+    what each layer adds when placed on the GPU), for the budget an automatic placement fills."""
+    seen: dict[str, GraphBuffers] = {}
+    resident: dict[str, int] = {}
+    streamed: set[str] = set()
+    for i, b in enumerate(layers):
+        if b is None:
+            continue
+        seen[b.template] = b
+        if placement is not None and placement[i] == "gpu":
+            resident[b.template] = resident.get(b.template, 0) + 1
+        else:
+            streamed.add(b.template)
+    return sum(b.copied + b.kept * (resident.get(t, 0) + (slots if t in streamed else 0)) for t, b in seen.items())
+
+
+def resident_graph_bytes(layers: Sequence[GraphBuffers | None]) -> list[int]:
+    """Per layer, the GPU memory its own graphs add when it is placed on the GPU (its weights are
+    then read in place from its resident copy, through a graph of its own)."""
+    return [0 if b is None else b.kept for b in layers]
 
 
 def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template], compiled: dict[str, Any],

@@ -37,6 +37,8 @@ from mtc.errors import ConfigError
 from mtc.runtime.tiers import StateTiers
 
 __all__ = [
+    "DEFAULT_CPU_ADAMW_PARAMS_S",
+    "DEFAULT_PCIE_BYTES_S",
     "auto_placement",
     "available_host_bytes",
     "choose_gpu_update",
@@ -51,6 +53,10 @@ __all__ = [
 ]
 
 _FP32 = 4
+# what `choose_gpu_update` balances when no measured figures are given: CPU AdamW params/s while
+# PCIe copies run, and PCIe bytes/s per direction while both run (the H100 box's DESIGN.md table)
+DEFAULT_CPU_ADAMW_PARAMS_S = 2.7e9
+DEFAULT_PCIE_BYTES_S = 50e9
 
 
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
@@ -64,7 +70,7 @@ def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None
 
 
 def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
-                       cpu_params_per_s: float = 2.7e9, pcie_bytes_per_s: float = 50e9) -> set[int]:
+                       cpu_params_per_s: float = DEFAULT_CPU_ADAMW_PARAMS_S, pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_S) -> set[int]:
     """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto" (cost model)."""
     chosen = parse_layer_set(spec, len(placement))
     if chosen is None:
@@ -195,7 +201,7 @@ def available_host_bytes() -> int:
 
 
 def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int, disk_compute: str = "ram",
-                   grads_on_device: bool = False) -> list[str]:
+                   grads_on_device: bool = False, gpu_extra: list[int] | None = None) -> list[str]:
     """Fill the GPU first (fastest: no PCIe for state, updates in HBM), then RAM, then disk.
 
     Every layer starts on disk, with its disk cost charged to the budgets; then, in forward order,
@@ -203,6 +209,8 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     difference. Layers go up from the last backward-visited end (the embed stage and the first
     blocks are updated first in the next forward, so resident updates there shorten the critical
     path). When even all-disk does not fit ``ram_bytes`` the result is all-disk (the fit check says so).
+    ``gpu_extra``: per layer, GPU bytes it costs on the GPU besides its state (the CUDA graphs that
+    read its resident weights: `mtc.planner.graph_gpu_extra`).
     """
     def disk_host(n: int) -> int:
         return host_bytes_per_param("disk", compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
@@ -212,7 +220,7 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     g_left = gpu_bytes - sum(disk_gpu * n for n in numels)
     r_left = ram_bytes - sum(disk_host(n) for n in numels)
     for i, n in enumerate(numels):
-        up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n
+        up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n + (gpu_extra[i] if gpu_extra is not None else 0)
         up_ram = host_bytes_per_param("ram", compute_bytes) * n - disk_host(n)
         if g_left >= 0 and up_gpu <= g_left:
             placement[i], g_left = "gpu", g_left - up_gpu

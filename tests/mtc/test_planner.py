@@ -189,3 +189,56 @@ def test_the_plan_times_the_host_adamw_the_run_chose():
     assert cpu["auto"] == cpu["fused"] > 0  # fused is the CUDA default
     rates = prof.adamw_gparams_s
     assert cpu["exact"] == pytest.approx(cpu["fused"] * rates["fused"] / rates["exact"])
+
+
+# -- the GPU-update cost model's rates ---------------------------------------------------------
+
+
+def _this_host_profile(path, **kw):
+    """A profile as `mtc calibrate` would write it on this (CPU) host, with a slow CPU AdamW."""
+    import dataclasses
+    import socket
+
+    prof = dataclasses.replace(builtin("h100-box"), name="this-host", accelerator="cpu", gpu_memory_bytes=0,
+                               adamw_gparams_s={"exact": 0.5, "fused": 0.5}, adamw_impl="exact", adamw_one_thread_gparams_s=0.1,
+                               adamw_with_copies=0.8, both_gbps=20.0, identity={"host": socket.gethostname(), "gpu": "none"},
+                               source="mtc calibrate (copies 64 MiB)", created="2026-12-01")
+    return dataclasses.replace(prof, **kw).save(path)
+
+
+def test_the_gpu_update_cost_model_takes_this_hosts_calibrated_rates(tmp_path, monkeypatch):
+    import mtc.calibrate
+    from mtc.planner import local_update_rates
+    from mtc.runtime import placement as pl
+    from mtc.train import _gpu_update_rates
+
+    cfg = TrainConfig(model="tiny")
+    path = _this_host_profile(tmp_path / "machine.json")
+    rates = local_update_rates(cfg, path)
+    assert (rates.cpu_params_per_s, rates.pcie_bytes_per_s) == (0.5e9 * 0.8, 10e9)  # AdamW while copies run; half of both ways
+    assert rates.line() == ("CPU AdamW 0.40 G params/s, PCIe 10.0 GB/s per direction "
+                            "(machine profile 'this-host', 2026-12-01: mtc calibrate)")
+    # with a CPU this slow the GPU takes more of the ram layers' updates than with the defaults
+    measured = pl.resolve_gpu_update("auto", ["ram"] * 40, [100] * 40, device_is_cuda=True, cpu_params_per_s=rates.cpu_params_per_s,
+                                     pcie_bytes_per_s=rates.pcie_bytes_per_s)
+    assert len(measured) > len(pl.resolve_gpu_update("auto", ["ram"] * 40, [100] * 40, device_is_cuda=True))
+    # `mtc train` reads the profile where `mtc calibrate` writes it
+    monkeypatch.setattr(mtc.calibrate, "DEFAULT_PROFILE_PATH", path)
+    assert _gpu_update_rates(cfg) == rates
+    # another host's profile, another accelerator's, or none: the defaults, and why
+    for kw, why in (({"identity": {"host": "elsewhere", "gpu": "none"}}, "measured on host 'elsewhere'"),
+                    ({"accelerator": "cuda"}, "measured for accelerator 'cuda', the run uses 'cpu'")):
+        other = local_update_rates(cfg, _this_host_profile(tmp_path / "other.json", **kw))
+        assert (other.cpu_params_per_s, other.pcie_bytes_per_s) == (pl.DEFAULT_CPU_ADAMW_PARAMS_S, pl.DEFAULT_PCIE_BYTES_S)
+        assert other.source.startswith("defaults: ") and why in other.source, other.source
+    assert local_update_rates(cfg, tmp_path / "none.json").source.startswith("defaults: no calibrated profile at ")
+
+
+def test_a_plan_weighs_gpu_updates_with_its_machines_rates():
+    import dataclasses
+
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="ram", durability="none")
+    box = builtin("h100-box")
+    fast_cpu = dataclasses.replace(box, adamw_gparams_s={"fused": 50.0, "exact": 25.0})
+    slow, fast = make_plan(cfg, box).gpu_update, make_plan(cfg, fast_cpu).gpu_update
+    assert len(fast) < len(slow)  # a faster CPU keeps more of the updates

@@ -107,10 +107,31 @@ def test_parameter_gradients_are_graph_buffers_activation_gradients_are_copies()
     assert r.stats["joint"].launches_per_call == 2 + 1 + 2
 
 
-def test_one_graph_per_weight_address_then_one_that_copies_weights_in():
+def test_one_graph_per_weight_address_sharing_the_copied_input_buffers():
+    ws = [torch.randn(3, 3) for _ in range(4)]  # two ring slots and two resident layers, say
+    ptrs = {w.untyped_storage().data_ptr() for w in ws}
+    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture())
+    r.bind_stable(lambda t: t.untyped_storage().data_ptr() in ptrs)
+    fwd = r.forward(torch.device("cpu"))
+    for _ in range(2):
+        for w in ws:
+            x = torch.randn(4, 3)
+            assert torch.equal(fwd(x, w)[0], x @ w)
+    st = r.stats["forward"]
+    assert (st.captured, st.copy_in, st.replays, st.eager_calls) == (4, 0, 8, 0)
+    assert st.launches_per_call == 1 + 1 + 1  # no weight is copied, at any address
+    assert st.static_bytes == 4 * 3 * 4  # one buffer for x, shared by the four graphs
+    assert st.kept_bytes == 4 * (4 * 3 * 4)  # each graph keeps its own output
+    # another shape than the plan's: eager, counted
+    y = fwd(torch.randn(2, 3), ws[0])[0]
+    assert y.shape == (2, 3) and st.eager_calls == 1
+
+
+def test_beyond_a_cap_one_graph_copies_weights_in_and_says_so():
     ws = [torch.randn(3, 3) for _ in range(4)]
     ptrs = {w.untyped_storage().data_ptr() for w in ws}
-    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(), max_graphs=2)
+    msgs: list[str] = []
+    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(), max_graphs=2, log=msgs.append)
     r.bind_stable(lambda t: t.untyped_storage().data_ptr() in ptrs)
     fwd = r.forward(torch.device("cpu"))
     x = torch.randn(4, 3)
@@ -118,10 +139,12 @@ def test_one_graph_per_weight_address_then_one_that_copies_weights_in():
         for w in ws:
             assert torch.equal(fwd(x, w)[0], x @ w)
     st = r.stats["forward"]
-    assert st.captured == 3 and st.replays == 8  # two slots' graphs, then one copy-in graph for the rest
-    # another shape than the plan's: eager, counted
-    y = fwd(torch.randn(2, 3), ws[0])[0]
-    assert y.shape == (2, 3) and st.eager_calls == 1
+    assert (st.captured, st.copy_in, st.replays, st.copy_in_replays) == (3, 1, 8, 4)
+    assert (st.launches_per_call, st.copy_in_launches_per_call) == (3, 4)  # the copy-in graph copies w too
+    assert st.static_bytes == 4 * 3 * 4 + 3 * 3 * 4  # x's buffer (shared) and the copy-in graph's w
+    assert len(msgs) == 1 and "more than 2 weight addresses" in msgs[0]
+    line = r.report_lines()[0]
+    assert line.startswith("toy forward: 3 graphs (2 reading weights in place, 1 copying them in: 4 of the replays, 4 launches per call)")
 
 
 def test_unstable_weights_are_copied_in():
@@ -132,7 +155,7 @@ def test_unstable_weights_are_copied_in():
         w = torch.randn(3, 3)  # a fresh tensor each call (an evaluation's weights)
         assert torch.equal(fwd(x, w)[0], x @ w)
     st = r.stats["forward"]
-    assert st.captured == 1 and st.launches_per_call == 2 + 1 + 1
+    assert (st.captured, st.copy_in, st.copy_in_replays) == (1, 1, 3) and st.copy_in_launches_per_call == 2 + 1 + 1
 
 
 def test_weights_outside_the_executors_buffers_run_eagerly():
@@ -204,8 +227,8 @@ def tokens(tmp_path_factory):
     return skewed_tokens(tmp_path_factory.mktemp("data") / "tok.bin")
 
 
-def _steps(tokens, wrap: bool, placement: str, steps: int = 3):
-    cfg = small_config(placement=placement, durability="none")
+def _steps(tokens, wrap: bool, placement: str, steps: int = 3, **kw):
+    cfg = small_config(placement=placement, durability="none", **kw)
     run = open_run(cfg, None)
     prog = run.program
     placement_, gpu_update = plan_placement(cfg, prog)
@@ -236,13 +259,13 @@ def _steps(tokens, wrap: bool, placement: str, steps: int = 3):
     finally:
         eng.close()
         run.store.close()
-    return losses, weights, captured, runners
+    return losses, weights, captured, runners, prog
 
 
 @pytest.mark.parametrize("placement", ["gpu:0,ram:1-3"])  # a resident layer and ring slots
 def test_replayed_steps_are_bit_identical_to_eager(tokens, placement):
-    losses, weights, _, _ = _steps(tokens, False, placement)
-    got_losses, got_weights, captured, runners = _steps(tokens, True, placement)
+    losses, weights, _, _, _ = _steps(tokens, False, placement)
+    got_losses, got_weights, captured, runners, _ = _steps(tokens, True, placement)
     assert got_losses == losses
     assert torch.equal(got_weights, weights)
     # every graph was captured in the first two steps (the ring's slots alternate between steps); the
@@ -259,15 +282,69 @@ def test_replayed_steps_are_bit_identical_to_eager(tokens, placement):
     assert lines[0].startswith("cuda graphs: ") and len(lines) == 1 + 5
 
 
-def test_the_planner_counts_graph_buffers_in_the_gpu_workspace():
-    from mtc.costmodel import model_shape
+def test_resident_and_streamed_layers_of_one_template_read_their_weights_in_place(tokens):
+    # embed, four blocks of one template, head: blocks 1-2 resident, 3-4 streamed through the two ring slots
+    kw = {"model_overrides": {"n_layers": 4}}
+    placement = "gpu:0-2,ram:3-5"
+    losses, weights, _, _, _ = _steps(tokens, False, placement, **kw)
+    got_losses, got_weights, captured, runners, prog = _steps(tokens, True, placement, **kw)
+    assert got_losses == losses
+    assert torch.equal(got_weights, weights)
+    assert captured[1] == captured[2]  # every graph exists after two steps
+    block = next(r for r in runners.values() if r.template.kind == "block")
+    for st in block.stats.values():  # a graph per ring slot and per resident layer; none copies weights
+        assert (st.captured, st.copy_in, st.copy_in_replays, st.eager_calls, st.fallback) == (4, 0, 0, 0, None)
+    # 3 steps x 2 micro-batches x 4 blocks, forward and joint
+    assert block.stats["forward"].replays == block.stats["joint"].replays == 3 * 2 * 4
+    # per call: copy the carry and the two aux inputs (and the incoming gradient), launch, clone the
+    # output (and the recomputed output and dx; the parameter gradients are the graph's buffers)
+    assert block.stats["forward"].launches_per_call == 3 + 1 + 1
+    assert block.stats["joint"].launches_per_call == 4 + 1 + 2
+    line = graph_report(runners)[3]
+    assert line.startswith(f"{block.template.id} forward: 4 graphs (4 reading weights in place), 24 replays, 5 launches per call")
+
+    # what the planner counts is what the graphs allocated: one set of copied-input buffers, and
+    # the kept outputs of each of the four weight addresses
+    from dataclasses import replace
+
+    from mtc.costmodel import shape_from_program
     from mtc.planner import gpu_workspace
     from mtc.runtime.graph_replay import graph_memory_bytes
+    from mtc.runtime.placement import resolve_placement
 
-    cfg = small_config(device="cuda", kernels="fused")
+    allocated = sum(st.static_bytes + st.kept_bytes for st in block.stats.values())
+    assert allocated == sum(st.static_bytes + st.pool_bytes for st in block.stats.values())  # emulated pool: the outputs
+    cfg = small_config(placement=placement, **kw)
+    shape = shape_from_program(prog, cfg.model, 4)
+    tiers = resolve_placement(placement, prog.n_layers)
+    blocks = [shape.graph_buffers[i] if prog.template_of(i).kind == "block" else None for i in range(prog.n_layers)]
+    assert graph_memory_bytes(blocks, tiers) == allocated
+    assert gpu_workspace(cfg, shape, tiers) - gpu_workspace(replace(cfg, cuda_graphs="off"), shape, tiers) == allocated
+
+
+def test_the_planner_counts_a_graph_per_ring_slot_and_per_resident_layer():
+    from mtc.costmodel import model_shape
+    from mtc.planner import gpu_workspace, graph_gpu_extra
+
+    kw = {"device": "cuda", "kernels": "fused", "model_overrides": {"n_layers": 4}}  # embed, 4 blocks, head
+    cfg, off = small_config(**kw), small_config(cuda_graphs="off", **kw)
     shape = model_shape(cfg, "bfloat16")
+    b = shape.graph_buffers[1]
+    assert all(x == b for x in shape.graph_buffers[1:-1])
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * shape.compute_bytes
-    extra = graph_memory_bytes(max(shape.numels[1:-1]), shape.compute_bytes, hidden)  # the blocks' graphs
-    assert extra > 0
-    for off in ({"kernels": "fused", "cuda_graphs": "off"}, {"kernels": "unfused"}):
-        assert gpu_workspace(cfg, shape) - gpu_workspace(small_config(device="cuda", **off), shape) == extra
+    # a block's graphs keep its parameter gradients and three activations (the forward output, the
+    # joint's recomputed output and dx) per weight address; they share the copied carry, aux inputs
+    # and incoming gradient
+    assert b.kept == shape.numels[1] * shape.compute_bytes + 3 * hidden
+    assert b.copied > 3 * hidden
+
+    def extra(placement):
+        return gpu_workspace(cfg, shape, placement) - gpu_workspace(off, shape, placement)
+
+    assert extra(None) == extra(["ram"] * 6) == b.copied + 2 * b.kept  # the ring's two slots
+    assert extra(["gpu"] * 3 + ["ram"] * 3) == b.copied + 4 * b.kept  # two slots, two resident blocks
+    assert extra(["gpu"] * 5 + ["ram"]) == b.copied + 4 * b.kept  # four resident blocks, no block streams
+    assert gpu_workspace(small_config(**{**kw, "kernels": "unfused"}), shape, ["gpu"] * 6) == gpu_workspace(off, shape, ["gpu"] * 6)
+    # an automatic placement charges each resident block its graphs (embed stages and heads are not replayed)
+    assert graph_gpu_extra(cfg, shape) == [0, b.kept, b.kept, b.kept, b.kept, 0]
+    assert graph_gpu_extra(off, shape) == [0] * 6

@@ -83,7 +83,8 @@ def test_fused_training_is_bit_identical_with_and_without_graphs(tokens):
 
 
 def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(tokens, tmp_path):
-    cfg = small_config(device="cuda", kernels="fused", placement="gpu:0,ram:1-2,disk:3", durability="none",
+    # block 1 resident, block 2 streamed (through both ring slots, in turn): three graphs per block callable
+    cfg = small_config(device="cuda", kernels="fused", placement="gpu:0-1,ram:2,disk:3", durability="none",
                        activation_budget_gb=1e-9)
     run = open_run(cfg, None)
     prog = run.program
@@ -128,6 +129,15 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
                 assert r.stats[which].launches_per_call == launches_per_replay(g, t, which, ct.diff, 1 + t.n_aux_out)
     pool = sum(st.pool_bytes for r in runners.values() for st in r.stats.values())
     assert 0 < pool <= torch.cuda.memory_reserved()
+    # weights read in place at every address, and the fixed buffers are what the planner counts
+    from mtc.costmodel import shape_from_program
+    from mtc.runtime.graph_replay import graph_memory_bytes
+
+    block = next(r for r in runners.values() if r.template.kind == "block")
+    assert all((st.captured, st.copy_in) == (3, 0) for st in block.stats.values())
+    shape = shape_from_program(prog, cfg.model, 2)
+    blocks = [shape.graph_buffers[i] if prog.template_of(i).kind == "block" else None for i in range(prog.n_layers)]
+    assert graph_memory_bytes(blocks, placement) == sum(st.static_bytes + st.kept_bytes for st in block.stats.values())
     assert graph_report(runners)[0].startswith("cuda graphs: ")
     eng.close()
     run.store.close()

@@ -48,3 +48,13 @@ def test_bytes_per_tier():
     # the RAM budget holds the disk layers' host bytes too (6 B/param here: bf16 copy + gradient)
     assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10 + 6 * 10) == ["gpu", "ram", "disk"]
     assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=18 * 10, ram_bytes=18 * 10) == ["gpu", "disk", "disk"]
+
+
+def test_auto_placement_charges_resident_layers_their_extra_gpu_bytes():
+    # bf16: 18 B/param on the GPU; a budget for two layers' state holds one once each costs 50 B more
+    # (the CUDA graphs that would read its resident weights)
+    budget = 2 * 18 * 10
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=budget, ram_bytes=10**6) == ["gpu", "gpu", "ram"]
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=budget, ram_bytes=10**6, gpu_extra=[50, 50, 50]) == ["gpu", "ram", "ram"]
+    # only the layers that have such graphs pay: here layer 1 no longer fits, layer 2 (not replayed) does
+    assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=budget + 49, ram_bytes=10**6, gpu_extra=[0, 50, 0]) == ["gpu", "ram", "gpu"]
