@@ -226,7 +226,9 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
             placement[i], g_left = "gpu", g_left - up_gpu
             r_left += disk_host(n)
         elif r_left >= 0 and up_ram <= r_left:
-            placement[i], r_left = "ram", r_left - up_ram
+            # a ram layer's gradient goes to the host through the shared slab ring: the GPU gets
+            # back the 4 B/param its disk placement had reserved there
+            placement[i], r_left, g_left = "ram", r_left - up_ram, g_left + disk_gpu * n
     return placement
 
 

@@ -58,3 +58,13 @@ def test_auto_placement_charges_resident_layers_their_extra_gpu_bytes():
     assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=budget, ram_bytes=10**6, gpu_extra=[50, 50, 50]) == ["gpu", "ram", "ram"]
     # only the layers that have such graphs pay: here layer 1 no longer fits, layer 2 (not replayed) does
     assert pl.auto_placement([10, 10, 10], 2, gpu_bytes=budget + 49, ram_bytes=10**6, gpu_extra=[0, 50, 0]) == ["gpu", "ram", "gpu"]
+
+
+def test_a_layer_placed_in_ram_gives_back_its_gpu_gradient_reservation():
+    """Every layer starts on disk, its gradient reserved on the GPU (4 B/param on CUDA); a layer that
+    lands in RAM sends its gradient through the shared slab ring instead, so the reservation comes
+    back and a later layer may use it."""
+    # layer 0 takes the GPU (14 B/param beyond its reservation: 140); layer 1 does not fit and goes
+    # to RAM, returning 400; layer 2 then fits (140)
+    placement = pl.auto_placement([10, 100, 10], 2, gpu_bytes=4 * 120 + 140, ram_bytes=10**9, grads_on_device=True)
+    assert placement == ["gpu", "ram", "gpu"]
