@@ -19,6 +19,7 @@ every operand is cast to fp32 and multiplied exactly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -27,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 from mtc.kernels import cudnn_attention
-from mtc.kernels.tuning import Tuner
+from mtc.kernels.tuning import Decisions, Tuner
 
 from mtc.errors import KernelInputError
 
-__all__ = ["FlashAttentionFunction", "flash_attention", "flash_attention_ref"]
+__all__ = ["FlashAttentionFunction", "flash_attention", "flash_attention_ref", "has_choices", "recording",
+           "seed_tuning", "tuning_choices", "tuning_seconds"]
 
 _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -375,7 +377,8 @@ def _attn_bwd_dq_kernel(
 # so the causal diagonal covers whole blocks. The first CUDA entries were picked by compiling for
 # sm_90 (Triton 3.9): at D = 128 no or few bytes of register spill and at most 160 KB of shared
 # memory; larger half tiles spill in dkdv, larger fp32 tiles spill everywhere. On CUDA the first
-# launch per shape times every candidate (kernels/tuning.py) and keeps the fastest.
+# launch per shape times every candidate (kernels/tuning.py) and keeps the fastest; a compiled
+# plan makes those first launches at compile time and stores the choices (kernels/attention_tuning.py).
 _TILES = {
     "cuda_half": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)],
@@ -422,9 +425,38 @@ def _cudnn_candidate(q: torch.Tensor) -> bool:
     return not _INTERPRETED and cudnn_attention.usable(q)
 
 
+def _cudnn_extra(q: torch.Tensor) -> list[dict]:
+    return [{"BACKEND": "cudnn"}] if _cudnn_candidate(q) else []
+
+
+def _backends(q: torch.Tensor) -> list[str]:
+    return ["triton", "cudnn"] if _cudnn_candidate(q) else ["triton"]
+
+
+def has_choices(q: torch.Tensor) -> bool:
+    """Whether attention on tensors like ``q`` (its device, dtype and head dim; it may be empty)
+    has anything to time: several tile candidates for a kernel, or cuDNN as a second backend."""
+    return _cudnn_candidate(q) or any(len(c) > 1 for c in _TILES[_tiles(q)].values())
+
+
 def tuning_choices() -> dict[str, object]:
     """What the first launches chose per problem (tile configs, "cudnn" or "triton" backward), readable."""
     return {"/".join(map(str, k)): v for k, v in _TUNER.best.items()}
+
+
+def seed_tuning(decisions: Decisions) -> None:
+    """Take a compiled plan's recorded choices: their shapes launch without timing."""
+    _TUNER.seed(decisions)
+
+
+def recording() -> contextlib.AbstractContextManager[Decisions]:
+    """A context collecting the choices the attention launches inside it use (see `Tuner.recording`)."""
+    return _TUNER.recording()
+
+
+def tuning_seconds() -> float:
+    """Seconds this process has spent timing attention candidates."""
+    return _TUNER.seconds
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
@@ -491,17 +523,20 @@ def _flash_attn_fwd(
         )
 
     key = _tuning_key(q, k, causal)
-    extra: tuple = ()
-    if _cudnn_candidate(q) and ("fwd", _tiles(q), *key) not in _TUNER.best:
-        # first call for this shape: cuDNN competes only if it computes what the Triton kernel does
-        launch(_config_list(q, "fwd")[0])
-        ours = (o.clone(), lse.clone())
-        try:
-            launch({"BACKEND": "cudnn"})
-            extra = ({"BACKEND": "cudnn"},) if cudnn_attention.agree("forward", ours, (o, lse)) else ()
-        except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
-            cudnn_attention.warn_unavailable("forward", e)
-    launch(_config(q, "fwd", key, launch, extra))
+    cfg = _TUNER.recall(("fwd", _tiles(q), *key), _config_list(q, "fwd") + _cudnn_extra(q))
+    if cfg is None:
+        extra: tuple = ()
+        if _cudnn_candidate(q):
+            # first call for this shape: cuDNN competes only if it computes what the Triton kernel does
+            launch(_config_list(q, "fwd")[0])
+            ours = (o.clone(), lse.clone())
+            try:
+                launch({"BACKEND": "cudnn"})
+                extra = ({"BACKEND": "cudnn"},) if cudnn_attention.agree("forward", ours, (o, lse)) else ()
+            except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
+                cudnn_attention.warn_unavailable("forward", e)
+        cfg = _config(q, "fwd", key, launch, extra)
+    launch(cfg)
     return o, lse
 
 
@@ -559,7 +594,8 @@ def _flash_attn_bwd(
         launch_dq(_config(q, "dq", key, launch_dq))
 
     bkey = ("bwd_backend", str(q.dtype), *key)
-    if bkey not in _TUNER.best:
+    backend = _TUNER.recall(bkey, _backends(q))
+    if backend is None:
         # first call for this shape: tune the Triton tiles, then let cuDNN compete if it agrees
         run("triton")
         backends = ["triton"]
@@ -571,8 +607,8 @@ def _flash_attn_bwd(
                     backends.append("cudnn")
             except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
                 cudnn_attention.warn_unavailable("backward", e)
-        _TUNER.choose(bkey, backends, run)
-    run(_TUNER.best[bkey])
+        backend = _TUNER.choose(bkey, backends, run)
+    run(backend)
     return dq, dk, dv
 
 

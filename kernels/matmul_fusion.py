@@ -21,9 +21,12 @@ A *site* is an ``mm`` or ``addmm`` (bias) of a lowered graph, its output seen th
 
 Whether a site is fused is chosen per shape by timing on CUDA, both ways on random inputs of the
 site's shapes (the fused kernel against cuBLAS followed by the separate torch ops), and the choice
-is remembered in ``matmul_fusion.json`` in the kernel cache (its directory is keyed by torch,
-triton and the device capability). On the CPU nothing is fused unless ``mode="on"`` (tests): the
-interpreter's timings say nothing about a GPU. Graph surgery plus that timing; no other I/O.
+is remembered in ``matmul_fusion.json`` in the kernel cache under the stamp the compiler gives it
+(mtc version, kernel-source hash, torch, triton, device capability): a file with another stamp
+is timed again, so an edit of the fused kernel never inherits old timings. The compiler also
+keeps each template's choices in its compiled record. On the CPU nothing is fused unless
+``mode="on"`` (tests): the interpreter's timings say nothing about a GPU. Graph surgery plus that
+timing; no other I/O.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import operator
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +46,7 @@ from mtc.kernels.codegen import FUSIBLE
 from mtc.kernels.tuning import cuda_bench_ms
 from torch import fx
 
-__all__ = ["MODES", "Site", "find_sites", "fuse_matmuls"]
+__all__ = ["MODES", "Choices", "Site", "find_sites", "fuse_matmuls"]
 
 aten = torch.ops.aten
 MODES = ("auto", "on", "off")
@@ -337,15 +341,26 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], Outputs],
 
 
 class Choices:
-    """Per-shape fuse-or-not decisions, timed once on CUDA and kept in the kernel cache."""
+    """Per-shape fuse-or-not decisions, timed once on CUDA and kept in the kernel cache.
 
-    def __init__(self, cache: Path | None, bench: Callable[[Callable[[], None]], float] = cuda_bench_ms) -> None:
+    ``stamp``: what the timings depend on besides the site (the compiler's toolchain key); a stored
+    file with another stamp (or none) is ignored and rewritten. ``seconds``: time spent checking
+    and timing sites; ``asked``: the keys looked up so far (a template's share of the choices).
+    """
+
+    def __init__(self, cache: Path | None, bench: Callable[[Callable[[], None]], float] = cuda_bench_ms,
+                 stamp: dict[str, str] | None = None) -> None:
         self.path = cache / CHOICES if cache is not None else None
         self.bench = bench
+        self.stamp = dict(stamp or {})
         self.known: dict[str, dict] = {}
+        self.seconds = 0.0
+        self.asked: set[str] = set()
         if self.path is not None and self.path.is_file():
             try:
-                self.known = json.loads(self.path.read_text())
+                doc = json.loads(self.path.read_text())
+                if isinstance(doc, dict) and doc.get("stamp") == self.stamp and isinstance(doc.get("choices"), dict):
+                    self.known = doc["choices"]
             except (OSError, ValueError):
                 self.known = {}  # a torn or foreign file: time again
 
@@ -353,7 +368,9 @@ class Choices:
         """Whether the fused kernel is right and faster for ``site`` (checked against its torch
         reference and timed on first sight of its key; a disagreement warns and keeps cuBLAS)."""
         key = site.key()
+        self.asked.add(key)
         if key not in self.known:
+            t0 = time.perf_counter()
             fused, unfused, reference = _site_runs(site, device)
             err: float | None = None
             tf: float | None = None
@@ -370,6 +387,7 @@ class Choices:
                               f"mtc keeps cuBLAS there", stacklevel=2)
             tu = self.bench(unfused)
             self.known[key] = {"fused_ms": tf, "unfused_ms": tu, "rel_err": err, "fused": tf is not None and tf < tu}
+            self.seconds += time.perf_counter() - t0
             self._save()
         return bool(self.known[key]["fused"])
 
@@ -378,7 +396,7 @@ class Choices:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.known, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"stamp": self.stamp, "choices": self.known}, indent=1, sort_keys=True))
         tmp.replace(self.path)
 
 

@@ -6,16 +6,23 @@ the device. The first launch for a key times every candidate (a candidate that f
 or launch is skipped) and remembers the fastest; later launches reuse it. Unlike
 ``triton.autotune`` this is plain Python around the launch, so the CPU tests run the same code
 path in Triton's interpreter with a substituted clock.
+
+What a tuner chose is part of a compiled plan: `Tuner.recording` collects the decisions a
+template's shapes needed as `Decisions` (plain JSON), the compiler stores them with the template,
+and `Tuner.seed` hands them back to a later process, which then reuses them without timing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from mtc.errors import KernelInputError
+from mtc.errors import KernelInputError, PlanError
 
-__all__ = ["Tuner", "cuda_bench_ms"]
+__all__ = ["Decisions", "Tuner", "cuda_bench_ms", "key_name"]
 
 
 def cuda_bench_ms(fn: Callable[[], None]) -> float:
@@ -25,14 +32,72 @@ def cuda_bench_ms(fn: Callable[[], None]) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
+def key_name(key: Hashable) -> str:
+    """A problem key as it is stored: a tuple's parts joined by '/' (``('fwd', 64, True)`` -> 'fwd/64/True')."""
+    return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+@dataclasses.dataclass(slots=True)
+class Decisions:
+    """The candidate chosen per problem key (`key_name`); candidates are JSON values (a config
+    dict, a backend name)."""
+
+    choices: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The decisions as a JSON-ready dict."""
+        return {"format": "mtc-tuning", "choices": dict(sorted(self.choices.items()))}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Decisions:
+        """Decisions from `to_json`'s dict; raises PlanError on anything else."""
+        if not isinstance(doc, dict) or doc.get("format") != "mtc-tuning" or not isinstance(doc.get("choices"), dict):
+            raise PlanError(f"stored tuning decisions must be {{'format': 'mtc-tuning', 'choices': {{...}}}}, got "
+                            f"{str(doc)[:120]}; recompile the plan (`mtc compile`)")
+        return cls(dict(doc["choices"]))
+
+
 class Tuner:
-    """Remembers the fastest candidate configuration per key."""
+    """Remembers the fastest candidate configuration per key; ``seconds``: time spent timing."""
 
     def __init__(self, name: str, bench: Callable[[Callable[[], None]], float] = cuda_bench_ms) -> None:
         self.name = name
         self.bench = bench
         self.best: dict[Hashable, Any] = {}
         self.timings: dict[Hashable, list[tuple[Any, float | None]]] = {}
+        self.seeded: dict[str, Any] = {}  # decisions a compiled plan recorded, by key name
+        self.seconds = 0.0
+        self._recorders: list[Decisions] = []
+
+    def seed(self, decisions: Decisions) -> None:
+        """Take ``decisions`` (from a compiled plan) as known: their keys are not timed again."""
+        self.seeded.update(decisions.choices)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Decisions]:
+        """Collect every decision looked up (chosen, recalled or timed) inside the block."""
+        rec = Decisions()
+        self._recorders.append(rec)
+        try:
+            yield rec
+        finally:
+            self._recorders.remove(rec)
+
+    def _decided(self, key: Hashable, choice: Any) -> Any:
+        self.best[key] = choice
+        for rec in self._recorders:
+            rec.choices[key_name(key)] = choice
+        return choice
+
+    def recall(self, key: Hashable, candidates: Sequence[Any]) -> Any | None:
+        """The choice already made for ``key`` (in this process, or seeded from a plan and still
+        among ``candidates``), or None when it must be timed (candidates are never None)."""
+        if key in self.best:
+            return self._decided(key, self.best[key])
+        name = key_name(key)
+        if name in self.seeded and self.seeded[name] in candidates:
+            return self._decided(key, self.seeded[name])
+        return None
 
     def choose(self, key: Hashable, candidates: Sequence[Any], launch: Callable[[Any], None]) -> Any:
         """The best of ``candidates`` for ``key``, timing each with ``launch(candidate)`` on first use.
@@ -40,22 +105,25 @@ class Tuner:
         A candidate that raises (out of shared memory, a compile error) is recorded with no time.
         Raises KernelInputError if every candidate fails, with the first failure as its cause.
         """
-        if key in self.best:
-            return self.best[key]
+        known = self.recall(key, candidates)
+        if known is not None:
+            return known
         if len(candidates) == 1:
-            self.best[key] = candidates[0]
-            return candidates[0]
+            return self._decided(key, candidates[0])
         results: list[tuple[Any, float | None]] = []
         first_error: Exception | None = None
-        for cand in candidates:
-            try:
-                results.append((cand, self.bench(lambda c=cand: launch(c))))
-            except Exception as e:  # noqa: BLE001  (any launch failure just disqualifies the candidate)
-                results.append((cand, None))
-                first_error = first_error or e
+        t0 = time.perf_counter()
+        try:
+            for cand in candidates:
+                try:
+                    results.append((cand, self.bench(lambda c=cand: launch(c))))
+                except Exception as e:  # noqa: BLE001  (any launch failure just disqualifies the candidate)
+                    results.append((cand, None))
+                    first_error = first_error or e
+        finally:
+            self.seconds += time.perf_counter() - t0
         timed = [(c, t) for c, t in results if t is not None]
         if not timed:
             raise KernelInputError(f"{self.name}: no launch configuration works for {key}: {first_error}") from first_error
         self.timings[key] = results
-        self.best[key] = min(timed, key=lambda ct: ct[1])[0]
-        return self.best[key]
+        return self._decided(key, min(timed, key=lambda ct: ct[1])[0])

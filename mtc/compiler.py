@@ -10,6 +10,8 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
                         (grouped KV heads, linear + cross-entropy: kernels/swaps.py)
     mark devices        device arguments become a marker bound when the graph is instantiated
     flash attention     mtc::attention -> the Triton flash-attention kernels (optional)
+    tune attention      each attention shape's tiles and cuDNN-or-Triton choice, timed now on
+                        CUDA (kernels/attention_tuning.py) and stored with the template
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
@@ -24,7 +26,10 @@ says which. `compile_program` stores each compiled template (graphs with kernels
 report, the key it was compiled under) beside the kernel sources, and a later call loads it
 instead of compiling; a template whose key no longer matches (mtc version, compiler and kernel
 sources, torch, triton, device capability, input shapes and dtypes, options) is recompiled, and
-says why, one line per template.
+says why, one line per template. The record also holds the template's tuning choices (attention
+tiles and backends, matmul-fusion timings) under the same key: loading it seeds the attention
+tuner, so a run of a stored plan times nothing for the plan's shapes. Each compiled template
+carries its compile (or load) seconds and the part spent timing candidates (`plan_times`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import heapq
 import json
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -50,13 +56,17 @@ from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.recompute import recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
+from mtc.kernels.attention_tuning import tune_attention
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
-from mtc.kernels.matmul_fusion import fuse_matmuls
+from mtc.kernels.flash_attention import seed_tuning
+from mtc.kernels.matmul_fusion import Choices, fuse_matmuls
 from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
+from mtc.kernels.tuning import Decisions
 
 __all__ = [
-    "PASSES", "CompiledTemplate", "GraphReport", "Pass", "Work", "cache_key", "compile_program", "compile_template",
-    "format_report", "launches", "staleness_key", "write_report",
+    "PASSES", "CompiledTemplate", "GraphReport", "Pass", "PlanTimes", "Work", "cache_key", "compile_program",
+    "compile_template", "format_plan_times", "format_report", "launches", "plan_times", "staleness_key", "toolchain_key",
+    "write_report",
 ]
 
 
@@ -84,6 +94,10 @@ class CompiledTemplate:
     forward_report: GraphReport
     backward_report: GraphReport
     loaded: bool = False  # read back from a stored record (`compile_program`), not compiled in this process
+    # {"attention": Decisions JSON, "matmul_fusion": {site key: timing}}: the choices its shapes use
+    tuning: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0  # compiling it (or loading it) in this process
+    tuning_s: float = 0.0  # of which timing kernel candidates (0 when loaded)
     _modules: dict[tuple[str, str], fx.GraphModule] = dataclasses.field(default_factory=dict, repr=False)
 
     def module(self, which: str, device: torch.device | str) -> fx.GraphModule:
@@ -213,6 +227,10 @@ class Work:
     unfused_ops: tuple[int, int] = (0, 0)
     reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)
     matmul_fusion: str = "auto"  # kernels/matmul_fusion.MODES: 'auto' times on CUDA; 'on' forces (CPU tests)
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # where tuning runs
+    choices: Choices | None = None  # matmul-fusion timings (kernel cache, stamped with `toolchain_key`)
+    attention_choices: Decisions = dataclasses.field(default_factory=Decisions)
+    tuning_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -249,13 +267,24 @@ def _flash_attention(w: Work) -> None:
         use_flash_attention(w.joint)
 
 
+def _tune_attention(w: Work) -> None:
+    t0 = time.perf_counter()
+    w.attention_choices = tune_attention([w.forward, w.joint], w.device)
+    w.tuning_s += time.perf_counter() - t0
+
+
 def _fold_ce_grad_scale(w: Work) -> None:
     fold_ce_grad_scale(w.joint)
 
 
 def _fuse_matmul_edges(w: Work) -> None:
-    fuse_matmuls(w.forward, w.matmul_fusion, w.cache)
-    fuse_matmuls(w.joint, w.matmul_fusion, w.cache)
+    # the timings exist on CUDA only ('auto' fuses nothing on the CPU; 'on' asks no timing)
+    choices = w.choices if w.device.type == "cuda" else None
+    t0 = choices.seconds if choices is not None else 0.0
+    fuse_matmuls(w.forward, w.matmul_fusion, w.cache, device=w.device, choices=choices)
+    fuse_matmuls(w.joint, w.matmul_fusion, w.cache, device=w.device, choices=choices)
+    if choices is not None:
+        w.tuning_s += choices.seconds - t0
 
 
 def _recompute_joint(w: Work) -> None:
@@ -275,6 +304,7 @@ PASSES: list[Pass] = [
     Pass("lower", _lower),
     Pass("mark devices", _mark_devices),
     Pass("flash attention", _flash_attention),
+    Pass("tune attention", _tune_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),
     Pass("fuse matmul edges", _fuse_matmul_edges),
     Pass("recompute joint", _recompute_joint),
@@ -297,10 +327,17 @@ def compile_template(
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
-    w = Work(t, Path(cache_dir) / cache_key(), attention, tuple(grad_aux), matmul_fusion=matmul_fusion)
+    t0 = time.perf_counter()
+    cache = Path(cache_dir) / cache_key()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    w = Work(t, cache, attention, tuple(grad_aux), matmul_fusion=matmul_fusion, device=device,
+             choices=Choices(cache, stamp=toolchain_key()))
     for p in PASSES:
         p.run(w)
-    return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"])
+    tuning = {"attention": w.attention_choices.to_json(),
+              "matmul_fusion": {k: w.choices.known[k] for k in sorted(w.choices.asked) if k in w.choices.known}}
+    return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"],
+                            tuning=tuning, seconds=time.perf_counter() - t0, tuning_s=w.tuning_s)
 
 
 def launches(graph: fx.Graph) -> int:
@@ -312,7 +349,7 @@ def launches(graph: fx.Graph) -> int:
 # -- plans that load ---------------------------------------------------------------------------
 
 RECORDS = "compiled"  # sub-directory of the kernel cache holding one JSON record per template
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: tuning choices and compile seconds in the record
 
 
 @functools.cache
@@ -338,9 +375,9 @@ def _mtc_version() -> str:
         return "unknown"
 
 
-def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
-                  matmul_fusion: str = "auto") -> dict[str, str]:
-    """What a compiled template depends on; a stored one whose key differs is recompiled."""
+def toolchain_key() -> dict[str, str]:
+    """What compiled kernels and their timings depend on besides shapes and options: mtc version,
+    the compiler and kernel sources' hash, torch, triton, device capability."""
     import triton
 
     return {
@@ -349,6 +386,15 @@ def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool
         "torch": torch.__version__,
         "triton": triton.__version__,
         "device": _capability(),
+    }
+
+
+def staleness_key(t: Template, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
+                  matmul_fusion: str = "auto") -> dict[str, str]:
+    """What a compiled template (and its tuning choices) depends on; a stored one whose key differs
+    is recompiled."""
+    return {
+        **toolchain_key(),
         "shapes": " ".join("x".join(map(str, i.spec.shape)) or "scalar" for i in t.inputs),
         "dtypes": " ".join(i.spec.dtype for i in t.inputs),
         "options": f"attention={attention} grad_aux={''.join('1' if g else '0' for g in grad_aux)} matmul_fusion={matmul_fusion}",
@@ -371,7 +417,8 @@ def _record(ct: CompiledTemplate, key: dict[str, str]) -> dict[str, Any]:
         graphs[which] = {"nodes": graph_to_dict(g, lambda t, k=kernels: _name_target(t, k)), "kernels": kernels}
     return {"format": "mtc-compiled-template", "version": RECORD_VERSION, "template": ct.template_id, "key": key,
             "diff": ct.diff, "forward_report": dataclasses.asdict(ct.forward_report),
-            "backward_report": dataclasses.asdict(ct.backward_report), "graphs": graphs}
+            "backward_report": dataclasses.asdict(ct.backward_report), "graphs": graphs,
+            "tuning": ct.tuning, "compile_s": ct.seconds, "tuning_s": ct.tuning_s}
 
 
 def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
@@ -394,8 +441,13 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
             return None
 
         graphs[which] = graph_from_dict(rec["nodes"], resolve)
+    tuning = doc["tuning"]
+    Decisions.from_json(tuning["attention"])  # malformed: PlanError, and the template is recompiled
+    if not isinstance(tuning["matmul_fusion"], dict):
+        raise TypeError(f"matmul_fusion choices must be a dict, got {type(tuning['matmul_fusion']).__name__}")
     return CompiledTemplate(doc["template"], graphs["forward"], graphs["joint"], list(doc["diff"]),
-                            GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]), loaded=True)
+                            GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]), loaded=True,
+                            tuning=tuning)
 
 
 def _stale_fields(old: dict[str, str], new: dict[str, str]) -> str:
@@ -420,8 +472,9 @@ def compile_program(
     matmul_fusion: str = "auto",
 ) -> dict[str, CompiledTemplate]:
     """Every template of ``program`` compiled: loaded from ``cache_dir`` where a stored record's
-    key matches, compiled (and stored) otherwise. A stored template that is stale gets one line
-    through ``log`` saying which and why. ``attention`` and ``matmul_fusion``: see `compile_template`."""
+    key matches (its attention choices then seed the tuner: nothing is timed again for its shapes),
+    compiled, tuned and stored otherwise. A stored template that is stale gets one line through
+    ``log`` saying which and why. ``attention`` and ``matmul_fusion``: see `compile_template`."""
     cache_dir = Path(cache_dir)
     grad_aux = aux_param_dependence(program)
     records = cache_dir / RECORDS
@@ -430,6 +483,7 @@ def compile_program(
         key = staleness_key(t, attention=attention, grad_aux=grad_aux, matmul_fusion=matmul_fusion)
         path = records / f"{tid}.json"
         why = None
+        t0 = time.perf_counter()
         if path.is_file():
             try:
                 doc = json.loads(path.read_text())
@@ -438,19 +492,47 @@ def compile_program(
                 elif doc.get("key") != key:
                     why = _stale_fields(doc.get("key", {}), key)
                 else:
-                    out[tid] = _load_record(doc, cache_dir / cache_key())
+                    ct = _load_record(doc, cache_dir / cache_key())
+                    seed_tuning(Decisions.from_json(ct.tuning["attention"]))
+                    ct.seconds = time.perf_counter() - t0
+                    out[tid] = ct
                     continue
             except (OSError, ValueError, KeyError, TypeError, SerializeError) as e:
                 why = f"its stored record cannot be loaded ({type(e).__name__}: {str(e)[:120]})"
             if log is not None:
                 log(f"recompiling template {tid}: stale ({why})")
         ct = compile_template(t, cache_dir, attention=attention, grad_aux=grad_aux, matmul_fusion=matmul_fusion)
+        ct.seconds = time.perf_counter() - t0  # the stale record's reading included
         records.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(_record(ct, key)))
         os.replace(tmp, path)
         out[tid] = ct
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanTimes:
+    """What getting a plan's compiled templates cost: seconds compiling or loading them, of which
+    timing kernel candidates, and how many were compiled and how many loaded."""
+
+    compile_s: float
+    tuning_s: float
+    compiled: int
+    loaded: int
+
+
+def plan_times(compiled: dict[str, CompiledTemplate]) -> PlanTimes:
+    """The totals of `compile_program`'s templates (each carries its own seconds)."""
+    cts = list(compiled.values())
+    return PlanTimes(sum(ct.seconds for ct in cts), sum(ct.tuning_s for ct in cts),
+                     sum(1 for ct in cts if not ct.loaded), sum(1 for ct in cts if ct.loaded))
+
+
+def format_plan_times(t: PlanTimes) -> str:
+    """One line: ``compiled plan: N templates (C compiled, L loaded) in X s, tuning Y s``."""
+    return (f"compiled plan: {t.compiled + t.loaded} templates ({t.compiled} compiled, {t.loaded} loaded) "
+            f"in {t.compile_s:.2f} s, tuning {t.tuning_s:.2f} s")
 
 
 def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> str:
@@ -473,14 +555,16 @@ def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> st
 
 
 def write_report(program: Program, compiled: dict[str, CompiledTemplate], plan_dir: str | Path) -> str:
-    """Write ``compile_report.json`` into the plan directory and return the printable report."""
-    import json
-
-    doc = {
+    """Write ``compile_report.json`` into the plan directory and return the printable report (its
+    last line: `format_plan_times`)."""
+    doc: dict[str, Any] = {
         tid: {"calls": sum(1 for c in program.layers if c.template == tid),
-              "forward": dataclasses.asdict(ct.forward_report), "backward": dataclasses.asdict(ct.backward_report)}
+              "forward": dataclasses.asdict(ct.forward_report), "backward": dataclasses.asdict(ct.backward_report),
+              "loaded": ct.loaded, "compile_s": ct.seconds, "tuning_s": ct.tuning_s, "tuning": ct.tuning}
         for tid, ct in compiled.items()
     }
     doc["cache_key"] = cache_key()
+    times = plan_times(compiled)
+    doc["plan"] = dataclasses.asdict(times)
     Path(plan_dir, "compile_report.json").write_text(json.dumps(doc, indent=1))
-    return format_report(program, compiled)
+    return format_report(program, compiled) + "\n" + format_plan_times(times)

@@ -5,6 +5,7 @@ with one line saying why. Also the CPU-countable proxy for kernel launches."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -73,6 +74,60 @@ def test_replayed_graphs_launch_a_few_kernels_per_call(tiny_plan):
             assert per_call <= 8, (tid, which, per_call)
             if t.kind == "block":  # eager: one launch per kernel-invoking node
                 assert 2 * per_call < launches(g), (which, per_call, launches(g))
+
+
+def test_attention_choices_are_part_of_the_plan(tiny_plan, counted, tmp_path, monkeypatch):
+    """Compiling a template times its attention kernels once and stores the choices in its record;
+    a process that loads the plan gets them back without timing anything; a changed kernel-source
+    hash makes the record stale: that template is recompiled and timed again, saying why."""
+    from mtc.kernels import flash_attention as fa
+    from mtc.kernels.tuning import Tuner
+
+    prog, shared, _ = tiny_plan
+    cache = tmp_path / "plan"
+    shutil.copytree(shared, cache)
+    block = next(c.template for c in prog.iter_blocks())
+    # two tile candidates per kernel in the interpreter (it has one: nothing to time), the second
+    # one "faster" on a clock that launches each candidate
+    monkeypatch.setitem(fa._TILES, "interpreter",
+                        {"fwd": [(16, 16, 1, 1), (32, 16, 1, 1)], "dq": [(16, 16, 1, 1), (32, 16, 1, 1)],
+                         "dkdv": [(16, 16, 1, 1), (16, 32, 1, 1)]})
+    timed: list[object] = []
+
+    def clock(fn):
+        timed.append(fn)
+        fn()
+        return 2.0 if len(timed) % 2 else 1.0
+
+    monkeypatch.setattr(fa, "_TUNER", Tuner("flash_attention", bench=clock))
+    rec = cache / compiler.RECORDS / f"{block}.json"
+    doc = json.loads(rec.read_text())
+    doc["key"]["kernel sources"] = "0" * 16
+    rec.write_text(json.dumps(doc))
+    msgs: list[str] = []
+    compiled = compile_program(prog, cache, log=msgs.append)
+    assert counted == [block] and msgs == [f"recompiling template {block}: stale (kernel sources changed)"]
+    assert len(timed) == 6  # fwd, dq, dkdv: two candidates each, once for the template's one attention shape
+    choices = json.loads(rec.read_text())["tuning"]["attention"]["choices"]
+    want = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
+    assert {k.split("/")[0]: (v["BLOCK_M"], v["BLOCK_N"]) for k, v in choices.items() if isinstance(v, dict)} == want
+    assert [v for k, v in choices.items() if k.startswith("bwd_backend/")] == ["triton"]
+    ct = compiled[block]
+    assert not ct.loaded and ct.seconds > ct.tuning_s > 0
+    times = compiler.plan_times(compiled)
+    assert (times.compiled, times.loaded) == (1, len(prog.templates) - 1) and times.tuning_s == ct.tuning_s
+    report = compiler.write_report(prog, compiled, tmp_path)
+    assert report.splitlines()[-1] == compiler.format_plan_times(times)
+    assert json.loads((tmp_path / "compile_report.json").read_text())["plan"]["compiled"] == 1
+    # a new process: a fresh tuner whose clock must not be called; loading the plan seeds it
+    never: list[object] = []
+    monkeypatch.setattr(fa, "_TUNER", Tuner("flash_attention", bench=lambda fn: never.append(fn) or 1.0))
+    loaded = compile_program(prog, cache, log=msgs.append)
+    assert counted == [block] and len(msgs) == 1 and all(c.loaded and c.tuning_s == 0 for c in loaded.values())
+    t = prog.templates[block]
+    loaded[block].module("joint", "cpu")(*(torch.randn(i.spec.shape) for i in t.inputs), torch.randn(prog.carry.shape))
+    assert never == [] and fa.tuning_seconds() == 0
+    assert {k[0]: (v["BLOCK_M"], v["BLOCK_N"]) for k, v in fa._TUNER.best.items() if isinstance(v, dict)} == want
 
 
 def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, counted):

@@ -119,7 +119,7 @@ def test_timing_choice_per_shape_is_kept_in_the_cache(tmp_path):
     assert all(fast.fused(s, cpu) for s in sites)
     slow = Choices(tmp_path / "b", bench=clock("unfused"))
     assert not any(slow.fused(s, cpu) for s in sites)
-    stored = json.loads((tmp_path / "a" / CHOICES).read_text())
+    stored = json.loads((tmp_path / "a" / CHOICES).read_text())["choices"]
     assert set(stored) == {s.key() for s in sites}
     assert all(r["fused_ms"] == 1.0 and r["unfused_ms"] == 2.0 and r["fused"] and r["rel_err"] < 1e-5 for r in stored.values())
 
@@ -127,6 +127,15 @@ def test_timing_choice_per_shape_is_kept_in_the_cache(tmp_path):
         raise AssertionError("a cached choice was timed again")
 
     assert all(Choices(tmp_path / "a", bench=never).fused(s, cpu) for s in sites)
+    # the stamp (the compiler's toolchain key: kernel-source hash, torch, triton, device) keeps
+    # stale timings out: another stamp times every site again (the unfused side wins this time)
+    site = sites[0]
+    stamped = Choices(tmp_path / "c", bench=clock("fused"), stamp={"kernel sources": "0123"})
+    assert stamped.fused(site, cpu) and stamped.seconds > 0
+    assert not Choices(tmp_path / "c", bench=clock("unfused"), stamp={"kernel sources": "4567"}).fused(site, cpu)
+    assert json.loads((tmp_path / "c" / CHOICES).read_text())["stamp"] == {"kernel sources": "4567"}
+    again = Choices(tmp_path / "c", bench=never, stamp={"kernel sources": "4567"})
+    assert not again.fused(site, cpu) and again.seconds == 0 and again.asked == {site.key()}
     # the pass follows the choices: cuBLAS wins everywhere -> the graph keeps its matmuls
     g = _gpt2_fwd_graph()
     assert fuse_matmuls(g, "auto", device=cpu, choices=Choices(tmp_path / "b", bench=clock("unfused"))) == []

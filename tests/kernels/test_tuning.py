@@ -1,11 +1,14 @@
-"""The launch-configuration tuner: fastest candidate wins, failures are skipped, results cached."""
+"""The launch-configuration tuner: fastest candidate wins, failures are skipped, results cached;
+decisions are recorded as JSON and a tuner seeded with them times nothing for their keys."""
 
 from __future__ import annotations
 
-import pytest
-from mtc.kernels.tuning import Tuner
+import json
 
-from mtc.errors import KernelInputError
+import pytest
+from mtc.kernels.tuning import Decisions, Tuner
+
+from mtc.errors import KernelInputError, PlanError
 
 
 def test_fastest_wins_and_is_remembered():
@@ -34,3 +37,44 @@ def test_failing_candidates_are_skipped_and_all_failing_is_an_error():
     with pytest.raises(KernelInputError, match="no launch configuration works") as e:
         tuner.choose("k2", ["big", "huge"], launch)
     assert "big needs too much" in str(e.value)
+
+
+def _timed_tuner(times: dict[str, float], launched: list[str]) -> Tuner:
+    return Tuner("t", bench=lambda fn: (fn(), times[launched[-1]])[1])
+
+
+def test_recorded_decisions_round_trip_and_seed_without_timing():
+    # a compile-time process times, records and stores (JSON) ...
+    launched: list[str] = []
+    tuner = _timed_tuner({"a": 3.0, "b": 1.0}, launched)
+    with tuner.recording() as rec:
+        assert tuner.choose(("fwd", 64, True), ["a", "b"], launched.append) == "b"
+        assert tuner.choose(("dq", 64, True), ["only"], launched.append) == "only"
+    assert rec.choices == {"fwd/64/True": "b", "dq/64/True": "only"} and tuner.seconds > 0
+    doc = json.loads(json.dumps(rec.to_json()))
+    # ... a later process seeds a fresh tuner: the recorded choice comes back and nothing is timed
+    spied: list[object] = []
+    fresh = Tuner("t", bench=lambda fn: spied.append(fn) or 1.0)
+    fresh.seed(Decisions.from_json(doc))
+    with fresh.recording() as again:
+        assert fresh.choose(("fwd", 64, True), ["a", "b"], launched.append) == "b"
+    assert spied == [] and fresh.seconds == 0 and again.choices == {"fwd/64/True": "b"}
+    assert fresh.recall(("fwd", 64, True), ["a", "b"]) == "b"
+    # another shape is another key: timed
+    fresh.choose(("fwd", 128, True), ["a", "b"], launched.append)
+    assert len(spied) == 2 and fresh.seconds > 0
+
+
+def test_a_recorded_choice_that_is_no_candidate_is_timed_again():
+    spied: list[object] = []
+    tuner = Tuner("t", bench=lambda fn: spied.append(fn) or float(len(spied)))
+    tuner.seed(Decisions({"k": {"BLOCK_M": 256}}))  # e.g. a tile list that no longer offers it
+    assert tuner.recall("k", [{"BLOCK_M": 64}, {"BLOCK_M": 128}]) is None
+    assert tuner.choose("k", [{"BLOCK_M": 64}, {"BLOCK_M": 128}], lambda c: None) == {"BLOCK_M": 64}
+    assert len(spied) == 2
+
+
+@pytest.mark.parametrize("doc", [None, {"choices": {}}, {"format": "mtc-tuning", "choices": []}, "x"])
+def test_malformed_decisions_are_a_plan_error(doc):
+    with pytest.raises(PlanError, match="recompile the plan"):
+        Decisions.from_json(doc)

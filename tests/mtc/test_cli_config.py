@@ -79,11 +79,16 @@ def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert block["forward"]["kernels"] < block["forward"]["aten_ops"]
     assert block["backward"]["kernels"] < block["backward"]["aten_ops"]
     assert "fwd kernels" in out and "block-" in out
+    # one line of totals, also in the report: compile and tuning seconds, templates compiled / loaded
+    assert rep["plan"]["compiled"] == 3 and rep["plan"]["loaded"] == 0 and rep["plan"]["compile_s"] >= block["compile_s"] > 0
+    assert block["loaded"] is False and block["tuning_s"] >= 0 and set(block["tuning"]) == {"attention", "matmul_fusion"}
+    assert f"compiled plan: 3 templates (3 compiled, 0 loaded) in {rep['plan']['compile_s']:.2f} s, tuning " in out
     kdir = next(p for p in (tmp_path / "plan" / "kernels").iterdir() if p.name != "compiled")
     files = {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")}
     assert files
     assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")} == files, "cached kernels must not be rewritten"
+    assert "compiled plan: 3 templates (0 compiled, 3 loaded) in " in capsys.readouterr().out
 
 
 def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
@@ -112,6 +117,8 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
     assert main([*common, "--kernels", "fused"]) == 0
     out = capsys.readouterr()
     assert "loss" in out.out and "recompiling" not in out.err
+    assert "compiled plan: 3 templates (0 compiled, 3 loaded) in " in out.out
+    assert "tuning 0.00 s" in out.out and "attention timed during the run 0.00 s" in out.out
     assert compiled == [], "train --plan compiled templates that `mtc compile` wrote"
     copied = tmp_path / "s" / "plan" / "kernels" / kdir.name
     assert {p.name for p in copied.glob("*.py")} == made, "training a compiled plan must reuse its kernels"
