@@ -510,7 +510,7 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
-              host_need: int = 0, *, dist: RankDist | None = None) -> StepTime:
+              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False) -> StepTime:
     """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
     ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
@@ -547,8 +547,10 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     zero_rate = adamw_rate(profile, cfg.optim_threads, zero_grad=True, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
     adam = [0.0 if placement[i] == "gpu" or i in gpu_update else (sn[i] - idle[i]) / cpu_rate + idle[i] / zero_rate
             for i in range(L)]
-    io_r = [12 * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
-    io_w = [12 * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    # a disk layer's master, m and v each step; a spilled gradient goes out and comes back too
+    per_disk = 12 + (4 if grad_spill else 0)
+    io_r = [per_disk * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    io_w = [per_disk * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     durable = cfg.durability != "none"
     behind = [4 * len(state_kinds(t, cfg.durability)) * sn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
     # collectives per layer (0 for one rank): the gradient's reduction after its backward visit,

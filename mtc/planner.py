@@ -177,6 +177,7 @@ class Memory:
     host: int  # state tiers' host RAM (the fit check's figure), pinned part included
     pinned: int  # the part of it in pinned memory (CUDA machines; nothing is pinned on the CPU)
     disk: dict[str, int]  # store bytes (both generations) by durability mode
+    grad_spill: bool = False  # disk layers' gradients wait in the store (the budget cannot hold them)
 
     @property
     def gpu_peak(self) -> int:
@@ -184,14 +185,21 @@ class Memory:
         return self.gpu_state + self.gpu_workspace
 
 
-def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool) -> Memory:
-    """Memory per tier of this placement (the table in `mtc.runtime.placement`)."""
+def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
+           host_available: int | None = None, gpu_memory: int | None = None) -> Memory:
+    """Memory per tier of this placement (the table in `mtc.runtime.placement`) on a machine with
+    ``host_available`` bytes of RAM (None: this one's) and ``gpu_memory`` bytes of GPU memory the
+    run can use (None: unknown, and disk layers' gradients are planned on the GPU)."""
     n, c = list(shape.numels), shape.compute_bytes
     dc = disk_compute_for(cfg, shape)
-    # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold them
-    budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
-    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda,
-                                 gpu_bytes=int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else None)
+    # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold
+    # them (host RAM on the CPU; on CUDA the GPU memory left beside the workspace)
+    budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget(host_available)
+    gpu_budget = None
+    if cuda:
+        gpu_budget = int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else (
+            None if gpu_memory is None else max(0, gpu_memory - gpu_workspace(cfg, shape, placement)))
+    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda, gpu_bytes=gpu_budget)
     pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
@@ -204,7 +212,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
     return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
-                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES})
+                  host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
+                  grad_spill=spill)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -285,7 +294,9 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     shape = shape_from_program(program, cfg.model, cbytes)
     cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
-    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda)
+    # as mtc.train decides the gradient spill: from the GPU memory free now
+    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
+                 gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None)
     disk_free, where = None, ""
     if store_dir is not None and new_run:
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -373,10 +384,11 @@ def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | N
         shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[cbytes], program=program)
     placement, gpu_update = placement_for(cfg, shape, profile, disk_tier=disk_tier)
     cuda = profile.accelerator == "cuda"
-    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda)
+    mem = memory(cfg, shape, placement, gpu_update, cuda=cuda, host_available=profile.host_available_bytes,
+                 gpu_memory=profile.gpu_memory_bytes if cuda else None)
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
-    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host)
+    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill)
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st)
 
 
@@ -437,7 +449,9 @@ def largest_fit(profile: MachineProfile, *, family: str = "8b") -> dict[str, int
         def fits(blocks: int, c: TrainConfig = c) -> tuple[bool, int]:
             sh = _with_blocks(one, blocks)
             placement, gu = placement_for(c, sh, profile, disk_tier=True)
-            mem = memory(c, sh, placement, gu, cuda=profile.accelerator == "cuda")
+            cuda = profile.accelerator == "cuda"
+            mem = memory(c, sh, placement, gu, cuda=cuda, host_available=profile.host_available_bytes,
+                         gpu_memory=profile.gpu_memory_bytes if cuda else None)
             checks = fit_checks(c, sh, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                                 gpu_total=profile.gpu_memory_bytes if profile.accelerator == "cuda" else None)
             return all(x.ok for x in checks), sh.n_params

@@ -112,7 +112,10 @@ def test_extrapolations_say_plainly_what_does_not_fit():
     text = "\n".join(lines)
     assert "70b (70.6B params) on h200-1.5tb" in text and "119.3B params" in text and "175.1B params" in text
     block_175 = text[text.index("175b"):]
-    assert "durability full    disk    4.20 TB: does NOT fit: disk needs 4.20 TB, has 4.00 TB" in block_175
+    # 24 B/param of state and, since 175B parameters' gradients (0.7 TB) cannot wait on an 80 GB
+    # GPU, 4 B/param of gradient scratch in the store
+    assert "durability full    disk    4.90 TB: does NOT fit: disk needs 4.90 TB, has 4.00 TB" in block_175
+    assert "GPU peak 72.3 GiB of 79.6 GiB" in block_175
     block_70 = text[text.index("70b"):text.index("120b")]
     assert "durability full    disk    1.69 TB: fits" in block_70
 
@@ -242,3 +245,22 @@ def test_a_plan_weighs_gpu_updates_with_its_machines_rates():
     fast_cpu = dataclasses.replace(box, adamw_gparams_s={"fused": 50.0, "exact": 25.0})
     slow, fast = make_plan(cfg, box).gpu_update, make_plan(cfg, fast_cpu).gpu_update
     assert len(fast) < len(slow)  # a faster CPU keeps more of the updates
+
+
+def test_disk_gradients_the_gpu_cannot_hold_are_planned_in_the_store():
+    """As mtc.train decides it: when the GPU budget cannot hold disk layers' gradients they are
+    spilled to the store, so they are not GPU memory, and they cost disk time (a write and a read
+    of 4 B/param beside the 12 of master, m and v)."""
+    prof = builtin("h100-box")
+    base = TrainConfig(model="tiny", device="cuda", seq_len=16, micro_batch_size=2, placement="disk", gpu_update="none",
+                       durability="none")
+    kept = make_plan(dataclasses.replace(base, gpu_budget_gb=1000.0), prof)
+    spilled = make_plan(dataclasses.replace(base, gpu_budget_gb=1e-6), prof)
+    assert not kept.memory.grad_spill and spilled.memory.grad_spill
+    n = sum(kept.shape.numels)
+    assert kept.memory.gpu_state == 4 * n and spilled.memory.gpu_state == 0
+    assert spilled.step.disk_read_s == pytest.approx(kept.step.disk_read_s * 16 / 12)
+    assert spilled.step.disk_write_s > kept.step.disk_write_s
+    # without --gpu-budget-gb the planned machine's GPU memory decides (not this machine's)
+    small = dataclasses.replace(prof, gpu_memory_bytes=2**30)  # less than the workspace alone
+    assert make_plan(base, small).memory.grad_spill and not make_plan(base, prof).memory.grad_spill
