@@ -281,6 +281,33 @@ def _plan_record(plan_dir: Path | None, prepared: dict[str, Any] | None, res: Tr
             "train_report": res.graph_report}
 
 
+def predicted(cfg: TrainConfig, measured_step_s: float | None = None) -> dict[str, Any]:
+    """`mtc plan`'s prediction for this setting: on this machine's calibrated profile when it
+    matches the device, else on the built-in profile of the lent H100 box when this is an H100
+    (its figures were measured there), else none (and why). With ``measured_step_s``, the ratio."""
+    from mtc.calibrate import builtin
+    from mtc.errors import MTCError
+    from mtc.planner import local_profile, make_plan
+
+    prof, why = local_profile(cfg.device)
+    if prof is None:
+        cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
+        if not (cuda and "H100" in torch.cuda.get_device_name()):
+            return {"error": f"{why}; no built-in profile for this device"}
+        prof = builtin("h100-box")
+    try:
+        plan = make_plan(cfg, prof)
+    except MTCError as e:
+        return {"profile": prof.name, "error": str(e)}
+    st = plan.step
+    tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum
+    out = {"profile": prof.name, "placement": describe(plan.placement), "gpu_update_layers": sorted(plan.gpu_update),
+           "step_s": st.step_s, "tokens_per_s": tokens / st.step_s, "bottleneck": st.bottleneck, "stages_s": st.stages()}
+    if measured_step_s:
+        out["measured_over_predicted"] = measured_step_s / st.step_s
+    return out
+
+
 def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec['cfg']`` for warm-up + measured (+ one profiled) steps; the setting's figures."""
     cfg = TrainConfig.from_dict(spec["cfg"])
@@ -335,6 +362,8 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "plan": _plan_record(plan_dir, prepared, res),
         "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
         "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,
+        # the cost model beside the measurement: what the first GPU session validates it with
+        "predicted_by_mtc_plan": predicted(cfg, med),
         "losses": [r.loss for r in res.records], "grad_norms": [r.grad_norm for r in res.records],
         "clip_norm": clip, "clipped_steps": sum(1 for r in res.records if clip is not None and r.grad_norm > clip),
         "skipped_steps": sum(1 for r in res.records if r.skipped),
@@ -664,7 +693,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     """Medians and ratios, one row per setting, goals beside."""
     head = (f"{'part':6s} {'setting':22s} {'placement':22s} {'gpu upd':>8s} {'step s':>8s} {'tok/s':>9s} {'TFLOP/s':>8s} "
             f"{'busy%':>6s} {'H2D GB/s':>8s} {'D2H GB/s':>8s} {'opt s':>6s} {'exp<=s':>6s} {'GPU GiB':>8s} {'RSS B/p':>8s} "
-            f"{'clip':>5s} {'plan s':>9s}")
+            f"{'clip':>5s} {'plan s':>9s} {'pred s':>7s}")
     print("\n" + head)
     for part, rec in results.items():
         if part == "DP":
@@ -684,11 +713,12 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             plan = r.get("plan") or {}
             plan_s = (f"{plan['how'][0]} {plan['compile_or_load_s']:7.1f}" if plan.get("compile_or_load_s") is not None
                       else "-")
+            pred = (r.get("predicted_by_mtc_plan") or {}).get("step_s")
             print(f"{part:6s} {name:22s} {r.get('placement', 'resident'):22.22s} {upd_s:>8s} "
                   f"{r['median_step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} {_f(prof.get('busy_pct'), '6.1f')} "
                   f"{_f(tr.get('h2d_gbps_avg'), '8.1f')} {_f(tr.get('d2h_gbps_avg'), '8.1f')} {_f(opt.get('update_s'), '6.2f')} "
                   f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s} "
-                  f"{plan_s:>9s}")
+                  f"{plan_s:>9s} {_f(pred, '7.3f')}")
         if part in GOALS:
             st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
             got = f"{st['model_tflops']:.1f}" if st else "-"
@@ -701,7 +731,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     print("busy%: GPU kernel time in one profiled step / its wall time; GB/s: bytes per step / step time; opt s: "
           "optimizer update seconds per step; exp<=s: fetch_wait (upper bound on exposed optimizer time); RSS B/p: "
           "steady host RSS per parameter; plan s: compiling (c) or loading (l) the fused plan, trace and tuning included "
-          "(each shape's first setting compiles it, later ones load it)")
+          "(each shape's first setting compiles it, later ones load it); pred s: `mtc plan`'s step time for the setting "
+          "(this machine's calibrated profile, else the built-in h100-box on an H100; '-' without one)")
 
 
 def _print_dp(rec: dict[str, Any]) -> None:

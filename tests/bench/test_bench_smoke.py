@@ -18,9 +18,10 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def run_bench(script: str, args: list[str], out: Path, timeout: int = 180) -> list[dict]:
-    """Run ``bench/script`` with ``args``, records redirected to ``out``; the records it wrote."""
-    env = dict(os.environ, BENCH_RESULTS_DIR=str(out), TRITON_INTERPRET="1")
+def run_bench(script: str, args: list[str], out: Path, timeout: int = 180, home: Path | None = None) -> list[dict]:
+    """Run ``bench/script`` with ``args``, records redirected to ``out`` (and ``HOME`` to ``home``,
+    where `mtc calibrate` keeps its profile); the records it wrote."""
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(out), TRITON_INTERPRET="1", **({"HOME": str(home)} if home else {}))
     before = set((BENCH / "results").iterdir())
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, env=env,
                           cwd=BENCH.parent, timeout=timeout)
@@ -88,12 +89,20 @@ def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path)
 
 
 def test_bench_train_unfused_smoke_records_p1(tmp_path):
-    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P1-16", "--quiet"], tmp_path)
+    from tests.mtc.test_planner import _this_host_profile
+
+    home = tmp_path / "home"
+    _this_host_profile(home / ".cache" / "mtc" / "machine.json")  # as `mtc calibrate` leaves it on this host
+    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P1-16", "--quiet"], tmp_path / "out", home=home)
     assert rec["part"] == "P1-16" and rec["goal_stateless_tflops"] == 230.0
     assert [r["setting"] for r in rec["settings"]] == ["stateless", "auto"]
     for r in rec["settings"]:
         check_mtc_setting(r)
         assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
+        # mtc plan's prediction beside the measurement, on the calibrated profile of this host
+        pred = r["predicted_by_mtc_plan"]
+        assert pred["profile"] == "this-host" and pred["step_s"] > 0 and pred["placement"] == r["placement"]
+        assert pred["measured_over_predicted"] == pytest.approx(r["median_step_s"] / pred["step_s"])
     assert rec["settings"][0]["placement_spec"] == "stateless"
 
 
