@@ -34,7 +34,7 @@ parts=("$@")
 # default: what is pending (the gpu tests, bench_fusion's Llama block with CUDA-graph replay and
 # launches per block, bench_train); a 10-minute device call holds about one train part, so name
 # parts per call, e.g.
-#   call 1: tests llama/block train/P1-16   call 2: train/P1-48   call 3: train/P3 train/P5
+#   call 1: tests model/4.6b   call 2: train/P1-16   call 3: train/P1-48   (then: train/P3 train/P5, llama/block fusion)
 [ ${#parts[@]} -eq 0 ] && parts=(tests llama/block train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
 for p in "${parts[@]}"; do
@@ -43,7 +43,8 @@ for p in "${parts[@]}"; do
     tests)
       if [ -n "${SKIP_TESTS:-}" ]; then echo "skipped tests: SKIP_TESTS" | tee -a "$log"; continue; fi
       if [ "$left" -lt 60 ]; then echo "skipped tests: out of time" | tee -a "$log"; continue; fi
-      timeout $(( left < 200 ? left : 200 )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 \
+      cap=${TESTS_S:-300}  # 53 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
+      timeout $(( left < cap ? left : cap )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 \
         | tail -30 | tee -a "$log" ;;
     disk|disk/*)
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
