@@ -20,6 +20,7 @@ the engine streaming P1 can at best run at this line's `mtc_fused` rate.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
@@ -219,6 +220,7 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         rec["results"][v] = r
         log(f"model/{shape:5s} {v:16s} {r['median_ms']:10.1f} ms  {r['model_tflops']:7.2f} model-TFLOP/s")
         del runners, ex, got
+        gc.collect()  # replayed graphs and the executor hold each other: free the graphs' pool before the next variant
         if device.type == "cuda":
             torch.cuda.empty_cache()
     res = rec["results"]

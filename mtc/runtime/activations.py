@@ -78,6 +78,8 @@ class ActivationStore:
         """Drop everything held for the step (after an error); keep the reusable host buffers."""
         for tr in self._out.values():
             tr.wait()
+        for _dev, tr in self._back.values():  # copies back may still write the device tensors dropped here
+            tr.wait()
         self._dev.clear()
         self._out.clear()
         self._back.clear()

@@ -349,9 +349,10 @@ class DataParallel:
         step the shard's copy to pinned host memory and its write into this rank's shard store."""
         s = self.tiers[i]
         k = s.shard[1] - s.shard[0]
-        if s.last_read is not None:  # the staging copy of the last commit still reads the state
-            self.copies.wait_on_compute(s.last_read)
-            s.last_read = None
+        for tr in (s.staged, s.last_read):  # the staging copy of the last commit, a tied weight's fetch
+            if tr is not None:
+                self.copies.wait_on_compute(tr)
+        s.staged = s.last_read = None
         if not skip:
             if k:
                 with opt.timeline.span("update_gpu", i, step=tstep):
@@ -380,7 +381,7 @@ class DataParallel:
                     last.result()
             staged = self.copies.d2h(list(zip(stage, (s.master[:k], s.m[:k], s.v[:k]), strict=True)), after=self.copies.marker(),
                                      layer=i, stage="stage_out")
-            s.last_read = staged  # the next update waits for it (ordered on the compute stream)
+            s.staged = staged  # the next update waits for it (ordered on the compute stream)
             s.write = Future()
             opt._writer.submit(self._shard_write, opt, i, staged, dict(zip(("master", "m", "v"), stage, strict=True)), kinds,
                               gen, prev_commit, tstep, s.write)

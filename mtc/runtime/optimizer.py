@@ -208,7 +208,7 @@ class StreamingAdamW:
                             s.write.result()  # a failed write is reported by its own commit
                     staged = self.engine.d2h(list(zip(self.tiers.staging_for(i), (s.master, s.m, s.v))),
                                              after=self.engine.marker(), layer=i, stage="stage_out", lane="opt")
-                    s.last_read = staged  # the next device update waits for it (ordered on the compute stream)
+                    s.staged = staged  # the next device update waits for it (ordered on the compute stream)
                     s.write = self._writer.submit(self._write_staged, i, staged, w_gen, prev_commit, step)
                     writes.append(s.write)
             elif s.tier == "disk":
@@ -293,9 +293,12 @@ class StreamingAdamW:
 
     def _update_on_device(self, i: int, coef: torch.Tensor | None, hp: dict) -> None:
         s = self.tiers[i]
-        if s.last_read is not None:  # a staging copy of the last commit still reads the state
-            self.engine.wait_on_compute(s.last_read)
-            s.last_read = None
+        # a staging copy of the last commit, and a fetch of a tied weight it owns, may still read the
+        # state: two fields, since a fetch would overwrite the other's transfer
+        for tr in (s.staged, s.last_read):
+            if tr is not None:
+                self.engine.wait_on_compute(tr)
+        s.staged = s.last_read = None
         with self.timeline.span("update_gpu", i):
             _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
                           **hp, **self._hyper())

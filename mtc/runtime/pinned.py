@@ -11,6 +11,10 @@ copy engines read and write it directly and copies from it are asynchronous, as 
 fails (e.g. the locked-memory limit), the buffer comes from torch's allocator instead, and
 `host_nbytes` counts it at its rounded size. Without CUDA nothing is pinned. Page alignment also
 lets the store read and write every buffer with O_DIRECT, without a bounce copy (store/fastio.py).
+
+A buffer dies when its last tensor view does, which may be inside a garbage collection at any
+point of any thread (a CUDA graph capture included), so its finalizer only queues it; the next
+allocation (or `release_pending`) unregisters it and lets its pages go, in that order.
 """
 
 from __future__ import annotations
@@ -22,40 +26,69 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["host_buffer", "host_nbytes", "pinning_report", "registered_bytes"]
+__all__ = ["host_buffer", "host_nbytes", "pinning_report", "registered_bytes", "release_pending"]
 
-_lock = threading.Lock()
-_registered: dict[int, int] = {}  # data pointer -> bytes, of every live registered buffer
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
+_lock = threading.RLock()
+_registered: dict[int, int] = {}  # data pointer -> bytes, of every registered buffer not yet released
+_pending: list[tuple[int, mmap.mmap]] = []  # dead buffers still registered: (pointer, the mapping that holds their pages)
 _failed: list[str] = []  # why registration failed, once (the fallback then serves every buffer)
+_unregister_errors: list[str] = []
 
 
-def _unregister(ptr: int) -> None:
+def _queue_release(ptr: int, buf: mmap.mmap) -> None:
+    # a finalizer: may run inside a garbage collection anywhere, so no lock and no CUDA call here
+    # (list.append is atomic); keeping `buf` keeps the pages mapped until they are unregistered
+    _pending.append((ptr, buf))
+
+
+def release_pending() -> None:
+    """Unregister the buffers that died since the last call, then let their pages go (not while
+    this thread captures a CUDA graph: the next call does it)."""
+    if not _pending or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
     with _lock:
-        _registered.pop(ptr, None)
-    err = torch.cuda.cudart().cudaHostUnregister(ptr)
-    if err != torch.cuda.cudart().cudaError.success:  # nothing to recover at teardown: the memory is unmapped next
-        _failed.append(f"cudaHostUnregister returned {err}")
+        done, _pending[:] = list(_pending), []
+        cudart = torch.cuda.cudart()
+        for ptr, _buf in done:
+            _registered.pop(ptr, None)
+            err = cudart.cudaHostUnregister(ptr)
+            if err != cudart.cudaError.success:
+                _unregister_errors.append(f"cudaHostUnregister returned {err}")
+                _clear_cuda_error()
+    del done  # the mappings go now, after their pages were unregistered
 
 
-def _mapped(nbytes: int) -> np.ndarray:
-    """Page-aligned, zero-filled memory of ``nbytes`` (a private anonymous mapping: not shared with
-    a forked child; its pages are allocated on first touch)."""
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves its error as the thread's last error, which torch's next kernel
+    launch check would raise as its own: take it out now (the launch check reads and resets it)."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
+
+
+def _mapped(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
+    """Page-aligned, zero-filled memory of ``nbytes`` (a private anonymous mapping, its pages
+    allocated on first touch) and the mapping that holds it."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+    return np.frombuffer(buf, dtype=np.uint8, count=nbytes), buf
 
 
-def _register(arr: np.ndarray) -> bool:
-    """Page-lock ``arr`` with the driver until it is freed; False when the driver refuses."""
+def _register(arr: np.ndarray, buf: mmap.mmap) -> bool:
+    """Page-lock ``arr`` with the driver until it is released; False when the driver refuses."""
     ptr, nbytes = arr.ctypes.data, arr.nbytes
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    err = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
     if err != cudart.cudaError.success:
         _failed.append(f"cudaHostRegister of {nbytes:,} bytes returned {err}")
+        _clear_cuda_error()
         return False
     with _lock:
         _registered[ptr] = nbytes
-    # the array dies once the last tensor view of it does: unregister then, before its pages go
-    weakref.finalize(arr, _unregister, ptr)
+    # the array dies once the last tensor view of it does: queue it for unregistering then
+    weakref.finalize(arr, _queue_release, ptr, buf)
     return True
 
 
@@ -66,11 +99,13 @@ def host_buffer(numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor
     if not nbytes:
         return torch.zeros(numel, dtype=dtype)
     pin = pinned and torch.cuda.is_available()
-    if pin and _failed:  # registration was refused before: torch's pinned allocator
-        return torch.zeros(numel, dtype=dtype, pin_memory=True)
-    arr = _mapped(nbytes)
-    if pin and not _register(arr):
-        del arr
+    if pin:
+        release_pending()
+        if _failed:  # registration was refused before: torch's pinned allocator
+            return torch.zeros(numel, dtype=dtype, pin_memory=True)
+    arr, buf = _mapped(nbytes)
+    if pin and not _register(arr, buf):
+        del arr, buf
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
     return torch.from_numpy(arr).view(dtype)
 
@@ -96,10 +131,12 @@ def pinning_report() -> str:
         return "host buffers: not pinned (no CUDA)"
     if _failed:
         return f"host buffers: torch's pinned allocator (sizes rounded up to powers of two): {_failed[0]}"
-    return f"host buffers: exact-size registered memory ({registered_bytes() / 2**30:.2f} GiB)"
+    errs = f"; {len(_unregister_errors)} failed to unregister ({_unregister_errors[0]})" if _unregister_errors else ""
+    return f"host buffers: exact-size registered memory ({registered_bytes() / 2**30:.2f} GiB){errs}"
 
 
 def registered_bytes() -> int:
-    """Bytes of host memory currently registered through `pinned_empty` (for reports and tests)."""
+    """Bytes of host memory registered through `host_buffer` and not yet released (reports, tests)."""
+    release_pending()
     with _lock:
         return sum(_registered.values())

@@ -68,6 +68,7 @@ class LayerState:
     grad: torch.Tensor | None  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu` and
     # `disk`; None for a disk layer whose gradient is spilled to the store)
     last_read: Transfer | None = None  # the last copy that read `compute` (an update waits for it)
+    staged: Transfer | None = None  # gpu tier: a commit's copy of master, m, v to the host (the next update waits for it)
     grad_ready: Transfer | None = None  # the gradient's device-to-host copy
     update: Future[None] | None = None  # this step's update (the next fetch waits for it)
     write: Future[None] | None = None  # write-behind in flight (the next update waits for it)

@@ -30,6 +30,7 @@ class _FakeDriver:
         if self.refuse:
             return 2  # cudaErrorMemoryAllocation
         self.registered[ptr] = nbytes
+        self.registered_flags = flags
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
@@ -40,9 +41,14 @@ class _FakeDriver:
 @pytest.fixture
 def driver(monkeypatch):
     drv = _FakeDriver()
+    drv.capturing = False
+    drv.cleared = 0  # runtime errors taken out after a failed call
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: drv.capturing)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: drv)
-    monkeypatch.setattr(pinned, "_failed", [])
+    monkeypatch.setattr(pinned, "_clear_cuda_error", lambda: setattr(drv, "cleared", drv.cleared + 1))
+    for name in ("_failed", "_pending", "_unregister_errors"):
+        monkeypatch.setattr(pinned, name, [])
     monkeypatch.setattr(pinned, "_registered", {})
     return drv
 
@@ -64,24 +70,34 @@ def test_an_empty_buffer():
 def test_registers_exactly_the_bytes_and_unregisters_when_the_last_view_dies(driver):
     t = pinned.host_buffer(1000003, torch.bfloat16, pinned=True)  # 2,000,006 bytes: torch would pin 2 MiB
     ptr = t.data_ptr()
-    assert driver.registered == {ptr: 2_000_006}
+    assert driver.registered == {ptr: 2_000_006} and driver.registered_flags == 1  # portable: every context
     assert pinned.registered_bytes() == 2_000_006 and pinned.host_nbytes(t) == 2_000_006
     view = t[10:20]
     del t
     gc.collect()
+    pinned.release_pending()
     assert driver.unregistered == []  # a view still holds the memory
     del view
     gc.collect()
-    assert driver.unregistered == [ptr]
-    assert pinned.registered_bytes() == 0
+    # the finalizer only queues it (it may run inside any garbage collection): the next
+    # allocation or release_pending unregisters it, not while this thread captures a CUDA graph
+    assert driver.unregistered == [] and pinned._pending
+    driver.capturing = True
+    pinned.release_pending()
+    assert driver.unregistered == []
+    driver.capturing = False
+    keep = pinned.host_buffer(10, torch.float32, pinned=True)
+    assert driver.unregistered == [ptr] and not pinned._pending and keep.numel() == 10
+    assert pinned.registered_bytes() == 40
     assert "exact-size registered memory" in pinned.pinning_report()
 
 
-def test_a_refused_registration_is_reported(driver):
+def test_a_refused_registration_is_reported_and_its_error_cleared(driver):
     driver.refuse = True
-    arr = pinned._mapped(8192)
-    assert not pinned._register(arr)
+    arr, buf = pinned._mapped(8192)
+    assert not pinned._register(arr, buf)
     assert driver.registered == {} and pinned.registered_bytes() == 0
+    assert driver.cleared == 1  # torch's next kernel launch would otherwise raise the runtime's error as its own
     report = pinned.pinning_report()
     assert "rounded up to powers of two" in report and "cudaHostRegister of 8,192 bytes returned 2" in report
 
