@@ -325,11 +325,18 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
     """The whole-model line: each stack's step, every variant, one record per stack."""
     shapes = ["smoke"] if a.smoke else (a.shape or ["1.5b", "4.6b"])
     variants = [v for v in model_stack.VARIANTS if v != "torch_compile" or not a.no_torch_compile]
+    deadline = time.monotonic() + a.time_limit_s if a.time_limit_s else None
+    name = "bench_fusion-model" + ("-smoke" if a.smoke else "")
     for shape in shapes:
+        written: list[Path] = []
+
+        def write(rec: dict, written: list[Path] = written) -> None:  # after each variant: a killed run keeps its record
+            written[:] = [write_record(name, rec, written[0] if written else None)]
+
         rec = model_stack.run_model(shape, device, seqs=a.model_seqs or (4 if a.smoke else 16),
                                     micro_batch=a.model_micro_batch or (2 if a.smoke else 8),
                                     seq_len=a.model_seq_len or (16 if a.smoke else 1024),
-                                    warmup=warmup, reps=reps, variants=variants)
+                                    warmup=warmup, reps=reps, variants=variants, deadline=deadline, on_variant=write)
         r = rec["results"]
         line = f"model/{shape:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
         if "fused_speedup_vs_unfused" in rec:
@@ -353,7 +360,7 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
                              + (f", FELL BACK: {cg['fallbacks']}" if cg["fallbacks"] else ""))
             if extra:
                 print(f"model/{shape:5s} {v:16s} " + "; ".join(extra))
-        print(f"record: {write_record('bench_fusion-model' + ('-smoke' if a.smoke else ''), rec)}")
+        print(f"record: {write_record(name, rec, written[0] if written else None)}")
 
 
 def main() -> None:
@@ -368,6 +375,8 @@ def main() -> None:
     ap.add_argument("--model-seqs", type=int, help="model part: sequences per step (default 16; 4 with --smoke)")
     ap.add_argument("--model-micro-batch", type=int, help="model part: sequences per micro-batch (default 8; 2 with --smoke)")
     ap.add_argument("--model-seq-len", type=int, help="model part: tokens per sequence (default 1024; 16 with --smoke)")
+    ap.add_argument("--time-limit-s", type=float, help="model part: start no variant after this many seconds (the "
+                                                          "record, written after each variant, says which were skipped)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks, not speed")
     ap.add_argument("--seq", type=int, help="tokens (default 8192; 16 with --smoke)")
     ap.add_argument("--warmup", type=int, help="untimed calls (steps) first (default 3, model part 2; 1 with --smoke)")

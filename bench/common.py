@@ -61,13 +61,15 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def write_record(name: str, record: dict[str, Any]) -> Path:
+def write_record(name: str, record: dict[str, Any], path: Path | None = None) -> Path:
     """Write ``record`` (plus the environment) as JSON under bench/results/ (or $BENCH_RESULTS_DIR)
-    and return the path."""
-    out = Path(os.environ.get(RESULTS_ENV) or RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
+    and return the path; ``path``: rewrite that record instead (a run that updates its record as
+    its parts finish, so a killed run still leaves what it measured)."""
     env = environment()
-    stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    path = out / f"{name}-{env['host']}-{stamp}.json"
+    if path is None:
+        out = Path(os.environ.get(RESULTS_ENV) or RESULTS)
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = env["date"].replace(":", "").replace("-", "")[:15]
+        path = out / f"{name}-{env['host']}-{stamp}.json"
     path.write_text(json.dumps({"benchmark": name, **env, **record}, indent=1))
     return path

@@ -64,7 +64,8 @@ for p in "${parts[@]}"; do
         ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     model/*)
       if [ "$left" -lt 180 ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
-      timeout "$left" python3 bench/bench_fusion.py --arch llama --part model --shape "${p#model/}" ${BENCH_ARGS:-} 2>&1 \
+      timeout "$left" python3 bench/bench_fusion.py --arch llama --part model --shape "${p#model/}" \
+        --time-limit-s $(( left - 150 )) ${BENCH_ARGS:-} 2>&1 \
         | tee -a "$log" ;;
     fusion)
       if [ "$left" -lt 120 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi

@@ -163,9 +163,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def _ratios(rec: dict) -> None:
+    """The speed-ups between the variants measured so far, into ``rec``."""
+    res = {k: x for k, x in rec["results"].items() if "median_ms" in x}
+    if "unfused" in res and "mtc_fused" in res:
+        rec["fused_speedup_vs_unfused"] = res["unfused"]["median_ms"] / res["mtc_fused"]["median_ms"]
+    if "torch_compile" in res and "mtc_fused" in res:
+        rec["fused_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused"]["median_ms"]
+    if "mtc_fused_graph" in res and "unfused" in res:
+        rec["graph_speedup_vs_unfused"] = res["unfused"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
+    if "mtc_fused_graph" in res and "torch_compile" in res:
+        rec["graph_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
+
+
 def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, seq_len: int, warmup: int, reps: int,
-              variants: list[str], log: Callable[[str], None] = print) -> dict:
-    """One step's compute over shape ``shape``'s full stack for each variant; returns the record."""
+              variants: list[str], log: Callable[[str], None] = print, deadline: float | None = None,
+              on_variant: Callable[[dict], None] | None = None) -> dict:
+    """One step's compute over shape ``shape``'s full stack for each variant; returns the record.
+    ``deadline`` (a `time.monotonic` value): variants not started by then are recorded as skipped,
+    so a device call's time limit still leaves a record of those that ran; ``on_variant`` gets the
+    record so far after each variant (to write it as it grows)."""
     if seqs % micro_batch:
         raise SystemExit(f"--model-seqs {seqs} is not a multiple of --model-micro-batch {micro_batch}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -196,6 +213,10 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
     for v in variants:
         if v == "mtc_fused_graph" and device.type != "cuda":
             continue
+        if deadline is not None and time.monotonic() > deadline:
+            rec["results"][v] = {"skipped": "time limit (--time-limit-s) reached before it started"}
+            log(f"model/{shape:5s} {v:16s} skipped: time limit")
+            continue
         runners, info = _runners(v, program, device, cache)
         timeline = Timeline(keep_steps=2)
         engine = CopyEngine(device, timeline)
@@ -218,20 +239,15 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         if stats is not None:
             r["cuda_graph"] = stats
         rec["results"][v] = r
+        _ratios(rec)
+        if on_variant is not None:
+            on_variant(rec)
         log(f"model/{shape:5s} {v:16s} {r['median_ms']:10.1f} ms  {r['model_tflops']:7.2f} model-TFLOP/s")
         del runners, ex, got
         gc.collect()  # replayed graphs and the executor hold each other: free the graphs' pool before the next variant
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    res = rec["results"]
-    if "unfused" in res and "mtc_fused" in res:
-        rec["fused_speedup_vs_unfused"] = res["unfused"]["median_ms"] / res["mtc_fused"]["median_ms"]
-    if "torch_compile" in res and "mtc_fused" in res:
-        rec["fused_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused"]["median_ms"]
-    if "mtc_fused_graph" in res and "unfused" in res:
-        rec["graph_speedup_vs_unfused"] = res["unfused"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
-    if "mtc_fused_graph" in res and "torch_compile" in res:
-        rec["graph_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
-    rec["variant_order"] = [v for v in variants if v in res]
+    _ratios(rec)
+    rec["variant_order"] = [v for v in variants if v in rec["results"]]
     rec["goal"] = "none: issue 9 states goals for single blocks and heads, not for the whole-model line (ratios only)"
     return rec
