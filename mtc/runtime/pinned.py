@@ -19,6 +19,7 @@ allocation (or `release_pending`) unregisters it and lets its pages go, in that 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -63,10 +64,8 @@ def release_pending() -> None:
 def _clear_cuda_error() -> None:
     """A failed runtime call leaves its error as the thread's last error, which torch's next kernel
     launch check would raise as its own: take it out now (the launch check reads and resets it)."""
-    try:
+    with contextlib.suppress(RuntimeError):  # raised once, with the runtime's stale error: that is the point
         torch.zeros(1, device="cuda").add_(1)
-    except RuntimeError:
-        pass
 
 
 def _mapped(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
