@@ -28,7 +28,6 @@ a layer waits for its write. The AdamW math is `mtc.kernels.adamw`'s (one implem
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import math
 import os

@@ -50,15 +50,16 @@ def release_pending() -> None:
     if not _pending or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
     with _lock:
-        done, _pending[:] = list(_pending), []
         cudart = torch.cuda.cudart()
-        for ptr, _buf in done:
+        while _pending:
+            # one at a time (list.pop is atomic): a finalizer may append while this runs
+            ptr, buf = _pending.pop()
             _registered.pop(ptr, None)
             err = cudart.cudaHostUnregister(ptr)
             if err != cudart.cudaError.success:
                 _unregister_errors.append(f"cudaHostUnregister returned {err}")
                 _clear_cuda_error()
-    del done  # the mappings go now, after their pages were unregistered
+            del buf  # the mapping goes now, after its pages were unregistered
 
 
 def _clear_cuda_error() -> None:

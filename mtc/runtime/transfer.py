@@ -1,11 +1,12 @@
 """Copies between host and device on their own streams, ordered by events, never by host syncs.
 
 On CUDA the compute stream (the current one) is joined by a host-to-device and a device-to-host
-stream per lane (`CopyEngine`: the visits' copies, and the optimizer's). A copy waits for a `Marker` (an event recorded on the compute stream: "compute has finished
-reading/writing this buffer") and returns a `Transfer` (an event recorded after the copy) that the
-compute stream or a host thread can wait on. On the CPU the same interface runs each direction's
-copies on its own thread (per lane), so the schedule, its overlaps and its buffer-reuse rules are exercised
-by the CPU tests with real concurrency.
+stream per lane (`CopyEngine`: the visits' copies, and the optimizer's). A copy waits for a
+`Marker` (an event recorded on the compute stream: "compute has finished reading/writing this
+buffer") and returns a `Transfer` (an event recorded after the copy) that the compute stream or a
+host thread can wait on. On the CPU the same interface runs each lane's and direction's copies on
+a thread of its own, so the schedule, its overlaps and its buffer-reuse rules are exercised by the
+CPU tests with real concurrency.
 """
 
 from __future__ import annotations
