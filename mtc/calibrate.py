@@ -483,10 +483,12 @@ def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -
         m.zero_()
         v.zero_()
         zero = numel / _best_time(run(engine, pool), repeats) / 1e9
+    # one thread: as many samples as the pool's figures (a single sample made the planner's CPU
+    # optimizer time swing by 25 % between calibrations on the shared 2-core box)
     with host_pool(1) as pool:
-        zero_one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+        zero_one = numel / _best_time(run(engine, pool), repeats) / 1e9
         grad.normal_(0, 1e-3)
-        one = numel / _best_time(run(engine, pool), max(1, repeats // 2)) / 1e9
+        one = numel / _best_time(run(engine, pool), repeats) / 1e9
     torch.set_num_threads(caller)
     return out, one, (zero / out[engine], zero_one / one)
 

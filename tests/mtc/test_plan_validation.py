@@ -7,10 +7,13 @@ within 15 % of the plan's prediction, and the plan must name the bottleneck the 
 for.
 
 The 2-core CI boxes are shared: another job can halve this process's speed for seconds at a time.
-The test therefore times a fixed probe (a 512^3 matmul, as calibrate measured it) before and after
-each run (and, around the disk-bound run, the store's write rate, since other jobs share the
-disk too); an attempt in which the machine ran more than 15 % slower or faster than calibrated
-says nothing about the model and is repeated (calibration included) while the time budget lasts. An
+The test therefore times fixed probes (a 512^3 matmul; the store's write rate, since other jobs
+share the disk too) right after calibrating, and again before and after each run; an attempt in
+which the machine ran more than 15 % slower or faster than while it calibrated says nothing about
+the model and is repeated (calibration included) while the time budget lasts. Each probe is
+compared with itself: against calibrate's own figures (another size, another count of samples)
+the small disk probe read 35-50 % faster on a quiet machine, which judged every attempt noisy
+and left a test that could not fail. An
 attempt with all three within 15 % passes; a quiet attempt that misses fails; if every attempt was
 noisy and missed, the test is skipped with the figures.
 
@@ -59,7 +62,7 @@ CONFIGS = {
 
 
 def _probe() -> float:
-    """TFLOP/s of a 512^3 fp32 matmul, median of 5 (calibrate measured the same shape)."""
+    """TFLOP/s of a 512^3 fp32 matmul, median of 5."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     torch.mm(a, b)
     times = []
@@ -71,11 +74,11 @@ def _probe() -> float:
 
 
 def _disk_probe(root) -> float:
-    """GB/s of the store writing a disk layer's three arrays (24 MiB), as calibrate measured it."""
+    """GB/s of the store writing a disk layer's three arrays (24 MiB, best of 2), as calibrate measures it."""
     from mtc.calibrate import _store_rates
 
     root.mkdir(exist_ok=True)
-    return _store_rates(torch, root, 24, 1, 4)[0]
+    return _store_rates(torch, root, 24, 2, 4)[0]
 
 
 def _measure(cfg: TrainConfig, store, data) -> float:
@@ -98,7 +101,7 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
     while attempt == 0 or time.perf_counter() - t_start < BUDGET_S:
         assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
         prof = MachineProfile.load(tmp_path / "machine.json")
-        base = next(p["tflops"] for p in prof.matmul if p["m"] == 512)
+        base, disk_base = _probe(), _disk_probe(tmp_path / "probe")  # the machine's speed while it calibrated
         results, quiet = {}, True
         for want, fields in CONFIGS.items():
             cfg = TrainConfig(**{**_BASE, **fields})
@@ -110,7 +113,7 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
             if disks:
                 disks.append(_disk_probe(tmp_path / "probe"))
             # how much slower than calibrated the machine ran (negative: faster, i.e. calibrated in a slow spell)
-            drift = [1 - p / base for p in probes] + [1 - d / prof.store_write_gbps for d in disks]
+            drift = [1 - p / base for p in probes] + [1 - d / disk_base for d in disks]
             slow = max(drift, key=abs)
             quiet = quiet and abs(slow) <= TOLERANCE
             results[want] = (plan.step.step_s, measured, plan.step.bottleneck, slow)
