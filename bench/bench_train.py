@@ -369,7 +369,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": sum(1 for r in res.records if r.skipped),
         "timeline_s_per_step": {"method": "host-side span seconds per measured step, summed over threads "
                                           "(CUDA: enqueue or wait time, not GPU time)", **stages},
-        "optimizer": {"update_s": update, "update_gpu_enqueue_s": stages.get("update_gpu", 0.0),
+        "optimizer": {"host_adamw": res.host_adamw, "update_s": update, "update_gpu_enqueue_s": stages.get("update_gpu", 0.0),
                       "fetch_wait_s": exposed, "weights_wait_s": stages.get("weights_wait", 0.0),
                       "hidden_s": max(0.0, update - exposed), "exposed_upper_s": exposed,
                       "method": "update = CPU (update) + GPU-streamed (update_streamed) spans; exposed <= fetch_wait "

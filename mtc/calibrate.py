@@ -456,33 +456,37 @@ def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -
     """G params/s of adamw_flat_ (exact and fused) on a pool of ``cores`` threads, of the engine's
     impl on one thread, and the engine's impl's speed on zero gradients and moments relative to
     dense ones; with the bf16 compute copy on CUDA machines, as the engine runs it."""
-    from mtc.runtime.host_adamw import adamw_flat_, host_pool
+    from mtc.runtime.host_adamw import HostStrategy, host_pool, tune_strategy
 
     g = torch.Generator().manual_seed(0)
     p = torch.randn(numel, generator=g) * 0.02
     grad = torch.randn(numel, generator=g) * 1e-3
     m, v = torch.zeros(numel), torch.zeros(numel)
     copy = torch.empty(numel, dtype=torch.bfloat16) if cuda else None
-    coef = torch.tensor(1.0)
+    coef = torch.tensor(0.9999)  # clipping fires (at exactly 1.0 the gradient's multiply is skipped)
     hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "decay_numel": numel * 9 // 10}
     out: dict[str, float] = {}
     step = [1]
 
-    def run(impl: str, pool: Any) -> Callable[[], None]:
+    def run(impl: str, pool: Any, way: Any = None) -> Callable[[], None]:
+        way = way or HostStrategy()
+
         def f() -> None:
-            adamw_flat_(p, grad, m, v, step=step[0], grad_scale=coef, compute_out=copy, pool=pool, impl=impl, **hp)
+            way.run(p, grad, m, v, pool=pool, threads=cores, step=step[0], grad_scale=coef, compute_out=copy, impl=impl, **hp)
             step[0] += 1
         return f
 
     caller = torch.get_num_threads()
     engine = "fused" if cuda else "exact"
     with host_pool(cores) as pool:
-        for impl in ("exact", "fused"):
-            out[impl] = numel / _best_time(run(impl, pool), repeats) / 1e9
+        out["exact"] = numel / _best_time(run("exact", pool), repeats) / 1e9
+        # fused: the fastest way over the cores, timed and picked as the engine does at start
+        fused = tune_strategy("fused", pool, cores, numel, compute_dtype=copy.dtype if copy is not None else None, repeats=repeats)
+        out["fused"] = dict(fused.rates)[fused.name]
         grad.zero_()
         m.zero_()
         v.zero_()
-        zero = numel / _best_time(run(engine, pool), repeats) / 1e9
+        zero = numel / _best_time(run(engine, pool, fused if engine == "fused" else None), repeats) / 1e9
     # one thread: as many samples as the pool's figures (a single sample made the planner's CPU
     # optimizer time swing by 25 % between calibrations on the shared 2-core box)
     with host_pool(1) as pool:

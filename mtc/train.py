@@ -135,6 +135,7 @@ class TrainResult:
     compiled: dict | None = None
     compile_s: float | None = None  # compiling or loading the fused plan's templates (None: unfused)
     graph_report: list[str] = dataclasses.field(default_factory=list)  # CUDA-graph replay per template (runtime/graph_replay.py)
+    host_adamw: str = ""  # the host AdamW's implementation and how it used the cores (timed at start where it matters)
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
@@ -556,6 +557,9 @@ def train(
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
         if device.type == "cuda" and notify is not None:
             notify(pinning_report())  # exact-size registered host memory, or torch's rounded allocator and why
+        host_adamw = eng.optimizer.host_strategy.describe(eng.optimizer.host_impl)
+        if eng.optimizer.host_strategy.rates and notify is not None:
+            notify(host_adamw)
         if world.distributed:
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
             _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))
@@ -662,7 +666,7 @@ def train(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
-        graph_report=graph_lines,
+        graph_report=graph_lines, host_adamw=host_adamw,
     )
 
 

@@ -65,7 +65,6 @@ import torch
 
 from mtc.errors import MTCError
 from mtc.runtime.device_comm import CommTransfer, DeviceComm, tensor_collectives
-from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import StepStats, _device_adamw, _done, _wait_all, _when_all
 from mtc.runtime.pinned import host_buffer
 from mtc.runtime.tiers import state_kinds
@@ -427,8 +426,7 @@ class DataParallel:
         if not k:
             return
         with opt.timeline.span("update", i, step=tstep):
-            adamw_flat_(s.master[:k], self._gshard[i][:k], s.m[:k], s.v[:k], grad_scale=coef, compute_out=self._shard_out(i)[:k],
-                        pool=opt._chunks, impl=opt.host_impl, **hp, **opt._hyper())
+            opt.host_adamw(s.master[:k], self._gshard[i][:k], s.m[:k], s.v[:k], grad_scale=coef, compute_out=self._shard_out(i)[:k], **hp)
 
     def _shard_out(self, i: int) -> torch.Tensor:
         """Where rank's updated compute-dtype shard goes before the all-gather (the master itself in fp32)."""

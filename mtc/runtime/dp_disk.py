@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from mtc.runtime.disk_tier import DiskRing
-from mtc.runtime.host_adamw import adamw_flat_
 from mtc.runtime.optimizer import update_disk_chunks
 
 if TYPE_CHECKING:
@@ -103,8 +102,8 @@ class DiskShards:
             with opt.timeline.span("update", i, step=tstep):
                 # element-wise: a chunk of the shard is updated as the whole layer would be
                 decay = min(max(s.decay_numel - lo - c_lo, 0), c_hi - c_lo)
-                adamw_flat_(master, grad[c_lo:c_hi], m, v, grad_scale=coef, pool=opt._chunks, impl=opt.host_impl,
-                            compute_out=s.compute[base + c_lo : base + c_hi], **dict(hp, decay_numel=decay), **opt._hyper())
+                opt.host_adamw(master, grad[c_lo:c_hi], m, v, grad_scale=coef, compute_out=s.compute[base + c_lo : base + c_hi],
+                               **dict(hp, decay_numel=decay))
 
         update_disk_chunks(self.ring, self.store, i, update, deps=deps, w_gen=w_gen, prev_commit=prev_commit,
                            timeline=opt.timeline, tstep=tstep, written=written)

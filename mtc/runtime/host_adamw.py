@@ -14,12 +14,19 @@ spreads the chunks over threads: torch's CPU kernels release the GIL. Two implem
   computes ``param - step_size * m / denom`` in another order than ``addcdiv_`` and is only close:
   after 10 steps on 1M params (|p| ~ 0.02, bench/bench_adamw.py) 3.3% of the elements differed
   from single-tensor AdamW, by at most 7.5e-9 absolute, 6.2e-4 relative element-wise (on
-  near-zero weights). Its bits also depend on chunk boundaries that are not multiples of the CPU's
-  vector width (its vector body and scalar tail round differently); for a fixed chunk_numel they
-  do not depend on the number of threads.
+  near-zero weights). Its vector body and scalar tail round differently, so every cut it sees is
+  aligned (`FUSED_ALIGN`): chunks of any multiple of it, any number of threads, and whole tensors
+  give the same bits. A clip coefficient that fired is applied inside the kernel (its
+  ``grad_scale`` divides: by 1 / coef), not by a separate pass over the gradient.
+
+A clip coefficient of exactly 1.0 (the norm was under the limit) is not multiplied by in either
+implementation: x * 1.0 == x bit for bit. How the fused update uses the cores (pooled chunks or
+whole tensors with torch's intra-op threads) is timed on the machine at the engine's start
+(`tune_strategy`, `HostStrategy`).
 
 Measured on the 2-core CPU box (AMD EPYC VM, torch 2.13 CPU, bench/bench_adamw.py --numel 4000000
---threads 2, grad scaling on; medians of 15; G params/s without / with the bf16 compute copy):
+--threads 2, grad scaling on; medians of 15; G params/s without / with the bf16 compute copy;
+before the clip coefficient went into the fused kernel, see bench/results/ for later runs):
 
     exact, pool of 2, 256K chunks (default)    0.57 / 0.54
     exact, pool of 2, 64K / 16K / 1M chunks    0.43 / 0.15 / 0.54
@@ -46,9 +53,12 @@ op with torch's own intra-op parallelism.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import numbers
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Literal
@@ -58,7 +68,8 @@ import torch
 from mtc.errors import KernelInputError
 from mtc.kernels.adamw import adamw_step_ref
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_IMPL", "Impl", "adamw_flat_", "best_impl", "host_pool"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_IMPL", "FUSED_ALIGN", "HostStrategy", "Impl", "TUNE_MIN_NUMEL", "adamw_flat_", "best_impl",
+           "host_pool", "tune_strategy"]
 
 Impl = Literal["exact", "fused"]
 DEFAULT_IMPL: Impl = "exact"
@@ -70,12 +81,93 @@ DEFAULT_CHUNK_NUMEL = 1 << 18
 # whole tensors as one chunk gets a temporary instead, as torch itself would allocate.
 _SCRATCH_KEEP_NUMEL = 1 << 22
 
+# torch's fused kernel runs a vector body and a scalar tail that round differently, so its bits
+# depend on where each call starts and ends. Every cut it sees is a multiple of this (the widest
+# vector, AVX-512's 16 floats, unrolled 4x), except the weight-decay boundary, after which the
+# undecayed part runs to the next multiple in a call of its own: chunks of any multiple of it, or
+# whole tensors (`HostStrategy`), then give the same bits.
+FUSED_ALIGN = 64
+
 _local = threading.local()
 
 
 def best_impl() -> Impl:
     """The implementation `adamw_flat_` uses by default, and why (see the module docstring)."""
     return DEFAULT_IMPL
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostStrategy:
+    """How `adamw_flat_` spreads a layer's update over the cores: chunks of ``chunk_numel`` over
+    a pool's threads (one intra-op thread each), or (``pooled`` False) whole tensors on the
+    calling thread with torch's intra-op threads inside each kernel."""
+
+    pooled: bool = True
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    rates: tuple[tuple[str, float], ...] = ()  # (candidate, G params/s) as timed by `tune_strategy`
+
+    @property
+    def name(self) -> str:
+        """A short label: ``pool/262144`` or ``whole``."""
+        return f"pool/{self.chunk_numel}" if self.pooled else "whole"
+
+    def describe(self, impl: str) -> str:
+        """One line for the run's log: the implementation, this choice, and what each candidate measured."""
+        timed = ", ".join(f"{k} {r:.2f}" for k, r in self.rates)
+        return f"host AdamW ({impl}): {self.name}" + (f" (timed, G params/s: {timed})" if timed else " (the default, not timed)")
+
+    def run(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+            pool: ThreadPoolExecutor | None, threads: int, **kw: object) -> None:
+        """`adamw_flat_` with this strategy (``threads``: the intra-op threads of a whole-tensor call)."""
+        if self.pooled:
+            adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=pool, chunk_numel=self.chunk_numel, **kw)
+            return
+        if torch.get_num_threads() != threads:  # this thread's setting (a pool worker may have changed the default)
+            torch.set_num_threads(threads)
+        adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=None, chunk_numel=max(1, param.numel()), **kw)
+
+
+# Below this many parameters in its largest layer a run keeps the default: the update is short,
+# and timing the candidates would cost more than it saves.
+TUNE_MIN_NUMEL = 4_000_000
+
+
+def tune_strategy(impl: Impl, pool: ThreadPoolExecutor, threads: int, numel: int, *,
+                  compute_dtype: torch.dtype | None = None, repeats: int = 3) -> HostStrategy:
+    """Time `adamw_flat_`'s ways to use the cores on ``numel`` scratch parameters (with a compute
+    copy of ``compute_dtype``, as the engine runs it) and return the fastest.
+
+    Only ``fused`` has a choice: one pass per element, so whole tensors lose no cache reuse and
+    take one Python call instead of one per chunk (chunks on many threads queue for the GIL),
+    while pooled chunks keep the compute copy's read of the new weights in cache. Which wins
+    depends on the machine (2-core VM: whole 1.32 vs pooled 1.15 G params/s without the copy,
+    1.02 vs 0.96 with it). ``exact`` keeps cache-sized chunks: its nine passes per element are why
+    they exist. All candidates give the same bits (`FUSED_ALIGN`).
+    """
+    if impl != "fused" or numel <= 0:
+        return HostStrategy()
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=g) * 0.02
+    grad = torch.randn(numel, generator=g) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    out = torch.empty(numel, dtype=compute_dtype) if compute_dtype is not None and compute_dtype != torch.float32 else None
+    coef = torch.tensor(0.9999)  # clipping fires: the slower case
+    candidates = [HostStrategy(True, DEFAULT_CHUNK_NUMEL), HostStrategy(True, 4 * DEFAULT_CHUNK_NUMEL), HostStrategy(False, 0)]
+    caller = torch.get_num_threads()
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    try:
+        for r in range(repeats + 1):  # interleaved rounds; the first warms up (threads, page faults)
+            for c in candidates:
+                t = time.perf_counter()
+                c.run(p, grad, m, v, pool=pool, threads=threads, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                      weight_decay=0.1, step=r + 1, decay_numel=numel * 9 // 10, grad_scale=coef, compute_out=out, impl=impl)
+                if r:
+                    times[c.name].append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(caller)
+    rates = tuple((c.name, numel / min(times[c.name]) / 1e9) for c in candidates)
+    best = max(candidates, key=lambda c: dict(rates)[c.name])
+    return dataclasses.replace(best, rates=rates)
 
 
 def host_pool(threads: int) -> ThreadPoolExecutor:
@@ -118,6 +210,16 @@ def adamw_flat_(
         return
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step_t = torch.tensor(float(step)) if impl == "fused" else None  # read-only, shared by the threads
+    scale = float(coef) if coef is not None else 1.0
+    if scale == 1.0:
+        # clipping did not fire: x * 1.0 == x bit for bit, so the multiply (a full read and write
+        # of the gradient, ~20 % of a fused update's memory traffic) is skipped, not approximated
+        coef = None
+    elif impl == "fused" and 0.0 < scale and math.isfinite(1.0 / scale):
+        # clipping fired: the kernel divides by its grad_scale as it reads the gradient (AMP's
+        # unscale; it stores the scaled gradient back, as the multiply would), saving that pass;
+        # x / (1 / c) rounds differently from x * c, as fused rounds differently anyway
+        coef = _Reciprocal(torch.tensor(1.0 / scale))
 
     def run(a: int) -> None:
         b = min(a + chunk_numel, n)
@@ -127,7 +229,9 @@ def adamw_flat_(
         if impl == "exact":
             adamw_step_ref(p, g, m, v, **hp, step=step, decay_numel=decay, grad_scale=coef, denom=_scratch(b - a), compute_copy=c)
         else:
-            _fused_chunk(p, g, m, v, **hp, step_t=step_t, decay_numel=decay, grad_scale=coef, compute_copy=c)
+            # the undecayed part first runs up to the next aligned element, wherever the chunks are cut
+            aligned = min(max(-(-decay_numel // FUSED_ALIGN) * FUSED_ALIGN - a, decay), b - a)
+            _fused_chunk(p, g, m, v, **hp, step_t=step_t, decay_numel=decay, aligned=aligned, grad_scale=coef, compute_copy=c)
 
     starts = range(0, n, chunk_numel)
     if pool is None:
@@ -176,22 +280,34 @@ def _scratch(numel: int) -> torch.Tensor | None:
     return buf
 
 
+class _Reciprocal:
+    """A clip coefficient handed to torch's fused kernel as the divisor it takes (1 / coef)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 def _fused_chunk(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    step_t: torch.Tensor | None, decay_numel: int, grad_scale: torch.Tensor | float | None,
+    step_t: torch.Tensor | None, decay_numel: int, aligned: int, grad_scale: torch.Tensor | float | _Reciprocal | None,
     compute_copy: torch.Tensor | None,
 ) -> None:
-    """One chunk through torch's fused CPU AdamW kernel (one call per weight-decay region)."""
-    if isinstance(grad_scale, torch.Tensor) or (grad_scale is not None and grad_scale != 1.0):
-        # Multiplied like clip_grad_norm_; the kernel's own grad_scale divides (AMP's unscale).
-        g.mul_(grad_scale)
+    """One chunk through torch's fused CPU AdamW kernel: one call per weight-decay region, the
+    undecayed one cut at ``aligned`` (see `FUSED_ALIGN`)."""
+    inv = None
+    if isinstance(grad_scale, _Reciprocal):  # the kernel's own grad_scale divides (AMP's unscale)
+        inv = grad_scale.tensor
+    elif isinstance(grad_scale, torch.Tensor) or (grad_scale is not None and grad_scale != 1.0):
+        g.mul_(grad_scale)  # multiplied like clip_grad_norm_
     n = p.numel()
-    for a, b, wd in ((0, decay_numel, weight_decay), (decay_numel, n, 0.0)):
+    for a, b, wd in ((0, decay_numel, weight_decay), (decay_numel, aligned, 0.0), (aligned, n, 0.0)):
         if b > a:
             torch._fused_adamw_(
                 [p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step_t],
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=inv,
             )
     if compute_copy is not None:
         compute_copy.copy_(p)

@@ -42,7 +42,7 @@ import torch
 from mtc.config import OptimConfig
 from mtc.graphs.program import Program
 from mtc.runtime.disk_tier import DiskRing
-from mtc.runtime.host_adamw import adamw_flat_, host_pool
+from mtc.runtime.host_adamw import TUNE_MIN_NUMEL, HostStrategy, adamw_flat_, host_pool, tune_strategy
 from mtc.runtime.tiers import StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
@@ -108,6 +108,11 @@ class StreamingAdamW:
         if host_impl not in ("auto", "exact", "fused"):
             raise ValueError(f"host_impl must be 'auto', 'exact' or 'fused', got {host_impl!r}")
         self.host_impl = host_impl if host_impl != "auto" else "fused" if self.device.type == "cuda" else "exact"
+        # how the host updates use the cores, timed here on this machine where it matters
+        biggest = max((s.numel for s in tiers.layers if s.tier in ("ram", "disk") and s.layer not in self.gpu_update), default=0)
+        self.host_strategy = (tune_strategy(self.host_impl, self._chunks, self.threads, min(biggest, 1 << 24),
+                                            compute_dtype=tiers.compute_dtype)
+                              if biggest >= TUNE_MIN_NUMEL else HostStrategy())
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")
         self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None
@@ -245,6 +250,11 @@ class StreamingAdamW:
 
     # -- updates --------------------------------------------------------------------------------
 
+    def host_adamw(self, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, **kw: object) -> None:
+        """`adamw_flat_` with this run's hyper-parameters, implementation and way over the cores."""
+        self.host_strategy.run(param, grad, m, v, pool=self._chunks, threads=self.threads, impl=self.host_impl,
+                               **kw, **self._hyper())
+
     def _hyper(self) -> dict[str, float]:
         c = self.cfg
         return dict(beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
@@ -257,8 +267,7 @@ class StreamingAdamW:
             return
         with self.timeline.span("update", i, step=tstep):
             compute_out = None if s.compute is s.master else s.compute
-            adamw_flat_(s.master, s.grad, s.m, s.v, grad_scale=coef, compute_out=compute_out, pool=self._chunks,
-                        impl=self.host_impl, **hp, **self._hyper())
+            self.host_adamw(s.master, s.grad, s.m, s.v, grad_scale=coef, compute_out=compute_out, **hp)
 
     def _update_disk(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, w_gen: int, prev_commit: Future[None],
                      tstep: int, skip: bool, written: Future[None]) -> None:
@@ -283,9 +292,9 @@ class StreamingAdamW:
             if not skip:  # a skipped step only carries the state over into the next generation
                 with self.timeline.span("update", i, step=tstep):
                     # AdamW is element-wise: a chunk's result is the whole layer's, bit for bit
-                    adamw_flat_(master, grad, m, v, grad_scale=coef, pool=self._chunks, impl=self.host_impl,
-                                compute_out=s.compute[lo:hi] if s.compute is not None else None,
-                                **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)), **self._hyper())
+                    self.host_adamw(master, grad, m, v, grad_scale=coef,
+                                    compute_out=s.compute[lo:hi] if s.compute is not None else None,
+                                    **dict(hp, decay_numel=min(max(s.decay_numel - lo, 0), n)))
 
         update_disk_chunks(self.disk, self.store, i, update, deps=deps, w_gen=w_gen, prev_commit=prev_commit,
                            timeline=self.timeline, tstep=tstep, written=written)

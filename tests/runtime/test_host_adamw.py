@@ -169,3 +169,68 @@ def test_worker_error_reaches_the_caller_after_all_workers_finish(pool3, monkeyp
         adamw_flat_(p, grads[0], torch.zeros(N), torch.zeros(N), **HP, weight_decay=0.1, step=1, decay_numel=DECAY,
                     pool=pool3, chunk_numel=100)
     assert sum(done) == N - 100  # every other chunk was still updated before the error came back
+
+
+def _three_fused_steps(n: int, decay: int, **kw) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 4):
+        adamw_flat_(p, torch.randn(n, generator=gen), m, v, **HP, weight_decay=0.1, step=step, decay_numel=decay,
+                    grad_scale=torch.tensor(0.5), impl="fused", **kw)
+    return p, m, v
+
+
+def test_fused_bits_do_not_depend_on_the_cut(pool3):
+    # torch's fused kernel rounds its scalar tail differently from its vector body; with every cut
+    # aligned (FUSED_ALIGN) chunks of any aligned size, pooled or not, and whole tensors agree.
+    # 200K params with an odd decay boundary: without the aligned cut v differed in a few elements.
+    n, decay = 200_003, 100_003
+    whole = _three_fused_steps(n, decay, chunk_numel=n)
+    for kw in (dict(chunk_numel=3 * 64, pool=pool3), dict(chunk_numel=1 << 18, pool=pool3), dict(chunk_numel=64)):
+        for a, b in zip(_three_fused_steps(n, decay, **kw), whole):
+            assert torch.equal(a, b), kw
+
+
+@pytest.mark.parametrize("impl", ["exact", "fused"])
+def test_a_clip_coefficient_of_one_is_not_multiplied(impl, monkeypatch):
+    # x * 1.0 == x bit for bit: the pass over the gradient is skipped (a 0-dim tensor of 1.0, as the
+    # clip coefficient is when the norm is under the limit), and the result equals torch's with it
+    import mtc.runtime.host_adamw as host
+
+    seen: list[object] = []
+    name = "adamw_step_ref" if impl == "exact" else "_fused_chunk"
+    real = getattr(host, name)
+
+    def spy(*a, grad_scale=None, **kw):
+        seen.append(grad_scale)
+        real(*a, grad_scale=grad_scale, **kw)
+
+    monkeypatch.setattr(host, name, spy)
+    p0, grads, _ = _inputs(steps=2)
+    coefs = [torch.tensor(1.0), torch.tensor(0.5)]
+    p, _, _ = _flat(p0, grads, coefs, DECAY, 0.1, chunk_numel=N, impl=impl)
+    assert seen[0] is None and seen[1] is not None
+    if impl == "exact":
+        assert torch.equal(p, _torch_adamw(p0, grads, coefs, DECAY, 0.1))
+
+
+def test_fused_scales_the_gradient_inside_the_kernel(monkeypatch):
+    # clipping fired: torch's kernel divides by 1 / coef as it reads the gradient (no separate pass)
+    # and stores it back scaled, as clip_grad_norm_ leaves .grad
+    p0, grads, _ = _inputs(steps=1)
+    g = grads[0].clone()
+    adamw_flat_(p0.clone(), g, torch.zeros(N), torch.zeros(N), **HP, weight_decay=0.1, step=1, decay_numel=DECAY,
+                grad_scale=torch.tensor(0.3), impl="fused", chunk_numel=100)
+    torch.testing.assert_close(g, grads[0] * 0.3, rtol=2e-7, atol=0)
+    assert not torch.equal(g, grads[0])
+
+
+def test_tune_strategy_times_each_way_and_keeps_the_fastest(pool3):
+    from mtc.runtime.host_adamw import HostStrategy, tune_strategy
+
+    assert tune_strategy("exact", pool3, 3, 100_000) == HostStrategy()  # nine passes per element: cache-sized chunks stay
+    st = tune_strategy("fused", pool3, 3, 100_000, compute_dtype=torch.bfloat16, repeats=1)
+    rates = dict(st.rates)
+    assert set(rates) == {"pool/262144", "pool/1048576", "whole"} and all(r > 0 for r in rates.values())
+    assert rates[st.name] == max(rates.values())
+    assert st.name in st.describe("fused") and "timed" in st.describe("fused")

@@ -96,6 +96,37 @@ def test_parity_in_memory_store(reference, host_adamw_runs, host_adamw):
         assert any(not torch.equal(weights[k], exact[k]) for k in weights), "host_adamw='fused' gave the exact path's bits"
 
 
+def test_fused_host_adamw_bits_do_not_depend_on_the_strategy(tokens, monkeypatch):
+    # How the host update uses the cores (pooled chunks or whole tensors, timed at start on big
+    # layers) must not change a run's bits, or a resumed run would drift from an unbroken one.
+    import mtc.runtime.optimizer as optimizer
+    from mtc.runtime.host_adamw import HostStrategy
+
+    cfg = parity_config(steps=4, host_adamw="fused")
+
+    def run() -> tuple[dict[str, torch.Tensor], str]:
+        res = train(cfg, None, tokens)
+        try:
+            return read_params(res.program, res.store, res.generation), res.host_adamw
+        finally:
+            res.store.close()
+
+    default, line = run()
+    assert "pool/262144 (the default, not timed)" in line
+    for forced in (HostStrategy(False, 0), HostStrategy(True, 3 * 64)):  # the tiny layers fit in one default chunk
+        monkeypatch.setattr(optimizer, "tune_strategy", lambda *a, forced=forced, **k: forced)
+        monkeypatch.setattr(optimizer, "TUNE_MIN_NUMEL", 1)
+        weights, line = run()
+        assert forced.name in line
+        for k in default:
+            assert torch.equal(weights[k], default[k]), f"{forced.name}: {k} differs from pooled chunks"
+    monkeypatch.undo()
+    monkeypatch.setattr(optimizer, "TUNE_MIN_NUMEL", 1)  # every layer counts as big: the engine times the candidates
+    weights, line = run()
+    assert "timed, G params/s: pool/262144" in line and "whole" in line
+    assert all(torch.equal(weights[k], default[k]) for k in default)
+
+
 def test_parity_without_clipping(tokens):
     # clip_norm None: no clip coefficient scales the gradient (the updates still start once the
     # step's backward has ended, as with clipping); matches torch without clip_grad_norm_.
