@@ -515,6 +515,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
     each layer's state, and the collectives run on their own link."""
+    from mtc.runtime.placement import streamed_grads_on_device
     from mtc.runtime.tiers import state_kinds
 
     L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
@@ -527,7 +528,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     W = [0.0 if resident[i] else shape.fetch_numels[i] * c / (profile.h2d_gbps * gb) for i in range(L)]
     # the gradient crosses to the host whole, or (reduce-scattered on the device first) as the rank's shard
     gn = sn if dist and dist.reduce_scatter else n
-    G = [0.0 if placement[i] == "gpu" else gn[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
+    # a GPU-updated ram layer's gradient waits on the device (not for one rank of many, nor with a
+    # fixed activation budget: `placement.streamed_grads_on_device`)
+    on_device = dist is None and streamed_grads_on_device(cfg.activation_budget_gb)
+    dev_grad = [placement[i] == "gpu" or (i in gpu_update and on_device) for i in range(L)]
+    streamed_in = 12 if on_device else 16  # master, m, v (and the gradient from the host) to the device per parameter
+    G = [0.0 if dev_grad[i] else gn[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
     F = [mb * compute_seconds(shape.costs[i], profile, backward=False) for i in range(L)]
     # the executor's own work per layer: zero the gradient slab, add each micro-batch's gradient, norms
     B = [mb * compute_seconds(shape.costs[i], profile, backward=True) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
@@ -586,7 +592,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     dev = sim.add(sn[i] / gpu_rate, on["compute"], (dev, *deps))
                     upd[i] = sync
                 elif i in gpu_update:
-                    str_in = sim.add(16 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
+                    str_in = sim.add(streamed_in * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
                     str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
                     rd = sim.add(io_r[i], "cpu" if warm else "disk", (cpu_chain, *deps))
@@ -620,8 +626,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
 
     h2d_b = sum(W[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + W[L - 1] * profile.h2d_gbps * gb
     streamed = sum(sn[i] for i in gpu_update)
-    h2d_b += 16 * streamed
-    d2h_b = sum(gn[i] * 4 for i in range(L) if placement[i] != "gpu") + 14 * streamed
+    h2d_b += streamed_in * streamed
+    d2h_b = sum(gn[i] * 4 for i in range(L) if not dev_grad[i]) + 14 * streamed
     if dist and cuda and dist.reduce_scatter and dist.world_size > 1:  # the all-gather runs on the device: the rank's updated shard goes up, the others' come down
         h2d_b += sum(c * sn[i] for i in range(L) if placement[i] != "gpu")
         d2h_b += sum(c * (n[i] - min(n[i], sn[i])) for i in range(L) if placement[i] != "gpu")
@@ -662,7 +668,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     return StepTime(
         step_s=base + commits.stall_s, schedule_s=schedule, fwd_s=fwd_s, bwd_s=bwd_s, hw_flops=hw,
         h2d_weights_s=sum(W[: L - 1]) * 2 + W[L - 1], d2h_grads_s=sum(G),
-        streamed_s=max(16 * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
+        streamed_s=max(streamed_in * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
         pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
         disk_read_s=disk_r, disk_write_s=disk_w, disk_read_warm=warm, cpu_work_s=cpu_work, commits=commits,
         disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),

@@ -367,8 +367,9 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     if not cuda and "gpu" in placement:
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {rprof.name!r} has none; use ram or disk")
     rate = adamw_rate(rprof, cfg.optim_threads) * rprof.adamw_with_copies
+    # a rank's shard of the gradient is reduced into host memory: it streams in with the state
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, list(s), device_is_cuda=cuda, cpu_params_per_s=rate,
-                                       pcie_bytes_per_s=rprof.both_gbps * 1e9 / 2)
+                                       pcie_bytes_per_s=rprof.both_gbps * 1e9 / 2, grads_on_device=False, compute_bytes=c)
     return placement, gpu_update
 
 

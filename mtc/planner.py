@@ -163,8 +163,14 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
                           "use ram or disk")
     rates = update_rates(cfg, profile)  # the planned machine's figures
+    # the GPU memory left for GPU-side updates' buffers once the placement's state and the workspace are in
+    gpu_left = None
+    if cuda:  # (gpu_workspace with the placement counts resident layers' CUDA graphs)
+        budget = cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else profile.gpu_memory_bytes - gpu_workspace(cfg, shape, placement)
+        gpu_left = int(budget - pl.gpu_state_bytes(placement, numels, shape.compute_bytes))
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
-                                       pcie_bytes_per_s=rates.pcie_bytes_per_s)
+                                       pcie_bytes_per_s=rates.pcie_bytes_per_s, compute_bytes=shape.compute_bytes, gpu_bytes=gpu_left,
+                                       grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
     return placement, gpu_update
 
 
@@ -201,16 +207,22 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
             None if gpu_memory is None else max(0, gpu_memory - gpu_workspace(cfg, shape, placement)))
     spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda, gpu_bytes=gpu_budget)
     pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill)
+    dev_grads = cuda and pl.streamed_grads_on_device(cfg.activation_budget_gb)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
         if t == "ram":  # compute copy (the master itself in fp32) and gradient; streamed layers pin m and v too
-            pinned += n[i] * (4 + c + (8 if i in gpu_update else 0) + (4 if i in gpu_update and c != 4 else 0))
+            # (and, most often, keep their gradient on the GPU instead)
+            pinned += n[i] * (4 + c + (8 - (4 if dev_grads else 0) if i in gpu_update else 0) + (4 if i in gpu_update and c != 4 else 0))
         elif t == "disk":  # the compute copy when it stays in RAM (gradients wait on the GPU)
             pinned += n[i] * pl.host_bytes_per_param("disk", c, disk_compute=dc, grads_on_device=True)
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill),
+    streamed = gpu_update if cuda else set()
+    if dev_grads:
+        host -= 4 * sum(n[i] for i in streamed)  # their gradients wait on the GPU
+    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill)
+                  + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
                   grad_spill=spill)

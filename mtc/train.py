@@ -218,8 +218,20 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
                                  gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
     rates = _gpu_update_rates(cfg)
-    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cfg.device.startswith("cuda"),
-                                       cpu_params_per_s=rates.cpu_params_per_s, pcie_bytes_per_s=rates.pcie_bytes_per_s)
+    cuda = cfg.device.startswith("cuda")
+    on_device = pl.streamed_grads_on_device(cfg.activation_budget_gb)  # (a data-parallel run plans in mtc.dist_plan)
+    gpu_left = None  # the GPU memory left for GPU-side updates' buffers beside the placement's state and the workspace
+    if cuda and cfg.gpu_update.strip() == "auto":
+        gpu_left = pl.gpu_state_bytes(placement, numels, cbytes)
+        if cfg.gpu_budget_gb is not None:
+            gpu_left = int(cfg.gpu_budget_gb * 2**30) - gpu_left
+        else:  # resident layers' CUDA graphs take their share beside it
+            extra = _graph_gpu_extra(cfg, program, cbytes)
+            gpu_left = _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes) - gpu_left - sum(
+                extra[i] for i, t in enumerate(placement) if t == "gpu")
+    gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
+                                       pcie_bytes_per_s=rates.pcie_bytes_per_s, grads_on_device=on_device, compute_bytes=cbytes,
+                                       gpu_bytes=gpu_left)
     return placement, gpu_update
 
 
@@ -498,7 +510,8 @@ def train(
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,
-                           sharded=world.distributed)
+                           sharded=world.distributed,
+                           streamed_grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb, distributed=world.distributed))
         durable = cfg.durability != "none"
         shard_st = None
         if world.distributed:  # each rank's shard in its own store, one global commit (mtc.shards)

@@ -14,7 +14,8 @@ between steps, in forward order, so layer i's update overlaps the forward of lay
 Gradients of each micro-batch are summed in fp32 into a flat per-layer slab on the device; when a
 layer's gradient is final (last micro-batch, last user of tied weights) its per-parameter norms are
 taken on the device and the slab is copied to the layer's pinned host buffer on the device-to-host
-stream (`gpu`-tier layers keep theirs on the device). In a data-parallel run with device
+stream (`gpu`-tier, disk and GPU-updated `ram` layers accumulate into a buffer of their own on the
+device and keep it there: `LayerState.device_grad`). In a data-parallel run with device
 collectives the slab (or a gpu layer's gradient) goes to `reduce_grad` instead, which
 reduce-scatters it on the device (`mtc.runtime.collectives`); the slab returns to the ring once
 that has read it. Nothing in the layer loop synchronises the host with the GPU: the optimizer
@@ -137,12 +138,12 @@ class StreamingExecutor:
         # weights whose accumulation spans other layers' visits
         tied = {program.params[k].layer for c in program.layers for k in c.param_keys() if program.params[k].layer != c.index}
         n_open = 2 + len(tied)
-        # gpu and disk layers accumulate into their own gradient buffer on the device: slabs serve ram
-        # layers, and disk layers whose gradient is spilled to the store (`mtc.runtime.grad_spill`)
+        # gpu, disk and GPU-updated ram layers accumulate into their own gradient buffer on the device
+        # (`LayerState.device_grad`): slabs serve the other ram layers, and disk layers whose gradient
+        # is spilled to the store (`mtc.runtime.grad_spill`)
         # (+ world - 1: data parallel reduce-scatters a slab padded to world equal shards; a
         # data-parallel disk layer's gradient goes to the host like a ram layer's: `mtc.runtime.dp_disk`)
-        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers)
-                          if s.tier == "ram" or s.grad is None or (s.tier == "disk" and s.shard is not None)),
+        slab_numel = max((program.layer_numel(i) for i, s in enumerate(tiers.layers) if not s.device_grad),
                          default=1) + tiers.world_size - 1
         self.slabs = DeviceRing(slab_numel, torch.float32, self.device, slots=n_open, name="gradient slab")
         if self.device.type == "cuda":
@@ -432,7 +433,7 @@ class StreamingExecutor:
         acc = self._open.get(owner)
         if acc is None:
             st = self.tiers[owner]
-            if (st.tier == "gpu" or (st.tier == "disk" and st.shard is None)) and st.grad is not None:  # their own buffer on the device, kept until the update
+            if st.device_grad:  # its own buffer on the device, kept until the update
                 acc = st.grad
             else:
                 slot = self.slabs.acquire()
@@ -455,7 +456,9 @@ class StreamingExecutor:
                 norms = torch.stack(torch._foreach_norm(views))
             else:  # as clip_grad_norm_ takes them on the CPU, so the global norm rounds the same
                 norms = torch.stack([torch.linalg.vector_norm(v) for v in views])
-        host_reduced = st.tier == "ram" or (st.tier == "disk" and st.shard is not None)  # data parallel disk: as ram
+        # to the host buffer (data parallel disk: as ram); a device-held gradient waits where it is:
+        # the update starts after the step's host read of the global norm, which all of backward precedes
+        host_reduced = (st.tier == "ram" and not st.device_grad) or (st.tier == "disk" and st.shard is not None)
         if self.reduce_grad is not None and (host_reduced or st.tier == "gpu"):  # reduce-scattered on the device
             st.grad_ready = self.reduce_grad(owner, acc)
         elif host_reduced:

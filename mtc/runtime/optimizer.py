@@ -120,8 +120,13 @@ class StreamingAdamW:
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
-            self._scratch = [[torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4)]
-                             + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)] for _ in range(2)]
+            # master, m, v, the compute copy, and the gradient only for layers whose gradient is on
+            # the host (data parallel: this rank's reduced shard)
+            host_grads = any(not self.tiers[j].device_grad for j in self.gpu_update)
+            self._scratch = [[torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(3)]
+                             + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)]
+                             + ([torch.empty(n, dtype=torch.float32, device=self.device)] if host_grads else [])
+                             for _ in range(2)]
         self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
         self.commit_future: Future[None] = _done()  # the last commit record's write
         # a data-parallel run's disk shards are read from the rank's shard store: `mtc.dist.attach` sets `disk` then
@@ -326,10 +331,15 @@ class StreamingAdamW:
                 n = hm.numel()
                 _wait_all(self.timeline, i, deps, tstep)
                 with self.timeline.span("update_streamed", i, step=tstep):
-                    p, m, v, g, c = (t[:n] for t in self._scratch[j % 2])
+                    p, m, v, c, *g = (t[:n] for t in self._scratch[j % 2])
                     cast = hc is not hm
-                    tr_in = self.engine.h2d([(p, hm), (m, hmo), (v, hv), (g, hg)], after=self._scratch_free[j % 2],
-                                            layer=i, stage="opt_h2d", lane="opt")
+                    ins = [(p, hm), (m, hmo), (v, hv)]
+                    if views is None and s.device_grad:  # the gradient is on the device already
+                        g = hg
+                    else:
+                        g = g[0]
+                        ins.append((g, hg))
+                    tr_in = self.engine.h2d(ins, after=self._scratch_free[j % 2], layer=i, stage="opt_h2d", lane="opt")
                     if self._opt_stream is not None:
                         self._opt_stream.wait_event(tr_in.event)
                         with torch.cuda.stream(self._opt_stream):

@@ -24,7 +24,10 @@ forward order while the budgets hold them.
 
 The GPU besides: a ring of weight slots (2 x the largest streamed layer, compute dtype), gradient
 slabs (2-3 x the largest layer, fp32), the boundary activations within their budget and the
-working memory of one layer's recompute.
+working memory of one layer's recompute. A `ram` layer the GPU updates (`gpu_update`) keeps its
+4 B/param gradient on the GPU until its update (`streamed_grads_on_device`: not in data-parallel
+runs, nor with a fixed activation budget), beside two scratch sets of master, m, v and the compute
+copy (`streamed_gpu_bytes`); its host gradient buffer is not needed then.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ __all__ = [
     "pipeline_host_bytes",
     "resolve_gpu_update",
     "resolve_placement",
+    "streamed_gpu_bytes",
+    "streamed_grads_on_device",
 ]
 
 _FP32 = 4
@@ -70,11 +75,14 @@ def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None
 
 
 def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
-                       cpu_params_per_s: float = DEFAULT_CPU_ADAMW_PARAMS_S, pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_S) -> set[int]:
-    """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto" (cost model)."""
+                       cpu_params_per_s: float = DEFAULT_CPU_ADAMW_PARAMS_S, pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_S,
+                       grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None) -> set[int]:
+    """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto"
+    (cost model, within ``gpu_bytes`` of GPU memory for their buffers when given; see `choose_gpu_update`)."""
     chosen = parse_layer_set(spec, len(placement))
     if chosen is None:
-        return choose_gpu_update(placement, numels, cpu_params_per_s, pcie_bytes_per_s) if device_is_cuda else set()
+        return choose_gpu_update(placement, numels, cpu_params_per_s, pcie_bytes_per_s, grads_on_device=grads_on_device,
+                                 compute_bytes=compute_bytes, gpu_bytes=gpu_bytes) if device_is_cuda else set()
     if spec.strip() == "all":
         return {i for i in chosen if placement[i] == "ram"}
     not_ram = sorted(i for i in chosen if placement[i] != "ram")
@@ -84,27 +92,54 @@ def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, de
     return chosen
 
 
-def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s: float, pcie_bytes_per_s: float) -> set[int]:
+def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s: float, pcie_bytes_per_s: float, *,
+                      grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None) -> set[int]:
     """Balance CPU and GPU update time: the GPU takes a fraction f of the ram parameters.
 
-    The CPU needs 1/r_cpu s per parameter; the GPU path moves p, m, v, g in (16 B) and p, m, v and
-    the compute copy out (14 B) per parameter over the copy streams, ~16/bw s when both directions
-    overlap. Both finish together when f = (1/r_cpu) / (1/r_cpu + 16/bw). Layers are taken
-    interleaved over the depth so both engines move along the next forward's order together.
+    The CPU needs 1/r_cpu s per parameter; the GPU path moves p, m, v in (12 B; 16 with the
+    gradient when it waits on the host: ``grads_on_device`` False, data parallel) and p, m, v and
+    the compute copy out (12 B + c) per parameter over the copy streams, t = max(in, out)/bw s when
+    both directions overlap. Both finish together when f = (1/r_cpu) / (1/r_cpu + t). Layers are
+    taken interleaved over the depth so both engines move along the next forward's order together,
+    while their GPU buffers (`streamed_gpu_bytes`) fit in ``gpu_bytes`` (None: not limited).
     """
     ram = [i for i, t in enumerate(placement) if t == "ram" and numels[i]]
     total = sum(numels[i] for i in ram)
     if not total:
         return set()
-    t_cpu, t_gpu = 1 / cpu_params_per_s, 16 / pcie_bytes_per_s
+    t_cpu, t_gpu = 1 / cpu_params_per_s, max(12 if grads_on_device else 16, 12 + _c(compute_bytes)) / pcie_bytes_per_s
     target = total * t_cpu / (t_cpu + t_gpu)
     chosen: set[int] = set()
     got = 0.0
     for i in ram:  # take a layer whenever the running share would fall behind the target fraction
         if got + numels[i] / 2 <= target * (sum(numels[j] for j in ram if j <= i) / total):
+            if gpu_bytes is not None and streamed_gpu_bytes(chosen | {i}, numels, compute_bytes,
+                                                            grads_on_device=grads_on_device) > gpu_bytes:
+                continue
             chosen.add(i)
             got += numels[i]
     return chosen
+
+
+def streamed_grads_on_device(activation_budget_gb: float | None, *, distributed: bool = False) -> bool:
+    """Whether GPU-updated ram layers keep their gradient on the GPU until the update. Not in a
+    data-parallel run (each rank's shard is reduced into host memory), and not with a fixed
+    activation budget: that asks for a GPU footprint independent of depth, and these gradients
+    grow with it (4 B per GPU-updated parameter), so they cross to the host like the other ram
+    layers' and back with the state."""
+    return activation_budget_gb is None and not distributed
+
+
+def streamed_gpu_bytes(gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,
+                       grads_on_device: bool = True) -> int:
+    """GPU memory of the GPU-side updates of ``gpu_update``'s ram layers: their gradients, which
+    wait on the device (``grads_on_device``), and two scratch sets of master, m, v and the compute
+    copy (and the gradient when it comes from the host) of the largest of them."""
+    if not gpu_update:
+        return 0
+    largest = max(numels[i] for i in gpu_update)
+    grads = _FP32 * sum(numels[i] for i in gpu_update) if grads_on_device else 0
+    return grads + 2 * largest * (3 * _FP32 + compute_bytes + (0 if grads_on_device else _FP32))
 
 
 def _c(compute_bytes: int) -> int:

@@ -8,7 +8,9 @@ program's flat-parameter order). The placement puts every layer in one tier:
   compute copy stay whole, padded to ``world`` shards for the reduce-scatter and all-gather.
 - ``ram``: master, m, v in host RAM; the compute-dtype copy (bf16, or the master itself in fp32)
   in pinned memory, ready to cross PCIe; the gradient arrives in a pinned host buffer; the CPU
-  updates the layer (or the GPU, streaming the state, when the cost model picks it).
+  updates the layer. Or the GPU does (``streamed``, when the cost model picks it), streaming
+  master, m and v in and out: such a layer's gradient stays in a buffer on the device until then
+  (outside data-parallel runs), instead of crossing PCIe down after its backward and up again.
 - ``disk``: master, m, v in the store, read ahead into a bounded ring of host buffers for the
   update and written behind into the other generation (`mtc.runtime.disk_tier`); the gradient
   stays where it was accumulated (GPU memory on CUDA) until the update copies it into the ring, or,
@@ -65,8 +67,8 @@ class LayerState:
     m: torch.Tensor | None
     v: torch.Tensor | None
     compute: torch.Tensor | None  # what the GPU reads: the compute-dtype copy (may alias master; None: read from the store)
-    grad: torch.Tensor | None  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu` and
-    # `disk`; None for a disk layer whose gradient is spilled to the store)
+    grad: torch.Tensor | None  # the step's final fp32 gradient (host pinned for `ram`; on the compute device for `gpu`,
+    # `disk` and streamed `ram` layers: see `device_grad`; None for a disk layer whose gradient is spilled to the store)
     last_read: Transfer | None = None  # the last copy that read `compute` (an update waits for it)
     staged: Transfer | None = None  # gpu tier: a commit's copy of master, m, v to the host (the next update waits for it)
     grad_ready: Transfer | None = None  # the gradient's device-to-host copy
@@ -80,6 +82,9 @@ class LayerState:
     # data parallel, gpu tier: the all-gather of this step's updated shards into `compute` (on the
     # comm stream); the compute stream waits for it before a visit reads the resident copy
     gathered: Transfer | None = None
+    # the gradient accumulates straight into `grad` on the compute device and waits there for the
+    # update (no gradient slab, no copy to the host)
+    device_grad: bool = False
 
 
 class StateTiers:
@@ -89,7 +94,7 @@ class StateTiers:
 
     def __init__(self, program: Program, placement: list[str], device: torch.device, compute_dtype: torch.dtype, *,
                  streamed: set[int] | None = None, disk_compute: str = "ram", spill_grads: bool = False, rank: int = 0,
-                 world_size: int = 1, sharded: bool | None = None) -> None:
+                 world_size: int = 1, sharded: bool | None = None, streamed_grads_on_device: bool = True) -> None:
         if len(placement) != program.n_layers or any(t not in TIERS for t in placement):
             raise ValueError(f"placement must name one of {TIERS} per layer, got {placement}")
         if disk_compute not in DISK_COMPUTE:
@@ -107,6 +112,8 @@ class StateTiers:
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
         self.streamed = streamed or set()  # ram layers the GPU updates: their state crosses PCIe, so it is pinned
+        # ... and their gradient waits on the device (`placement.streamed_grads_on_device`; never sharded)
+        self.streamed_grads_on_device = streamed_grads_on_device and not self.sharded
         self.rank, self.world_size = rank, world_size
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
@@ -126,7 +133,7 @@ class StateTiers:
             m, v = torch.zeros_like(master), torch.zeros_like(master)
             compute = master if fp32_compute else torch.zeros(n, dtype=self.compute_dtype, device=self.device)
             grad = torch.zeros_like(master)
-            return LayerState(i, tier, n, nd, master, m, v, compute, grad)
+            return LayerState(i, tier, n, nd, master, m, v, compute, grad, device_grad=True)
         if tier == "ram" and self.sharded:
             return self._allocate_shard(i, n, nd)
         if tier == "ram":
@@ -135,13 +142,16 @@ class StateTiers:
             master = self._host(n, STATE_DTYPE, pinned=fp32_compute or streamed)
             m, v = self._host(n, STATE_DTYPE, pinned=streamed), self._host(n, STATE_DTYPE, pinned=streamed)
             compute = master if fp32_compute else self._host(n, self.compute_dtype, pinned=True)
+            if streamed and self.streamed_grads_on_device:  # the gradient waits there (it would cross PCIe down and back up)
+                return LayerState(i, tier, n, nd, master, m, v, compute, torch.zeros(n, dtype=STATE_DTYPE, device=self.device),
+                                  device_grad=True)
             return LayerState(i, tier, n, nd, master, m, v, compute, self._host(n, STATE_DTYPE, pinned=True))
         if self.sharded:
             return self._allocate_disk_shard(i, n, nd)
         # disk: the gradient stays on the compute device (a bounded ring of host buffers takes it at the update)
         compute = self._host(n, self.compute_dtype, pinned=True) if self.disk_compute == "ram" else None
         grad = None if self.spill_grads else torch.zeros(n, dtype=STATE_DTYPE, device=self.device)
-        return LayerState(i, tier, n, nd, None, None, None, compute, grad)
+        return LayerState(i, tier, n, nd, None, None, None, compute, grad, device_grad=grad is not None)
 
     def _allocate_shard(self, i: int, n: int, nd: int) -> LayerState:
         """A ram layer of a data-parallel run: this rank's shard of the state, the whole compute copy."""
@@ -164,7 +174,7 @@ class StateTiers:
         master, m, v = (torch.zeros(per, dtype=STATE_DTYPE, device=self.device) for _ in range(3))
         compute = torch.zeros(per * self.world_size, dtype=self.compute_dtype, device=self.device)
         grad = torch.zeros(per * self.world_size, dtype=STATE_DTYPE, device=self.device)[:n]
-        return LayerState(i, "gpu", n, nd, master, m, v, compute, grad, shard=(lo, hi))
+        return LayerState(i, "gpu", n, nd, master, m, v, compute, grad, shard=(lo, hi), device_grad=True)
 
     def _allocate_disk_shard(self, i: int, n: int, nd: int) -> LayerState:
         """A disk layer of a data-parallel run: no state in RAM (this rank's shard of it lives in its

@@ -12,6 +12,7 @@ from mtc.calibrate import MachineProfile, builtin, calibrate
 from mtc.cli import main
 from mtc.config import TrainConfig
 from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
+from mtc.runtime import placement as pl
 from tests.runtime.engine_util import skewed_tokens
 
 
@@ -264,3 +265,27 @@ def test_disk_gradients_the_gpu_cannot_hold_are_planned_in_the_store():
     # without --gpu-budget-gb the planned machine's GPU memory decides (not this machine's)
     small = dataclasses.replace(prof, gpu_memory_bytes=2**30)  # less than the workspace alone
     assert make_plan(base, small).memory.grad_spill and not make_plan(base, prof).memory.grad_spill
+
+
+def test_gpu_updated_layers_plan_their_gradients_on_the_gpu():
+    """A ram layer the GPU updates keeps its gradient there until the update: 4 B/param of GPU
+    memory (with the two scratch sets) instead of a pinned host buffer, no gradient copy down and
+    12 B/param up instead of 16; `auto` takes only what the GPU memory left can hold."""
+    prof = builtin("h100-box")
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="ram", durability="none")
+    plan = make_plan(cfg, prof)
+    n, c = list(plan.shape.numels), plan.shape.compute_bytes
+    up = plan.gpu_update
+    assert up and plan.memory.gpu_state == pl.streamed_gpu_bytes(up, n, c)
+    none = make_plan(dataclasses.replace(cfg, gpu_update="none"), prof)
+    streamed = sum(n[i] for i in up)
+    assert none.memory.host - plan.memory.host == 4 * streamed
+    assert plan.memory.pinned - none.memory.pinned == (12 - 4) * streamed  # master, m and v pinned; the gradient not
+    # a GPU budget that holds the scratch and a few layers' gradients caps the choice
+    small = make_plan(dataclasses.replace(cfg, gpu_budget_gb=(pl.streamed_gpu_bytes(set(list(up)[:3]), n, c) + 1) / 2**30), prof)
+    assert 0 < len(small.gpu_update) <= 3 and small.memory.gpu_state <= small.cfg.gpu_budget_gb * 2**30
+
+    # a fixed activation budget keeps the GPU footprint independent of depth: the gradients go to the host
+    fixed = make_plan(dataclasses.replace(cfg, activation_budget_gb=2.0), prof)
+    assert fixed.memory.gpu_state == pl.streamed_gpu_bytes(fixed.gpu_update, n, c, grads_on_device=False)
+    assert fixed.step.d2h_grads_s > plan.step.d2h_grads_s

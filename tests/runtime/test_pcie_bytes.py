@@ -4,7 +4,7 @@ Per step, layer-major: each layer's weights cross host-to-device in the compute 
 visit (forward, then backward; the head's one visit does both), whatever the number of
 micro-batches; a `ram` layer's gradient crosses back once, in fp32; a `gpu` layer's weights and
 gradient stay on the device, and its fp32 state crosses out only at a commit (write-behind); a
-`ram` layer updated on the GPU (`gpu_update`) also streams master, m, v and the gradient in and
+`ram` layer updated on the GPU (`gpu_update`) also streams master, m and v in (its gradient waits on the device) and
 the new state (and compute copy) back; offloaded boundary activations cross both ways. On the CPU
 device the copy engine runs the same copies on threads, so its counters are exact here.
 """
@@ -39,13 +39,14 @@ def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int
             if p.layer != i:
                 reads[p.layer] = reads.get(p.layer, 0) + p.numel
         h2d += compute_bytes * sum(n for owner, n in reads.items() if placement[owner] != "gpu")
+    grads_on_device = not offload  # a fixed activation budget: GPU-updated layers' gradients go to the host too
     for i, tier in enumerate(placement):
-        if tier == "ram":
+        if tier == "ram" and (i not in gpu_update or not grads_on_device):
             d2h += 4 * numel[i]  # the fp32 gradient, once per step
-        # updated on the GPU: master, m, v in, with the gradient (on the host since backward: its
-        # slab was reused before the global norm was known); master, m, v (and a bf16 copy) out
+        # updated on the GPU: master, m, v in, with the gradient unless it waited on the device
+        # since backward; master, m, v (and a bf16 copy) out
         if i in gpu_update:
-            h2d += 16 * numel[i]
+            h2d += (12 if grads_on_device else 16) * numel[i]
             d2h += (12 + (compute_bytes if compute_bytes != 4 else 0)) * numel[i]
         if tier == "gpu":
             d2h += 4 * len(commit_kinds) * numel[i]  # staged out for the write-behind
@@ -67,6 +68,8 @@ CASES = {
                                activation_budget_gb=1e-9),
     "gpu-update-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2"),
     "gpu-update-fp32": dict(compute_dtype="float32", gpu_update="1-2"),
+    # with a fixed activation budget the gradients do not wait on the device: down and back up
+    "gpu-update-offload-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", activation_budget_gb=1e-9),
     "gpu-commits-bf16": dict(compute_dtype="bfloat16", placement="gpu:0-1,ram:2-3", durability="full", commit_every=2, steps=3),
 }
 

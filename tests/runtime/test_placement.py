@@ -27,14 +27,31 @@ def test_gpu_update_names_only_ram_layers():
 
 
 @pytest.mark.parametrize(("cpu", "bw"), [(2.7e9, 50e9), (8e9, 50e9), (1e9, 50e9)])
-def test_cost_model_balances_cpu_and_pcie_time(cpu, bw):
+@pytest.mark.parametrize(("grads_on_device", "per_param"), [(True, 14), (False, 16)])
+def test_cost_model_balances_cpu_and_pcie_time(cpu, bw, grads_on_device, per_param):
+    # bf16: 12 B of master, m, v in and 14 B out with the compute copy; the gradient adds 4 B in
+    # when it waits on the host (data parallel), so the busier direction carries 14 or 16 B/param
     numels = [100] * 40
-    chosen = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw)
+    chosen = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, grads_on_device=grads_on_device)
     f = sum(numels[i] for i in chosen) / sum(numels)
-    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * 16 / bw
+    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * per_param / bw
     assert abs(t_cpu - t_gpu) <= 0.1 * max(t_cpu, t_gpu), (f, t_cpu, t_gpu)
     # interleaved over depth, so both engines move along the next forward together
     assert not chosen or (min(chosen) < 10 and max(chosen) >= 30)
+
+
+def test_gpu_updates_fit_their_gpu_memory():
+    # each layer the GPU updates keeps its 4 B/param gradient there, beside two scratch sets of
+    # master, m, v and the bf16 copy (14 B/param) of the largest
+    numels = [100] * 40
+    free = pl.choose_gpu_update(["ram"] * 40, numels, 1e9, 50e9)
+    assert pl.streamed_gpu_bytes(free, numels, 2) == 4 * 100 * len(free) + 2 * 14 * 100
+    budget = 4 * 100 * 5 + 2 * 14 * 100
+    capped = pl.choose_gpu_update(["ram"] * 40, numels, 1e9, 50e9, gpu_bytes=budget)
+    assert len(free) > 5 and len(capped) == 5 and pl.streamed_gpu_bytes(capped, numels, 2) <= budget
+    assert pl.choose_gpu_update(["ram"] * 40, numels, 1e9, 50e9, gpu_bytes=2 * 14 * 100 - 1) == set()
+    # a data-parallel rank's gradient comes from the host: no gradient on the GPU, a fifth scratch array
+    assert pl.streamed_gpu_bytes({0, 1}, numels, 2, grads_on_device=False) == 2 * 18 * 100
 
 
 def test_bytes_per_tier():
