@@ -707,8 +707,13 @@ def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_upda
     budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
     executor = StreamingExecutor(program, tiers, device=device, engine=copies, timeline=timeline, runners=runners,
                                  activation_budget_bytes=budget, on_visit=on_visit)
-    opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
-                         host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability)
+    try:
+        opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
+                             host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability)
+    except BaseException:
+        executor.close()  # their threads would outlive the failed set-up
+        copies.close()
+        raise
     return Engine(copies, executor, opt)
 
 

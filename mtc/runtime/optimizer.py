@@ -94,6 +94,9 @@ class StreamingAdamW:
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
         self.device = tiers.device
         self.gpu_update = {i for i in (gpu_update or set()) if tiers[i].tier == "ram" and tiers[i].numel}
+        if self.gpu_update - tiers.streamed:
+            raise ValueError(f"gpu_update layers {sorted(self.gpu_update - tiers.streamed)} were not allocated for it (their "
+                             "state must be pinned to stream): build StateTiers with streamed=gpu_update, as mtc.train does")
         # the cores this process may use: a rank of a data-parallel run has its share of the host's
         self.threads = threads if threads > 0 else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                                     else os.cpu_count() or 1)

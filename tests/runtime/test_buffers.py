@@ -10,6 +10,7 @@ import torch
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler
+from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
 from mtc.train import build_engine, open_run, plan_placement
@@ -21,7 +22,8 @@ def _measure(n_layers: int, device: str = "cpu", **kw: object) -> dict[str, floa
     run = open_run(cfg, None)
     program = run.program
     placement, gpu_update = plan_placement(cfg, program)
-    tiers = StateTiers(program, placement, torch.device(device), getattr(torch, cfg.resolved_compute_dtype))
+    tiers = StateTiers(program, placement, torch.device(device), getattr(torch, cfg.resolved_compute_dtype),
+                       streamed=gpu_update, streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
     largest = max(program.layer_numel(i) for i in range(program.n_layers)) * tiers.compute_dtype.itemsize
     seen = {"max_live_sets": 0, "max_in_use": 0, "visits": 0}
 

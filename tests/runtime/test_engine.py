@@ -194,3 +194,26 @@ def _tier_masters(res):
         for p in res.program.layer_params(s.layer):
             out[p.key] = s.master[p.offset : p.offset + p.numel]
     return out
+
+
+def test_gpu_update_needs_tiers_allocated_for_it():
+    # a GPU-side update streams pinned state and (here) finds its gradient on the device: tiers
+    # built without `streamed` would make it copy pageable memory (a host sync on CUDA) and look
+    # for a gradient that is on the host; the optimizer says so at once
+    from mtc.runtime.tiers import StateTiers
+    from mtc.runtime.timeline import Timeline
+    from mtc.train import build_engine, open_run, plan_placement
+
+    cfg = small_config(placement="ram", gpu_update="1", durability="none")
+    run = open_run(cfg, None)
+    try:
+        placement, gpu_update = plan_placement(cfg, run.program)
+        assert gpu_update == {1}
+        tiers = StateTiers(run.program, placement, torch.device("cpu"), torch.float32)
+        with pytest.raises(ValueError, match=r"gpu_update layers \[1\] were not allocated for it"):
+            build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline())
+        tiers = StateTiers(run.program, placement, torch.device("cpu"), torch.float32, streamed=gpu_update)
+        assert tiers[1].device_grad and not tiers[2].device_grad
+        build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline()).close()
+    finally:
+        run.store.close()

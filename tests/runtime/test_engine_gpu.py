@@ -8,6 +8,7 @@ import torch
 
 from mtc.config import OptimConfig
 from mtc.data import BatchSampler
+from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.runtime.tiers import StateTiers
@@ -30,7 +31,8 @@ def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
                        activation_budget_gb=1e-9)
     run = open_run(cfg, None)
     placement, gpu_update = plan_placement(cfg, run.program)
-    tiers = StateTiers(run.program, placement, torch.device("cuda"), torch.bfloat16)
+    tiers = StateTiers(run.program, placement, torch.device("cuda"), torch.bfloat16,
+                       streamed=gpu_update, streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
     from mtc.runtime.state import flatten_layer
 
     for i in range(run.program.n_layers):

@@ -9,6 +9,7 @@ import torch
 from mtc.compiler import compile_program
 from mtc.data import BatchSampler
 from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report, launches_per_replay, replay_graphs
+from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.runners import CompiledRunner
 from mtc.runtime.state import flatten_layer, read_params
 from mtc.runtime.tiers import StateTiers
@@ -89,7 +90,8 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     run = open_run(cfg, None)
     prog = run.program
     placement, gpu_update = plan_placement(cfg, prog)
-    tiers = StateTiers(prog, placement, torch.device("cuda"), torch.bfloat16)
+    tiers = StateTiers(prog, placement, torch.device("cuda"), torch.bfloat16,
+                       streamed=gpu_update, streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
     for i in range(prog.n_layers):
         tiers.set_layer(i, flatten_layer(prog, i, run.params))
     compiled = compile_program(prog, tmp_path, log=None)
