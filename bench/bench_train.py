@@ -77,7 +77,7 @@ from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.models import build, model_config
 from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
-from mtc.runtime.placement import describe
+from mtc.runtime.placement import describe, streamed_grads_on_device
 from mtc.runtime.timeline import Timeline
 from mtc.train import StepRecord, TrainResult, build_model, open_run, train
 from mtc.tracer import LossModel, trace
@@ -202,15 +202,20 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
             continue
         numel = own + sum(prog.params[k].numel for k in tied)
         weights += numel * cb * (1 if call.index == last else 2)
-    grads = sum(prog.layer_numel(i) * 4 for i in range(prog.n_layers) if place[i] != "gpu")
+    # a GPU-updated layer's gradient waits on the device unless the run has a fixed activation budget
+    on_device = streamed_grads_on_device(cfg.activation_budget_gb)
+    grads = sum(prog.layer_numel(i) * 4 for i in range(prog.n_layers)
+                if place[i] != "gpu" and not (on_device and i in res.gpu_update))
     streamed = sum(prog.layer_numel(i) for i in res.gpu_update)
     carry = cfg.micro_batch_size * cfg.seq_len * model_config(cfg.model, **cfg.model_overrides).dim * cb
     acts = act_out_per_step * carry
-    h2d = weights + 16 * streamed + acts  # streamed update in: master, m, v, gradient (fp32)
+    per_in = 12 if on_device else 16
+    h2d = weights + per_in * streamed + acts  # streamed update in: master, m, v (+ the gradient from the host), fp32
     d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed + acts  # out: master, m, v (+ compute copy)
     return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1), "
-                      "fp32 gradients of non-gpu layers, GPU-updated ram layers' state 16 B in / 12+c B out per "
-                      "param, offloaded boundary activations (counted act_out spans) both ways",
+                      "fp32 gradients of non-gpu layers (and of GPU-updated ones with a fixed activation budget), "
+                      f"GPU-updated ram layers' state {per_in} B in / 12+c B out per param, offloaded boundary "
+                      "activations (counted act_out spans) both ways",
             "h2d_bytes": h2d, "d2h_bytes": d2h, "weights_h2d": weights, "grads_d2h": grads,
             "streamed_update_params": streamed, "activation_bytes_each_way": acts}
 
