@@ -20,9 +20,9 @@ spreads the chunks over threads: torch's CPU kernels release the GIL. Two implem
   ``grad_scale`` divides: by 1 / coef), not by a separate pass over the gradient.
 
 A clip coefficient of exactly 1.0 (the norm was under the limit) is not multiplied by in either
-implementation: x * 1.0 == x bit for bit. How the fused update uses the cores (pooled chunks or
-whole tensors with torch's intra-op threads) is timed on the machine at the engine's start
-(`tune_strategy`, `HostStrategy`).
+implementation: x * 1.0 == x bit for bit. How an update uses the cores (chunks over a pool, or
+chunks or whole tensors on the calling thread with torch's intra-op threads) is timed on the
+machine at the engine's start when a layer is large (`tune_strategy`, `HostStrategy`).
 
 Measured on the 2-core CPU box (AMD EPYC VM, torch 2.13 CPU, bench/bench_adamw.py --numel 4000000
 --threads 2, grad scaling on; medians of 15; G params/s without / with the bf16 compute copy;
@@ -99,8 +99,8 @@ def best_impl() -> Impl:
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostStrategy:
     """How `adamw_flat_` spreads a layer's update over the cores: chunks of ``chunk_numel`` over
-    a pool's threads (one intra-op thread each), or (``pooled`` False) whole tensors on the
-    calling thread with torch's intra-op threads inside each kernel."""
+    a pool's threads (one intra-op thread each), or (``pooled`` False) on the calling thread with
+    torch's intra-op threads inside each kernel, in chunks or (``chunk_numel`` 0) whole tensors."""
 
     pooled: bool = True
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
@@ -108,8 +108,10 @@ class HostStrategy:
 
     @property
     def name(self) -> str:
-        """A short label: ``pool/262144`` or ``whole``."""
-        return f"pool/{self.chunk_numel}" if self.pooled else "whole"
+        """A short label: ``pool/262144``, ``caller/262144`` or ``whole``."""
+        if not self.chunk_numel:
+            return "whole"
+        return f"{'pool' if self.pooled else 'caller'}/{self.chunk_numel}"
 
     def describe(self, impl: str) -> str:
         """One line for the run's log: the implementation, this choice, and what each candidate measured."""
@@ -118,13 +120,15 @@ class HostStrategy:
 
     def run(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
             pool: ThreadPoolExecutor | None, threads: int, **kw: object) -> None:
-        """`adamw_flat_` with this strategy (``threads``: the intra-op threads of a whole-tensor call)."""
+        """`adamw_flat_` with this strategy (``threads``: the intra-op threads of a call on the calling
+        thread, which keeps that setting)."""
+        chunk = self.chunk_numel or max(1, param.numel())
         if self.pooled:
-            adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=pool, chunk_numel=self.chunk_numel, **kw)
+            adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=pool, chunk_numel=chunk, **kw)
             return
         if torch.get_num_threads() != threads:  # this thread's setting (a pool worker may have changed the default)
             torch.set_num_threads(threads)
-        adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=None, chunk_numel=max(1, param.numel()), **kw)
+        adamw_flat_(param, grad, exp_avg, exp_avg_sq, pool=None, chunk_numel=chunk, **kw)
 
 
 # Below this many parameters in its largest layer a run keeps the default: the update is short,
@@ -137,14 +141,16 @@ def tune_strategy(impl: Impl, pool: ThreadPoolExecutor, threads: int, numel: int
     """Time `adamw_flat_`'s ways to use the cores on ``numel`` scratch parameters (with a compute
     copy of ``compute_dtype``, as the engine runs it) and return the fastest.
 
-    Only ``fused`` has a choice: one pass per element, so whole tensors lose no cache reuse and
-    take one Python call instead of one per chunk (chunks on many threads queue for the GIL),
-    while pooled chunks keep the compute copy's read of the new weights in cache. Which wins
-    depends on the machine (2-core VM: whole 1.32 vs pooled 1.15 G params/s without the copy,
-    1.02 vs 0.96 with it). ``exact`` keeps cache-sized chunks: its nine passes per element are why
-    they exist. All candidates give the same bits (`FUSED_ALIGN`).
+    Pooled chunks keep each chunk's passes in cache and take any idle core (no barrier), but cost
+    a Python call per chunk under the GIL; chunks on the calling thread with intra-op threads take
+    one call per op and chunk, and pay a fork and join per op; whole tensors take one call per op
+    and no cache reuse between passes (``fused`` makes one pass anyway). Which wins depends on the
+    machine: on the 2-core VM (bench/bench_adamw.py, 4M params, the bf16 copy) exact ran 0.48 /
+    0.72 / 0.69 G params/s pooled / caller / whole, fused 1.26 / 1.55 / 1.86. Each candidate runs
+    once untimed before each timed call: intra-op threads spin for a while after a call and would
+    slow whichever ran next. All candidates give the same bits (`FUSED_ALIGN`).
     """
-    if impl != "fused" or numel <= 0:
+    if numel <= 0:
         return HostStrategy()
     g = torch.Generator().manual_seed(0)
     p = torch.randn(numel, generator=g) * 0.02
@@ -152,17 +158,22 @@ def tune_strategy(impl: Impl, pool: ThreadPoolExecutor, threads: int, numel: int
     m, v = torch.zeros(numel), torch.zeros(numel)
     out = torch.empty(numel, dtype=compute_dtype) if compute_dtype is not None and compute_dtype != torch.float32 else None
     coef = torch.tensor(0.9999)  # clipping fires: the slower case
-    candidates = [HostStrategy(True, DEFAULT_CHUNK_NUMEL), HostStrategy(True, 4 * DEFAULT_CHUNK_NUMEL), HostStrategy(False, 0)]
+    candidates = [HostStrategy(True, DEFAULT_CHUNK_NUMEL), HostStrategy(False, DEFAULT_CHUNK_NUMEL), HostStrategy(False, 0)]
+    if impl == "fused":  # one pass per element: larger chunks cost fewer calls and lose no cache reuse
+        candidates.insert(1, HostStrategy(True, 4 * DEFAULT_CHUNK_NUMEL))
     caller = torch.get_num_threads()
     times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    step = 0
     try:
         for r in range(repeats + 1):  # interleaved rounds; the first warms up (threads, page faults)
             for c in candidates:
-                t = time.perf_counter()
-                c.run(p, grad, m, v, pool=pool, threads=threads, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                      weight_decay=0.1, step=r + 1, decay_numel=numel * 9 // 10, grad_scale=coef, compute_out=out, impl=impl)
-                if r:
-                    times[c.name].append(time.perf_counter() - t)
+                for timed in (False, True):
+                    step += 1
+                    t = time.perf_counter()
+                    c.run(p, grad, m, v, pool=pool, threads=threads, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                          weight_decay=0.1, step=step, decay_numel=numel * 9 // 10, grad_scale=coef, compute_out=out, impl=impl)
+                    if r and timed:
+                        times[c.name].append(time.perf_counter() - t)
     finally:
         torch.set_num_threads(caller)
     rates = tuple((c.name, numel / min(times[c.name]) / 1e9) for c in candidates)

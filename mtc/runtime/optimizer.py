@@ -113,7 +113,7 @@ class StreamingAdamW:
         self.host_impl = host_impl if host_impl != "auto" else "fused" if self.device.type == "cuda" else "exact"
         # how the host updates use the cores, timed here on this machine where it matters
         biggest = max((s.numel for s in tiers.layers if s.tier in ("ram", "disk") and s.layer not in self.gpu_update), default=0)
-        self.host_strategy = (tune_strategy(self.host_impl, self._chunks, self.threads, min(biggest, 1 << 24),
+        self.host_strategy = (tune_strategy(self.host_impl, self._chunks, self.threads, min(biggest, 1 << 23),
                                             compute_dtype=tiers.compute_dtype)
                               if biggest >= TUNE_MIN_NUMEL else HostStrategy())
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")

@@ -228,9 +228,29 @@ def test_fused_scales_the_gradient_inside_the_kernel(monkeypatch):
 def test_tune_strategy_times_each_way_and_keeps_the_fastest(pool3):
     from mtc.runtime.host_adamw import HostStrategy, tune_strategy
 
-    assert tune_strategy("exact", pool3, 3, 100_000) == HostStrategy()  # nine passes per element: cache-sized chunks stay
-    st = tune_strategy("fused", pool3, 3, 100_000, compute_dtype=torch.bfloat16, repeats=1)
-    rates = dict(st.rates)
-    assert set(rates) == {"pool/262144", "pool/1048576", "whole"} and all(r > 0 for r in rates.values())
-    assert rates[st.name] == max(rates.values())
-    assert st.name in st.describe("fused") and "timed" in st.describe("fused")
+    assert tune_strategy("exact", pool3, 3, 0) == HostStrategy()
+    for impl, names in (("exact", {"pool/262144", "caller/262144", "whole"}),
+                        ("fused", {"pool/262144", "pool/1048576", "caller/262144", "whole"})):
+        before = torch.get_num_threads()
+        st = tune_strategy(impl, pool3, 3, 100_000, compute_dtype=torch.bfloat16, repeats=1)
+        rates = dict(st.rates)
+        assert set(rates) == names and all(r > 0 for r in rates.values())
+        assert rates[st.name] == max(rates.values())
+        assert st.name in st.describe(impl) and "timed" in st.describe(impl)
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("impl", ["exact", "fused"])
+def test_every_strategy_gives_the_same_bits(impl, pool3):
+    from mtc.runtime.host_adamw import HostStrategy
+
+    p0, grads, coefs = _inputs(n=20_011, steps=3)
+    out = []
+    for st in (HostStrategy(True, 64), HostStrategy(False, 128), HostStrategy(False, 0)):
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        for step, (g, c) in enumerate(zip(grads, coefs), start=1):
+            st.run(p, g.clone(), m, v, pool=pool3, threads=2, **HP, weight_decay=0.1, step=step, decay_numel=9_001,
+                   grad_scale=c, impl=impl)
+        out.append((p, m, v))
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
