@@ -87,6 +87,7 @@ class CopyEngine:
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.d2d_bytes = 0  # CUDA: copies issued as h2d whose source is on the device (a resident owner's tied weights)
         self._count = threading.Lock()  # copies are issued from the fetch, optimizer and training threads
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(device)
@@ -116,11 +117,15 @@ class CopyEngine:
     def _copy(self, direction: str, copies: Copies, after: After, layer: int, stage: str, lane: str) -> Transfer:
         afters = [] if after is None else list(after) if isinstance(after, Sequence) else [after]
         nbytes = sum(s.numel() * s.element_size() for _, s in copies)
+        # what crosses PCIe: on CUDA a copy whose source and destination are both on the device does
+        # not (on the CPU device every copy stands for a crossing, as the engine's schedule has it)
+        local = sum(s.numel() * s.element_size() for d, s in copies if s.device.type == "cuda" and d.device.type == "cuda")
         with self._count:
+            self.d2d_bytes += local
             if direction == "h2d":
-                self.h2d_bytes += nbytes
+                self.h2d_bytes += nbytes - local
             else:
-                self.d2h_bytes += nbytes
+                self.d2h_bytes += nbytes - local
         if self.cuda:
             stream = self._streams[(lane, direction)]
             with self.timeline.span(stage, layer), torch.cuda.stream(stream):

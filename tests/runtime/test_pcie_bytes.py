@@ -12,6 +12,7 @@ device the copy engine runs the same copies on threads, so its counters are exac
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mtc.graphs.program import Program
 from mtc.runtime.tiers import state_kinds
@@ -94,3 +95,36 @@ def test_bytes_per_step_match_the_program(tokens, mode):
             assert [r.committed for r in res.records] == [False, True, True]
     finally:
         res.store.close()
+
+
+class _OnCuda:
+    """Stands for a CUDA tensor in the copy engine's byte counts (it only asks size and device)."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, numel: int) -> None:
+        self.n = numel
+
+    def numel(self) -> int:
+        return self.n
+
+    def element_size(self) -> int:
+        return 2
+
+    def copy_(self, src: object) -> None:
+        pass
+
+
+def test_device_to_device_copies_are_not_counted_as_pcie():
+    # a visit's fetch may copy a tied weight from a resident owner: on CUDA that copy stays on the device
+    from mtc.runtime.timeline import Timeline
+    from mtc.runtime.transfer import CopyEngine
+
+    eng = CopyEngine(torch.device("cpu"), Timeline())
+    try:
+        host, slot = torch.ones(10), torch.empty(10)
+        eng.h2d([(slot, host), (_OnCuda(7), _OnCuda(7))]).wait()
+        eng.d2h([(host, slot)]).wait()
+        assert (eng.h2d_bytes, eng.d2h_bytes, eng.d2d_bytes) == (40, 40, 14)
+    finally:
+        eng.close()
