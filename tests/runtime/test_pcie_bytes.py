@@ -112,7 +112,7 @@ class _OnCuda:
         return 2
 
     def copy_(self, src: object) -> None:
-        pass
+        self.src = src
 
 
 def test_device_to_device_copies_are_not_counted_as_pcie():
@@ -123,8 +123,10 @@ def test_device_to_device_copies_are_not_counted_as_pcie():
     eng = CopyEngine(torch.device("cpu"), Timeline())
     try:
         host, slot = torch.ones(10), torch.empty(10)
-        eng.h2d([(slot, host), (_OnCuda(7), _OnCuda(7))]).wait()
+        dst, src = _OnCuda(7), _OnCuda(7)
+        eng.h2d([(slot, host), (dst, src)]).wait()
         eng.d2h([(host, slot)]).wait()
+        assert dst.src is src and torch.equal(slot, host)  # both copies ran
         assert (eng.h2d_bytes, eng.d2h_bytes, eng.d2d_bytes) == (40, 40, 14)
     finally:
         eng.close()
