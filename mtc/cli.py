@@ -495,6 +495,8 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
           f"through the store: write {prof.store_write_gbps:.2f}, read {prof.store_read_gbps:.2f} GB/s")
     print(f"CPU AdamW ({prof.adamw_impl}, {prof.cores} threads): {prof.adamw_rate:.2f} G params/s; "
           f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes)")
+    if prof.visit_overhead_us:
+        print(f"the engine's own work per layer visit and micro-batch, beyond the modelled compute: {prof.visit_overhead_us / 1e3:.2f} ms")
     print(f"profile written to {out}; use it with `mtc plan ... --machine {out}`")
     return 0
 

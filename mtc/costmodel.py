@@ -534,9 +534,11 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     dev_grad = [placement[i] == "gpu" or (i in gpu_update and on_device) for i in range(L)]
     streamed_in = 12 if on_device else 16  # master, m, v (and the gradient from the host) to the device per parameter
     G = [0.0 if dev_grad[i] else gn[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
-    F = [mb * compute_seconds(shape.costs[i], profile, backward=False) for i in range(L)]
+    # the executor's own work per visit and micro-batch (CPU path, calibrated; 0 elsewhere)
+    ov = profile.visit_overhead_us * 1e-6 if not cuda else 0.0
+    F = [mb * (compute_seconds(shape.costs[i], profile, backward=False) + ov) for i in range(L)]
     # the executor's own work per layer: zero the gradient slab, add each micro-batch's gradient, norms
-    B = [mb * compute_seconds(shape.costs[i], profile, backward=True) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
+    B = [mb * (compute_seconds(shape.costs[i], profile, backward=True) + ov) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
          for i in range(L)]
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
