@@ -98,6 +98,10 @@ class MachineProfile:
     # executor's own work: arguments, views, accumulation, hand-offs between its threads), fitted
     # to a tiny model trained through the engine (0: not measured)
     visit_overhead_us: float = 0.0
+    # writing through the store while reads from the page cache run beside it, as the disk tier's
+    # write-behind always has the read-ahead beside it (both copy and checksum on the same cores:
+    # 40 % slower than alone on the 2-core VM); 0: not measured (store_write_gbps)
+    store_write_busy_gbps: float = 0.0
     identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
     calibrate_s: float = 0.0  # how long `calibrate` took
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
@@ -112,6 +116,11 @@ class MachineProfile:
     collective_latency_us: float = 0.0  # per ring step of a collective
     host_memory_gbps: float = 0.0  # host DRAM bandwidth, all channels, shared by the ranks' copies and AdamW (0: not modelled)
     gloo_gbps: float = 0.0  # gloo all-reduce bus bandwidth per rank over loopback, 2 local processes (0: not measured)
+
+    @property
+    def store_write_busy(self) -> float:
+        """GB/s through the store with the read-ahead beside it (the plain write rate where not measured)."""
+        return self.store_write_busy_gbps or self.store_write_gbps
 
     @property
     def matmul_tflops(self) -> float:
@@ -416,10 +425,11 @@ def _disk_rates(root: Path, mb: int, repeats: int) -> tuple[float, float, float]
     return max(r["write_GBps"] for r in raws), max(r["read_GBps"] for r in raws), n_blocks * block / warm / 1e9
 
 
-def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float]:
+def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float, float]:
     """The engine's disk path, as a disk layer's update uses it: master, m and v (three arrays of
     ``mb`` / 3 MiB) written at once (CRC32C, fsync), and read one after the other into buffers,
-    cold and warm, GB/s."""
+    cold and warm, GB/s; and the write again while warm reads of other arrays run beside it (the
+    disk tier's read-ahead beside its write-behind)."""
     from mtc.store import TensorStore
 
     n = mb * 2**20 // 4 // 3
@@ -450,10 +460,29 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
 
             cold = _best_time(read, repeats, before=evict)
             warm = _best_time(read, repeats)
+            busy = _while_running(lambda: _best_time(write, repeats), lambda: [st.read_into(name, t) for name, t in
+                                                                               zip(names, out, strict=True)])
     finally:
         shutil.rmtree(path, ignore_errors=True)
     nbytes = 3 * 4 * n
-    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9
+    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9, nbytes / busy / 1e9
+
+
+def _while_running(measure: Callable[[], float], load: Callable[[], object]) -> float:
+    """``measure()`` while another thread runs ``load`` over and over."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            load()
+
+    th = threading.Thread(target=loop, name="mtc-calibrate-load", daemon=True)
+    th.start()
+    try:
+        return measure()
+    finally:
+        stop.set()
+        th.join()
 
 
 def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -> tuple[dict[str, float], float, tuple[float, float]]:
@@ -722,7 +751,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     total, avail = _meminfo()
     h2d, d2h, both = _copy_rates(torch, cuda, copy_mb, repeats)
     dw, dr, drw = _disk_rates(root, disk_mb, repeats)
-    sw, sr, srw = _store_rates(torch, root, disk_mb, repeats, io_threads)
+    sw, sr, srw, swb = _store_rates(torch, root, disk_mb, repeats, io_threads)
     adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
     s = matmul_size
     # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
@@ -743,7 +772,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         host_memory_bytes=total, host_available_bytes=avail, disk_free_bytes=shutil.disk_usage(root).free,
         disk_dir=str(root.absolute()), h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both, pcie_is_memcpy=not cuda,
         disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
-        store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw,
+        store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb,
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
         adamw_with_copies=2.7 / 4.0 if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,

@@ -221,9 +221,10 @@ class TrainConfig:
     gpu_budget_gb: float | None = field(None, gt=0, help="GPU GB for resident state (auto placement); none: free memory minus workspace")
     # "store" keeps no host RAM per disk parameter (the weights are read at each visit, 4 bytes per
     # parameter per visit more disk traffic); "ram" keeps the compute-dtype copy pinned.
+    # (auto is resolved against the RAM budget: mtc.runtime.placement.resolve_disk_compute)
     disk_compute: str = field("auto", choices=("auto", "ram", "store"),
                               help="where disk layers' compute copy lives: pinned ram, or read from the store per visit; "
-                              "auto: store for float32 compute, ram for bfloat16")
+                              "auto: store for float32 compute, ram for bfloat16 while the RAM budget holds it")
     optim_threads: int = field(0, ge=0, help="CPU AdamW threads; 0: all cores")
     # torch's fused CPU kernel ran ~2x the exact path on the 2-core box (bench/bench_adamw.py) and
     # stays within the parity tolerance, but is not bit-identical to torch.optim.AdamW
@@ -310,14 +311,6 @@ class TrainConfig:
         if self.compute_dtype != "auto":
             return self.compute_dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
-
-    @property
-    def resolved_disk_compute(self) -> str:
-        """Where disk layers' compute copy lives: 'auto' reads fp32 weights from the store per visit
-        (a RAM copy would cost 4 bytes per parameter, the whole <= 4 B/param budget) and keeps bf16 ones in RAM."""
-        if self.disk_compute != "auto":
-            return self.disk_compute
-        return "store" if self.resolved_compute_dtype == "float32" else "ram"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""

@@ -462,7 +462,7 @@ class StepTime:
     pcie_bound_s: float  # all PCIe bytes over the both-ways rate (0 on a CPU machine: copies are CPU work)
     optimizer_s: float  # CPU AdamW math (ram and disk layers)
     gpu_optimizer_s: float  # resident-state updates on the device
-    disk_read_s: float  # disk layers' state, read
+    disk_read_s: float  # disk layers' state, read (and, read per visit, their weights)
     disk_write_s: float  # disk layers' state written back, plus every-step commits' write-behind
     disk_read_warm: bool  # the disk-tier state fits the page cache: reads come from memory
     cpu_work_s: float  # CPU machines: thread-seconds of all work over the cores this process gets
@@ -510,13 +510,14 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
-              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False) -> StepTime:
+              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram") -> StepTime:
     """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
     ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
-    each layer's state, and the collectives run on their own link."""
+    each layer's state, and the collectives run on their own link. ``disk_compute`` "store": disk
+    layers' weights are read from the store at each visit (fp32), and cross PCIe as fp32."""
     from mtc.runtime.placement import streamed_grads_on_device
-    from mtc.runtime.tiers import state_kinds
+    from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 
     L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
     sn = list(dist.shard_numels) if dist else n  # the state this rank owns: master, m, v, its update and disk I/O
@@ -525,7 +526,11 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     cores = float(profile.cores)
     # per-layer durations, alone
     resident = [placement[i] == "gpu" and shape.fetch_numels[i] == n[i] for i in range(L)]
-    W = [0.0 if resident[i] else shape.fetch_numels[i] * c / (profile.h2d_gbps * gb) for i in range(L)]
+    # a visit of a disk layer whose copy is not in RAM reads its fp32 master from the store first;
+    # on CUDA that crosses PCIe as fp32, on the CPU it is read straight into the weight slot
+    per_visit = [placement[i] == "disk" and disk_compute == "store" for i in range(L)]
+    own = [(4 if cuda else 0) if per_visit[i] else c for i in range(L)]
+    W = [0.0 if resident[i] else (n[i] * own[i] + (shape.fetch_numels[i] - n[i]) * c) / (profile.h2d_gbps * gb) for i in range(L)]
     # the gradient crosses to the host whole, or (reduce-scattered on the device first) as the rank's shard
     gn = sn if dist and dist.reduce_scatter else n
     # a GPU-updated ram layer's gradient waits on the device (not for one rank of many, nor with a
@@ -546,7 +551,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     n_disk = sum(sn[i] for i in range(L) if placement[i] == "disk")
     warm = 24 * n_disk <= 0.8 * (profile.host_available_bytes - host_need)  # both generations stay in the page cache
     read_bw = (profile.store_read_warm_gbps if warm else profile.store_read_gbps) * gb
+    V = [4 * n[i] / read_bw if per_visit[i] else 0.0 for i in range(L)]  # one visit's read of the weights
     write_bw = profile.store_write_gbps * gb
+    busy_bw = profile.store_write_busy * gb  # a disk layer's write-behind has the read-ahead beside it
     # rows of an embedding table the step's tokens do not touch have zero gradients and moments,
     # on which the host AdamW runs at another speed (measured)
     tokens = mb * shape.tokens_per_micro_batch
@@ -558,7 +565,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # a disk layer's master, m and v each step; a spilled gradient goes out and comes back too
     per_disk = 12 + (4 if grad_spill else 0)
     io_r = [per_disk * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
-    io_w = [per_disk * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    io_w = [per_disk * sn[i] / busy_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     durable = cfg.durability != "none"
     behind = [4 * len(state_kinds(t, cfg.durability)) * sn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
     # collectives per layer (0 for one rank): the gradient's reduction after its backward visit,
@@ -578,6 +585,15 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     syncs: list[int] = []
     grad: list[int | None] = [None] * L  # last step's gradient copy per layer
     write: list[int | None] = [None] * L  # last write-behind per layer
+    disk_write: list[int | None] = [None] * L  # a disk layer's last write of its state
+    # the disk tier reads a step's state ahead during its forward and backward (`begin_step`), in a
+    # ring of DISK_SLOTS chunk sets, each back once its chunk is written: a layer's read starts
+    # once a set is free for its first chunk (the write of the chunk DISK_SLOTS chunks earlier).
+    # A layer of more chunks than sets streams through them: its sets come back as its update
+    # moves on, its writes trailing by at most DISK_SLOTS chunks, so the next layer's read follows
+    # its update rather than its last write
+    chunks = [math.ceil(sn[i] / StateTiers.disk_chunk_numel) for i in range(L)]
+    set_free: list[int] = []  # per chunk taken so far, the write that gives its set back
     h2d_last = d2h_last = net_last = None
     for s in range(steps):
         sync = syncs[-1] if syncs else None
@@ -586,6 +602,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         dev = sync
         if s:
             cpu_chain = str_in = str_out = writer = sync
+            read_from = syncs[-2] if len(syncs) > 1 else None  # the start of the step whose gradients these are
             for i in range(L):
                 if not n[i]:
                     continue
@@ -597,9 +614,14 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     str_in = sim.add(streamed_in * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
                     str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
-                    rd = sim.add(io_r[i], "cpu" if warm else "disk", (cpu_chain, *deps))
-                    ad = sim.add(adam[i], "cpu", (rd,), dem_opt)
-                    cpu_chain = upd[i] = sim.add(io_w[i], "disk", (ad,))
+                    ring = set_free[-DISK_SLOTS] if len(set_free) >= DISK_SLOTS else None
+                    # a spilled gradient is read back with the state: after the backward wrote it
+                    rd = sim.add(io_r[i], "cpu" if warm else "disk", (read_from, ring, disk_write[i], grad[i] if grad_spill else None))
+                    cpu_chain = ad = sim.add(adam[i], "cpu", (rd, cpu_chain, *deps), dem_opt)
+                    disk_write[i] = wr = sim.add(io_w[i], "disk", (ad,))
+                    set_free.extend([wr if chunks[i] <= DISK_SLOTS else ad] * chunks[i])
+                    # a forward fetch waits for the update; reading its weights from the store, for the write too
+                    upd[i] = wr if per_visit[i] else ad
                 else:
                     cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
                 if wb[i]:
@@ -612,6 +634,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
             if resident[i]:
                 arrived = issue
             else:
+                if V[i]:  # into the staging buffer (the slot on the CPU) at the store's highest priority
+                    issue = sim.add(V[i], "cpu" if warm else "disk", (issue,))
                 h2d_last = arrived = sim.add(W[i], on["h2d"], (issue, ends[k - 2] if k >= 2 else sync, h2d_last))
             comp = sim.add(F[i] if phase == "fwd" else B[i], on["compute"], (comp, arrived), dem_compute)
             ends.append(comp)
@@ -647,13 +671,14 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         every = cfg.commit_every if cfg.commit_every else max(1, math.ceil(20 * commit_s / base))
         commits = Commits(vol, commit_s, every, max(0.0, commit_s - base) / every)
     fwd_s, bwd_s = sum(F[: L - 1]), sum(B)
+    visit_r = sum(V[: L - 1]) * 2 + V[L - 1]
     cpu_work = 0.0
     if not cuda:
-        copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb) + (sum(io_r) if warm else 0.0)
+        copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb) + (sum(io_r) + visit_r if warm else 0.0)
         cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
     hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
     hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
-    disk_r, disk_w = sum(io_r), sum(io_w) + sum(wb)
+    disk_r, disk_w = sum(io_r) + visit_r, sum(io_w) + sum(wb)
     copies_s = (h2d_b + d2h_b) / (profile.both_gbps * gb)
     stages = {"GPU compute" if cuda else "compute (CPU)": fwd_s + bwd_s,
               "PCIe" if cuda else "host copies (memcpy)": copies_s,

@@ -251,7 +251,7 @@ def rank_profile(profile: MachineProfile, lay: Layout) -> MachineProfile:
     return dataclasses.replace(
         profile, cores=cores, host_available_bytes=profile.host_available_bytes // r, **pcie,
         store_write_gbps=profile.store_write_gbps / d, store_read_gbps=profile.store_read_gbps / d,
-        store_read_warm_gbps=profile.store_read_warm_gbps / d,
+        store_read_warm_gbps=profile.store_read_warm_gbps / d, store_write_busy_gbps=profile.store_write_busy_gbps / d,
         disk_write_gbps=profile.disk_write_gbps / d, disk_read_gbps=profile.disk_read_gbps / d,
         adamw_gparams_s=adamw, adamw_one_thread_gparams_s=min(profile.adamw_one_thread_gparams_s, adamw[profile.adamw_impl]),
         compute_threads=min(threads, cores) if threads else 0,

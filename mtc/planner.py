@@ -75,12 +75,12 @@ def gpu_workspace(cfg: TrainConfig, shape: ModelShape, placement: list[str] | No
     return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
 
 
-def disk_compute_for(cfg: TrainConfig, shape: ModelShape) -> str:
-    """Where disk layers' compute copy lives (`TrainConfig.resolved_disk_compute`, for the
-    planned compute dtype rather than this machine's)."""
-    if cfg.disk_compute != "auto":
-        return cfg.disk_compute
-    return "store" if shape.compute_bytes == 4 else "ram"
+def disk_compute_for(cfg: TrainConfig, shape: ModelShape, ram_bytes: int, cuda: bool) -> str:
+    """Where disk layers' compute copy lives, as `mtc.train.run_disk_compute` resolves it, for the
+    planned compute dtype and a RAM budget of ``ram_bytes``."""
+    explicit = None if cfg.placement.strip() == "auto" else pl.resolve_placement(cfg.placement, shape.n_layers)
+    return pl.resolve_disk_compute(cfg.disk_compute, explicit, list(shape.numels), shape.compute_bytes, ram_bytes=ram_bytes,
+                                   device_is_cuda=cuda)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,10 +149,10 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
     cuda = profile.accelerator == "cuda"
     auto = None
     if cfg.placement.strip() == "auto":
-        dc = disk_compute_for(cfg, shape)
         gpu = 0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else max(
             0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
         ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
+        dc = disk_compute_for(cfg, shape, int(ram), cuda)
         ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
                                  grads_on_device=cuda,
@@ -184,6 +184,7 @@ class Memory:
     pinned: int  # the part of it in pinned memory (CUDA machines; nothing is pinned on the CPU)
     disk: dict[str, int]  # store bytes (both generations) by durability mode
     grad_spill: bool = False  # disk layers' gradients wait in the store (the budget cannot hold them)
+    disk_compute: str = "ram"  # where disk layers' compute copy lives: pinned RAM, or read from the store per visit
 
     @property
     def gpu_peak(self) -> int:
@@ -197,10 +198,10 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     ``host_available`` bytes of RAM (None: this one's) and ``gpu_memory`` bytes of GPU memory the
     run can use (None: unknown, and disk layers' gradients are planned on the GPU)."""
     n, c = list(shape.numels), shape.compute_bytes
-    dc = disk_compute_for(cfg, shape)
     # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold
     # them (host RAM on the CPU; on CUDA the GPU memory left beside the workspace)
     budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget(host_available)
+    dc = disk_compute_for(cfg, shape, budget, cuda)
     gpu_budget = None
     if cuda:
         gpu_budget = int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else (
@@ -225,7 +226,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
                   + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
-                  grad_spill=spill)
+                  grad_spill=spill, disk_compute=dc)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,10 +266,15 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                + "free disk space, or put the store on a larger disk")
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
     have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
-    dc, cuda = disk_compute_for(cfg, shape), gpu_total is not None
+    dc, cuda = mem.disk_compute, gpu_total is not None
     per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda)
     least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda, spill=not cuda)  # on the CPU gradients can go to disk
-    if least > have:
+    store_least = _host_need(shape, ["disk"] * shape.n_layers, "store", cuda, spill=not cuda)
+    if least > have and dc == "ram" and store_least <= have:
+        fix = (f"disk layers keep their {shape.compute_bytes}-byte compute copy in RAM ({_size(least)} with every layer on "
+               f"disk); --disk-compute store reads it from the store at each visit instead ({_size(store_least)}, "
+               "4 B/param more disk reads per visit)")
+    elif least > have:
         fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
                "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
                + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "") + "use a machine with more RAM or a smaller model")
@@ -363,7 +369,9 @@ class Plan:
         ]
         out += [f"  assumed: {a}" for a in pr.assumed]
         out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
-                   f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
+                   f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
+                   + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"
+                      if m.disk_compute == "store" else "; disk layers' compute copy in pinned RAM"))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
@@ -400,7 +408,8 @@ def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | N
                  gpu_memory=profile.gpu_memory_bytes if cuda else None)
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
-    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill)
+    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
+                   disk_compute=mem.disk_compute)
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st)
 
 

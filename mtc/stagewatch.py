@@ -45,7 +45,8 @@ class StageWatch:
         took = self.seen["disk writes"][-1]
         if wrote and took > 0:
             self.write_rates.append(wrote / took)
-        planned = self.plan.profile.store_write_gbps * 1e9
+        # disk layers write beside their read-ahead: the plan assumed the slower rate for them
+        planned = (self.plan.profile.store_write_busy if "disk" in self.plan.placement else self.plan.profile.store_write_gbps) * 1e9
         if self.warned or len(self.write_rates) < 2 or not planned:
             return None
         rate = statistics.median(self.write_rates)

@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from mtc.planner import UpdateRates
     from mtc.stagewatch import StageWatch
 
-__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "train"]
+__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "run_disk_compute",
+           "train"]
 
 
 class TrainingError(MTCError):
@@ -199,8 +200,20 @@ def _flat(d: dict, prefix: str = "") -> dict:
 # -- placement and the fit check ---------------------------------------------------------------
 
 
-def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[int]]:
-    """Each layer's tier and the `ram` layers the GPU updates, from the config and the machine."""
+def run_disk_compute(cfg: TrainConfig, program: Program, *, ram_bytes: int | None = None) -> str:
+    """Where this run's disk layers keep their compute copy (`mtc.runtime.placement.resolve_disk_compute`)
+    within ``ram_bytes`` (None: `_ram_budget`)."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    explicit = None if cfg.placement.strip() == "auto" else pl.resolve_placement(cfg.placement, program.n_layers)
+    return pl.resolve_disk_compute(cfg.disk_compute, explicit, numels, cbytes,
+                                   ram_bytes=_ram_budget(cfg) if ram_bytes is None else ram_bytes,
+                                   device_is_cuda=cfg.device.startswith("cuda"))
+
+
+def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | None = None) -> tuple[list[str], set[int]]:
+    """Each layer's tier and the `ram` layers the GPU updates, from the config and the machine
+    (``disk_compute``: the run's `run_disk_compute`, when the caller resolved it already)."""
     numels = [program.layer_numel(i) for i in range(program.n_layers)]
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     auto = None
@@ -210,9 +223,10 @@ def plan_placement(cfg: TrainConfig, program: Program) -> tuple[list[str], set[i
         if cuda:
             gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
         # the RAM budget holds the state tiers; the disk pipeline's fixed buffers come off it first
-        ram = _ram_budget(cfg) - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=cfg.resolved_disk_compute,
-                                                          device_is_cuda=cuda)
-        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=cfg.resolved_disk_compute,
+        budget = _ram_budget(cfg)
+        dc = disk_compute if disk_compute is not None else run_disk_compute(cfg, program, ram_bytes=budget)
+        ram = budget - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
+        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
                                  grads_on_device=cuda,
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
@@ -501,14 +515,15 @@ def train(
     try:
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
-        placement, gpu_update = plan_placement(cfg, program)
+        dc = run_disk_compute(cfg, program)
+        placement, gpu_update = plan_placement(cfg, program, disk_compute=dc)
         placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
-                                     disk_compute=cfg.resolved_disk_compute, device_is_cuda=device.type == "cuda",
+                                     disk_compute=dc, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
-        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=cfg.resolved_disk_compute,
+        tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=dc,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,
                            sharded=world.distributed,
                            streamed_grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb, distributed=world.distributed))
@@ -540,7 +555,7 @@ def train(
             rates = _gpu_update_rates(cfg).line() if device.type == "cuda" and cfg.gpu_update.strip() == "auto" else None
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
                             gpu_update_rates=rates,
-                            resolved_disk_compute=cfg.resolved_disk_compute,
+                            resolved_disk_compute=dc,
                             resolved_compute_dtype=cfg.resolved_compute_dtype,
                             mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)
             (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))

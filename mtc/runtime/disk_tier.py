@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import torch
 
 from mtc.runtime.grad_spill import GradSpill
-from mtc.runtime.tiers import DISK_CHUNK_NUMEL, StateTiers
+from mtc.runtime.tiers import DISK_CHUNK_NUMEL, DISK_SLOTS, StateTiers
 from mtc.runtime.pinned import host_buffer
 from mtc.store import STATE_DTYPE, TensorStore, state_array_name
 from mtc.store.fastio import PRIORITY_READ_AHEAD
@@ -74,7 +74,7 @@ class DiskRing:
     (default: on CUDA or when spilling).
     """
 
-    def __init__(self, tiers: StateTiers, store: TensorStore, *, slots: int = 3, spill: GradSpill | None = None,
+    def __init__(self, tiers: StateTiers, store: TensorStore, *, slots: int = DISK_SLOTS, spill: GradSpill | None = None,
                  numels: dict[int, int] | None = None, grad_buffers: bool | None = None) -> None:
         if slots < 1:
             raise ValueError(f"the disk ring needs at least one slot, got {slots}")

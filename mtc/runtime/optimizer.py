@@ -43,7 +43,7 @@ from mtc.config import OptimConfig
 from mtc.graphs.program import Program
 from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import TUNE_MIN_NUMEL, HostStrategy, adamw_flat_, host_pool, tune_strategy
-from mtc.runtime.tiers import StateTiers, state_kinds
+from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
 from mtc.store import TensorStore, state_array_name
@@ -87,7 +87,7 @@ class StreamingAdamW:
         gpu_update: set[int] | None = None,
         store: TensorStore | None = None,
         durability: str = "full",
-        disk_slots: int = 3,
+        disk_slots: int = DISK_SLOTS,
         dp: DataParallel | None = None,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg

@@ -37,7 +37,7 @@ import os
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
-from mtc.runtime.tiers import StateTiers
+from mtc.runtime.tiers import DISK_SLOTS, StateTiers
 
 __all__ = [
     "DEFAULT_CPU_ADAMW_PARAMS_S",
@@ -51,6 +51,7 @@ __all__ = [
     "host_bytes_needed",
     "host_bytes_per_param",
     "pipeline_host_bytes",
+    "resolve_disk_compute",
     "resolve_gpu_update",
     "resolve_placement",
     "streamed_gpu_bytes",
@@ -170,7 +171,7 @@ def host_bytes_needed(placement: list[str], numels: list[int], compute_bytes: in
 
 
 def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute: str = "ram", device_is_cuda: bool = False,
-                        disk_slots: int = 3, weight_slots: int = 2, grad_spill: bool = False,
+                        disk_slots: int = DISK_SLOTS, weight_slots: int = 2, grad_spill: bool = False,
                         disk_chunk_numel: int | None = None, tied_weights: bool = True) -> int:
     """Host RAM of the bounded pipeline: the disk tier's read-ahead ring and visit staging (and on
     the CPU device the executor's device buffers, which are host memory there). Independent of the
@@ -193,6 +194,26 @@ def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute
     # on the CPU (fp32) a visit reads straight into its weight slot: no staging
     staging = weight_slots * _FP32 * slot if disk_compute == "store" and device_is_cuda else 0
     return ring + staging + device
+
+
+def resolve_disk_compute(setting: str, placement: list[str] | None, numels: list[int], compute_bytes: int, *, ram_bytes: int,
+                         device_is_cuda: bool) -> str:
+    """Where disk layers' compute copy lives for the ``disk_compute`` setting: ``auto`` reads fp32
+    weights from the store at each visit (a RAM copy would cost 4 B/param), and keeps a bf16 copy
+    pinned in RAM while ``ram_bytes`` holds it beside the rest of ``placement`` (None: auto
+    placement, which starts from every layer on disk); when it cannot (a 70B model's bf16 copy
+    is 140 GB) it reads them from the store too: slower visits, 4 B/param from the store each,
+    rather than a run that does not fit."""
+    if setting != "auto":
+        return setting
+    if compute_bytes == _FP32:
+        return "store"
+    placement = ["disk"] * len(numels) if placement is None else placement
+    # gradients of disk layers wait on the GPU (or, on the CPU, in the store when RAM is short)
+    need = (host_bytes_needed(placement, numels, compute_bytes, disk_compute="ram", grads_on_device=device_is_cuda,
+                              grad_spill=not device_is_cuda)
+            + pipeline_host_bytes(placement, numels, disk_compute="ram", device_is_cuda=device_is_cuda, grad_spill=not device_is_cuda))
+    return "ram" if need <= ram_bytes else "store"
 
 
 def choose_grad_spill(placement: list[str], numels: list[int], compute_bytes: int, *, ram_bytes: int, disk_compute: str = "ram",

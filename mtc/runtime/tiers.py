@@ -37,12 +37,13 @@ from mtc.runtime.pinned import host_buffer, host_nbytes
 from mtc.runtime.transfer import Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
-__all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "TIERS", "LayerState", "StateTiers", "state_kinds"]
+__all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "DISK_SLOTS", "TIERS", "LayerState", "StateTiers", "state_kinds"]
 
 TIERS = ("gpu", "ram", "disk")
 # a disk layer's update moves through host RAM this many elements at a time (16 MiB per fp32 array:
 # the store's own chunk, which reads fastest; NOTES.md)
 DISK_CHUNK_NUMEL = 4 * 2**20
+DISK_SLOTS = 3  # chunk sets in the disk tier's read-ahead ring (`mtc.runtime.disk_tier.DiskRing`)
 DISK_COMPUTE = ("ram", "store")  # where a disk layer's compute copy lives: pinned RAM, or read per visit
 
 

@@ -114,8 +114,10 @@ def test_extrapolations_say_plainly_what_does_not_fit():
     assert "70b (70.6B params) on h200-1.5tb" in text and "119.3B params" in text and "175.1B params" in text
     block_175 = text[text.index("175b"):]
     # 24 B/param of state and, since 175B parameters' gradients (0.7 TB) cannot wait on an 80 GB
-    # GPU, 4 B/param of gradient scratch in the store
-    assert "durability full    disk    4.90 TB: does NOT fit: disk needs 4.90 TB, has 4.00 TB" in block_175
+    # GPU, 4 B/param of gradient scratch in the store; 256 GiB of RAM cannot hold the disk layers'
+    # bf16 copy (0.35 TB), so they are read per visit, which leaves RAM for the first 7 layers
+    assert "durability full    disk    4.86 TB: does NOT fit: disk needs 4.86 TB, has 4.00 TB" in block_175
+    assert "placement ram:0-6,disk:7-113;" in block_175 and "host RAM 204.5 GiB of 248.0 GiB" in block_175
     assert "GPU peak 72.3 GiB of 79.6 GiB" in block_175
     block_70 = text[text.index("70b"):text.index("120b")]
     assert "durability full    disk    1.69 TB: fits" in block_70
@@ -133,8 +135,8 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     prof = calibrate(directory=tmp_path, copy_mb=8, disk_mb=8, adamw_numel=500_000, matmul_size=256, repeats=1)
     assert 0 < prof.calibrate_s <= time.perf_counter() - t < 120  # ~5 s on the 2-core box when it is quiet
     assert prof.pcie_is_memcpy and any("memcpy" in a for a in prof.assumed)
-    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.adamw_rate, prof.matmul_tflops,
-              prof.gloo_gbps):
+    for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.store_write_busy_gbps,
+              prof.adamw_rate, prof.matmul_tflops, prof.gloo_gbps):
         assert v > 0
     assert prof.identity["host"] and prof.identity["torch"]
     assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
@@ -236,6 +238,47 @@ def test_the_gpu_update_cost_model_takes_this_hosts_calibrated_rates(tmp_path, m
         assert (other.cpu_params_per_s, other.pcie_bytes_per_s) == (pl.DEFAULT_CPU_ADAMW_PARAMS_S, pl.DEFAULT_PCIE_BYTES_S)
         assert other.source.startswith("defaults: ") and why in other.source, other.source
     assert local_update_rates(cfg, tmp_path / "none.json").source.startswith("defaults: no calibrated profile at ")
+
+
+def test_disk_layers_read_their_weights_per_visit_when_ram_cannot_hold_the_copy():
+    """`disk_compute` auto keeps disk layers' bf16 copy in pinned RAM while the budget holds it,
+    else reads their weights from the store at each visit: the plan fits the RAM, and each visit
+    costs a read of 4 B/param from the store and an fp32 crossing. Told `ram`, the refusal names
+    `--disk-compute store`."""
+    prof = builtin("h100-box")
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="disk", gpu_update="none", durability="none")
+    roomy = make_plan(dataclasses.replace(cfg, ram_budget_gb=100), prof)
+    tight = make_plan(dataclasses.replace(cfg, ram_budget_gb=12), prof)
+    told = make_plan(dataclasses.replace(cfg, ram_budget_gb=12, disk_compute="ram"), prof)
+    assert roomy.memory.disk_compute == told.memory.disk_compute == "ram" and tight.memory.disk_compute == "store"
+    numels, disk = list(roomy.shape.numels), ["disk"] * roomy.shape.n_layers
+    staging = (pl.pipeline_host_bytes(disk, numels, disk_compute="store", device_is_cuda=True)
+               - pl.pipeline_host_bytes(disk, numels, disk_compute="ram", device_is_cuda=True))
+    assert roomy.memory.host - tight.memory.host == 2 * sum(numels) - staging > 0  # the copy, less the visits' fp32 staging
+    ram_check = [c for c in tight.checks if c.what.startswith("host RAM")]
+    assert ram_check[0].ok and tight.memory.host <= 12 * 2**30
+    bad = [c for c in told.checks if c.what.startswith("host RAM")][0]
+    assert not bad.ok and "--disk-compute store" in bad.line()
+    # every visit (forward and backward: 2 per block) reads the fp32 weights: state + visits
+    L = roomy.shape.n_layers
+    visits = 4 * (2 * sum(numels[: L - 1]) + numels[L - 1])
+    bw = prof.store_read_gbps * 1e9
+    assert tight.step.disk_read_s == pytest.approx(roomy.step.disk_read_s + visits / bw)
+    assert tight.step.h2d_weights_s == pytest.approx(2 * roomy.step.h2d_weights_s)  # fp32, not bf16, crosses
+    assert tight.step.step_s > roomy.step.step_s
+
+
+def test_the_disk_tier_reads_ahead_while_it_writes():
+    """The disk tier reads a step's state during its forward and backward and while earlier layers
+    are written (a ring of chunk sets): a disk-bound step costs about its writes, not its reads
+    plus its writes; the writes run at the rate measured beside reads."""
+    prof = builtin("h100-box")
+    cfg = TrainConfig(model="1b", seq_len=1024, micro_batch_size=1, placement="disk", gpu_update="none", durability="none")
+    st = make_plan(cfg, prof).step
+    assert st.disk_read_warm and st.disk_read_s > 0.3 * st.disk_write_s  # reads from the page cache, on the cores
+    assert st.disk_write_s < st.step_s < st.disk_write_s + 0.5 * st.disk_read_s
+    slower = make_plan(cfg, dataclasses.replace(prof, store_write_busy_gbps=prof.store_write_gbps / 2)).step
+    assert slower.disk_write_s == pytest.approx(2 * st.disk_write_s) and slower.step_s > 1.8 * st.step_s
 
 
 def test_a_plan_weighs_gpu_updates_with_its_machines_rates():

@@ -124,3 +124,36 @@ def test_gradients_are_spilled_only_when_the_budget_cannot_hold_them():
     spilled = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True, grad_spill=True)
     kept = pl.pipeline_host_bytes(disk, big, disk_compute="store", device_is_cuda=True)
     assert spilled - kept == 2 * 4 * 4 * 2**20  # ring sets are one 4M-element chunk, not a 10M-element layer
+
+
+def test_auto_reads_bf16_disk_weights_from_the_store_when_ram_cannot_hold_their_copy(tokens, tmp_path, monkeypatch):
+    """`disk_compute` auto keeps disk layers' bf16 copy pinned in RAM while the budget holds it
+    for every layer on disk, and otherwise reads their weights from the store at each visit: the
+    run trains, within its budget, exactly as one told `store`."""
+    from mtc.train import run_disk_compute
+
+    monkeypatch.setattr(StateTiers, "disk_chunk_numel", _CHUNK)
+    cfg = small_config(steps=2, placement="disk", compute_dtype="bfloat16", model_overrides=_DEPTH)
+    numels = _numels(cfg)
+    disk = ["disk"] * len(numels)
+    kw = {"grad_spill": True, "disk_chunk_numel": _CHUNK}
+    ram_need = pl.host_bytes_needed(disk, numels, 2, disk_compute="ram", grad_spill=True) + pl.pipeline_host_bytes(disk, numels, **kw)
+    store_need = pl.host_bytes_needed(disk, numels, 2, disk_compute="store", grad_spill=True) + pl.pipeline_host_bytes(
+        disk, numels, disk_compute="store", **kw)
+    assert store_need < ram_need
+    with_budget = lambda b, **more: cfg.__class__(**{**cfg.to_dict(), "optim": cfg.optim, "ram_budget_gb": b, **more})  # noqa: E731
+    program = train(with_budget(None), None, tokens).program  # the traced layers, for the resolver
+    assert run_disk_compute(with_budget(ram_need / GIB), program) == "ram"
+    tight = with_budget((store_need + ram_need) / 2 / GIB)
+    assert run_disk_compute(tight, program) == "store"
+    assert run_disk_compute(with_budget(ram_need / GIB, disk_compute="store"), program) == "store"  # told: kept
+    assert run_disk_compute(with_budget(None, compute_dtype="float32"), program) == "store"  # fp32: always read
+    res = train(tight, tmp_path / "auto", tokens)
+    ref = train(with_budget(None, disk_compute="store"), tmp_path / "store", tokens)
+    try:
+        assert res.tiers.disk_compute == "store" and all(s.compute is None for s in res.tiers.layers)
+        assert res.tiers.host_bytes() <= tight.ram_budget_gb * GIB
+        assert res.losses == ref.losses and all(map(torch.isfinite, map(torch.tensor, res.losses)))
+    finally:
+        res.store.close()
+        ref.store.close()
