@@ -196,11 +196,14 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     last = prog.n_layers - 1
     weights = 0
     for call in prog.layers:  # embed + blocks: forward and backward visits; the head: one visit
-        own = prog.layer_numel(call.index)
-        tied = [k for k in dict.fromkeys(call.param_keys()) if prog.params[k].layer != call.index]
-        if place[call.index] == "gpu" and not tied:
-            continue
-        numel = own + sum(prog.params[k].numel for k in tied)
+        # its own weights and tied ones of other layers, each crossing unless its owner is resident
+        # (a resident owner's copy into the slot stays on the device: the engine counts it apart)
+        reads = {call.index: prog.layer_numel(call.index)}
+        for k in dict.fromkeys(call.param_keys()):
+            p = prog.params[k]
+            if p.layer != call.index:
+                reads[p.layer] = reads.get(p.layer, 0) + p.numel
+        numel = sum(n for owner, n in reads.items() if place[owner] != "gpu")
         weights += numel * cb * (1 if call.index == last else 2)
     # a GPU-updated layer's gradient waits on the device unless the run has a fixed activation budget
     on_device = streamed_grads_on_device(cfg.activation_budget_gb)
@@ -210,13 +213,14 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     carry = cfg.micro_batch_size * cfg.seq_len * model_config(cfg.model, **cfg.model_overrides).dim * cb
     acts = act_out_per_step * carry
     per_in = 12 if on_device else 16
-    h2d = weights + per_in * streamed + acts  # streamed update in: master, m, v (+ the gradient from the host), fp32
+    batch = cfg.grad_accum * 2 * cfg.micro_batch_size * cfg.seq_len * 8  # token ids and targets, int64
+    h2d = weights + per_in * streamed + acts + batch  # streamed update in: master, m, v (+ the gradient from the host), fp32
     d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed + acts  # out: master, m, v (+ compute copy)
     return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1), "
                       "fp32 gradients of non-gpu layers (and of GPU-updated ones with a fixed activation budget), "
                       f"GPU-updated ram layers' state {per_in} B in / 12+c B out per param, offloaded boundary "
-                      "activations (counted act_out spans) both ways",
-            "h2d_bytes": h2d, "d2h_bytes": d2h, "weights_h2d": weights, "grads_d2h": grads,
+                      "activations (counted act_out spans) both ways, the micro-batches' token ids and targets up",
+            "h2d_bytes": h2d, "batch_h2d": batch, "d2h_bytes": d2h, "weights_h2d": weights, "grads_d2h": grads,
             "streamed_update_params": streamed, "activation_bytes_each_way": acts}
 
 

@@ -357,8 +357,9 @@ def open_run(
                 if isinstance(data, TokenFile):
                     data.check_vocab(_model_vocab(program))
                     check_store_tokenizer(path, data)  # RUN/tokenizer/ (an import's) must be the data's tokenizer
-                placement, _ = plan_placement(cfg, program)
-                preflight(cfg, program, placement, path, new_run=False)
+                placement, gpu_update = plan_placement(cfg, program)
+                # (GPU-updated layers' gradients and scratch count toward the GPU check)
+                preflight(cfg, program, placement, path, new_run=False, gpu_update=gpu_update)
                 save_plan(program, path / "plan")
                 return Run(store, program, last, None, [])
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))

@@ -328,6 +328,7 @@ class StreamingExecutor:
             if tuple(ids.shape) != self.batch_shape or tuple(targets.shape) != self.batch_shape:
                 raise PlanError(f"micro-batch shape {tuple(ids.shape)} does not match the plan's {self.batch_shape}; "
                                 "re-trace the model for this batch size and sequence length")
+        self.engine.count("h2d", sum(i.numel() * i.element_size() + t.numel() * t.element_size() for i, t in microbatches))
         g = _Group(
             batches=[{"ids": i.to(self.device, non_blocking=True), "targets": t.to(self.device, non_blocking=True)}
                      for i, t in microbatches],

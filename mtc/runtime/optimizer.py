@@ -123,11 +123,12 @@ class StreamingAdamW:
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
-            # master, m, v, the compute copy, and the gradient only for layers whose gradient is on
-            # the host (data parallel: this rank's reduced shard)
+            # master, m, v, the compute copy (none in fp32: the master is it), and the gradient only
+            # for layers whose gradient is on the host (data parallel: this rank's reduced shard)
             host_grads = any(not self.tiers[j].device_grad for j in self.gpu_update)
+            copy = n if self.tiers.compute_dtype != torch.float32 else 0
             self._scratch = [[torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(3)]
-                             + [torch.empty(n, dtype=self.tiers.compute_dtype, device=self.device)]
+                             + [torch.empty(copy, dtype=self.tiers.compute_dtype, device=self.device)]
                              + ([torch.empty(n, dtype=torch.float32, device=self.device)] if host_grads else [])
                              for _ in range(2)]
         self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
@@ -237,7 +238,9 @@ class StreamingAdamW:
                 s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
         if streamed:
-            self._gpu.submit(self._update_streamed, streamed, coef, step)
+            # device gradients are final once the compute stream gets here: the GPU-side updates read
+            # them on their own stream (ordered by the device, not by the host read above)
+            self._gpu.submit(self._update_streamed, streamed, coef, step, after=self.engine.marker())
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
@@ -320,13 +323,16 @@ class StreamingAdamW:
                           **hp, **self._hyper())
 
     def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
-                         views: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+                         views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None) -> None:
         """Ram layers updated on the GPU, pipelined over two scratch sets: layer j's state crosses
         PCIe in while layer j-1's kernel runs and its state crosses back (each direction on its
         own stream); a layer's future completes once its state is back in host memory.
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
-        the layer's own (data parallel: this rank's shard; compute may be master itself)."""
+        the layer's own (data parallel: this rank's shard; compute may be master itself).
+        ``after``: where the compute stream stood when the gradients were final."""
         pending: list[tuple[Future[None], Transfer]] = []
+        if self._opt_stream is not None and after is not None and after.event is not None:
+            self._opt_stream.wait_event(after.event)
         try:
             for j, (i, fut, hp, deps) in enumerate(jobs):
                 s = self.tiers[i]

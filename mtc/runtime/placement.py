@@ -135,12 +135,12 @@ def streamed_gpu_bytes(gpu_update: set[int] | frozenset[int], numels: list[int],
                        grads_on_device: bool = True) -> int:
     """GPU memory of the GPU-side updates of ``gpu_update``'s ram layers: their gradients, which
     wait on the device (``grads_on_device``), and two scratch sets of master, m, v and the compute
-    copy (and the gradient when it comes from the host) of the largest of them."""
+    copy (none in fp32; and the gradient when it comes from the host) of the largest of them."""
     if not gpu_update:
         return 0
     largest = max(numels[i] for i in gpu_update)
     grads = _FP32 * sum(numels[i] for i in gpu_update) if grads_on_device else 0
-    return grads + 2 * largest * (3 * _FP32 + compute_bytes + (0 if grads_on_device else _FP32))
+    return grads + 2 * largest * (3 * _FP32 + _c(compute_bytes) + (0 if grads_on_device else _FP32))
 
 
 def _c(compute_bytes: int) -> int:

@@ -156,6 +156,15 @@ class CopyEngine:
             fut.result()
         return Transfer(future=fut, nbytes=nbytes)
 
+    def count(self, direction: str, nbytes: int) -> None:
+        """Count a crossing issued outside the engine's streams (the step's token ids and targets,
+        which the compute stream copies itself: it needs them first)."""
+        with self._count:
+            if direction == "h2d":
+                self.h2d_bytes += nbytes
+            else:
+                self.d2h_bytes += nbytes
+
     def sync(self) -> None:
         """In a serialized schedule, wait for the device to finish everything issued so far."""
         if self.serialize and self.cuda:

@@ -49,6 +49,10 @@ def check_mtc_setting(r: dict) -> None:
     tr = r["transfer_per_step"]
     assert finite(tr["h2d_gbps_avg"]) and finite(tr["d2h_gbps_avg"]) and tr["h2d_gbps_avg"] >= 0
     assert tr["planned"]["grads_d2h"] > 0  # stateless / ram layers send their gradients to the host
+    # on the CPU device the copy engine's counts are exact: the plan's bytes, byte for byte (when
+    # steps were measured apart from the first)
+    if tr["counted"] is not None:
+        assert (tr["counted"]["h2d_bytes"], tr["counted"]["d2h_bytes"]) == (tr["planned"]["h2d_bytes"], tr["planned"]["d2h_bytes"])
     opt = r["optimizer"]
     assert opt["update_s"] > 0 and 0 <= opt["hidden_s"] <= opt["update_s"] and opt["exposed_upper_s"] >= 0
     host = r["host"]

@@ -332,3 +332,20 @@ def test_gpu_updated_layers_plan_their_gradients_on_the_gpu():
     fixed = make_plan(dataclasses.replace(cfg, activation_budget_gb=2.0), prof)
     assert fixed.memory.gpu_state == pl.streamed_gpu_bytes(fixed.gpu_update, n, c, grads_on_device=False)
     assert fixed.step.d2h_grads_s > plan.step.d2h_grads_s
+
+
+def test_a_seeded_run_checks_the_gpu_memory_of_its_gpu_updated_layers(tmp_path, data, monkeypatch):
+    """Opening a store seeded by `mtc import` or --init-from runs the fit check with the layers
+    the GPU will update (their gradients and scratch are GPU memory), as a new run does."""
+    import mtc.planner as planner
+    from mtc.train import open_run, train
+    from mtc.warmstart import init_from
+
+    cfg = TrainConfig(model="tiny", micro_batch_size=2, seq_len=16, steps=1, kernels="unfused", placement="ram", gpu_update="all")
+    train(cfg, tmp_path / "src", data).store.close()
+    init_from(tmp_path / "src", tmp_path / "new", cfg)
+    seen = []
+    real = planner.check_fit
+    monkeypatch.setattr(planner, "check_fit", lambda *a, **k: (seen.append(a[3]), real(*a, **k))[1])
+    open_run(cfg, tmp_path / "new").store.close()
+    assert seen and seen[-1] == set(range(len(seen[-1]))) and len(seen[-1]) > 1  # every ram layer, as --gpu-update all names

@@ -5,11 +5,14 @@ visit (forward, then backward; the head's one visit does both), whatever the num
 micro-batches; a `ram` layer's gradient crosses back once, in fp32; a `gpu` layer's weights and
 gradient stay on the device, and its fp32 state crosses out only at a commit (write-behind); a
 `ram` layer updated on the GPU (`gpu_update`) also streams master, m and v in (its gradient waits on the device) and
-the new state (and compute copy) back; offloaded boundary activations cross both ways. On the CPU
+the new state (and compute copy) back; offloaded boundary activations cross both ways; each
+micro-batch's token ids and targets (int64) go up once. On the CPU
 device the copy engine runs the same copies on threads, so its counters are exact here.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -53,6 +56,7 @@ def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int
             d2h += 4 * len(commit_kinds) * numel[i]  # staged out for the write-behind
         # a disk layer's gradient is accumulated in host memory on the CPU device (on CUDA its
         # update copies it over, 4 B/param); its compute copy crosses like a ram layer's
+    h2d += n_micro * 2 * math.prod(program.batch["ids"].shape) * 8  # token ids and targets, int64
     if offload:  # every block's input, per micro-batch, out after its forward and back for its backward
         carry = program.carry.numel * compute_bytes * n_micro * (L - 2)
         h2d, d2h = h2d + carry, d2h + carry
