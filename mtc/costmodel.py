@@ -549,7 +549,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
     gpu_rate = (profile.gpu_adamw_gparams_s or 1e3) * gb
     n_disk = sum(sn[i] for i in range(L) if placement[i] == "disk")
-    warm = 24 * n_disk <= 0.8 * (profile.host_available_bytes - host_need)  # both generations stay in the page cache
+    on_disk = (12 if cfg.durability == "none" else 24) * n_disk  # two generations, or one updated in place
+    warm = on_disk <= 0.8 * (profile.host_available_bytes - host_need)  # they stay in the page cache
     read_bw = (profile.store_read_warm_gbps if warm else profile.store_read_gbps) * gb
     V = [4 * n[i] / read_bw if per_visit[i] else 0.0 for i in range(L)]  # one visit's read of the weights
     write_bw = profile.store_write_gbps * gb

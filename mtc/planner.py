@@ -261,7 +261,9 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     if disk_free is not None:
         fits = [m for m in MODES if mem.disk[m] <= disk_free]
         alts = ", ".join(f"{m} {_size(mem.disk[m])}" for m in MODES)
-        fix = (f"durability {cfg.durability!r} keeps two generations of {'master, m and v' if cfg.durability == 'full' else 'the weights' if cfg.durability == 'weights' else 'the disk layers only'}"
+        kept = {"full": "two generations of master, m and v", "weights": "two generations of the weights",
+                "none": "one generation of the disk layers only"}[cfg.durability]
+        fix = (f"durability {cfg.durability!r} keeps {kept}"
                f" (needs by mode: {alts}); " + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ")
                + "free disk space, or put the store on a larger disk")
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
@@ -378,7 +380,7 @@ class Plan:
         for mode in MODES:
             what = {"full": "two generations of master, m, v: exact crash-safe resume",
                     "weights": "two generations of the weights: resume restarts Adam's moments",
-                    "none": "nothing kept (disk layers still hold theirs): no resume"}[mode]
+                    "none": "nothing kept (disk layers hold one generation, updated in place): no resume"}[mode]
             fit = "fits" if m.disk[mode] <= pr.disk_free_bytes else "DOES NOT FIT"
             out.append(f"  durability {mode:7s} needs {_size(m.disk[mode]):>11s} of disk ({what}): {fit} in {_size(pr.disk_free_bytes)} free"
                        + ("  <- chosen" if mode == cfg.durability else ""))

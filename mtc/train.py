@@ -529,6 +529,7 @@ def train(
                            sharded=world.distributed,
                            streamed_grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb, distributed=world.distributed))
         durable = cfg.durability != "none"
+        committed_start = True  # a commit names the start state's generation (disk layers must not overwrite it)
         shard_st = None
         if world.distributed:  # each rank's shard in its own store, one global commit (mtc.shards)
             first = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
@@ -543,6 +544,7 @@ def train(
                                 time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
             if durable and world.is_root:
                 st.commit(last)
+            committed_start = durable
         else:
             tiers.create_arrays(st, cfg.durability)
             last = run.last
@@ -597,6 +599,10 @@ def train(
         disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation
+        # durability none: disk layers keep one generation, updated in place (nothing resumes from
+        # it), once they have left the one a durable commit names
+        tiers.disk_in_place = not durable
+        tiers.protected_generation = last.generation if committed_start else None
         step, committed_gen, cursor = last.step, last.generation, last.data_cursor
         meta: dict = {"data": tokens.identity(), "changes": list(last.meta.get("changes", []))}
         if world.distributed:  # the commit records which world wrote it (any world size resumes it)
@@ -630,7 +636,7 @@ def train(
                 commit_fn = (_committer(st, next_step, next_cursor, cfg, meta) if not world.distributed
                              else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, meta))
             if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
-                gens = ({1 - committed_gen} if commit_now else set()) | ({1 - opt.disk_generation} if disk_layers else set())
+                gens = ({1 - committed_gen} if commit_now else set()) | ({tiers.disk_write_generation()} if disk_layers else set())
                 for g in sorted(gens):
                     record_write_start(st.path, next_step, g)
             stats: StepStats = opt.finish_step(out.loss, commit=commit_fn, write_generation=1 - committed_gen)

@@ -70,7 +70,7 @@ class DiskShards:
         all-gather (on the comm thread, in the order every rank enqueues); returns the future of
         its write into the other generation, which the commit waits for."""
         s = self.tiers[i]
-        w_gen = 1 - self.tiers.disk_generation
+        w_gen = self.tiers.disk_write_generation()
         s.write = written = Future()
         hp = {"lr": opt._lr, "step": step + 1}
         upd = opt._cpu.submit(self._update, dp, opt, i, coef, hp, (s.grad_ready, s.last_read), w_gen, prev_commit, step,
@@ -81,7 +81,7 @@ class DiskShards:
 
     def end_step(self) -> None:
         """Every disk layer's update of the step is scheduled: the next step reads what it writes."""
-        self.tiers.disk_generation = 1 - self.tiers.disk_generation
+        self.tiers.disk_generation = self.tiers.disk_write_generation()
 
     def _update(self, dp: DataParallel, opt: StreamingAdamW, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple,
                 w_gen: int, prev_commit: Future[None], tstep: int, skip: bool, written: Future[None]) -> None:

@@ -199,7 +199,7 @@ class StreamingAdamW:
         writes: list[Future[None]] = []
         prev_commit = self.commit_future
         w_gen = write_generation
-        w_disk = 1 - self.disk_generation
+        w_disk = self.tiers.disk_write_generation()
         streamed: list[tuple[int, Future[None], dict, tuple]] = []
         for i in range(self.program.n_layers):
             s = self.tiers[i]

@@ -8,7 +8,7 @@ is the compute copy):
 |---|---|---|---|
 | gpu  | 16 + (c if c != 4) | 0 (+12 pinned staging at commits) | full 24, weights 8, none 0 |
 | ram  | 0 | 12 + 4 (pinned gradient) + (c if c != 4) | full 24, weights 8, none 0 |
-| disk | 4 (gradient, CUDA) | c (compute copy in RAM) or 0 (read per visit); + 4 on the CPU device (gradient) unless spilled | 24 always (it is the tier); + 4 of gradient scratch when spilled |
+| disk | 4 (gradient, CUDA) | c (compute copy in RAM) or 0 (read per visit); + 4 on the CPU device (gradient) unless spilled | 24 (it is the tier; none: 12, one generation updated in place); + 4 of gradient scratch when spilled |
 
 Disk layers also need a bounded pipeline in host RAM, independent of depth (`pipeline_host_bytes`):
 a ring of read-ahead sets (master, m, v and on CUDA or when spilled the gradient's host copy) of
@@ -241,9 +241,12 @@ def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int,
 
 def disk_bytes_needed(placement: list[str], numels: list[int], durability: str, *, grad_spill: bool = False) -> int:
     """Store bytes for both generations of the state the durability mode keeps (and the gradient
-    scratch of disk layers when their gradients are spilled)."""
+    scratch of disk layers when their gradients are spilled). Disk layers keep master, m and v in
+    two generations, or in one, updated in place, when nothing is durable (`none`; a run resumed
+    from a durable commit leaves that commit's generation whole, so it keeps both)."""
     per_mode = {"full": 24, "weights": 8, "none": 0}[durability]
-    return sum((24 + (4 if grad_spill else 0) if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
+    per_disk = (12 if durability == "none" else 24) + (4 if grad_spill else 0)
+    return sum((per_disk if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
 
 
 def available_host_bytes() -> int:

@@ -109,6 +109,10 @@ class StateTiers:
         self.spill: GradSpill | None = None  # set by `create_arrays` when spilling
         self.store: TensorStore | None = None  # set by `create_arrays`: disk layers live there
         self.disk_generation = 0  # the generation holding disk layers' newest state (the optimizer flips it)
+        # durability none: nothing resumes, so disk layers update their generation in place (one on
+        # disk instead of two) except the one a durable commit still names (`disk_write_generation`)
+        self.disk_in_place = False
+        self.protected_generation: int | None = None
         self.pipeline_bytes: dict[str, int] = {}  # host buffers of the I/O pipeline (ring, staging), by owner
         self.program, self.placement, self.device, self.compute_dtype = program, placement, device, compute_dtype
         self.cuda = device.type == "cuda"
@@ -223,6 +227,13 @@ class StateTiers:
                 dst.copy_(src)
         if s.compute is not s.master:
             s.compute.copy_(s.master)
+
+    def disk_write_generation(self) -> int:
+        """The generation disk layers' updates write this step: the other one, so that the one read
+        stays whole until a commit names the new one; or, in place (``disk_in_place``), the one
+        read, unless a commit names it (a run resumed from a durable commit flips once first)."""
+        g = self.disk_generation
+        return g if self.disk_in_place and g != self.protected_generation else 1 - g
 
     def create_arrays(self, store: TensorStore, durability: str) -> None:
         """Create both generations of the arrays this placement and durability keep on disk, and

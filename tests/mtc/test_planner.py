@@ -118,6 +118,8 @@ def test_extrapolations_say_plainly_what_does_not_fit():
     # bf16 copy (0.35 TB), so they are read per visit, which leaves RAM for the first 7 layers
     assert "durability full    disk    4.86 TB: does NOT fit: disk needs 4.86 TB, has 4.00 TB" in block_175
     assert "placement ram:0-6,disk:7-113;" in block_175 and "host RAM 204.5 GiB of 248.0 GiB" in block_175
+    # without durability the disk layers keep one generation (12 B/param + the 4 of gradient scratch): it fits
+    assert "durability none    disk    2.63 TB: fits" in block_175
     assert "GPU peak 72.3 GiB of 79.6 GiB" in block_175
     block_70 = text[text.index("70b"):text.index("120b")]
     assert "durability full    disk    1.69 TB: fits" in block_70
@@ -246,7 +248,8 @@ def test_disk_layers_read_their_weights_per_visit_when_ram_cannot_hold_the_copy(
     costs a read of 4 B/param from the store and an fp32 crossing. Told `ram`, the refusal names
     `--disk-compute store`."""
     prof = builtin("h100-box")
-    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="disk", gpu_update="none", durability="none")
+    # (two generations: 190 GB of state, too much for the page cache in either case)
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="disk", gpu_update="none", durability="full")
     roomy = make_plan(dataclasses.replace(cfg, ram_budget_gb=100), prof)
     tight = make_plan(dataclasses.replace(cfg, ram_budget_gb=12), prof)
     told = make_plan(dataclasses.replace(cfg, ram_budget_gb=12, disk_compute="ram"), prof)
@@ -263,6 +266,7 @@ def test_disk_layers_read_their_weights_per_visit_when_ram_cannot_hold_the_copy(
     L = roomy.shape.n_layers
     visits = 4 * (2 * sum(numels[: L - 1]) + numels[L - 1])
     bw = prof.store_read_gbps * 1e9
+    assert not tight.step.disk_read_warm and not roomy.step.disk_read_warm
     assert tight.step.disk_read_s == pytest.approx(roomy.step.disk_read_s + visits / bw)
     assert tight.step.h2d_weights_s == pytest.approx(2 * roomy.step.h2d_weights_s)  # fp32, not bf16, crosses
     assert tight.step.step_s > roomy.step.step_s

@@ -223,3 +223,61 @@ def test_compare_throughput_alternates_trials_and_reports_medians(tmp_path):
     for k in MODES:
         assert r["store_over_raw"][k] == r["store_median"][k] / r["raw_median"][k]
     assert list(tmp_path.iterdir()) == []
+
+
+def _chunk_files(res, generation: int) -> list:
+    """Chunk files of the disk layers' state arrays of ``generation`` that exist on disk."""
+    from mtc.store import state_array_name
+
+    out = []
+    for s in res.tiers.layers:
+        if s.tier == "disk" and s.numel:
+            for kind in ("master", "m", "v"):
+                name = state_array_name(s.layer, kind, generation)
+                out += [p for c in range(res.store.array_info(name).n_chunks) if (p := res.store.chunk_path(name, c)).exists()]
+    return out
+
+
+@pytest.mark.parametrize("disk_compute", ["store", "ram"])
+def test_without_durability_disk_layers_keep_one_generation_updated_in_place(tokens, tmp_path, disk_compute):
+    """Durability none: nothing resumes, so disk layers update the generation they read in place,
+    half the disk of two generations (as the fit check plans it); training is the same, bit for bit."""
+    assert [pl.disk_bytes_needed(["disk", "ram"], [10, 5], m) for m in ("full", "weights", "none")] == [360, 280, 120]
+    assert pl.disk_bytes_needed(["disk"], [10], "none", grad_spill=True) == 160
+    none = train(small_config(steps=3, placement="disk", disk_compute=disk_compute, durability="none"), tmp_path / "none", tokens)
+    full = train(small_config(steps=3, placement="disk", disk_compute=disk_compute), tmp_path / "full", tokens)
+    try:
+        assert none.losses == full.losses
+        assert _chunk_files(none, 0) and not _chunk_files(none, 1)  # one generation on disk
+        assert _chunk_files(full, 0) and _chunk_files(full, 1)
+        w_none, w_full = read_params(none.program, none.store, 0), _weights(full)  # the newest state, where it started
+        assert all(torch.equal(w_none[k], w_full[k]) for k in w_full)
+        assert len(none.timeline.spans("disk_read_wait")) == 3 * sum(1 for s in none.tiers.layers if s.numel)
+    finally:
+        none.store.close()
+        full.store.close()
+
+
+def test_a_run_resumed_without_durability_leaves_its_last_commit_whole(tokens, tmp_path):
+    """Resumed from a durable commit with durability none, the disk layers first write the other
+    generation, then update that one in place: the commit's generation is never written, so the
+    run can still resume from it; training goes on as an uninterrupted run."""
+    from mtc.store import TensorStore, state_array_name
+
+    path = tmp_path / "run"
+    train(small_config(steps=4, placement="disk"), path, tokens, stop_after=2).store.close()
+    with TensorStore.open(path, read_only=True) as st:
+        last = st.last_commit()
+        names = [n for n in st.array_names() if n.startswith("layers/") and n.endswith(f"/g{last.generation}")]
+        before = {n: st.read(n) for n in names}
+    assert last.step == 2 and before
+    res = train(small_config(steps=4, placement="disk", durability="none"), path, tokens)
+    ref = train(small_config(steps=4, placement="disk"), tmp_path / "ref", tokens)
+    try:
+        assert res.losses == ref.losses[2:]
+        assert res.store.last_commit().step == 2
+        assert all(torch.equal(res.store.read(n), t) for n, t in before.items())
+        assert state_array_name(1, "master", last.generation) in before
+    finally:
+        res.store.close()
+        ref.store.close()
