@@ -68,6 +68,9 @@ _VIEW_OPS = {
     "alias", "detach", "chunk", "split", "split_with_sizes", "unbind", "as_strided", "lift_fresh_copy", "clone_view",
 }
 _MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "matmul"}
+# steps the step-time simulation averages over, after 4 to fill its pipeline (an even number: a
+# disk-bound schedule alternates long and short steps)
+MEAN_OVER = 2
 _MMAP_MAX = 32 * 2**20  # glibc's largest mmap threshold: fresh tensors above it are mapped (and faulted) anew
 
 
@@ -582,7 +585,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     on = {"compute": "gpu" if cuda else "cpu", "h2d": "h2d" if cuda else "cpu", "d2h": "d2h" if cuda else "cpu"}
     sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0, "net": 1.0})
     visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
-    steps = 4
+    steps = 4 + MEAN_OVER
     syncs: list[int] = []
     grad: list[int | None] = [None] * L  # last step's gradient copy per layer
     write: list[int | None] = [None] * L  # last write-behind per layer
@@ -649,7 +652,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     net_last = grad[i] = sim.add(red[i], "net", (grad[i], net_last))
         syncs.append(comp)
     end = sim.run()
-    schedule = end[syncs[-1]] - end[syncs[-2]]
+    # the mean of the last steps: a pipeline whose stages lag by a step (the disk tier's writes
+    # behind the next step's reads) settles over a few steps, alternating long and short ones
+    schedule = (end[syncs[-1]] - end[syncs[-1 - MEAN_OVER]]) / MEAN_OVER
 
     h2d_b = sum(W[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + W[L - 1] * profile.h2d_gbps * gb
     streamed = sum(sn[i] for i in gpu_update)

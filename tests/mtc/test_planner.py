@@ -285,6 +285,14 @@ def test_the_disk_tier_reads_ahead_while_it_writes():
     assert slower.disk_write_s == pytest.approx(2 * st.disk_write_s) and slower.step_s > 1.8 * st.step_s
 
 
+def test_a_disk_bound_step_is_never_shorter_than_the_disks_work():
+    """Writes lag the next step's reads by a step, so a disk-bound schedule alternates long and
+    short steps: the prediction is their mean, never less than the disk's busy time per step."""
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, ram_budget_gb=20, durability="none")
+    st = make_plan(cfg, builtin("h100-box")).step
+    assert st.bottleneck == "disk I/O" and st.stage_s["disk I/O"] <= st.step_s < 1.1 * st.stage_s["disk I/O"]
+
+
 def test_a_plan_weighs_gpu_updates_with_its_machines_rates():
     import dataclasses
 
