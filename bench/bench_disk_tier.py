@@ -8,10 +8,11 @@ One JSON record under bench/results/ (bench_disk_tier-...json) with:
             cold caches (the disk is shared and noisy): every trial, the medians, and per mode the
             ratio of the medians (goal >= 0.9 for write, read and mix). First writes into new
             files (``write_fresh``) are reported beside them.
-  train     a Llama shape with every layer on disk (durability full: the store is the tier),
-            trained in a child process: median step time, model TFLOP/s (6 x params x tokens / step
-            time), tokens per step (<= 1M), the store bytes per step and the GB/s they imply, and
-            host RAM per parameter (below).
+  train     a Llama shape with every layer on disk (durability full by default: the store is the
+            tier; --durability none keeps one generation of it, updated in place), trained in a
+            child process: median step time, model TFLOP/s (6 x params x tokens / step time), tokens
+            per step (<= 1M), the store bytes per step and the GB/s they imply, the store's bytes on
+            disk after the run, and host RAM per parameter (below).
 
 Host RAM per parameter: the run is created (initial state written, one step) in one child
 process; a second child resumes it and trains the measured steps. That child imports torch and
@@ -33,6 +34,7 @@ mixed throughput measured above, capped at 1M tokens per step.
     python bench/bench_disk_tier.py --smoke      # CPU, 48 layers, ~142M parameters (1.7 GB fp32 state), ~10 minutes
     python bench/bench_disk_tier.py              # CUDA: the 4.6B shape, all on disk (needs ~110 GB of disk)
     python bench/bench_disk_tier.py --shape 2.3b # CUDA: the largest whose two generations fit a 64 GB disk
+    python bench/bench_disk_tier.py --durability none  # CUDA: the 4.6B shape's one generation (55 GB)
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def _prepare(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(a: dict[str, Any]) -> dict[str, Any]:
-    """Resume the run and train the measured steps inside the memory group (see the module doc)."""
+    """Resume the run and train the measured steps inside the memory group (see the module doc);
+    ``fresh``: start the run here instead (a run without durability has no commit to resume)."""
     from mtc.train import train
 
     baseline_rss = hostmem.rss_now()  # interpreter, torch, mtc: the process's fixed overhead
@@ -123,7 +126,7 @@ def _train(a: dict[str, Any]) -> dict[str, Any]:
     rss: list[int] = []
     cached: list[int] = []
     store_dir = Path(a["store"])
-    res = train(_config(a), a["store"], a["data"],
+    res = train(_config(a), a["store"], a["data"], overwrite=bool(a.get("fresh")),
                 on_step=lambda r: (marks.append(r.seconds), rss.append(hostmem.rss_now()),
                                    cached.append(hostmem.resident_file_bytes(store_dir))))
     params = sum(s.numel for s in res.tiers.layers)
@@ -188,6 +191,8 @@ def main() -> int:
     ap.add_argument("--grad-accum", type=int, default=None, help="override the rule")
     ap.add_argument("--time-limit-s", type=float, default=480)
     ap.add_argument("--disk-compute", choices=("store", "ram"), default="store", help="disk layers' compute copy (TrainConfig.disk_compute)")
+    ap.add_argument("--durability", choices=("full", "none"), default="full",
+                    help="full: two generations of the disk layers' state (crash-safe); none: one, updated in place")
     ap.add_argument("--limit-bytes-per-param", type=float, default=GOAL_BYTES_PER_PARAM,
                     help="the memory group's limit (page cache included) and the run's RAM budget, per parameter")
     a = ap.parse_args()
@@ -213,7 +218,7 @@ def main() -> int:
     seq = 64 if a.smoke else 1024
     mbs = 1 if a.smoke else 4
     base = {"model": LLAMA, "model_overrides": SHAPES[shape], "seq_len": seq, "micro_batch_size": mbs, "placement": "disk",
-                "durability": "full", "device": "cuda" if cuda else "cpu", "io_threads": disk["io_threads"], "kernels": "unfused" if not cuda else "auto"}
+                "durability": a.durability, "device": "cuda" if cuda else "cpu", "io_threads": disk["io_threads"], "kernels": "unfused" if not cuda else "auto"}
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(TrainConfig(**base, steps=1)).parameters())
     # read per visit: no host RAM per parameter for the compute copy (a bf16 copy in RAM would be 2 B/param)
@@ -221,14 +226,16 @@ def main() -> int:
     per_param = 24 + (8 if disk_compute == "store" else 0)  # read + write master, m, v; + two visit reads of the fp32 master
     accum = a.grad_accum or (2 if a.smoke else grad_accum_rule(params, mbs * seq, per_param * params, disk["raw_median"]["mix"], a.target_tflops))
     steps = a.steps or (3 if a.smoke else 4)
-    need = 28 * params * 1.05  # two generations of master, m, v, and the gradients' scratch when spilled
+    # two generations of master, m, v (one without durability), and the gradients' scratch when spilled
+    gens = 2 if a.durability == "full" else 1
+    need = (12 * gens + 4) * params * 1.05
     free = shutil.disk_usage(root).free
     record: dict[str, Any] = {"mode": "smoke" if a.smoke else "cuda", "shape": shape, "params": params, "disk": disk,
                               "disk_dir": str(root), "disk_compute": disk_compute, "grad_accum": accum,
                               "grad_accum_rule": "compute at --target-tflops as long as the step's disk traffic at the raw mix GB/s, <= 1M tokens",
-                              "tokens_per_step": accum * mbs * seq, "durability": "full"}
+                              "tokens_per_step": accum * mbs * seq, "durability": a.durability}
     if need > free:
-        record["train"] = {"skipped": f"two generations need {need / 1e9:.1f} GB, {root} has {free / 1e9:.1f} GB free"}
+        record["train"] = {"skipped": f"{gens} generation(s) need {need / 1e9:.1f} GB, {root} has {free / 1e9:.1f} GB free"}
     else:
         tokens = root / "tokens.bin"
         rng = np.random.default_rng(0)
@@ -242,8 +249,9 @@ def main() -> int:
                    ram_budget_gb=limit / 2**30)
         child = {"cfg": cfg, "store": str(root / "store"), "data": str(tokens)}
         left = a.time_limit_s - (time.perf_counter() - t0)
-        out = _run_child("prepare", child, left / 2)
-        if "error" not in out:
+        fresh = a.durability == "none"  # nothing to resume: the run starts in the measured child, outside a memory group
+        out = _run_child("train", dict(child, fresh=True, cgroup=None, cgroup_version=0), left) if fresh else _run_child("prepare", child, left / 2)
+        if "error" not in out and not fresh:
             group = hostmem.MemGroup.open(f"mtc-bench-{os.getpid()}", limit)
             out = _run_child("train", dict(child, cgroup=str(group.path) if group else None, cgroup_version=group.version if group else 0),
                              a.time_limit_s - (time.perf_counter() - t0))
@@ -270,13 +278,20 @@ def main() -> int:
                 out["method"] = (f"cgroup v{out['cgroup_version']} memory limit {limit / 1e9:.3f} GB "
                                  f"({a.limit_bytes_per_param} B/param), page cache included, joined after the process's "
                                  "fixed start-up; store pages dropped first (cold); figure: the group's peak usage")
+            elif fresh:
+                out["host_bytes_per_param"] = None
+                out["method"] = ("not measured: a run without durability has no commit to resume, so it builds the model and "
+                                 "writes its initial state in the measured process (its RSS peak holds the model's fp32 weights)")
             else:
                 out["host_bytes_per_param"] = (above + max(out["store_cached_by_step"], default=0)) / params
                 out["method"] = ("no memory cgroup could be made here: peak RSS over the start-up baseline plus the most "
                                  "store page-cache bytes seen after a step (mincore); store pages dropped first (cold)")
             out["goal_bytes_per_param"] = GOAL_BYTES_PER_PARAM
-            out["goal_met_bytes_per_param"] = out["host_bytes_per_param"] <= GOAL_BYTES_PER_PARAM
+            out["goal_met_bytes_per_param"] = None if fresh else out["host_bytes_per_param"] <= GOAL_BYTES_PER_PARAM
             out["goal_tflops"] = GOAL_TFLOPS if cuda else None
+        if "error" not in out:  # what the store holds on disk after the run (allocated blocks)
+            held = sum(f.stat().st_blocks * 512 for f in (root / "store").rglob("*") if f.is_file())
+            out.update(store_bytes_on_disk=held, store_bytes_on_disk_per_param=held / params)
         record["train"] = out
         for f in (tokens, tokens.with_suffix(".json")):
             f.unlink(missing_ok=True)
@@ -288,8 +303,11 @@ def main() -> int:
     else:
         print(f"train: {params / 1e6:.1f}M params all on disk ({len(tr['placement'])} layers), {record['tokens_per_step']} tokens/step, "
               f"{tr['step_s_median']:.2f} s/step, {tr['model_tflops']:.3f} model TFLOP/s, store {tr['train_disk_GBps']:.3f} GB/s "
-              f"({tr['train_disk_over_raw_mix']:.2f} of raw mix); gradients {'spilled to the store' if tr['grads_spilled'] else 'in memory'}")
-        print(f"host RAM: {tr['host_bytes_per_param']:.2f} B/param (goal <= {GOAL_BYTES_PER_PARAM}); {tr['method']}; "
+              f"({tr['train_disk_over_raw_mix']:.2f} of raw mix); gradients {'spilled to the store' if tr['grads_spilled'] else 'in memory'}; "
+              f"durability {record['durability']}: the store holds {tr['store_bytes_on_disk'] / 1e9:.2f} GB "
+              f"({tr['store_bytes_on_disk_per_param']:.1f} B/param)")
+        held = "not measured" if tr["host_bytes_per_param"] is None else f"{tr['host_bytes_per_param']:.2f} B/param"
+        print(f"host RAM: {held} (goal <= {GOAL_BYTES_PER_PARAM}); {tr['method']}; "
               f"RSS peak over baseline {tr['rss_peak_above_baseline_per_param']:.2f} B/param, engine buffers "
               f"{tr['engine_host_bytes_per_param']:.2f} B/param {json.dumps(tr['pipeline_bytes'])}"
               + (f"; group at end {json.dumps(tr['cgroup_stat_at_end'])}, limit reached {tr['cgroup_limit_hits']} times" if tr.get("cgroup_joined") else ""))
