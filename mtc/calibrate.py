@@ -442,6 +442,8 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
         with TensorStore.create(path, io_threads=io_threads) as st:
             for name in names:
                 st.create_array(name, (n,), torch.float32)
+                st.create_array(f"{name}-other", (n,), torch.float32)  # what the busy write's reads read
+                st.write_async(f"{name}-other", data[0]).result()
 
             def write() -> None:  # in place after the warm-up, as the disk tier's steady-state write-behind
                 for f in [st.write_async(name, t, in_place=True) for name, t in zip(names, data, strict=True)]:
@@ -460,7 +462,7 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
 
             cold = _best_time(read, repeats, before=evict)
             warm = _best_time(read, repeats)
-            busy = _while_running(lambda: _best_time(write, repeats), lambda: [st.read_into(name, t) for name, t in
+            busy = _while_running(lambda: _best_time(write, repeats), lambda: [st.read_into(f"{name}-other", t) for name, t in
                                                                                zip(names, out, strict=True)])
     finally:
         shutil.rmtree(path, ignore_errors=True)

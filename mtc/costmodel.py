@@ -530,9 +530,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # per-layer durations, alone
     resident = [placement[i] == "gpu" and shape.fetch_numels[i] == n[i] for i in range(L)]
     # a visit of a disk layer whose copy is not in RAM reads its fp32 master from the store first;
-    # on CUDA that crosses PCIe as fp32, on the CPU it is read straight into the weight slot
+    # on CUDA that crosses PCIe as fp32; on the CPU in fp32 it is read straight into the weight slot
     per_visit = [placement[i] == "disk" and disk_compute == "store" for i in range(L)]
-    own = [(4 if cuda else 0) if per_visit[i] else c for i in range(L)]
+    own = [(0 if not cuda and c == 4 else 4) if per_visit[i] else c for i in range(L)]
     W = [0.0 if resident[i] else (n[i] * own[i] + (shape.fetch_numels[i] - n[i]) * c) / (profile.h2d_gbps * gb) for i in range(L)]
     # the gradient crosses to the host whole, or (reduce-scattered on the device first) as the rank's shard
     gn = sn if dist and dist.reduce_scatter else n
@@ -666,7 +666,10 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     pcie = (h2d_b + d2h_b) / (profile.both_gbps * gb) if cuda else 0.0
     host_mem = dist.host_memory_seconds(h2d_b + d2h_b, sum(sn[i] for i in range(L) if adam[i]), 24 * n_disk, c,
                                         n_total=sum(n)) if dist else 0.0
-    base = max(schedule, pcie, host_mem)
+    visit_r = sum(V[: L - 1]) * 2 + V[L - 1]
+    disk_r, disk_w = sum(io_r) + visit_r, sum(io_w) + sum(wb)
+    disk_busy = (0.0 if warm else disk_r) + disk_w  # one disk: the schedule's last steps may not have settled to it yet
+    base = max(schedule, pcie, host_mem, disk_busy)
     vol = sum(behind)
     commit_s = vol / write_bw if vol else 0.0
     if not durable or not vol:
@@ -677,19 +680,17 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         every = cfg.commit_every if cfg.commit_every else max(1, math.ceil(20 * commit_s / base))
         commits = Commits(vol, commit_s, every, max(0.0, commit_s - base) / every)
     fwd_s, bwd_s = sum(F[: L - 1]), sum(B)
-    visit_r = sum(V[: L - 1]) * 2 + V[L - 1]
     cpu_work = 0.0
     if not cuda:
         copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb) + (sum(io_r) + visit_r if warm else 0.0)
         cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
     hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
     hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
-    disk_r, disk_w = sum(io_r) + visit_r, sum(io_w) + sum(wb)
     copies_s = (h2d_b + d2h_b) / (profile.both_gbps * gb)
     stages = {"GPU compute" if cuda else "compute (CPU)": fwd_s + bwd_s,
               "PCIe" if cuda else "host copies (memcpy)": copies_s,
               "CPU optimizer": sum(adam),
-              "disk I/O": (0.0 if warm else disk_r) + disk_w}
+              "disk I/O": disk_busy}
     if cuda:
         stages["GPU optimizer"] = sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate
     if dist:

@@ -309,8 +309,11 @@ def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool
 
 
 def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_update: set[int], store_dir: Path | None, *,
-              new_run: bool) -> None:
-    """`mtc train`'s refusal, before anything is written: every check that fails, one line each."""
+              new_run: bool, seeded_written: int | None = None) -> None:
+    """`mtc train`'s refusal, before anything is written: every check that fails, one line each.
+    ``seeded_written``: the store holds a seeded generation (`mtc import`, --init-from) the run
+    starts from, and this many bytes an earlier attempt wrote beyond it: the disk check counts
+    what the run adds to the seed."""
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     shape = shape_from_program(program, cfg.model, cbytes)
     cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
@@ -318,10 +321,16 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
                  gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None)
     disk_free, where = None, ""
-    if store_dir is not None and new_run:
+    if store_dir is not None and (new_run or seeded_written is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
         disk_free = int(os.environ[DISK_FREE_ENV]) if os.environ.get(DISK_FREE_ENV) else shutil.disk_usage(probe).free
         where = f"free at {probe}"
+    if seeded_written is not None and not new_run:
+        n = list(shape.numels)
+        mem = dataclasses.replace(mem, disk={m: pl.disk_bytes_beyond_seed(placement, n, m, grad_spill=mem.grad_spill) for m in MODES})
+        if disk_free is not None:  # an earlier attempt of the same run wrote some of it already
+            disk_free += seeded_written
+        where += ", beyond the seeded generation the run starts from"
     gpu_total = torch.cuda.mem_get_info(torch.device(cfg.device))[1] if cuda else None
     from mtc.dist_plan import check_fit_ranks, world_from_env
 

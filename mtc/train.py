@@ -291,12 +291,31 @@ def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
 
 
 def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool,
-              gpu_update: set[int] | None = None) -> None:
+              gpu_update: set[int] | None = None, seeded: TensorStore | None = None) -> None:
     """Refuse, before anything is written, a run this machine cannot hold: the plan's fit checks
-    (`mtc.planner.check_fit`: disk for both generations, host RAM, GPU memory), one line each."""
+    (`mtc.planner.check_fit`: disk for both generations, host RAM, GPU memory), one line each.
+    ``seeded``: a store seeded by `mtc import` or --init-from, which the run starts from."""
     from mtc.planner import check_fit
 
-    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run)
+    written = _written_beyond_seed(seeded, program) if seeded is not None else None
+    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run, seeded_written=written)
+
+
+def _written_beyond_seed(st: TensorStore, program: Program) -> int:
+    """Bytes of chunk data in a seeded store's generation 1 and gradient scratch (the seed is
+    generation 0): what an earlier attempt of the run wrote."""
+    from mtc.runtime.grad_spill import grad_scratch_name
+
+    names = [state_array_name(i, k, 1) for i in range(program.n_layers) for k in ("master", "m", "v")]
+    names += [grad_scratch_name(i) for i in range(program.n_layers)]
+    total = 0
+    for name in names:
+        if st.has_array(name):
+            for c in range(st.array_info(name).n_chunks):
+                path = st.chunk_path(name, c)
+                if path is not None and path.exists():
+                    total += path.stat().st_size
+    return total
 
 
 # -- opening a run -----------------------------------------------------------------------------
@@ -359,7 +378,7 @@ def open_run(
                     check_store_tokenizer(path, data)  # RUN/tokenizer/ (an import's) must be the data's tokenizer
                 placement, gpu_update = plan_placement(cfg, program)
                 # (GPU-updated layers' gradients and scratch count toward the GPU check)
-                preflight(cfg, program, placement, path, new_run=False, gpu_update=gpu_update)
+                preflight(cfg, program, placement, path, new_run=False, gpu_update=gpu_update, seeded=store)
                 save_plan(program, path / "plan")
                 return Run(store, program, last, None, [])
             saved, now = _flat(_comparable(last.config)), _flat(_comparable(cfg.to_dict()))
@@ -516,7 +535,8 @@ def train(
     try:
         if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
-        dc = run_disk_compute(cfg, program)
+        # a data-parallel rank's store holds its shard only: its disk layers keep the compute copy in RAM
+        dc = "ram" if world.distributed else run_disk_compute(cfg, program)
         placement, gpu_update = plan_placement(cfg, program, disk_compute=dc)
         placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)

@@ -47,6 +47,7 @@ __all__ = [
     "choose_gpu_update",
     "choose_grad_spill",
     "default_ram_budget",
+    "disk_bytes_beyond_seed",
     "disk_bytes_needed",
     "host_bytes_needed",
     "host_bytes_per_param",
@@ -246,6 +247,16 @@ def disk_bytes_needed(placement: list[str], numels: list[int], durability: str, 
     from a durable commit leaves that commit's generation whole, so it keeps both)."""
     per_mode = {"full": 24, "weights": 8, "none": 0}[durability]
     per_disk = (12 if durability == "none" else 24) + (4 if grad_spill else 0)
+    return sum((per_disk if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
+
+
+def disk_bytes_beyond_seed(placement: list[str], numels: list[int], durability: str, *, grad_spill: bool = False) -> int:
+    """Store bytes a run started from a seeded store (generation 0 written by `mtc import` or
+    --init-from and named by its step-0 commit) adds to it: the other generation of what the
+    durability mode keeps, of disk layers' state even without durability (the seed's generation
+    stays whole: its commit names it), and the disk layers' gradient scratch when spilled."""
+    per_mode = {"full": 12, "weights": 4, "none": 0}[durability]
+    per_disk = 12 + (4 if grad_spill else 0)
     return sum((per_disk if t == "disk" else per_mode) * n for t, n in zip(placement, numels, strict=True))
 
 

@@ -361,3 +361,36 @@ def test_a_seeded_run_checks_the_gpu_memory_of_its_gpu_updated_layers(tmp_path, 
     monkeypatch.setattr(planner, "check_fit", lambda *a, **k: (seen.append(a[3]), real(*a, **k))[1])
     open_run(cfg, tmp_path / "new").store.close()
     assert seen and seen[-1] == set(range(len(seen[-1]))) and len(seen[-1]) > 1  # every ram layer, as --gpu-update all names
+
+
+def test_a_seeded_run_checks_the_disk_it_adds_to_the_seed(tmp_path, data, monkeypatch):
+    """A store seeded by `mtc import` or --init-from keeps its generation (its commit names it):
+    without durability the disk layers then write a second one, and the fit check counts it
+    against the free disk before the run starts, as for a new run."""
+    from mtc.errors import ConfigError
+    from mtc.train import train
+    from mtc.warmstart import init_from
+
+    cfg = TrainConfig(model="tiny", micro_batch_size=2, seq_len=16, steps=2, kernels="unfused", placement="disk", durability="none")
+    train(dataclasses.replace(cfg, durability="full", steps=1), tmp_path / "src", data).store.close()
+    init_from(tmp_path / "src", tmp_path / "new", cfg)
+    probe = train(cfg, None, data)  # an in-memory run of the same model, for its layer sizes
+    numels = [s.numel for s in probe.tiers.layers]
+    probe.store.close()
+    need = pl.disk_bytes_beyond_seed(["disk"] * len(numels), numels, "none")
+    assert need == 12 * sum(numels)
+    monkeypatch.setenv(DISK_FREE_ENV, str(need - 1))
+    with pytest.raises(ConfigError, match="beyond the seeded generation") as e:
+        train(cfg, tmp_path / "new", data)
+    assert "disk" in str(e.value)
+    monkeypatch.setenv(DISK_FREE_ENV, str(need))
+    res = train(cfg, tmp_path / "new", data)
+    try:
+        assert len(res.losses) == 2 and res.store.last_commit().step == 0  # the seed's commit, still whole
+    finally:
+        res.store.close()
+    # the same command again (nothing was committed): what the first attempt wrote counts as room
+    monkeypatch.setenv(DISK_FREE_ENV, "0")
+    again = train(cfg, tmp_path / "new", data)
+    assert again.losses == res.losses
+    again.store.close()

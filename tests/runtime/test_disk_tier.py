@@ -281,3 +281,26 @@ def test_a_run_resumed_without_durability_leaves_its_last_commit_whole(tokens, t
     finally:
         res.store.close()
         ref.store.close()
+
+
+def test_the_read_ahead_waits_for_the_last_write_of_an_in_place_generation(tokens, tmp_path, monkeypatch):
+    """One disk layer (fewer than the ring's sets, so the ring does not order it) updated in place,
+    with writes slowed: the next step's read-ahead must still wait for the last write of the
+    layer, or it reads stale state and training drifts from the same run with all state in RAM."""
+    import time
+
+    from mtc.store import TensorStore
+
+    cfg = small_config(steps=3, placement="ram:0-1,disk:2,ram:3", durability="none")
+    ref = train(small_config(steps=3, placement="ram", durability="none"), None, tokens)
+    ref.store.close()
+    write = TensorStore.write_rows_async
+
+    def slow(self, *a, **k):
+        time.sleep(0.3)
+        return write(self, *a, **k)
+
+    monkeypatch.setattr(TensorStore, "write_rows_async", slow)
+    res = train(cfg, tmp_path / "slow", tokens)
+    res.store.close()
+    assert res.placement.count("disk") == 1 and res.losses == ref.losses
