@@ -190,7 +190,9 @@ def _h100_box() -> MachineProfile:
         host_available_bytes=int(122 * GiB), disk_free_bytes=int(60 * GiB), disk_dir="/",
         h2d_gbps=55.0, d2h_gbps=55.0, both_gbps=94.0, pcie_is_memcpy=False,
         disk_write_gbps=1.9, disk_read_gbps=1.3, disk_read_warm_gbps=3.5,
-        store_write_gbps=1.6, store_read_gbps=1.7, store_read_warm_gbps=3.5,
+        # the store reads with O_DIRECT (store/fastio.py): the page cache never serves it, so a
+        # "warm" read (state that would fit the cache) runs at the cold rate
+        store_write_gbps=1.6, store_read_gbps=1.7, store_read_warm_gbps=1.7,
         adamw_gparams_s={"fused": 5.1, "exact": 2.5}, adamw_impl="fused", adamw_one_thread_gparams_s=0.6,
         adamw_with_copies=2.7 / 4.0,
         matmul_dtype="bfloat16", matmul=[{"m": 8192, "k": 8192, "n": 8192, "tflops": 789.0}],
@@ -214,7 +216,7 @@ def _h200_1p5tb() -> MachineProfile:
         base, name="h200-1.5tb", device="NVIDIA H200 141 GB, PCIe Gen5, 32 cores, 1.5 TiB RAM, 8 TB NVMe (extrapolated)",
         cores=32, gpu_memory_bytes=143_771 * 2**20, host_memory_bytes=1536 * GiB, host_available_bytes=1500 * GiB,
         disk_free_bytes=int(8e12), disk_dir="/",
-        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0,
+        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0, store_read_warm_gbps=3.0,
         adamw_gparams_s={"fused": 10.2, "exact": 5.0}, adamw_one_thread_gparams_s=0.6,
         assumed=[
             "everything but the GPU memory (141 GB, nvidia-smi's 143,771 MiB) and the 1.5 TiB of RAM is assumed",
@@ -232,7 +234,7 @@ def _256gb_4tb() -> MachineProfile:
     return dataclasses.replace(
         base, name="256gb-4tb-nvme", device="NVIDIA H100 80GB, PCIe Gen5, 16 cores, 256 GiB RAM, 4 TB NVMe (extrapolated)",
         host_memory_bytes=256 * GiB, host_available_bytes=248 * GiB, disk_free_bytes=int(4e12), disk_dir="/",
-        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0,
+        disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0, store_read_warm_gbps=3.0,
         assumed=[
             "GPU, PCIe, cores, matmul and CPU AdamW as the H100 box (measured there)",
             "the whole 4 TB (4.0e12 bytes) NVMe free for the store",
@@ -249,7 +251,7 @@ def _8x_h100() -> MachineProfile:
     return dataclasses.replace(
         base, name="8x-h100", device="8 x NVIDIA H100 80GB SXM (NVLink), 112 cores, 2 TiB RAM, 8 NVMe (extrapolated)",
         cores=112, host_memory_bytes=2048 * GiB, host_available_bytes=2000 * GiB, disk_free_bytes=int(30e12), disk_dir="/",
-        disk_write_gbps=10.0, disk_read_gbps=12.0, store_write_gbps=8.0, store_read_gbps=10.0,
+        disk_write_gbps=10.0, disk_read_gbps=12.0, store_write_gbps=8.0, store_read_gbps=10.0, store_read_warm_gbps=10.0,
         adamw_gparams_s={"fused": 12.0, "exact": 6.0}, adamw_one_thread_gparams_s=0.6,
         gpus_per_host=8, pcie_uplinks=4, peer_gbps=360.0, network_gbps=400.0, collective_latency_us=10.0,
         host_memory_gbps=450.0,
