@@ -7,8 +7,10 @@ within 15 % of the plan's prediction, and the plan must name the bottleneck the 
 for.
 
 The 2-core CI boxes are shared: another job can halve this process's speed for seconds at a time.
-The test therefore times fixed probes (a 512^3 matmul; the store's write rate, since other jobs
-share the disk too) right after calibrating, and again before and after each run; an attempt in
+The test therefore times fixed probes (a 512^3 matmul; a 128 MiB copy, since a neighbour that
+streams memory slows the optimizer and the executor's gradient adds while a matmul hardly notices;
+the store's write rate, since other jobs share the disk too) right after calibrating, and again
+before and after each run; an attempt in
 which the machine ran more than 15 % slower or faster than while it calibrated says nothing about
 the model and is repeated (calibration included) while the time budget lasts. Each probe is
 compared with itself: against calibrate's own figures (another size, another count of samples)
@@ -74,6 +76,19 @@ def _probe() -> float:
     return 2 * 512**3 / statistics.median(times) / 1e12
 
 
+def _mem_probe() -> float:
+    """GB/s of a 128 MiB fp32 copy (DRAM, past the caches: within 2 % run to run on a quiet 2-core
+    box, where 32 MiB swung 12 %), median of 5."""
+    a, b = torch.randn(32 * 2**20), torch.empty(32 * 2**20)
+    b.copy_(a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return 2 * a.numel() * 4 / statistics.median(times) / 1e9
+
+
 def _disk_probe(root) -> float:
     """GB/s of the store writing a disk layer's three arrays (24 MiB, best of 2), as calibrate measures it."""
     from mtc.calibrate import _store_rates
@@ -103,19 +118,20 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
         assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
         prof = MachineProfile.load(tmp_path / "machine.json")
         os.sync()  # calibrate's own writes must not slow the disk probe's baseline (it then read 25-46 % slow)
-        base, disk_base = _probe(), _disk_probe(tmp_path / "probe")  # the machine's speed while it calibrated
+        base, mem_base, disk_base = _probe(), _mem_probe(), _disk_probe(tmp_path / "probe")  # the machine's speed while it calibrated
         results, quiet = {}, True
         for want, fields in CONFIGS.items():
             cfg = TrainConfig(**{**_BASE, **fields})
             plan = make_plan(cfg, dataclasses.replace(prof, disk_dir=str(tmp_path)))
-            probes = [_probe()]
+            probes, mems = [_probe()], [_mem_probe()]
             disks = [_disk_probe(tmp_path / "probe")] if want == "disk I/O" else []
             measured = _measure(cfg, tmp_path / f"s-{attempt}", data)
             probes.append(_probe())
+            mems.append(_mem_probe())
             if disks:
                 disks.append(_disk_probe(tmp_path / "probe"))
             # how much slower than calibrated the machine ran (negative: faster, i.e. calibrated in a slow spell)
-            drift = [1 - p / base for p in probes] + [1 - d / disk_base for d in disks]
+            drift = [1 - p / base for p in probes] + [1 - m / mem_base for m in mems] + [1 - d / disk_base for d in disks]
             slow = max(drift, key=abs)
             quiet = quiet and abs(slow) <= TOLERANCE
             results[want] = (plan.step.step_s, measured, plan.step.bottleneck, slow)
