@@ -142,7 +142,9 @@ def test_auto_reads_bf16_disk_weights_from_the_store_when_ram_cannot_hold_their_
         disk, numels, disk_compute="store", **kw)
     assert store_need < ram_need
     with_budget = lambda b, **more: cfg.__class__(**{**cfg.to_dict(), "optim": cfg.optim, "ram_budget_gb": b, **more})  # noqa: E731
-    program = train(with_budget(None), None, tokens).program  # the traced layers, for the resolver
+    probe = train(with_budget(None), None, tokens)  # the traced layers, for the resolver
+    program = probe.program
+    probe.store.close()
     assert run_disk_compute(with_budget(ram_need / GIB), program) == "ram"
     tight = with_budget((store_need + ram_need) / 2 / GIB)
     assert run_disk_compute(tight, program) == "store"
