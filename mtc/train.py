@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     from mtc.planner import UpdateRates
     from mtc.stagewatch import StageWatch
 
-__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run", "plan_placement", "run_disk_compute",
-           "train"]
+__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run",
+           "plan_placement", "run_disk_compute", "train"]
 
 
 class TrainingError(MTCError):
