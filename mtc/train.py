@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     from mtc.planner import UpdateRates
     from mtc.stagewatch import StageWatch
 
-__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "open_run",
-           "plan_placement", "run_disk_compute", "train"]
+__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "init_state",
+           "open_run", "plan_placement", "run_disk_compute", "train"]
 
 
 class TrainingError(MTCError):
@@ -558,8 +558,7 @@ def train(
                                                  run.params, first, cfg.io_threads)
             parts.append(shard_st)
         elif run.last is None:  # a new run: initial state from the model, committed as step 0
-            tiers.create_arrays(st, cfg.durability)
-            _init_state(st, tiers, program, run.params, cfg.durability)
+            init_state(st, tiers, program, run.params, cfg.durability)
             last = CommitRecord(step=0, generation=0, data_cursor=0, rng_state=_rng_state(), config=cfg.to_dict(),
                                 time_unix=time.time(), durability=cfg.durability, meta={"data": tokens.identity()})
             if durable and world.is_root:
@@ -759,11 +758,13 @@ def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_upda
     return Engine(copies, executor, opt)
 
 
-def _init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dict[str, torch.Tensor] | None,
-                durability: str) -> None:
-    """Fill the tiers from the initial parameters and write generation 0 of what the store keeps
-    (disk-tier layers always: the store is their tier), one layer at a time."""
+def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dict[str, torch.Tensor] | None,
+               durability: str) -> None:
+    """A new run's state: create the store's state arrays, fill the tiers from the initial
+    parameters and write generation 0 of what the store keeps (disk-tier layers always: the store
+    is their tier), one layer at a time. An engine over ``tiers`` needs this before it is built."""
     assert params is not None, "a new run carries its initial parameters"
+    tiers.create_arrays(st, durability)
     for s in tiers.layers:
         if not s.numel:
             continue

@@ -1,13 +1,21 @@
-"""Shared set-up of the engine tests: token data and a small parity config."""
+"""Shared set-up of the engine tests: token data, a small parity config, an engine built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import TokenFile, write_token_file
+from mtc.runtime.placement import streamed_grads_on_device
+from mtc.runtime.runners import LayerRunner
+from mtc.runtime.tiers import StateTiers
+from mtc.runtime.timeline import Timeline
+from mtc.train import Engine, Run, build_engine, init_state, open_run, plan_placement
 
 
 def skewed_tokens(path: Path, n: int = 40_000) -> TokenFile:
@@ -25,3 +33,48 @@ def small_config(**kw: object) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+@dataclasses.dataclass
+class HandBuilt:
+    """An engine built outside `mtc.train`, and what it runs over."""
+
+    run: Run
+    placement: list[str]
+    tiers: StateTiers
+    gpu_update: set[int]
+    runners: dict[str, LayerRunner] | None
+    compiled: dict | None  # template id -> compiled template (fused configs)
+    engine: Engine
+
+    def close(self) -> None:
+        """Stop the engine's threads and close the run's store."""
+        self.engine.close()
+        self.run.store.close()
+
+
+def hand_built_engine(cfg: TrainConfig, kernels_dir: Path | None = None, *,
+                      log: Callable[[str], None] | None = None) -> HandBuilt:
+    """The engine `mtc.train` builds for a new run of ``cfg``, for tests that drive `run_step`
+    themselves: the plan's placement, the state arrays created and filled (`init_state`: a disk
+    layer's ring reads its first generation when the optimizer is built), and for a fused config
+    the compiled templates in ``kernels_dir``, replayed as CUDA graphs on CUDA."""
+    run = open_run(cfg, None)
+    prog, device = run.program, torch.device(cfg.device)
+    placement, gpu_update = plan_placement(cfg, prog)
+    tiers = StateTiers(prog, placement, device, getattr(torch, cfg.resolved_compute_dtype), streamed=gpu_update,
+                       streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
+    init_state(run.store, tiers, prog, run.params, cfg.durability)
+    run.params = None
+    runners = compiled = None
+    if cfg.fused:
+        from mtc.compiler import compile_program
+        from mtc.runtime.graph_replay import replay_graphs
+        from mtc.runtime.runners import CompiledRunner
+
+        assert kernels_dir is not None, "a fused config compiles its templates into kernels_dir"
+        compiled = compile_program(prog, kernels_dir, log=None)
+        runners = {tid: CompiledRunner(ct, prog.templates[tid]) for tid, ct in compiled.items()}
+        runners = replay_graphs(runners, prog.templates, compiled, device, log=log)
+    eng = build_engine(cfg, prog, tiers, gpu_update, run.store, Timeline(), runners=runners)
+    return HandBuilt(run, placement, tiers, gpu_update, runners, compiled, eng)

@@ -8,14 +8,11 @@ import torch
 
 from mtc.config import OptimConfig
 from mtc.data import BatchSampler
-from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
-from mtc.runtime.tiers import StateTiers
-from mtc.runtime.timeline import Timeline
 from mtc.tracer import LossModel
-from mtc.train import build_engine, build_model, open_run, plan_placement, train
-from tests.runtime.engine_util import skewed_tokens, small_config
+from mtc.train import build_model, train
+from tests.runtime.engine_util import hand_built_engine, skewed_tokens, small_config
 
 pytestmark = pytest.mark.gpu
 
@@ -29,38 +26,23 @@ def tokens(tmp_path_factory):
 def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
     cfg = small_config(device="cuda", kernels=kernels, placement="gpu:0,ram:1-2,disk:3", durability="none",
                        activation_budget_gb=1e-9)
-    run = open_run(cfg, None)
-    placement, gpu_update = plan_placement(cfg, run.program)
-    tiers = StateTiers(run.program, placement, torch.device("cuda"), torch.bfloat16,
-                       streamed=gpu_update, streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
-    from mtc.runtime.state import flatten_layer
-
-    for i in range(run.program.n_layers):
-        tiers.set_layer(i, flatten_layer(run.program, i, run.params))
-    runners = None
-    if kernels == "fused":  # as mtc.train builds them
-        from mtc.compiler import compile_program
-        from mtc.runtime.graph_replay import replay_graphs
-        from mtc.runtime.runners import CompiledRunner
-
-        compiled = compile_program(run.program, tmp_path / "kernels")
-        runners = {tid: CompiledRunner(ct, run.program.templates[tid]) for tid, ct in compiled.items()}
-        runners = replay_graphs(runners, run.program.templates, compiled, torch.device("cuda"))
-    eng = build_engine(cfg, run.program, tiers, gpu_update, run.store, Timeline(), runners=runners)
+    hb = hand_built_engine(cfg, tmp_path / "kernels")  # its set-up runs on the CPU in test_engine.py
+    eng = hb.engine
     sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
     mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
-    for step in range(3):
-        eng.optimizer.begin_step(step, 1e-3)
-        if step == 2:  # warm: allocations and lazy set-up are done
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = eng.executor.run_step(mbs, eng.optimizer)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        eng.optimizer.finish_step(out.loss)
-    eng.optimizer.wait()
-    eng.close()
-    run.store.close()
+    try:
+        for step in range(3):
+            eng.optimizer.begin_step(step, 1e-3)
+            if step == 2:  # warm: allocations and lazy set-up are done
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = eng.executor.run_step(mbs, eng.optimizer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            eng.optimizer.finish_step(out.loss)
+        eng.optimizer.wait()
+    finally:
+        hb.close()
 
 
 @pytest.mark.parametrize("kernels", ["unfused", "fused"])  # fused: compiled templates replayed as CUDA graphs, the default

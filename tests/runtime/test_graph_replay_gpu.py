@@ -8,14 +8,11 @@ import torch
 
 from mtc.compiler import compile_program
 from mtc.data import BatchSampler
-from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report, launches_per_replay, replay_graphs
-from mtc.runtime.placement import streamed_grads_on_device
+from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report, launches_per_replay
 from mtc.runtime.runners import CompiledRunner
-from mtc.runtime.state import flatten_layer, read_params
-from mtc.runtime.tiers import StateTiers
-from mtc.runtime.timeline import Timeline
-from mtc.train import build_engine, open_run, plan_placement, train
-from tests.runtime.engine_util import skewed_tokens, small_config
+from mtc.runtime.state import read_params
+from mtc.train import open_run, train
+from tests.runtime.engine_util import hand_built_engine, skewed_tokens, small_config
 
 pytestmark = pytest.mark.gpu
 
@@ -87,18 +84,9 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     # block 1 resident, block 2 streamed (through both ring slots, in turn): three graphs per block callable
     cfg = small_config(device="cuda", kernels="fused", placement="gpu:0-1,ram:2,disk:3", durability="none",
                        activation_budget_gb=1e-9)
-    run = open_run(cfg, None)
-    prog = run.program
-    placement, gpu_update = plan_placement(cfg, prog)
-    tiers = StateTiers(prog, placement, torch.device("cuda"), torch.bfloat16,
-                       streamed=gpu_update, streamed_grads_on_device=streamed_grads_on_device(cfg.activation_budget_gb))
-    for i in range(prog.n_layers):
-        tiers.set_layer(i, flatten_layer(prog, i, run.params))
-    compiled = compile_program(prog, tmp_path, log=None)
-    runners = {tid: CompiledRunner(ct, prog.templates[tid]) for tid, ct in compiled.items()}
     msgs: list[str] = []
-    runners = replay_graphs(runners, prog.templates, compiled, torch.device("cuda"), log=msgs.append)
-    eng = build_engine(cfg, prog, tiers, gpu_update, run.store, Timeline(), runners=runners)
+    hb = hand_built_engine(cfg, tmp_path, log=msgs.append)  # its set-up runs on the CPU in test_engine.py
+    prog, placement, runners, compiled, eng = hb.run.program, hb.placement, hb.runners, hb.compiled, hb.engine
     sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
     mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
 
@@ -141,5 +129,4 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     blocks = [shape.graph_buffers[i] if prog.template_of(i).kind == "block" else None for i in range(prog.n_layers)]
     assert graph_memory_bytes(blocks, placement) == sum(st.static_bytes + st.kept_bytes for st in block.stats.values())
     assert graph_report(runners)[0].startswith("cuda graphs: ")
-    eng.close()
-    run.store.close()
+    hb.close()
