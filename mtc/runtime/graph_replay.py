@@ -129,17 +129,24 @@ class CudaGraphCapture:
         cur = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
         self.stream.wait_stream(cur)  # the static inputs were filled on the compute stream
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.warmup):  # JIT compilation, kernel tuning, library handles: not under capture
-                fn(*args)
-        cur.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                for _ in range(self.warmup):  # JIT compilation, kernel tuning, library handles: not under capture
+                    fn(*args)
+        finally:  # a failed warm-up's queued kernels still read the weight slot: order them before its reuse
+            cur.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         torch.cuda.empty_cache()  # so the reserved-bytes difference is what the capture added to the pool
         before = torch.cuda.memory_reserved(self.device)
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            # the outer context puts the caller's stream back even when the capture fails: torch.cuda.graph
+            # leaves its own stream context only after capture_end returns, and capture_end raises for an
+            # invalidated capture, which would leave every later kernel of this thread on the side stream,
+            # outside the copy engine's event ordering of the compute stream
+            with torch.cuda.stream(self.stream), torch.cuda.graph(g, pool=self.pool, stream=self.stream,
+                                                                  capture_error_mode="thread_local"):
                 out = fn(*args)
         except BaseException:
             # leave the device usable for the eager fallback; a second error from the sync would only

@@ -130,3 +130,21 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     assert graph_memory_bytes(blocks, placement) == sum(st.static_bytes + st.kept_bytes for st in block.stats.values())
     assert graph_report(runners)[0].startswith("cuda graphs: ")
     hb.close()
+
+
+def test_a_failed_capture_leaves_the_current_stream_as_it_was():
+    dev = torch.device("cuda")
+    cap = CudaGraphCapture(dev, warmup=1)
+    cur = torch.cuda.current_stream(dev)
+    x = torch.ones(1024, device=dev)
+
+    def syncs_under_capture(x):
+        y = x * 2
+        if torch.cuda.is_current_stream_capturing():
+            y.sum().item()  # a host sync: the capture is invalidated, and capture_end raises
+        return y
+
+    with pytest.raises(Exception):
+        cap.capture(syncs_under_capture, [x])
+    assert torch.cuda.current_stream(dev) == cur  # later kernels stay on the compute stream the copy engine orders
+    torch.cuda.synchronize()
