@@ -204,7 +204,8 @@ def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
             L += [f"i{d} = rem % {S[d]}", f"rem = rem // {S[d]}"]
         return L + [f"cols = i{R - 1}"]
     if mode == "row":
-        L = ["row = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK)", f"mask = cols < {N}", "rem = row"]
+        # int64 columns: a transposed input's last-dim stride times the column can pass 2^31
+        L = ["row = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK).to(tl.int64)", f"mask = cols < {N}", "rem = row"]
     else:
         M = math.prod(S[:-1])
         L = ["pid = tl.program_id(0).to(tl.int64)", "ccols = pid * BLOCK + tl.arange(0, BLOCK)", f"cmask = ccols < {N}",

@@ -459,6 +459,9 @@ def tuning_seconds() -> float:
     return _TUNER.seconds
 
 
+_MAX_GRID_Y = 65535
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
     """Raise KernelInputError unless q, k, v can go to the kernels; return the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -490,6 +493,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         )
     if not 1 <= D <= _MAX_HEAD_DIM:
         raise KernelInputError(f"flash_attention: head dim must be in 1..{_MAX_HEAD_DIM}, got {D}")
+    if B * Hq > _MAX_GRID_Y:  # the kernels' grid: (query blocks, B * H); CUDA caps a grid's y at 65535
+        raise KernelInputError(f"flash_attention: batch x query heads is {B} x {Hq} = {B * Hq}, over the kernels' "
+                               f"limit of {_MAX_GRID_Y}; use fewer sequences per micro-batch")
     for name, t in (("q", q), ("k", k), ("v", v)):  # offsets inside one (T, D) head are int32
         if (T - 1) * abs(t.stride(2)) + (D - 1) * abs(t.stride(3)) > _INT32_MAX:
             raise KernelInputError(
@@ -541,9 +547,10 @@ def _flash_attn_fwd(
 
 
 def _tuning_key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
-    """What the best tiles depend on: sizes, grouping, masking (strides rarely change in a run)."""
+    """What the best tiles depend on: sizes, grouping, masking, dtype (fp16 and bf16 share tiles, not
+    cuDNN's agreement with them); strides rarely change in a run."""
     B, H, T, D = q.shape
-    return (B * H, k.shape[1] * B, T, D, bool(causal))
+    return (B * H, k.shape[1] * B, T, D, bool(causal), str(q.dtype).removeprefix("torch."))
 
 
 def _flash_attn_bwd(
@@ -618,6 +625,7 @@ def _flash_attn_bwd(
 def _flash_attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v, scale)  # compiled graphs call the op directly, not `flash_attention`
     return _flash_attn_fwd(q, k, v, causal, scale)
 
 
@@ -631,6 +639,7 @@ def _flash_attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v, scale)
     return _flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
 
 

@@ -377,15 +377,21 @@ def _mtc_version() -> str:
 
 def toolchain_key() -> dict[str, str]:
     """What compiled kernels and their timings depend on besides shapes and options: mtc version,
-    the compiler and kernel sources' hash, torch, triton, device capability."""
+    the compiler and kernel sources' hash, torch, triton, device capability, the GPU's model (an
+    H100 and an H200 share sm90, not their timings) and whether fp32 matmuls run as TF32 (cuBLAS's
+    speed, against which a fused matmul was chosen, depends on it; train sets it from the config
+    before it loads a plan)."""
     import triton
 
+    cuda = torch.cuda.is_available()
     return {
         "mtc": _mtc_version(),
         "kernel sources": _source_hash(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "device": _capability(),
+        "gpu": torch.cuda.get_device_name() if cuda else "none",
+        "tf32": str(bool(torch.backends.cuda.matmul.allow_tf32)) if cuda else "n/a",
     }
 
 

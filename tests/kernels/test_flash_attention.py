@@ -174,6 +174,16 @@ def test_launcher_errors(args, match):
         flash_attention(*args)
 
 
+def test_the_compiled_graphs_op_checks_its_inputs_too():
+    # compiled graphs call mtc::flash_attention_fwd / _bwd directly, not `flash_attention`
+    q, kv = _t(2, 32768, 1, 16), _t(2, 1, 1, 16)  # batch x heads past the kernels' grid limit of 65535
+    with pytest.raises(KernelInputError, match="over the kernels' limit of 65535"):
+        torch.ops.mtc.flash_attention_fwd(q, kv, kv, True, 0.25)
+    with pytest.raises(KernelInputError, match="multiple of KV heads"):
+        torch.ops.mtc.flash_attention_bwd(_t(1, 3, 8, 16), _t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16),
+                                          _t(1, 3, 8, 16), _t(1, 3, 8), True, 0.25)
+
+
 def test_launcher_rejects_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(fa, "_INTERPRETED", False)
     with pytest.raises(KernelInputError, match="CUDA device"):
