@@ -268,6 +268,11 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                              "input_buffer_bytes": st.static_bytes, "fallback": st.fallback,
                              "speedup_vs_fused_eager": rec["results"]["mtc_fused"]["median_ms"]
                              / rec["results"]["mtc_fused_graph"]["median_ms"]}
+        # the graph's pool was filled at capture, before `_peak` took its base: without it the
+        # replayed variant's peak counts only its outputs' clones, not comparable with the others
+        g = rec["results"]["mtc_fused_graph"]
+        if g["peak_bytes"] is not None:
+            g["peak_bytes_without_pool"], g["peak_bytes"] = g["peak_bytes"], g["peak_bytes"] + st.pool_bytes
     if profile and device.type == "cuda":
         rec["profile"] = {v: _kernel_table(variants[v]) for v in ("unfused", "mtc_fused")}
     if trace_dir and device.type == "cuda":
