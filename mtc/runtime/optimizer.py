@@ -132,6 +132,8 @@ class StreamingAdamW:
                              + ([torch.empty(n, dtype=torch.float32, device=self.device)] if host_grads else [])
                              for _ in range(2)]
         self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
+        if self.device.type == "cuda" and (self.gpu_update or any(s.tier == "gpu" and s.numel for s in tiers.layers)):
+            _warm_device_adamw(self.device, self.tiers.compute_dtype)
         self.commit_future: Future[None] = _done()  # the last commit record's write
         # a data-parallel run's disk shards are read from the rank's shard store: `mtc.dist.attach` sets `disk` then
         has_disk = any(s.tier == "disk" and s.numel and s.shard is None for s in tiers.layers)
@@ -197,6 +199,9 @@ class StreamingAdamW:
         # A skipped step changes no state, but is a step like any other: a commit it was due
         # still writes the (unchanged) state into the next generation and records the step.
         writes: list[Future[None]] = []
+        # all of backward precedes this point of the compute stream: a gradient kept on the device is
+        # final here (the host read above orders it today; the copies that read one say so themselves)
+        grads_final = self.engine.marker()
         prev_commit = self.commit_future
         w_gen = write_generation
         w_disk = self.tiers.disk_write_generation()
@@ -227,7 +232,7 @@ class StreamingAdamW:
             elif s.tier == "disk":
                 s.write = Future()
                 s.update = self._cpu.submit(self._update_disk, i, coef, hp, (s.grad_ready, s.last_read), w_disk, prev_commit,
-                                            step, skipped, s.write)
+                                            step, skipped, s.write, grads_final)
                 writes.append(s.write)
             elif i in self.gpu_update and not skipped:
                 s.update = Future()
@@ -240,7 +245,7 @@ class StreamingAdamW:
         if streamed:
             # device gradients are final once the compute stream gets here: the GPU-side updates read
             # them on their own stream (ordered by the device, not by the host read above)
-            self._gpu.submit(self._update_streamed, streamed, coef, step, after=self.engine.marker())
+            self._gpu.submit(self._update_streamed, streamed, coef, step, after=grads_final)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
@@ -281,7 +286,7 @@ class StreamingAdamW:
             self.host_adamw(s.master, s.grad, s.m, s.v, grad_scale=coef, compute_out=compute_out, **hp)
 
     def _update_disk(self, i: int, coef: torch.Tensor | None, hp: dict, deps: tuple, w_gen: int, prev_commit: Future[None],
-                     tstep: int, skip: bool, written: Future[None]) -> None:
+                     tstep: int, skip: bool, written: Future[None], grads_final: Marker) -> None:
         """Update a disk layer chunk by chunk in its read-ahead sets and start writing each chunk
         behind; ``written`` completes once the whole new state is durable in ``w_gen`` (each set
         goes back to the ring as soon as its chunk is)."""
@@ -295,7 +300,7 @@ class StreamingAdamW:
                 grad = st.grad[:n]
             elif s.grad.device.type != "cpu":  # the gradient waited on the GPU: into the set's pinned buffer now
                 assert st.grad is not None
-                tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], layer=i, stage="grad_d2h", lane="opt")
+                tr = self.engine.d2h([(st.grad[:n], s.grad[lo:hi])], after=grads_final, layer=i, stage="grad_d2h", lane="opt")
                 tr.wait()
                 grad = st.grad[:n]
             else:
@@ -502,6 +507,21 @@ def _wait_all(timeline: Timeline, layer: int, deps: tuple, step: int) -> None:
                 dep.result()
             elif dep is not None:
                 dep.wait()
+
+
+def _warm_device_adamw(device: torch.device, compute_dtype: torch.dtype) -> None:
+    """Compile the Triton AdamW's variants (with and without the compute copy) now, at start-up:
+    otherwise the first step compiles them, on the training thread (gpu tier) and on the
+    GPU-update thread (streamed ram layers) at once. Sizes divisible by 16, as layers' are, so
+    the specialisation is the one they launch."""
+    n = 4096
+    p, g, m, v = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(4))
+    copies = [None] + ([torch.empty(n, dtype=compute_dtype, device=device)] if compute_dtype != torch.float32 else [])
+    for c in copies:
+        _device_adamw(p, g, m, v, coef=None, compute_out=c, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      step=1, decay_numel=n // 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _device_adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

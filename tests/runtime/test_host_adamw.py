@@ -254,3 +254,16 @@ def test_every_strategy_gives_the_same_bits(impl, pool3):
         out.append((p, m, v))
     for other in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+
+def test_the_device_adamw_warm_up_launches_both_variants(monkeypatch):
+    # on CUDA the optimizer compiles the Triton AdamW at start-up, not mid-step on two threads;
+    # here (interpreter) the call itself is checked: its arguments are the kernel's
+    import mtc.kernels.adamw as kadamw
+    from mtc.runtime.optimizer import _warm_device_adamw
+
+    calls = []
+    real = kadamw.adamw_step_
+    monkeypatch.setattr(kadamw, "adamw_step_", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    _warm_device_adamw(torch.device("cpu"), torch.bfloat16)
+    assert len(calls) == 2 and all(c["step"] == 1 and c["decay_numel"] == 2048 for c in calls)
