@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel import: the CPU smoke run needs the interpreter
@@ -82,6 +83,18 @@ def _time(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t)
     return out
+
+
+def attention_choices(choices: dict[str, Any], seq: int) -> dict[str, str]:
+    """What each attention launch ran (Triton tiles or cuDNN) for sequences of ``seq`` tokens,
+    from the tuner's choices (`mtc.kernels.flash_attention.tuning_choices`); a key ends with T, D,
+    causal, dtype (`flash_attention._tuning_key`)."""
+    def short(v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        return "cudnn" if v.get("BACKEND") else f"{v['BLOCK_M']}x{v['BLOCK_N']} w{v['num_warps']} s{v['num_stages']}"
+
+    return {k.split("/")[0]: short(v) for k, v in choices.items() if k.split("/")[-4] == str(seq)}
 
 
 def _peak(fn, device: torch.device) -> int | None:
@@ -285,14 +298,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         prof.export_chrome_trace(str(Path(trace_dir) / f"trace-{arch}-{part}.json"))
     from mtc.kernels.flash_attention import tuning_choices
 
-    def short(v) -> str:
-        if isinstance(v, str):
-            return v
-        return "cudnn" if v.get("BACKEND") else f"{v['BLOCK_M']}x{v['BLOCK_N']} w{v['num_warps']} s{v['num_stages']}"
-
-    # what each attention launch ran (Triton tiles or cuDNN), for this part's shapes
-    rec["attention_choices"] = {k.split("/")[0]: short(v) for k, v in tuning_choices().items()
-                                if k.split("/")[-3] == str(seq)} if part == "block" else {}
+    rec["attention_choices"] = attention_choices(tuning_choices(), seq) if part == "block" else {}
     r = rec["results"]
     rec["fused_speedup_vs_unfused"] = r["unfused"]["median_ms"] / r["mtc_fused"]["median_ms"]
     if "torch_compile" in r:

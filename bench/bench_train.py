@@ -266,7 +266,8 @@ def prepare_plan(cfg: TrainConfig, model: nn.Module, plan_dir: Path, shared: Pat
         return {"prepared_here": False, "prepare_s": None, "prepare_templates": None}
     t = time.perf_counter()
     program = trace(model, cfg.micro_batch_size, cfg.seq_len)
-    compiled = compile_program(program, shared, matmul_fusion=cfg.matmul_fusion)
+    # under the run's TF32 setting (part of the staleness key), or every setting compiles it again
+    compiled = compile_program(program, shared, matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
     shutil.copytree(shared, plan_dir / "kernels", dirs_exist_ok=True)
     save_plan(program, plan_dir)  # last: its program file marks the plan complete
     if torch.cuda.is_available():

@@ -287,5 +287,6 @@ def compile(
                         name=model if isinstance(model, str) else type(inst).__name__)
     preset = isinstance(model, str) and factory is None
     out = _save_with_record(program, path, model if preset else factory or user_model.CUSTOM, matmul_fusion=matmul_fusion)
-    compiled = compile_program(program, out / "kernels", matmul_fusion=matmul_fusion)
+    # under the TF32 setting a run of the plan has by default (`TrainConfig.allow_tf32`)
+    compiled = compile_program(program, out / "kernels", matmul_fusion=matmul_fusion, allow_tf32=TrainConfig().allow_tf32)
     return Compiled(out, program, write_report(program, compiled, out))

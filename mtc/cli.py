@@ -387,16 +387,12 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype,
                       matmul_fusion=a.matmul_fusion)
     cfg.validate()
-    import torch
-
-    # timings under the TF32 setting `mtc train` will run with (part of the plan's staleness key)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
     model = build_model(cfg, device="meta")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
     out = Path(a.output)
     save_plan(program, out)
     save_plan_model(out, cfg.to_dict())
-    compiled = compile_program(program, out / "kernels", matmul_fusion=cfg.matmul_fusion)
+    compiled = compile_program(program, out / "kernels", matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
     print(write_report(program, compiled, out))
     print(f"plan and kernels written to {out}")
     return 0

@@ -475,12 +475,22 @@ def aux_param_dependence(program: Program) -> tuple[bool, ...]:
 
 def compile_program(
     program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = _stderr,
-    matmul_fusion: str = "auto",
+    matmul_fusion: str = "auto", allow_tf32: bool | None = None,
 ) -> dict[str, CompiledTemplate]:
     """Every template of ``program`` compiled: loaded from ``cache_dir`` where a stored record's
     key matches (its attention choices then seed the tuner: nothing is timed again for its shapes),
     compiled, tuned and stored otherwise. A stored template that is stale gets one line through
-    ``log`` saying which and why. ``attention`` and ``matmul_fusion``: see `compile_template`."""
+    ``log`` saying which and why. ``attention`` and ``matmul_fusion``: see `compile_template`.
+    ``allow_tf32``: the TF32 setting the plan runs under (`TrainConfig.allow_tf32`), in force while
+    compiling and part of the staleness key; None keeps torch's current one. A plan compiled under
+    torch's default (off) and trained with the config's default (on) would compile again."""
+    if allow_tf32 is not None and torch.cuda.is_available():
+        before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32
+        try:
+            return compile_program(program, cache_dir, attention=attention, log=log, matmul_fusion=matmul_fusion)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     cache_dir = Path(cache_dir)
     grad_aux = aux_param_dependence(program)
     records = cache_dir / RECORDS

@@ -594,7 +594,8 @@ def train(
             from mtc.dp_compile import compile_on_ranks
 
             compiled = compile_on_ranks(program, Path(store_dir), world.is_root,
-                                        functools.partial(compile_program, matmul_fusion=cfg.matmul_fusion), parts)
+                                        functools.partial(compile_program, matmul_fusion=cfg.matmul_fusion,
+                                                                allow_tf32=cfg.allow_tf32), parts)
         else:
             compiled = _compile(cfg, program, st, run.plan_kernels)
         compile_s = time.perf_counter() - compile_s
@@ -836,7 +837,7 @@ def _compile(cfg: TrainConfig, program: Program, st: TensorStore, plan_kernels: 
         cache = Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
         if plan_kernels is not None and plan_kernels.is_dir():
             shutil.copytree(plan_kernels, cache, dirs_exist_ok=True)
-    return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion)
+    return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
 
 
 def _attention_tuning_s() -> float:

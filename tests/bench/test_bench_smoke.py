@@ -148,3 +148,20 @@ def test_fusion_goal_verdict_takes_the_faster_fused_variant_and_says_which():
     del res["torch_compile"]
     assert bench_fusion.goal_verdict("llama", "block", res, cuda)["met"] is None
     assert bench_fusion.goal_verdict("llama", "block", res, torch.device("cpu"))["verdict"].startswith("not judged")
+
+
+def test_fusion_attention_choices_pick_the_sequence_length_out_of_the_tuners_keys():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_fusion
+
+    from mtc.kernels import flash_attention as fa
+    from mtc.kernels.tuning import key_name
+
+    # keys as the tuner stores them: T (8192) and D (128) differ, so the position is checked
+    q, k = torch.empty(2, 32, 8192, 128, device="meta"), torch.empty(2, 8, 8192, 128, device="meta")
+    key = fa._tuning_key(q, k, True)
+    choices = {key_name(("fwd", "cuda_half", *key)): {"BACKEND": "cudnn"},
+               key_name(("dq", "cuda_half", *key)): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+               key_name(("fwd", "cuda_half", *fa._tuning_key(q[:, :, :512], k[:, :, :512], True))): "other"}
+    assert bench_fusion.attention_choices(choices, 8192) == {"fwd": "cudnn", "dq": "64x64 w4 s2"}
