@@ -45,6 +45,10 @@ N ranks (one process per rank, the global batch split between them); tokens/s pe
 
 from __future__ import annotations
 
+import time
+
+_T0 = time.monotonic()  # --time-limit-s counts from here: the imports below take seconds of a device call
+
 import argparse
 import dataclasses
 import hashlib
@@ -55,8 +59,8 @@ import os
 import re
 import shutil
 import sys
+import signal
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -70,7 +74,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dp_runs
-from common import LLAMA, P1_SHAPE, P3_SHAPE, SMOKE_SHAPE, median, write_record
+from common import LLAMA, P1_SHAPE, P3_SHAPE, SMOKE_SHAPE, gpu_name, median, write_record
 
 from mtc.compiler import compile_program
 from mtc.config import OptimConfig, TrainConfig
@@ -120,8 +124,11 @@ class _Probe:
                 except Exception as e:  # noqa: BLE001 - the profile is an extra; the record says why it is missing
                     self.prof, self.prof_error = None, f"{type(e).__name__}: {e}"
         elif rec.step == self.end + 1 and self.prof is not None:
-            torch.cuda.synchronize()
-            self.prof.stop()
+            try:  # a failure here (CUPTI) must not lose the setting's measured steps
+                torch.cuda.synchronize()
+                self.prof.stop()
+            except Exception as e:  # noqa: BLE001 - the record says why the busy figure is missing
+                self.prof, self.prof_error = None, f"stopping the profiler: {type(e).__name__}: {e}"
 
 
 def _proc_status(field: str) -> int | None:
@@ -505,6 +512,10 @@ def _sync(device: torch.device) -> None:
 # -- running jobs, each in its own process on CUDA ---------------------------------------------
 
 JOBS = {"mtc": mtc_job, "resident": resident_job}
+_RUNNING: list[Any] = []  # the spawned job in flight: killed with this process (SIGTERM from the session's timeout)
+# called with (part, setting, result) after each job: main() rewrites the part's record with what
+# has finished, so a run killed mid-part still leaves its finished settings on disk
+_PROGRESS: Any = None
 
 
 def _child(conn: Any, spec: dict[str, Any]) -> None:
@@ -529,6 +540,7 @@ def run_job(spec: dict[str, Any], *, isolate: bool, timeout_s: float) -> dict[st
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child, args=(send, spec), name=f"bench-{spec['setting']}")
         proc.start()
+        _RUNNING.append(proc)
         send.close()
         if recv.poll(timeout_s):
             try:
@@ -537,13 +549,17 @@ def run_job(spec: dict[str, Any], *, isolate: bool, timeout_s: float) -> dict[st
                 out = {"setting": spec["setting"], "error": "the job's process died without a result"}
         else:
             out = {"setting": spec["setting"], "error": f"timed out after {timeout_s:.0f} s"}
+            proc.kill()  # now: the time left belongs to the record and the next part
         proc.join(10)
         if proc.is_alive():
             proc.kill()
             proc.join()
+        _RUNNING.remove(proc)
         if proc.exitcode not in (0, None) and "error" not in out:
             out["exitcode"] = proc.exitcode
     out["job_wall_s"] = time.perf_counter() - t
+    if _PROGRESS is not None:
+        _PROGRESS(spec["part"], spec["setting"], out)
     if "error" in out:
         print(f"    {spec['setting']} failed: {out['error']}", flush=True)
     return out
@@ -822,7 +838,7 @@ def main() -> None:
         ap.error(f"--settings takes stateless and/or auto, got {a.settings!r}")
     if not a.smoke and not torch.cuda.is_available():
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
-    start = time.monotonic()
+    start = _T0
     tmp = Path(tempfile.mkdtemp(prefix="mtc-bench-train-"))
     vocab = SMOKE_SHAPE["vocab_size"] if a.smoke else P1_SHAPE["vocab_size"]  # every part's shape shares it
     tokens = np.random.default_rng(0).integers(0, vocab, 200_000 if a.smoke else 4_000_000).astype(np.uint16)
@@ -837,6 +853,28 @@ def main() -> None:
     print(f"bench_train{' smoke (CPU, tiny shapes)' if a.smoke else ''}: parts {', '.join(parts)}, "
           f"time limit {a.time_limit_s:.0f} s", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    paths: dict[str, Path] = {}
+    done: dict[str, dict[str, Any]] = {}
+    device = None if a.smoke else gpu_name()  # no CUDA context in this process (see above)
+
+    def record(part: str, rec: dict[str, Any]) -> Path:
+        name = f"bench_train-{'smoke-' if a.smoke else ''}{part}"
+        paths[part] = write_record(name, json.loads(json.dumps(rec, default=str)), paths.get(part), device=device)
+        return paths[part]
+
+    def progress(part: str, setting: str, out: dict[str, Any]) -> None:
+        done.setdefault(part, {})[setting] = out
+        record(part, {"part": part, "smoke": a.smoke, "partial": "the part did not finish: its finished settings",
+                      "settings_done": done[part]})
+
+    def terminated(signum: int, _frame: Any) -> None:  # the device call's timeout: stop the job, keep the records
+        for proc in list(_RUNNING):
+            proc.kill()
+        raise SystemExit(f"bench_train: stopped by signal {signum}; records so far: {', '.join(map(str, paths.values()))}")
+
+    global _PROGRESS
+    _PROGRESS = progress
+    signal.signal(signal.SIGTERM, terminated)
     for part in parts:
         t = time.monotonic()
         if part == "DP":
@@ -850,9 +888,7 @@ def main() -> None:
         rec = {"part": part, "smoke": a.smoke, "part_wall_s": time.monotonic() - t,
                "env": {k: v for k, v in dataclasses.asdict(env).items() if k not in ("data", "deadline", "plans")}, **rec}
         results[part] = rec
-    for part, rec in results.items():  # at the end: write_record asks CUDA for the device name
-        name = f"bench_train-{'smoke-' if a.smoke else ''}{part}"
-        print(f"record: {write_record(name, json.loads(json.dumps(rec, default=str)))}")
+        print(f"record: {record(part, rec)}", flush=True)
     print_table(results)
     print(f"total {time.monotonic() - start:.1f} s")
     shutil.rmtree(tmp, ignore_errors=True)  # part DP leaves store directories there

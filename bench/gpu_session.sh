@@ -15,7 +15,9 @@
 #   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
 #                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
-# ".whl". Logs and a tarball of the JSON records land in $OUT (or bench/results/ without it).
+# ".whl". Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
+# (or bench/results/ without it). A call with less device time left than 10 minutes: set
+# BENCH_BUDGET_S to that time less ~80 s (start-up and install), so the parts end before the call.
 #   bash bench/gpu_session.sh [PARTS...]     default: tests and the four train parts (bench_fusion: name its parts)
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
@@ -23,10 +25,19 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/mtc-pip.log 2>&1 \
+  || { echo "installing mtc failed:"; cat /tmp/mtc-pip.log; exit 1; }
 out=${OUT:-bench/results}
 mkdir -p "$out"
 log="$out/gpu_session.log"
+since=$(mktemp)  # records newer than this file are this call's
+# after every part: a call cut off by the device's time limit still returns what finished
+pack() {
+  local files
+  files=$(cd bench/results && find . -maxdepth 1 -name '*.json' -newer "$since" -printf '%f\n' | sort)
+  [ -n "$files" ] && tar -czf "$out/records.tgz" -C bench/results $files
+  return 0
+}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
@@ -74,6 +85,6 @@ for p in "${parts[@]}"; do
       if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
   esac
+  pack
 done
-tar -czf "$out/records.tgz" -C bench/results $(cd bench/results && ls -t bench_fusion-[!s]*.json bench_train-P*.json bench_train-DP*.json bench_disk_tier-*.json 2>/dev/null | head -30) 2>/dev/null
 exit 0

@@ -68,6 +68,8 @@ def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path)
     (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P3", "--kernels", "fused", "--warmup", "0", "--steps", "1",
                                           "--quiet"], tmp_path)
     assert rec["benchmark"] == "bench_train-smoke-P3" and rec["part"] == "P3"
+    # one file per part: rewritten after each setting (a killed run keeps them), then whole
+    assert "partial" not in rec and "settings_done" not in rec
     first, second = rec["settings"]
     assert (first["setting"], second["setting"]) == ("stateless", "auto")
     for r in (first, second):
