@@ -45,7 +45,10 @@ parts=("$@")
 # default: what is pending (the gpu tests, bench_fusion's Llama block with CUDA-graph replay and
 # launches per block, bench_train); a 10-minute device call holds about one train part, so name
 # parts per call, e.g.
-#   call 1: tests model/4.6b   call 2: train/P1-16   call 3: train/P1-48   (then: train/P3 train/P5, llama/block fusion)
+#   call 1: tests model/4.6b   call 2: train/P1-16 train/P1-48 (P1-48 runs if P1-16 leaves 240 s)
+#   call 3: train/P3 train/P5 fusion, with BENCH_BUDGET_S from what device time is left
+# (30 minutes of device time a session, a cold start each time the machine went back: issue the
+# calls back to back; a part cut off keeps the settings it finished, in records.tgz)
 [ ${#parts[@]} -eq 0 ] && parts=(tests llama/block train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
 for p in "${parts[@]}"; do
