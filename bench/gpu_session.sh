@@ -10,6 +10,8 @@
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
 #                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
+#                  (train, dp and disk parts first run `mtc calibrate` once per machine: its profile
+#                  picks the GPU-updated layers and predicts the step; a copy lands in $OUT/machine.json)
 #   dp             bench_train --world-size 1: the plain run vs torchrun at one rank (issue 13's 2 %
 #                  bound), interleaved rounds, P3's shape; not in the defaults
 #   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
@@ -51,8 +53,19 @@ parts=("$@")
 # calls back to back; a part cut off keeps the settings it finished, in records.tgz)
 [ ${#parts[@]} -eq 0 ] && parts=(tests llama/block train/P1-16 train/P1-48 train/P3 train/P5)
 budget=${BENCH_BUDGET_S:-520}
+profile="$HOME/.cache/mtc/machine.json"
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))
+  case "$p" in
+    train/*|dp|disk*)
+      # the box measured once (~20 s): GPU-updated layers chosen on its rates rather than the
+      # defaults, `pred s` from its own profile; the profile comes back for planning on the CPU
+      if [ ! -f "$profile" ]; then
+        timeout 120 python3 -m mtc calibrate 2>&1 | tail -12 | tee -a "$log"
+        [ -f "$profile" ] && cp "$profile" "$out/machine.json"
+        left=$(( budget - ($(date +%s) - start) ))
+      fi ;;
+  esac
   case "$p" in
     tests)
       if [ -n "${SKIP_TESTS:-}" ]; then echo "skipped tests: SKIP_TESTS" | tee -a "$log"; continue; fi
