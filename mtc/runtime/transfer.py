@@ -19,7 +19,7 @@ import torch
 
 from mtc.runtime.timeline import Timeline
 
-__all__ = ["CopyEngine", "Marker", "Transfer"]
+__all__ = ["CONVERT_PIECE", "CopyEngine", "Marker", "Transfer", "converting_pieces"]
 
 
 class Marker:
@@ -66,6 +66,23 @@ After = Marker | Transfer | Sequence[Marker | Transfer] | None
 
 
 LANES = ("main", "opt")
+
+# A non-blocking copy that changes dtype across PCIe (a disk layer's fp32 master read from the
+# store into a bf16 weight slot) lands in a device temporary of the source's size first (torch's
+# copy kernel converts on the device): a whole 175B-shaped layer's would be 7 GB of GPU memory the
+# planner does not count. Issued in pieces, the temporary is one piece (64 MB of fp32), reused.
+CONVERT_PIECE = 1 << 24  # elements
+
+
+def converting_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)`` as one copy, or as pieces of `CONVERT_PIECE` elements when the copy converts
+    dtype between host and device (contiguous tensors of one shape)."""
+    n = src.numel()
+    if (dst.dtype == src.dtype or dst.device.type == src.device.type or n <= CONVERT_PIECE or dst.shape != src.shape
+            or not (dst.is_contiguous() and src.is_contiguous())):
+        return [(dst, src)]
+    d, s = dst.view(-1), src.view(-1)
+    return [(d[i : i + CONVERT_PIECE], s[i : i + CONVERT_PIECE]) for i in range(0, n, CONVERT_PIECE)]
 
 
 class CopyEngine:
@@ -135,7 +152,8 @@ class CopyEngine:
                     elif a.event is not None:
                         stream.wait_event(a.event)
                 for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
+                    for d, s in converting_pieces(dst, src):
+                        d.copy_(s, non_blocking=True)
                 ev = torch.cuda.Event(blocking=True)  # host threads wait on it: sleep, not spin a core
                 ev.record(stream)
             if self.serialize:

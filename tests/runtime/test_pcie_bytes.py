@@ -134,3 +134,19 @@ def test_device_to_device_copies_are_not_counted_as_pcie():
         assert (eng.h2d_bytes, eng.d2h_bytes, eng.d2d_bytes) == (40, 40, 14)
     finally:
         eng.close()
+
+
+def test_a_copy_that_converts_across_the_link_goes_in_pieces(monkeypatch):
+    # the device temporary of a converting copy is one piece, not a whole 175B-shaped layer's 7 GB
+    from mtc.runtime import transfer
+
+    monkeypatch.setattr(transfer, "CONVERT_PIECE", 1000)
+    dst, src = torch.empty(2500, dtype=torch.bfloat16, device="meta"), torch.zeros(2500)
+    pieces = transfer.converting_pieces(dst, src)
+    assert [(d.storage_offset(), d.numel(), s.storage_offset(), s.numel()) for d, s in pieces] == [
+        (0, 1000, 0, 1000), (1000, 1000, 1000, 1000), (2000, 500, 2000, 500)]
+    assert all(d.dtype == torch.bfloat16 and s.dtype == torch.float32 for d, s in pieces)
+    # one piece: same dtype, both on one side, or small
+    for d, s in ((torch.empty(2500, device="meta"), src), (torch.empty(2500, dtype=torch.bfloat16), src),
+                 (dst[:1000], src[:1000])):
+        assert transfer.converting_pieces(d, s) == [(d, s)]
