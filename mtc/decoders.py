@@ -69,7 +69,7 @@ class Decoder:
         """Block ``j`` on ``x`` whose first token is at position ``pos``."""
         if isinstance(self.model, Llama):
             end = pos + x.shape[1]
-            cos, sin = rope_tables(end, self.cfg.head_dim, self.cfg.rope_theta, x.device)
+            cos, sin = rope_tables(end, self.cfg.head_dim, self.cfg.rope_theta, x.device, self.cfg)  # scaled as training ran
             return self._call(self.model.layers[j], w, x, cos[pos:end], sin[pos:end])
         return self._call(self.model.layers[j], w, x)
 

@@ -24,7 +24,7 @@ from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.executor import IGNORE_INDEX
 from mtc.runtime.runners import AutogradRunner, LayerRunner
-from mtc.weight_sources import StoreWeights, pick_step
+from mtc.weight_sources import StoreWeights, default_budgets, pick_step
 
 __all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
 
@@ -133,7 +133,8 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
     """Loss of a committed step of the run in ``store_dir`` on ``data`` (read-only: works beside training).
 
     ``seed`` defaults to the run's (so the val split gives what ``--eval-every`` logged);
-    ``device`` to the run's when it is available here, else the CPU. The compute dtype is the run's.
+    ``device`` to the run's when it is available here, else the CPU. The compute dtype is the plan's
+    (the dtype its templates were traced in).
     """
     from mtc.plan import load_plan
     from mtc.store import TensorStore
@@ -148,10 +149,14 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
                      if len(program.params[k].spec.shape) == 2), default=0)
         tokens.check_vocab(vocab)
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
-        dtype = getattr(torch, _compute_dtype(cfg, dev))
+        # the plan's ATen templates were traced in one dtype and take weights in it only (a store
+        # trained or imported on the CPU in fp32, evaluated on a GPU, is evaluated in fp32)
+        dtype = getattr(torch, str(program.meta.get("param_dtype", "float32")))
         bs = eval_batches(tokens, program, n=batches, seed=cfg.get("seed", 0) if seed is None else seed, split=split)
-        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes,
-                           record=at.record)
+        dev_budget, host_budget = default_budgets(dev)  # past the GPU's memory, layers stream
+        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype,
+                           device_budget_bytes=dev_budget if device_budget_bytes is None else device_budget_bytes,
+                           host_budget_bytes=host_budget, record=at.record)
         try:
             loss = forward_loss(program, unfused_runners(program), src, bs, dev)
         finally:

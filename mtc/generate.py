@@ -189,9 +189,8 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
     from mtc.evaluate import _compute_dtype, _default_device
     from mtc.models import build
     from mtc.plan import load_plan
-    from mtc.runtime.placement import available_host_bytes
     from mtc.store import TensorStore
-    from mtc.weight_sources import StoreWeights, pick_step
+    from mtc.weight_sources import StoreWeights, default_budgets, pick_step
 
     with TensorStore.open(store_dir, read_only=True) as st:
         at = pick_step(st, step)
@@ -210,10 +209,10 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         ids = [int(i) for i in tok.encode(prompt)]
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
-        if device_budget_bytes is None:
-            device_budget_bytes = _default_budget(dev, available_host_bytes)
-        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype, device_budget_bytes=device_budget_bytes,
-                           host_budget_bytes=int(available_host_bytes() * 0.5), record=at.record)
+        dev_budget, host_budget = default_budgets(dev)
+        src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype,
+                           device_budget_bytes=dev_budget if device_budget_bytes is None else device_budget_bytes,
+                           host_budget_bytes=host_budget, record=at.record)
         try:
             res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=context or cfg.get("seq_len", 128),
                                   device=dev, temperature=temperature, top_k=top_k, seed=seed, kv_cache=kv_cache,
@@ -224,10 +223,3 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
     return dataclasses.replace(res, step=at.step, text=tok.decode(res.tokens), resident_layers=len(src.resident_layers),
                                streamed_layers=streamed)
 
-
-def _default_budget(dev: torch.device, host_bytes: Any) -> int:
-    """Weights kept resident: on a GPU its free memory less 2 GiB (activations, KV cache); on the CPU half the free RAM."""
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return max(0, free - 2 * 2**30)
-    return int(host_bytes() * 0.5)

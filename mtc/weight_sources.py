@@ -35,7 +35,7 @@ from mtc.runtime.tiers import StateTiers
 from mtc.shards import StateReader, is_sharded
 from mtc.store import CommitRecord, TensorStore, state_array_name
 
-__all__ = ["CommittedStep", "StoreWeights", "TierWeights", "committed_steps", "pick_step", "record_write_start",
+__all__ = ["CommittedStep", "StoreWeights", "TierWeights", "committed_steps", "default_budgets", "pick_step", "record_write_start",
            "wait_for_updates"]
 
 WRITES_LOG = "writes.jsonl"
@@ -123,6 +123,19 @@ def pick_step(store: TensorStore, step: int | None) -> CommittedStep:
 
 
 # -- weights from the store ---------------------------------------------------------------------
+
+
+def default_budgets(dev: torch.device) -> tuple[int, int]:
+    """(device, host) bytes a `StoreWeights` keeps resident by default: on a GPU its free memory less
+    2 GiB (activations, a KV cache), on the CPU half the free RAM; and half the free RAM for layers
+    kept in host memory between uses. Without them a model larger than the GPU ran out of memory."""
+    from mtc.runtime.placement import available_host_bytes
+
+    host = int(available_host_bytes() * 0.5)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(0, free - 2 * 2**30), host
+    return host, host
 
 
 class StoreWeights:

@@ -65,6 +65,18 @@ def test_eval_every_on_disk_layers_reads_the_updated_weights(tmp_path):
     assert evaluate_store(tmp_path / "s", tokens.path, batches=1).loss == pytest.approx(val[-1], rel=1e-6)
 
 
+def test_eval_runs_in_the_plans_dtype(tmp_path):
+    # the plan's templates take weights in the dtype they were traced in: a bf16 run evaluated on the
+    # CPU (where eval once chose fp32 for a bf16 config) failed in its first matmul
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = small_config(steps=2, eval_every=2, eval_batches=1, compute_dtype="bfloat16", grad_accum=1)
+    from mtc.train import train
+
+    res = train(cfg, tmp_path / "s", tokens)
+    res.store.close()
+    assert evaluate_store(tmp_path / "s", tokens.path, batches=1).loss == pytest.approx(res.records[-1].val_loss, rel=1e-3)
+
+
 def test_cli_eval_is_repeatable_and_names_the_available_steps(run, capsys):
     store, data = run
     outs = []
@@ -257,3 +269,21 @@ def test_progress_bar_lines_off_a_terminal_and_tqdm_on_one():
     bar.close()
     text = tty.getvalue()
     assert "\r" in text and "5/5" in text and text.endswith("\n") and text.count("\n") == 1
+
+
+@pytest.mark.parametrize("scaling", ["linear", "llama3"])
+def test_the_decoder_rotates_as_the_model_trained_with_rope_scaling(scaling):
+    # generation ran blocks with unscaled RoPE tables: a rope-scaled import (Llama 3.1/3.2) decoded
+    # other logits than the model it trained
+    from mtc.decoders import Decoder
+    from mtc.models import build
+
+    torch.manual_seed(0)
+    model = build("tiny", rope_scaling=scaling, rope_factor=4.0)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 48))
+    dec = Decoder(model)
+    w = dict(model.named_parameters())
+    x = dec.embed(w, ids, 0)
+    for j in range(dec.n_blocks):
+        x = dec.block(j, w, x, 0)
+    torch.testing.assert_close(dec.head(w, x), model(ids).float(), atol=1e-5, rtol=1e-5)
