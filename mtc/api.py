@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from mtc import user_model
@@ -97,26 +96,17 @@ def _model_name(model: Any) -> str:
     return user_model.factory_path(model) or user_model.CUSTOM
 
 
-def _instance(model: ModelArg, cfg: TrainConfig, device: str = "cpu") -> nn.Module:
+def _instance(model: ModelArg, cfg: TrainConfig, device: str = "cpu", dtype: str | None = None) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
     if isinstance(model, str):
         from mtc.train import build_model
 
-        return build_model(dataclasses.replace(cfg, model=model), device=device)
+        return build_model(dataclasses.replace(cfg, model=model), device=device, dtype=dtype)
     if not callable(model):
         raise ConfigError(f"model must be an nn.Module, a callable returning one, an import path or a preset name, "
                           f"got {type(model).__name__}")
     return user_model.build_from_factory(model, seed=cfg.seed, device=device)
-
-
-def _at_dtype(model: nn.Module, dtype: str) -> nn.Module:
-    """``model`` in ``dtype`` for tracing; a copy when it is in another dtype (the caller's model is not changed)."""
-    want = getattr(torch, dtype)
-    first = next(model.parameters(), None)
-    if first is None or first.dtype == want:
-        return model
-    return copy.deepcopy(model).to(want)
 
 
 def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: dict[str, Any], base: dict | None) -> TrainConfig:
@@ -189,7 +179,7 @@ def train(
     plan directory that records a factory. ConfigError (one line) for anything that does not fit.
     """
     from mtc.plan import load_plan
-    from mtc.train import open_run
+    from mtc.train import at_dtype, open_run
     from mtc.train import train as _train
 
     if plan is not None and not isinstance(plan, Program):
@@ -227,11 +217,11 @@ def train(
     if not resuming:
         if model is None:
             model = cfg.model  # a preset (or a factory path) named in the config
-        inst = _instance(model, cfg)
+        inst = _instance(model, cfg, dtype="float32")  # the initial master state: the fp32 initialisation
         if program is None:
             from mtc.tracer import trace
 
-            program = trace(_at_dtype(inst, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len)
+            program = trace(at_dtype(inst, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len)
     elif isinstance(model, nn.Module):
         from mtc.plan import load_plan as _load
 
@@ -283,7 +273,9 @@ def compile(
             inst = _instance(model, TrainConfig(), device="meta")
         first = next(inst.parameters(), None)
         want = dtype or (dtype_name(first.dtype) if first is not None else "float32")
-        program = trace(_at_dtype(inst, want), batch_size, seq_len,
+        from mtc.train import at_dtype
+
+        program = trace(at_dtype(inst, want), batch_size, seq_len,
                         name=model if isinstance(model, str) else type(inst).__name__)
     preset = isinstance(model, str) and factory is None
     out = _save_with_record(program, path, model if preset else factory or user_model.CUSTOM, matmul_fusion=matmul_fusion)

@@ -11,6 +11,7 @@ so a run stopped (or killed) after a commit continues exactly as if it had not s
 from __future__ import annotations
 
 import base64
+import copy
 import contextlib
 import dataclasses
 import functools
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from mtc.planner import UpdateRates
     from mtc.stagewatch import StageWatch
 
-__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "build_engine", "build_model", "init_state",
+__all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "at_dtype", "build_engine", "build_model", "init_state",
            "open_run", "plan_placement", "run_disk_compute", "train"]
 
 
@@ -139,23 +140,33 @@ class TrainResult:
     host_adamw: str = ""  # the host AdamW's implementation and how it used the cores (timed at start where it matters)
 
 
-def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu") -> nn.Module:
-    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only);
-    ``cfg.model`` may also be a factory's import path (see `mtc.user_model`)."""
+def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: str | None = None) -> nn.Module:
+    """The preset model of ``cfg``, initialised from ``cfg.seed`` (use device='meta' for shapes only),
+    in ``dtype`` (default: the run's compute dtype; a new run's initial fp32 master state is built
+    in float32); ``cfg.model`` may also be a factory's import path (see `mtc.user_model`)."""
+    want = getattr(torch, dtype or cfg.resolved_compute_dtype)
     if cfg.model == user_model.CUSTOM:
         raise ConfigError("this run's model came from Python without an import path, so mtc cannot build its initial "
                           "weights: pass the model (mtc.train(model=...)), or record a factory: "
                           "mtc.save_plan(program, DIR, factory='package.module:function')")
     if user_model.is_factory_path(cfg.model):
-        return user_model.build_from_factory(cfg.model, seed=cfg.seed, device=device).to(
-            getattr(torch, cfg.resolved_compute_dtype))
+        return user_model.build_from_factory(cfg.model, seed=cfg.seed, device=device).to(want)
     mcfg = model_config(cfg.model, **cfg.model_overrides)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = build(cfg.model, **cfg.model_overrides)
-    return model.to(getattr(torch, cfg.resolved_compute_dtype))
+    return model.to(want)
+
+
+def at_dtype(model: nn.Module, dtype: str) -> nn.Module:
+    """``model`` in ``dtype`` for tracing; a copy when it is in another dtype (the caller's model is not changed)."""
+    want = getattr(torch, dtype)
+    first = next(model.parameters(), None)
+    if first is None or first.dtype == want:
+        return model
+    return copy.deepcopy(model).to(want)
 
 
 def _rng_state() -> dict[str, str]:
@@ -403,8 +414,10 @@ def open_run(
             store.close()
             raise
         return Run(store, program, last, None, changes, values)
-    model = model if model is not None else build_model(cfg)
-    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace(model, cfg.micro_batch_size, cfg.seq_len)
+    # the initial master state is the fp32 initialisation, not its rounding to the compute dtype
+    model = model if model is not None else build_model(cfg, dtype="float32")
+    program = (plan if isinstance(plan, Program) else load_plan(plan) if plan is not None
+               else trace(at_dtype(model, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len))
     user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
     program = apply_decay_groups(program, cfg.optim)
     if data is not None:

@@ -36,3 +36,19 @@ def test_bf16_compute_copy_tracks_master(placement):
             assert not all(torch.equal(committed[k], before[k]) for k in keys), "the step must have updated the weights"
     finally:
         res.store.close()
+
+
+def test_a_new_bf16_runs_master_state_starts_from_the_fp32_initialisation():
+    # the model is traced in bf16, but the fp32 master is the initialisation itself, not its rounding
+    from mtc.train import build_model, open_run
+
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 1}, compute_dtype="bfloat16", seq_len=16, micro_batch_size=2)
+    run = open_run(cfg, None)
+    try:
+        assert run.program.meta["param_dtype"] == "bfloat16"
+        want = dict(build_model(cfg, dtype="float32").named_parameters())
+        assert run.params.keys() == want.keys()
+        assert all(v.dtype == torch.float32 and torch.equal(v, want[k]) for k, v in run.params.items())
+        assert any(not torch.equal(v, v.bfloat16().float()) for v in run.params.values())  # not rounded to bf16
+    finally:
+        run.store.close()
