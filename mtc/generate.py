@@ -209,12 +209,20 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         ids = [int(i) for i in tok.encode(prompt)]
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
+        ctx = context or cfg.get("seq_len", 128)
         dev_budget, host_budget = default_budgets(dev)
+        if dev.type == "cuda":
+            # beside the resident weights: the KV cache (every block's keys and values for the whole
+            # context, query heads wide: the block repeats grouped KV heads before attention) and the
+            # two streamed layers a decoding step can hold at once
+            kv = dec.n_blocks * 2 * dec.cfg.dim * ctx * dtype.itemsize if kv_cache else 0
+            largest = max(program.layer_numel(i) for i in range(program.n_layers)) * dtype.itemsize
+            dev_budget = max(0, dev_budget - kv - 2 * largest)
         src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype,
                            device_budget_bytes=dev_budget if device_budget_bytes is None else device_budget_bytes,
                            host_budget_bytes=host_budget, record=at.record)
         try:
-            res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=context or cfg.get("seq_len", 128),
+            res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=ctx,
                                   device=dev, temperature=temperature, top_k=top_k, seed=seed, kv_cache=kv_cache,
                                   eos_id=getattr(tok, "eos_id", None))
         finally:

@@ -37,6 +37,7 @@ PROFILE_PATH = Path.home() / ".cache" / "mtc" / "machine.json"
 # Dense peak TFLOP/s from NVIDIA's datasheets (no sparsity), by (name fragment, dtype). The first
 # fragment the device name contains wins, so the more specific names come first.
 _DATASHEET: list[tuple[str, dict[str, float]]] = [
+    ("H200 NVL", {"bfloat16": 835.5, "tf32": 417.5, "float32": 60.0}),  # the PCIe card (H200 datasheet: 1,671 / 835 sparse)
     ("H200", {"bfloat16": 989.4, "tf32": 494.7, "float32": 66.9}),
     ("H100 PCIe", {"bfloat16": 756.0, "tf32": 378.0, "float32": 51.2}),
     ("H100 NVL", {"bfloat16": 835.5, "tf32": 417.8, "float32": 60.0}),

@@ -154,6 +154,9 @@ def test_peak_rate_sources(tmp_path, monkeypatch):
     p = peak_rate("cuda", "bfloat16", profile=prof)
     assert p.tflops == 780.0 and p.source.startswith("calibrated") and p.mfu(390.0) == 0.5
     assert peak_rate("cuda", "float32", allow_tf32=False, profile=prof).tflops == 66.9  # other dtype: datasheet
+    for name, bf16 in (("NVIDIA H200 NVL", 835.5), ("NVIDIA H200", 989.4), ("NVIDIA H100 PCIe", 756.0)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert peak_rate("cuda", "bfloat16", profile=none).tflops == bf16, name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
     assert peak_rate("cuda", "bfloat16", profile=none).tflops is None
 
