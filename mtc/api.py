@@ -229,6 +229,7 @@ def train(
     # a plan directory goes to open_run as a path, so its generated kernels are copied into the store
     run = open_run(cfg, store, model=inst, plan=plan if isinstance(plan, str) else program, data=source, overwrite=overwrite,
                    allow_change=tuple(allow_change))
+    del inst  # a model built here: its weights go into the tiers layer by layer and need not outlive that
     return _train(cfg, store, source, run=run, stop_after=stop_after, on_step=on_step)
 
 

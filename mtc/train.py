@@ -415,9 +415,15 @@ def open_run(
             raise
         return Run(store, program, last, None, changes, values)
     # the initial master state is the fp32 initialisation, not its rounding to the compute dtype
+    preset = model is None and not user_model.is_factory_path(cfg.model)
     model = model if model is not None else build_model(cfg, dtype="float32")
-    program = (plan if isinstance(plan, Program) else load_plan(plan) if plan is not None
-               else trace(at_dtype(model, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len))
+    if isinstance(plan, Program):
+        program = plan
+    elif plan is not None:
+        program = load_plan(plan)
+    else:  # a preset's trace needs only its shapes: on meta (the same program), no second copy of the weights
+        traced = build_model(cfg, device="meta") if preset else at_dtype(model, cfg.resolved_compute_dtype)
+        program = trace(traced, cfg.micro_batch_size, cfg.seq_len)
     user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
     program = apply_decay_groups(program, cfg.optim)
     if data is not None:
@@ -783,6 +789,8 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
         if not s.numel:
             continue
         flat = flatten_layer(program, s.layer, params)
+        for p in program.layer_params(s.layer):  # in the tiers now: the initial copy goes as the tiers fill
+            params.pop(p.key, None)
         tiers.set_layer(s.layer, flat)
         futs = []
         for k in state_kinds(s.tier, durability):
