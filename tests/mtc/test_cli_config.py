@@ -73,6 +73,9 @@ def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
 def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert main(["compile", "tiny", "-o", str(tmp_path / "plan"), "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
+    # --dtype auto resolves as `mtc train` would here: no CUDA, float32
+    assert "compute dtype float32 (--dtype auto: no CUDA here)" in out
+    assert json.loads((tmp_path / "plan" / "model.json").read_text())["compute_dtype"] == "float32"
     rep = json.loads((tmp_path / "plan" / "compile_report.json").read_text())
     block = next(v for k, v in rep.items() if k.startswith("block"))
     assert block["calls"] == 4
