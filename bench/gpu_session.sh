@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device run (under 10 minutes on an H100): install mtc
 # offline, then each part named, most important first, each in its own process under what is left
-# of the time budget (BENCH_BUDGET_S, default 520 s) so one slow part cannot eat the rest:
-#   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling)
+# of the time budget (BENCH_BUDGET_S, default 540 s) so one slow part cannot eat the rest:
+#   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling; at most
+#                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
 #   model/SHAPE    bench_fusion's whole-model line: SHAPE 1.5b or 4.6b (bench_train's P3 / P1), the full
 #                  stack's step through the executor, unfused vs mtc fused vs replayed vs torch.compile
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
-#   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes:
-#                  usually one per device run; it starts only with TRAIN_MIN_S, default 240 s, left)
+#   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes;
+#                  it starts only with TRAIN_MIN_S, default 240 s, left, and stops starting settings
+#                  at its own limit, keeping the ones it finished)
 #                  (train, dp and disk parts first run `mtc calibrate` once per machine: its profile
 #                  picks the GPU-updated layers and predicts the step; a copy lands in $OUT/machine.json)
 #   dp             bench_train --world-size 1: the plain run vs torchrun at one rank (issue 13's 2 %
@@ -18,9 +20,17 @@
 #                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
 # ".whl". Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
-# (or bench/results/ without it). A call with less device time left than 10 minutes: set
-# BENCH_BUDGET_S to that time less ~80 s (start-up and install), so the parts end before the call.
-#   bash bench/gpu_session.sh [PARTS...]     default: tests and the four train parts (bench_fusion: name its parts)
+# (or bench/results/ without it).
+#
+# A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
+# machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
+#   call 1, timeout_s 600:  bash bench/gpu_session.sh
+#       (the default list, in order of what is pending: tests, train/P1-16, train/P1-48, llama/block;
+#       a part that no longer fits is skipped and says so)
+#   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
+#       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
+#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then train/P3 train/P5 fusion
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P1-48 llama/block
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,15 +54,10 @@ pack() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending (the gpu tests, bench_fusion's Llama block with CUDA-graph replay and
-# launches per block, bench_train); a 10-minute device call holds about one train part, so name
-# parts per call, e.g.
-#   call 1: tests model/4.6b   call 2: train/P1-16 train/P1-48 (P1-48 runs if P1-16 leaves 240 s)
-#   call 3: train/P3 train/P5 fusion, with BENCH_BUDGET_S from what device time is left
-# (30 minutes of device time a session, a cold start each time the machine went back: issue the
-# calls back to back; a part cut off keeps the settings it finished, in records.tgz)
-[ ${#parts[@]} -eq 0 ] && parts=(tests llama/block train/P1-16 train/P1-48 train/P3 train/P5)
-budget=${BENCH_BUDGET_S:-520}
+# default: what is pending, most important first (the engine's gpu tests and P1 figures, then the
+# compiler's block with CUDA-graph replay and launches per block); see the header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48 llama/block)
+budget=${BENCH_BUDGET_S:-540}
 profile="$HOME/.cache/mtc/machine.json"
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))
@@ -70,9 +75,12 @@ for p in "${parts[@]}"; do
     tests)
       if [ -n "${SKIP_TESTS:-}" ]; then echo "skipped tests: SKIP_TESTS" | tee -a "$log"; continue; fi
       if [ "$left" -lt 60 ]; then echo "skipped tests: out of time" | tee -a "$log"; continue; fi
-      cap=${TESTS_S:-300}  # 53 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
-      timeout $(( left < cap ? left : cap )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 tests 2>&1 \
-        | tail -30 | tee -a "$log" ;;
+      cap=${TESTS_S:-200}  # 53 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
+      # the whole output (every failure's traceback) in its own file; the tail in the log and the reply
+      timeout $(( left < cap ? left : cap )) python3 -m pytest -q -m gpu -n 6 -p no:benchmark --durations=8 -rfE tests \
+        > "$out/gpu_tests.log" 2>&1
+      echo "gpu tests: pytest exit $? (124: cut at TESTS_S)" | tee -a "$log"
+      tail -40 "$out/gpu_tests.log" | tee -a "$log" ;;
     disk|disk/*)
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       shape=${p#disk}; shape=${shape#/}
