@@ -241,11 +241,12 @@ def _stage_seconds(tl: Timeline, steps: range) -> dict[str, float]:
 
 
 def _initial_model(cfg: TrainConfig) -> nn.Module:
-    """The preset model with its initial weights on the CPU; on CUDA initialised on the GPU (seconds,
-    where the CPU takes minutes for billions of normal_ draws), then moved over."""
+    """The preset model with its initial weights in float32 (a new run's master state, as `mtc
+    train` builds it: not rounded to the compute dtype) on the CPU; on CUDA initialised on the GPU
+    (seconds, where the CPU takes minutes for billions of normal_ draws), then moved over."""
     if not cfg.device.startswith("cuda"):
-        return build_model(cfg)
-    model = build_model(cfg, device=cfg.device).to("cpu")
+        return build_model(cfg, dtype="float32")
+    model = build_model(cfg, device=cfg.device, dtype="float32").to("cpu")
     torch.cuda.empty_cache()
     return model
 
@@ -265,14 +266,15 @@ def _counts(compiled: dict) -> dict[str, int]:
     return {"compiled": sum(not ct.loaded for ct in compiled.values()), "loaded": sum(ct.loaded for ct in compiled.values())}
 
 
-def prepare_plan(cfg: TrainConfig, model: nn.Module, plan_dir: Path, shared: Path) -> dict[str, Any]:
-    """Trace ``model`` and compile its plan into ``plan_dir`` (as `mtc compile` does), unless an
+def prepare_plan(cfg: TrainConfig, plan_dir: Path, shared: Path) -> dict[str, Any]:
+    """Trace the preset of ``cfg`` in its compute dtype (on meta: the shapes are what a trace
+    needs, as `mtc compile` traces a preset) and compile its plan into ``plan_dir``, unless an
     earlier setting of this shape has. Templates go through ``shared``, one kernel cache for the
     whole invocation: a template another shape compiled (P5's depths share theirs) loads from it."""
     if (plan_dir / PROGRAM_FILE).is_file():
         return {"prepared_here": False, "prepare_s": None, "prepare_templates": None}
     t = time.perf_counter()
-    program = trace(model, cfg.micro_batch_size, cfg.seq_len)
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
     # under the run's TF32 setting (part of the staleness key), or every setting compiles it again
     compiled = compile_program(program, shared, matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
     shutil.copytree(shared, plan_dir / "kernels", dirs_exist_ok=True)
@@ -336,7 +338,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     plan_dir = prepared = None
     if cfg.fused:  # the shape's plan, compiled by its first setting; train() loads it
         plan_dir = Path(spec["plans"]) / plan_name(cfg)
-        prepared = prepare_plan(cfg, model, plan_dir, Path(spec["plans"]) / "kernels")
+        prepared = prepare_plan(cfg, plan_dir, Path(spec["plans"]) / "kernels")
     tp = time.perf_counter()
     # an in-memory store (with durability none it holds nothing), from the plan directory if fused
     run = open_run(cfg, None, model=model, plan=plan_dir)
