@@ -24,7 +24,9 @@ first setting of a shape traces it and compiles its templates (generated kernels
 tuning) into a plan directory, as `mtc compile` does, and every setting trains from that directory
 (`open_run(plan=DIR)` with an in-memory store), so later settings of the shape, in the same part or
 another (P1-16 and P1-48 share theirs), load it instead of compiling again. Templates go through one
-kernel cache per invocation, so P5's two depths compile their common block template once.
+kernel cache per invocation, so P5's two depths compile their common block template once. The plans
+live in a temporary directory per invocation, or in `--plans DIR`, which later invocations load
+from (gpu_session.sh runs each train part as an invocation of its own).
 
 On CUDA every setting runs in its own process (clean GPU memory, pinned-host cache and peak RSS;
 one crash or timeout loses one setting), and an invocation stops starting settings past
@@ -586,7 +588,7 @@ class Env:
     min_job_s: float
     micro_batch: int  # sequences per micro-batch of the mtc runs (smoke: 2)
     kernels: str = "auto"  # TrainConfig.kernels of the mtc runs (auto: fused on CUDA, unfused on the CPU)
-    plans: str = ""  # where fused settings keep their shape's compiled plan (one per shape, per invocation)
+    plans: str = ""  # where fused settings keep their shape's compiled plan (one per shape; --plans, or per invocation)
 
     def split(self, seqs: int) -> tuple[int, int]:
         """(micro_batch_size, grad_accum) for ``seqs`` sequences per step (smoke: 2 x 2 or 2 x 3)."""
@@ -816,6 +818,9 @@ def main() -> None:
     ap.add_argument("--baseline-micro-batch", type=int, default=16, help="P3 resident baseline micro-batch (default 16)")
     ap.add_argument("--p5-shape", choices=["p3", "p1"], default="p3", help="P5 layer shape (p1 needs ~165 GB of RAM at 40 blocks)")
     ap.add_argument("--p5-budget-gb", type=float, default=0.5, help="P5 activation_budget_gb (default 0.5)")
+    ap.add_argument("--plans", help="directory of the compiled plans, one per model shape (default: a new temporary one per "
+                    "invocation); name one to share them between invocations: gpu_session.sh's P1-48 then loads the "
+                    "plan its P1-16 compiled")
     ap.add_argument("--time-limit-s", type=float, default=480, help="start no setting after this (default 480)")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each setting in its own process (default: on CUDA yes, with --smoke no)")
@@ -850,7 +855,7 @@ def main() -> None:
               measure=a.steps or ((6 if a.world_size else 2) if a.smoke else 4), profile=not a.smoke and not a.no_profile,
               isolate=a.isolate if a.isolate is not None else not a.smoke, verbose=not a.quiet,
               deadline=start + a.time_limit_s, min_job_s=0 if a.smoke else 45,
-              micro_batch=a.micro_batch, kernels=a.kernels, plans=str(tmp / "plans"))
+              micro_batch=a.micro_batch, kernels=a.kernels, plans=str(Path(a.plans).resolve() if a.plans else tmp / "plans"))
     # no CUDA call in this process: a context here would hold GPU memory the settings' processes measure
     print(f"bench_train{' smoke (CPU, tiny shapes)' if a.smoke else ''}: parts {', '.join(parts)}, "
           f"time limit {a.time_limit_s:.0f} s", flush=True)

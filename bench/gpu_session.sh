@@ -91,7 +91,9 @@ for p in "${parts[@]}"; do
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
-      timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+      # one plans directory for every train part of the call: a shape's plan compiles once (P1-48 loads P1-16's)
+      timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" --plans /tmp/mtc-bench-plans \
+        ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     dp)
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
