@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device run (under 10 minutes on an H100): install mtc
 # offline, then each part named, most important first, each in its own process under what is left
-# of the time budget (BENCH_BUDGET_S, default 540 s) so one slow part cannot eat the rest:
+# of the time budget (BENCH_BUDGET_S, default 530 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling; at most
 #                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
@@ -57,7 +57,7 @@ parts=("$@")
 # default: what is pending, most important first (the engine's gpu tests and P1 figures, then the
 # compiler's block with CUDA-graph replay and launches per block); see the header for call 2
 [ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48 llama/block)
-budget=${BENCH_BUDGET_S:-540}
+budget=${BENCH_BUDGET_S:-530}
 profile="$HOME/.cache/mtc/machine.json"
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))
