@@ -24,9 +24,9 @@ first setting of a shape traces it and compiles its templates (generated kernels
 tuning) into a plan directory, as `mtc compile` does, and every setting trains from that directory
 (`open_run(plan=DIR)` with an in-memory store), so later settings of the shape, in the same part or
 another (P1-16 and P1-48 share theirs), load it instead of compiling again. Templates go through one
-kernel cache per invocation, so P5's two depths compile their common block template once. The plans
-live in a temporary directory per invocation, or in `--plans DIR`, which later invocations load
-from (gpu_session.sh runs each train part as an invocation of its own).
+kernel cache beside the plans, so P5's two depths compile their common block template once. Plans
+and cache live in a temporary directory per invocation, or in `--plans DIR`, which later invocations
+load from (gpu_session.sh runs each train part as an invocation of its own).
 
 On CUDA every setting runs in its own process (clean GPU memory, pinned-host cache and peak RSS;
 one crash or timeout loses one setting), and an invocation stops starting settings past
