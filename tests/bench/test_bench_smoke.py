@@ -63,10 +63,11 @@ def check_mtc_setting(r: dict) -> None:
     assert all(finite(x) for x in r["losses"])
 
 
-@pytest.mark.slow  # two fused settings under the Triton interpreter (~15 s)
+@pytest.mark.slow  # three fused settings under the Triton interpreter (~25 s)
 def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path):
-    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P3", "--kernels", "fused", "--warmup", "0", "--steps", "1",
-                                          "--quiet"], tmp_path)
+    args = ["--smoke", "--only", "P3", "--kernels", "fused", "--warmup", "0", "--steps", "1", "--quiet",
+            "--plans", str(tmp_path / "plans")]
+    (rec,) = run_bench("bench_train.py", args, tmp_path / "a")
     assert rec["benchmark"] == "bench_train-smoke-P3" and rec["part"] == "P3"
     # one file per part: rewritten after each setting (a killed run keeps them), then whole
     assert "partial" not in rec and "settings_done" not in rec
@@ -92,6 +93,11 @@ def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path)
     assert base["setting"] == "torch_eager" and base["plan"]["kernels"] == "torch eager"
     assert base["plan"]["compile_or_load_s"] is None and base["tokens_per_s"] > 0
     assert rec["ratio_mtc_over_baseline"] == pytest.approx(rec["mtc_best_tokens_per_s"] / rec["baseline_best_tokens_per_s"])
+    # a later invocation over the same --plans (gpu_session.sh's next train part) loads the plan
+    (again,) = run_bench("bench_train.py", [*args, "--settings", "stateless"], tmp_path / "b")
+    p3 = again["settings"][0]["plan"]
+    assert p3["dir"] == p1["dir"] and not p3["prepared_here"] and p3["how"] == "loaded"
+    assert p3["train_templates"] == {"compiled": 0, "loaded": 3}
 
 
 def test_bench_train_unfused_smoke_records_p1(tmp_path):
