@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mtc.compiler import compile_program
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import TokenFile, write_token_file
+from mtc.plan import save_plan
 from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.runners import LayerRunner
 from mtc.runtime.tiers import StateTiers
@@ -33,6 +35,24 @@ def small_config(**kw: object) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+def plan_for(cfg: TrainConfig, where: Path) -> Path:
+    """A plan directory for fused ``cfg`` in ``where``, as `mtc compile` writes one: the program and
+    its compiled templates, with the attention tuning and the matmul fusion choices they carry.
+
+    Runs opened from it (``open_run(cfg, None, plan=...)``) launch the same kernels. Two runs that
+    each compile for themselves time those choices anew, and where two candidates time alike each
+    may pick another (another summation order): a bit-for-bit comparison of two schedules must
+    run both from one plan.
+    """
+    run = open_run(cfg, None)
+    try:
+        compile_program(run.program, where / "kernels", matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
+        save_plan(run.program, where)
+    finally:
+        run.store.close()
+    return where
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ from mtc.data import BatchSampler
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.tracer import LossModel
-from mtc.train import build_model, train
-from tests.runtime.engine_util import hand_built_engine, skewed_tokens, small_config
+from mtc.train import build_model, open_run, train
+from tests.runtime.engine_util import hand_built_engine, plan_for, skewed_tokens, small_config
 
 pytestmark = pytest.mark.gpu
 
@@ -48,10 +48,11 @@ def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
 @pytest.mark.parametrize("kernels", ["unfused", "fused"])  # fused: compiled templates replayed as CUDA graphs, the default
 @pytest.mark.parametrize("mode", [dict(placement="ram", gpu_update="none"), dict(placement="gpu:0-1,ram:2,disk:3", gpu_update="2"),
                                   dict(placement="stateless", gpu_update="all", activation_budget_gb=1e-9)])
-def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels):
+def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels, tmp_path):
     cfg = small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels=kernels, **mode)
-    a = train(cfg, None, tokens)
-    b = train(cfg, None, tokens, serialize=True)
+    plan = plan_for(cfg, tmp_path / "plan") if cfg.fused else None  # both schedules launch the same kernels
+    a = train(cfg, None, tokens, run=open_run(cfg, None, plan=plan))
+    b = train(cfg, None, tokens, serialize=True, run=open_run(cfg, None, plan=plan))
     try:
         assert a.losses == b.losses
         wa, wb = read_params(a.program, a.store, a.generation), read_params(b.program, b.store, b.generation)

@@ -12,7 +12,7 @@ from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, graph_report
 from mtc.runtime.runners import CompiledRunner
 from mtc.runtime.state import read_params
 from mtc.train import open_run, train
-from tests.runtime.engine_util import hand_built_engine, skewed_tokens, small_config
+from tests.runtime.engine_util import hand_built_engine, plan_for, skewed_tokens, small_config
 
 pytestmark = pytest.mark.gpu
 
@@ -62,13 +62,14 @@ def test_replay_equals_eager_bit_for_bit(tmp_path, dtype):
     run.store.close()
 
 
-def test_fused_training_is_bit_identical_with_and_without_graphs(tokens):
-    def cfg(graphs: str):
+def test_fused_training_is_bit_identical_with_and_without_graphs(tokens, tmp_path):
+    def cfg(graphs: str):  # durability full: the final masters are read back from the store
         return small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels="fused",
-                            durability="none", placement="gpu:0,ram:1-2,disk:3", cuda_graphs=graphs)
+                            placement="gpu:0,ram:1-2,disk:3", cuda_graphs=graphs)
 
-    a = train(cfg("auto"), None, tokens)
-    b = train(cfg("off"), None, tokens)
+    plan = plan_for(cfg("auto"), tmp_path / "plan")  # both runs launch the same kernels, tuned once
+    a = train(cfg("auto"), None, tokens, run=open_run(cfg("auto"), None, plan=plan))
+    b = train(cfg("off"), None, tokens, run=open_run(cfg("off"), None, plan=plan))
     try:
         assert a.losses == b.losses
         wa, wb = read_params(a.program, a.store, a.generation), read_params(b.program, b.store, b.generation)
