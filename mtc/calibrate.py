@@ -174,6 +174,28 @@ class MachineProfile:
             raise ConfigError(f"machine profile {p} is not valid JSON ({e}); re-run `mtc calibrate -o {p}`") from None
 
 
+# -- what calibrate assumes on CUDA (measured on the lent H100 box, not by calibrate itself) ------
+
+# AdamW on the host while the engine's copies run both ways, over calibrate's AdamW alone: the host
+# memory bus is shared with the copy engines. bench_train on the H100, 2026-11-26 (gpu_session.sh,
+# records bench_train-P1-16/P1-48/P3-vm-20261126*): the CPU update spans of the three stateless
+# settings ran at 2.59, 2.90 and 2.59 G params/s against calibrate's 5.30 alone; the median, 2.59,
+# is 0.49 of it. (Was 2.7 / 4.0 = 0.675, DESIGN.md's table: the cost model then gave the CPU half
+# of a stateless P1 step's layers, 0.65 s of work predicted, 0.89 s measured, most of it exposed.)
+CUDA_ADAMW_WITH_COPIES = 0.49
+
+
+def cuda_layer_efficiency() -> float:
+    """Fraction of calibrate's median matmul rate a fused Llama 8B block reaches on the H100:
+    bench_fusion's llama block (mtc_fused, h 4096, 8192 tokens, bf16) ran its forward + backward
+    in 22.09 ms (median of 10; bench_fusion-vm-20261126T152124), where the same box's calibrate
+    measured a median of 710 TFLOP/s. The block's matmul and causal-attention FLOPs are
+    3 x (2 x 218.1M x 8192 + 0.5 x 4 x 8 x 32 x 1024^2 x 128) = 10.9 TFLOP. The figure takes the
+    same fraction on another GPU (an assumption the profile lists)."""
+    block_flops = 3 * (2 * 218_112_000 * 8192 + 0.5 * 4 * 8 * 32 * 1024**2 * 128)
+    return round(block_flops / 710e12 / 22.09e-3, 3)
+
+
 # -- built-in profiles -------------------------------------------------------------------------
 
 
@@ -194,7 +216,7 @@ def _h100_box() -> MachineProfile:
         # "warm" read (state that would fit the cache) runs at the cold rate
         store_write_gbps=1.6, store_read_gbps=1.7, store_read_warm_gbps=1.7,
         adamw_gparams_s={"fused": 5.1, "exact": 2.5}, adamw_impl="fused", adamw_one_thread_gparams_s=0.6,
-        adamw_with_copies=2.7 / 4.0,
+        adamw_with_copies=CUDA_ADAMW_WITH_COPIES,
         matmul_dtype="bfloat16", matmul=[{"m": 8192, "k": 8192, "n": 8192, "tflops": 789.0}],
         layer_efficiency=round(eff, 3), gpu_adamw_gparams_s=90.0,
         assumed=[
@@ -204,7 +226,7 @@ def _h100_box() -> MachineProfile:
             "GPU AdamW 90 G params/s (HBM-bound, 28 B/param at ~2.5 TB/s; not measured)",
         ],
         source="DESIGN.md measured table (H2D/D2H 55/55/94 GB/s, bf16 789 TFLOP/s, fused CPU AdamW 5.1 G params/s "
-               "alone and x 2.7/4.0 while copies run, zarr write 1.6 / cold read 1.7 GB/s, raw 1.9 / 1.3) and the "
+               "alone, x 0.49 while copies run (bench_train, 2026-11-26), zarr write 1.6 / cold read 1.7 GB/s, raw 1.9 / 1.3) and the "
                "22.5 ms fused Llama 8B block (layer efficiency)",
         created="2026-11",
     )
@@ -222,7 +244,7 @@ def _h200_1p5tb() -> MachineProfile:
             "everything but the GPU memory (141 GB, nvidia-smi's 143,771 MiB) and the 1.5 TiB of RAM is assumed",
             "matmul 789 TFLOP/s and layer efficiency as the H100 box (same compute die; HBM3e only helps)",
             "PCIe Gen5 as the H100 box: 55 / 55 / 94 GB/s",
-            "32 cores: CPU AdamW 10.2 G params/s (2x the box's 16-core 5.1), x 2.7/4.0 while copies run",
+            "32 cores: CPU AdamW 10.2 G params/s (2x the box's 16-core 5.1), x 0.49 while copies run (as the box)",
             "8 TB NVMe: raw write 3.0, read 3.5 GB/s; through the store 2.5 / 3.0 GB/s",
         ],
         source="extrapolated from h100-box", created="2026-11",
@@ -258,7 +280,7 @@ def _8x_h100() -> MachineProfile:
         assumed=[
             "everything but one GPU's figures (the H100 box's: 789 TFLOP/s bf16, 55 / 55 / 94 GB/s PCIe per GPU) is assumed",
             ("112 cores, 2 TiB RAM (2,000 GiB available); host-wide CPU AdamW 12 G params/s (DRAM-bound: ~30 B/param "
-             "at ~360 GB/s), x 2.7/4.0 while copies run, as the box"),
+             "at ~360 GB/s), x 0.49 while copies run, as the box"),
             "host DRAM 450 GB/s usable (2 sockets x 8 channels DDR5-4800 = 614 GB/s peak)",
             "4 PCIe Gen5 x16 uplinks to the CPUs, 2 GPUs behind each (55 / 55 / 94 GB/s per uplink)",
             "NVLink collectives 360 GB/s bus bandwidth per GPU; network 400 GB/s per host (8 x 400 Gb/s); 10 us per ring step",
@@ -787,7 +809,10 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     device = torch.cuda.get_device_name() if cuda else f"cpu ({_cpu_model()}, {cores} cores)"
     assumed = []
     if cuda:
-        assumed.append("layer efficiency 0.63 (the H100 box's fused Llama block; not measured here)")
+        assumed.append(f"layer efficiency {cuda_layer_efficiency()} (the H100 box's fused Llama block over its median "
+                       "matmul rate; not measured here)")
+        assumed.append(f"CPU AdamW x {CUDA_ADAMW_WITH_COPIES} while the engine's copies run (the H100 box's stateless "
+                       "bench_train runs; not measured here)")
         assumed.append("GPU AdamW 90 G params/s (HBM-bound estimate; not measured here)")
     else:
         assumed.append("no GPU: 'PCIe' is the host memcpy rate the engine's CPU copy threads reach, not a PCIe link")
@@ -798,9 +823,9 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
         store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb,
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
-        adamw_with_copies=2.7 / 4.0 if cuda else 1.0,
+        adamw_with_copies=CUDA_ADAMW_WITH_COPIES if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,
-        layer_efficiency=0.63 if cuda else 1.0,
+        layer_efficiency=cuda_layer_efficiency() if cuda else 1.0,
         elementwise=[] if cuda else _elementwise_points(torch, list(elementwise_mib), repeats),
         memory=[] if cuda else _memory_points(torch, list(elementwise_mib), repeats),
         op_overhead_us=0.0 if cuda else _op_overhead_us(torch, repeats),

@@ -301,7 +301,17 @@ def matmul_rate(profile: MachineProfile, m: int, k: int, n: int) -> float:
 
 
 def _attention_rate(profile: MachineProfile, tq: int, d: int, tk: int) -> float:
-    return profile.attention_tflops * 1e12 if profile.attention_tflops else matmul_rate(profile, tq, d, tk)
+    """FLOP/s of a (flash) attention: the profile's measured rate, else the layer's matmul rate at
+    its fastest measured shape. Not the rate of a (tq x d) @ (d x tk) matmul by its intensity: that
+    counts the tq x tk scores as memory traffic, which a flash kernel keeps on chip, and put the
+    H100's attention at 33 TFLOP/s, 40 % of a P1 step's modelled compute where the measured step
+    had none of it (bench_train P1-16 auto: 1.78 s predicted, 1.25 s measured, 2026-11-26)."""
+    del tq, d, tk
+    if profile.attention_tflops:
+        return profile.attention_tflops * 1e12
+    if not profile.matmul:
+        raise ConfigError(f"machine profile {profile.name!r} has no matmul figures; re-run `mtc calibrate`")
+    return max(p["tflops"] for p in profile.matmul) * 1e12 * profile.layer_efficiency
 
 
 def _matmul_seconds(profile: MachineProfile, m: int, k: int, n: int) -> float:
