@@ -25,12 +25,14 @@
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
 #   call 1, timeout_s 600:  bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P1-16, train/P1-48, llama/block;
+#       (the default list, in order of what is pending: tests, train/P1-16, train/P5, model/1.5b;
 #       a part that no longer fits is skipped and says so)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
-#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then train/P3 train/P5 fusion
-#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P1-48 llama/block
+#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then train/P3 train/P1-48 fusion
+#   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
+#   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s)
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P5 model/1.5b
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,9 +56,11 @@ pack() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending, most important first (the engine's gpu tests and P1 figures, then the
-# compiler's block with CUDA-graph replay and launches per block); see the header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48 llama/block)
+# default: what is pending, most important first: the gpu tests (4 test fixes since the first run),
+# P1-16 stateless (the cost model's new GPU-update split, against its 2.01 s with the old one), P5
+# (never measured), the whole 1.5B stack fused vs torch.compile (where P3's 0.86x goes); see the
+# header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P5 model/1.5b)
 budget=${BENCH_BUDGET_S:-530}
 profile="$HOME/.cache/mtc/machine.json"
 for p in "${parts[@]}"; do
