@@ -83,6 +83,7 @@ from mtc.config import OptimConfig, TrainConfig
 from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.models import build, model_config
 from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
+from mtc.planner import local_update_rates
 from mtc.runtime.placement import describe, streamed_grads_on_device
 from mtc.runtime.timeline import Timeline
 from mtc.train import StepRecord, TrainResult, build_model, open_run, train
@@ -372,6 +373,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
     exposed = stages.get("fetch_wait", 0.0)
     clip = cfg.optim.clip_norm
     numels = res.tiers.tier_numel()
+    cpu_params = numels.get("ram", 0) + numels.get("disk", 0) - planned["streamed_update_params"]  # what the host AdamW updated
     out: dict[str, Any] = {
         "setting": spec["setting"], "config": cfg.to_dict(), "durability": cfg.durability,
         "placement_spec": cfg.placement, "placement": describe(res.placement), "tier_params": numels,
@@ -391,6 +393,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "timeline_s_per_step": {"method": "host-side span seconds per measured step, summed over threads "
                                           "(CUDA: enqueue or wait time, not GPU time)", **stages},
         "optimizer": {"host_adamw": res.host_adamw, "update_s": update, "update_gpu_enqueue_s": stages.get("update_gpu", 0.0),
+                      # the host AdamW's rate in the run, beside the one the GPU-update split was chosen with
+                      "cpu_update_gparams_s": cpu_params / stages["update"] / 1e9 if stages.get("update") else None,
+                      "cpu_update_planned_gparams_s": local_update_rates(cfg).cpu_params_per_s / 1e9,
                       "fetch_wait_s": exposed, "weights_wait_s": stages.get("weights_wait", 0.0),
                       "hidden_s": max(0.0, update - exposed), "exposed_upper_s": exposed,
                       "method": "update = CPU (update) + GPU-streamed (update_streamed) spans; exposed <= fetch_wait "
