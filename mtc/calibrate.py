@@ -176,12 +176,16 @@ class MachineProfile:
 
 # -- what calibrate assumes on CUDA (measured on the lent H100 box, not by calibrate itself) ------
 
-# AdamW on the host while the engine's copies run both ways, over calibrate's AdamW alone: the host
-# memory bus is shared with the copy engines. bench_train on the H100, 2026-11-26 (gpu_session.sh,
-# records bench_train-P1-16/P1-48/P3-vm-20261126*): the CPU update spans of the three stateless
-# settings ran at 2.59, 2.90 and 2.59 G params/s against calibrate's 5.30 alone; the median, 2.59,
-# is 0.49 of it. (Was 2.7 / 4.0 = 0.675, DESIGN.md's table: the cost model then gave the CPU half
-# of a stateless P1 step's layers, 0.65 s of work predicted, 0.89 s measured, most of it exposed.)
+# The host AdamW's rate inside a training run over calibrate's AdamW alone (the field's name says
+# "with copies": the host memory bus is shared with the copy engines). bench_train on the H100,
+# 2026-11-26 (gpu_session.sh, records bench_train-P1-16/P1-48/P3-vm-20261126*): the CPU update spans
+# of the three stateless settings, where the copies run both ways through the update, ran at 2.59,
+# 2.90 and 2.59 G params/s against calibrate's 5.30; the median, 2.59, is 0.49 of it. The planned
+# settings, with little copying, ran at 2.94 and 3.46: so the copies are not the whole cause (the
+# run's other threads and its GB-sized per-layer state are others), and the stateless figure is the
+# one taken, as the GPU-update split matters where state streams. (Was 2.7 / 4.0 = 0.675,
+# DESIGN.md's table: the cost model then gave the CPU half of a stateless P1 step's layers, 0.65 s of
+# work predicted, 0.89 s measured, most of it exposed.)
 CUDA_ADAMW_WITH_COPIES = 0.49
 
 
