@@ -108,25 +108,6 @@ def _peak(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _kernel_table(fn, top: int = 25) -> dict:
-    """CUDA time per kernel name over one call of ``fn`` (torch.profiler), largest first, and the
-    total: wall time minus the total is time the GPU sat idle (launch and Python overhead)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
-            rows.append({"kernel": e.key[:120], "calls": e.count, "ms": us / 1e3})
-    rows.sort(key=lambda r: -r["ms"])
-    return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
-
-
 def layer_flops(t, tokens: int, attention: bool) -> float:
     """Matmul (+ causal attention) FLOPs of one template, forward + backward (3x forward)."""
     mats = sum(math.prod(i.spec.shape) for i in t.inputs if i.kind == "param" and len(i.spec.shape) == 2)
@@ -268,7 +249,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         ts = _time(fn, device, warmup, reps)
         med = statistics.median(ts)
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
-    from launch_count import profiled_kernels, proxy_launches
+    from launch_count import kernel_table, profiled_kernels, proxy_launches
 
     # launches per block (forward + backward): the CPU proxy, and on CUDA the kernels the profiler sees
     rec["launches_per_block"] = {"unfused_aten_ops": ct.backward_report.aten_ops, **proxy_launches(ct, t)}
@@ -288,7 +269,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
             g["peak_bytes_without_pool"], g["peak_bytes"] = g["peak_bytes"], g["peak_bytes"] + st.pool_bytes
     if profile and device.type == "cuda":
         # torch.compile beside them: the goal is measured against it, so its kernels say where the gap is
-        rec["profile"] = {v: _kernel_table(variants[v]) for v in ("unfused", "mtc_fused", "torch_compile") if v in variants}
+        rec["profile"] = {v: kernel_table(variants[v]) for v in ("unfused", "mtc_fused", "torch_compile") if v in variants}
     if trace_dir and device.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -348,7 +329,8 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
         rec = model_stack.run_model(shape, device, seqs=a.model_seqs or (4 if a.smoke else 16),
                                     micro_batch=a.model_micro_batch or (2 if a.smoke else 8),
                                     seq_len=a.model_seq_len or (16 if a.smoke else 1024),
-                                    warmup=warmup, reps=reps, variants=variants, deadline=deadline, on_variant=write)
+                                    warmup=warmup, reps=reps, variants=variants, deadline=deadline, on_variant=write,
+                                    profile=a.profile)
         r = rec["results"]
         line = f"model/{shape:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
         if "fused_speedup_vs_unfused" in rec:
@@ -372,6 +354,11 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
                              + (f", FELL BACK: {cg['fallbacks']}" if cg["fallbacks"] else ""))
             if extra:
                 print(f"model/{shape:5s} {v:16s} " + "; ".join(extra))
+            if "profile" in x:
+                prof = x["profile"]
+                print(f"  {v}: GPU busy {prof['gpu_ms_total']:.1f} ms of {x['median_ms']:.1f} ms; top kernels:")
+                for row in prof["top"][:12]:
+                    print(f"    {row['ms']:9.2f} ms  x{row['calls']:<5d} {row['kernel'][:100]}")
         print(f"record: {write_record(name, rec, written[0] if written else None)}")
 
 
@@ -394,7 +381,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, help="untimed calls (steps) first (default 3, model part 2; 1 with --smoke)")
     ap.add_argument("--reps", type=int, help="timed calls (steps), median taken (default 10, model part 5; 3 / 2 with --smoke)")
     ap.add_argument("--no-torch-compile", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="CUDA: print and record the top kernels of unfused, mtc fused and torch.compile")
+    ap.add_argument("--profile", action="store_true", help="CUDA: print and record the top kernels of unfused, mtc fused and torch.compile (and of every "
+                         "variant of the whole-model line, one step each)")
     ap.add_argument("--trace", metavar="DIR", help="CUDA: write a chrome trace (CPU + GPU) of one mtc fused call to DIR")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")

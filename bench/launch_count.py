@@ -21,6 +21,25 @@ from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, launches_per
 from mtc.runtime.runners import CompiledRunner
 
 
+def kernel_table(fn: Callable[[], Any], top: int = 25) -> dict:
+    """CUDA time per kernel name over one call of ``fn`` (torch.profiler), largest first, and the
+    total: wall time minus the total is time the GPU sat idle (launch and Python overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:120], "calls": e.count, "ms": us / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
+
+
 def profiled_kernels(fn: Callable[[], Any]) -> int:
     """GPU kernels (not copies or memsets) that one call of ``fn`` runs, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile

@@ -180,11 +180,12 @@ def _ratios(rec: dict) -> None:
 
 def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, seq_len: int, warmup: int, reps: int,
               variants: list[str], log: Callable[[str], None] = print, deadline: float | None = None,
-              on_variant: Callable[[dict], None] | None = None) -> dict:
+              on_variant: Callable[[dict], None] | None = None, profile: bool = False) -> dict:
     """One step's compute over shape ``shape``'s full stack for each variant; returns the record.
     ``deadline`` (a `time.monotonic` value): variants not started by then are recorded as skipped,
     so a device call's time limit still leaves a record of those that ran; ``on_variant`` gets the
-    record so far after each variant (to write it as it grows)."""
+    record so far after each variant (to write it as it grows). ``profile`` (CUDA): each variant's
+    kernels over one more step (`launch_count.kernel_table`), where the time between variants goes."""
     if seqs % micro_batch:
         raise SystemExit(f"--model-seqs {seqs} is not a multiple of --model-micro-batch {micro_batch}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -225,6 +226,16 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners)
         try:
             got = _time_steps(ex, batches, device, warmup, reps)
+            if profile and device.type == "cuda":
+                from launch_count import kernel_table
+
+                more = iter(range(warmup + reps, warmup + reps + 2))  # the steps kernel_table runs: warm, then profiled
+
+                def step() -> None:
+                    ex.timeline.begin_step(next(more))
+                    ex.run_step(batches, _Norms())
+
+                got["profile"] = kernel_table(step)
         finally:
             ex.close()
             engine.close()
@@ -232,6 +243,8 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         r: dict[str, Any] = {"median_ms": med * 1e3, "model_tflops": flops / med / 1e12,
                              "model_tflops_6n": 6 * program.n_params() * tokens / med / 1e12, "tokens_per_s": tokens / med,
                              "times_s": got["times_s"], "warmup_s": got["warmup_s"], "peak_bytes": got["peak_bytes"], **info}
+        if "profile" in got:
+            r["profile"] = got["profile"]
         if ref is None:
             ref = got
             rec["reference_variant"] = v
