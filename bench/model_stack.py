@@ -231,7 +231,7 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
 
                 more = iter(range(warmup + reps, warmup + reps + 2))  # the steps kernel_table runs: warm, then profiled
 
-                def step() -> None:
+                def step(ex: StreamingExecutor = ex) -> None:  # bound now: the loop deletes `ex` after the variant
                     ex.timeline.begin_step(next(more))
                     ex.run_step(batches, _Norms())
 
