@@ -16,12 +16,17 @@ the store's write rate, since other jobs share the disk too) right after calibra
 before and after each run. Each prediction is judged at the machine's speed anywhere between
 calibrated and what the probe of the resource it is bound by read around the run (see `_miss`),
 and an attempt in which any probe drifted more than 15 % says nothing about the model and is
-repeated (calibration included) while the time budget lasts. Each probe is
+repeated (calibration included) while the time budget lasts. A quiet attempt that misses is
+repeated once too: the probes see the machine drift from its calibration, not the calibration's
+own sampling error, and calibrate's store rates vary by up to 25 % between calibrations minutes
+apart on the shared VM (the disk case, 2026-11-26: +22 % on a quiet attempt with its disk probe at
++4 %, where three other calibrations gave +15 %, -10 % and +9 %). Each probe is
 compared with itself: against calibrate's own figures (another size, another count of samples)
 the small disk probe read 35-50 % faster on a quiet machine, which judged every attempt noisy
 and left a test that could not fail. An
-attempt with all three within 15 % passes; a quiet attempt that misses fails; if every attempt was
-noisy and missed, the test is skipped with the figures.
+attempt with all three within 15 % passes; two quiet attempts that miss fail, and so does one that
+no other quiet attempt followed; if every attempt was noisy and missed, the test is skipped with
+the figures.
 
 Calibration and runs use one intra-op thread (the engine's copy and optimizer threads run beside
 it, so compute and optimizer still share the two cores): with two, a busy neighbour stalls
@@ -129,7 +134,13 @@ def one_thread():
 def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
     data = skewed_tokens(tmp_path / "d.bin", 100_000)
     t_start, report, attempt = time.perf_counter(), [], 0
-    while attempt == 0 or time.perf_counter() - t_start < BUDGET_S:
+    quiet_misses: list[str] = []
+
+    def again() -> bool:  # one quiet miss may be its calibration's outlier: a second quiet attempt decides
+        spent = time.perf_counter() - t_start
+        return spent < BUDGET_S or (len(quiet_misses) == 1 and spent < 2 * BUDGET_S)
+
+    while attempt == 0 or again():
         assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
         prof = MachineProfile.load(tmp_path / "machine.json")
         os.sync()  # calibrate's own writes must not slow the disk probe's baseline (it then read 25-46 % slow)
@@ -162,8 +173,12 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
         within = all(abs(_miss(pred, meas, slow)) <= TOLERANCE for pred, meas, _, slow in results.values())
         if named and within:  # all three within 15 % of the drift-scaled prediction in one attempt: the model holds
             return
-        assert not quiet, report[-1]  # a quiet machine and a miss: the model is wrong
-
+        if quiet:
+            quiet_misses.append(report[-1])
+            # a quiet machine and a miss twice, each against its own calibration: the model is wrong
+            assert len(quiet_misses) < 2, "\n".join(quiet_misses)
         attempt += 1
+    # a quiet miss that no later attempt could confirm or clear (every other one was noisy): still a miss
+    assert not quiet_misses, "\n".join(report)
     pytest.skip(f"the machine ran more than {TOLERANCE:.0%} slower or faster than calibrated during every attempt: nothing to "
                 "conclude about the model\n" + "\n".join(report))
