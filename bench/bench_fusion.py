@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
+from launch_count import print_kernel_table
 
 from mtc.compiler import compile_template, launches
 from mtc.models import build, model_config
@@ -355,10 +356,7 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
             if extra:
                 print(f"model/{shape:5s} {v:16s} " + "; ".join(extra))
             if "profile" in x:
-                prof = x["profile"]
-                print(f"  {v}: GPU busy {prof['gpu_ms_total']:.1f} ms of {x['median_ms']:.1f} ms; top kernels:")
-                for row in prof["top"][:12]:
-                    print(f"    {row['ms']:9.2f} ms  x{row['calls']:<5d} {row['kernel'][:100]}")
+                print_kernel_table(v, x["profile"], x["median_ms"], top=12)
         print(f"record: {write_record(name, rec, written[0] if written else None)}")
 
 
@@ -427,9 +425,7 @@ def main() -> None:
                   f"capture {cg['capture_s']:.2f} s, pool {cg['pool_bytes'] / 2**20:.0f} MiB"
                   + (f"; FELL BACK: {cg['fallback']}" if cg["fallback"] else ""))
         for v, prof in rec.get("profile", {}).items():
-            print(f"  {v}: GPU busy {prof['gpu_ms_total']:.2f} ms of {rec['results'][v]['median_ms']:.2f} ms; top kernels:")
-            for r in prof["top"]:
-                print(f"    {r['ms']:8.3f} ms  x{r['calls']:<4d} {r['kernel'][:100]}")
+            print_kernel_table(v, prof, rec["results"][v]["median_ms"])
         print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
         recs.append(rec)
     if recs:

@@ -40,6 +40,13 @@ def kernel_table(fn: Callable[[], Any], top: int = 25) -> dict:
     return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
 
 
+def print_kernel_table(variant: str, table: dict, median_ms: float, top: int = 25) -> None:
+    """`kernel_table`'s figures as lines: GPU-busy time against the variant's median, then its top kernels."""
+    print(f"  {variant}: GPU busy {table['gpu_ms_total']:.2f} ms of {median_ms:.2f} ms; top kernels:")
+    for r in table["top"][:top]:
+        print(f"    {r['ms']:9.3f} ms  x{r['calls']:<5d} {r['kernel'][:100]}")
+
+
 def profiled_kernels(fn: Callable[[], Any]) -> int:
     """GPU kernels (not copies or memsets) that one call of ``fn`` runs, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile

@@ -189,15 +189,16 @@ class MachineProfile:
 CUDA_ADAMW_WITH_COPIES = 0.49
 
 
-def cuda_layer_efficiency() -> float:
-    """Fraction of calibrate's median matmul rate a fused Llama 8B block reaches on the H100:
-    bench_fusion's llama block (mtc_fused, h 4096, 8192 tokens, bf16) ran its forward + backward
-    in 22.09 ms (median of 10; bench_fusion-vm-20261126T152124), where the same box's calibrate
-    measured a median of 710 TFLOP/s. The block's matmul and causal-attention FLOPs are
-    3 x (2 x 218.1M x 8192 + 0.5 x 4 x 8 x 32 x 1024^2 x 128) = 10.9 TFLOP. The figure takes the
-    same fraction on another GPU (an assumption the profile lists)."""
-    block_flops = 3 * (2 * 218_112_000 * 8192 + 0.5 * 4 * 8 * 32 * 1024**2 * 128)
-    return round(block_flops / 710e12 / 22.09e-3, 3)
+# One Llama 8B block (h 4096, 8192 tokens) forward + backward: its matmul and causal-attention FLOPs,
+# 3 x (2 x 218.1M x 8192 + 0.5 x 4 x 8 x 32 x 1024^2 x 128) = 10.9 TFLOP (the anchor of both GPU
+# layer efficiencies below)
+_LLAMA8B_BLOCK_FLOPS = 3 * (2 * 218_112_000 * 8192 + 0.5 * 4 * 8 * 32 * 1024**2 * 128)
+
+# Fraction of calibrate's median matmul rate a fused Llama 8B block reaches on the H100: bench_fusion's
+# llama block (mtc_fused, bf16) ran in 22.09 ms (median of 10; bench_fusion-vm-20261126T152124),
+# where the same box's calibrate measured a median of 710 TFLOP/s: 0.697. Another GPU is assumed to
+# reach the same fraction (the profile lists it as assumed).
+CUDA_LAYER_EFFICIENCY = round(_LLAMA8B_BLOCK_FLOPS / 710e12 / 22.09e-3, 3)
 
 
 # -- built-in profiles -------------------------------------------------------------------------
@@ -205,11 +206,10 @@ def cuda_layer_efficiency() -> float:
 
 def _h100_box() -> MachineProfile:
     # DESIGN.md, "Measured ceilings on the lent GPU machine". One Llama 8B block (h 4096, 8k
-    # tokens, bf16) runs its recompute + backward in 22.5 ms fused (README, bench_fusion); its
-    # matmul and attention FLOPs are 3 x (2 x 218.1M x 8192 + 0.5 x 4 x 8 x 32 x 1024^2 x 128)
-    # = 11.1 TFLOP, 14.1 ms at 789 TFLOP/s: the layer reaches 0.63 of the matmul rate.
-    block_flops = 3 * (2 * 218_112_000 * 8192 + 0.5 * 4 * 8 * 32 * 1024**2 * 128)
-    eff = block_flops / 789e12 / 22.48e-3
+    # tokens, bf16) runs its recompute + backward in 22.5 ms fused (README, bench_fusion): its
+    # 10.9 TFLOP (_LLAMA8B_BLOCK_FLOPS) take 13.9 ms at 789 TFLOP/s, so the layer reaches 0.62 of
+    # the matmul rate.
+    eff = _LLAMA8B_BLOCK_FLOPS / 789e12 / 22.48e-3
     return MachineProfile(
         name="h100-box", device="NVIDIA H100 80GB, PCIe Gen5, 16 cores, 128 GiB RAM (the lent GPU machine)",
         accelerator="cuda", cores=16, gpu_memory_bytes=81_559 * 2**20, host_memory_bytes=128 * GiB,
@@ -813,7 +813,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     device = torch.cuda.get_device_name() if cuda else f"cpu ({_cpu_model()}, {cores} cores)"
     assumed = []
     if cuda:
-        assumed.append(f"layer efficiency {cuda_layer_efficiency()} (the H100 box's fused Llama block over its median "
+        assumed.append(f"layer efficiency {CUDA_LAYER_EFFICIENCY} (the H100 box's fused Llama block over its median "
                        "matmul rate; not measured here)")
         assumed.append(f"CPU AdamW x {CUDA_ADAMW_WITH_COPIES} while the engine's copies run (the H100 box's stateless "
                        "bench_train runs; not measured here)")
@@ -829,7 +829,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
         adamw_with_copies=CUDA_ADAMW_WITH_COPIES if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,
-        layer_efficiency=cuda_layer_efficiency() if cuda else 1.0,
+        layer_efficiency=CUDA_LAYER_EFFICIENCY if cuda else 1.0,
         elementwise=[] if cuda else _elementwise_points(torch, list(elementwise_mib), repeats),
         memory=[] if cuda else _memory_points(torch, list(elementwise_mib), repeats),
         op_overhead_us=0.0 if cuda else _op_overhead_us(torch, repeats),

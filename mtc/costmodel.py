@@ -300,13 +300,12 @@ def matmul_rate(profile: MachineProfile, m: int, k: int, n: int) -> float:
     return rate * profile.layer_efficiency
 
 
-def _attention_rate(profile: MachineProfile, tq: int, d: int, tk: int) -> float:
+def _attention_rate(profile: MachineProfile) -> float:
     """FLOP/s of a (flash) attention: the profile's measured rate, else the layer's matmul rate at
     its fastest measured shape. Not the rate of a (tq x d) @ (d x tk) matmul by its intensity: that
     counts the tq x tk scores as memory traffic, which a flash kernel keeps on chip, and put the
     H100's attention at 33 TFLOP/s, 40 % of a P1 step's modelled compute where the measured step
     had none of it (bench_train P1-16 auto: 1.78 s predicted, 1.25 s measured, 2026-11-26)."""
-    del tq, d, tk
     if profile.attention_tflops:
         return profile.attention_tflops * 1e12
     if not profile.matmul:
@@ -338,7 +337,8 @@ def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool) 
     """(matmul seconds, other seconds) of one micro-batch through a layer, before the profile's
     reference-block scales: attention, element-wise traffic, op dispatch and page faults are "other"."""
     t_mm = sum(b * _matmul_seconds(profile, m, k, n) for b, m, k, n in cost.matmuls)
-    t_at = sum(4 * bh * tq * tk * d * (0.5 if c else 1.0) / _attention_rate(profile, tq, d, tk) for bh, tq, tk, d, c in cost.attention)
+    t_at = sum(4 * bh * tq * tk * d * (0.5 if c else 1.0) for bh, tq, tk, d, c in cost.attention) / _attention_rate(profile) \
+        if cost.attention else 0.0
     t_ew = sum(elementwise_seconds(profile, b, big) for b, big in cost.elementwise)
     t_op = cost.ops * profile.op_overhead_us * 1e-6
     ft = profile.first_touch_gbps * 1e9

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc.calibrate import CUDA_ADAMW_WITH_COPIES, MachineProfile, cuda_layer_efficiency
+from mtc.calibrate import CUDA_ADAMW_WITH_COPIES, CUDA_LAYER_EFFICIENCY, MachineProfile
 from mtc.config import TrainConfig
 from mtc.planner import make_plan
 
@@ -47,7 +47,7 @@ def test_the_records_are_there():
 def test_predicted_step_within_25_percent_of_the_h100s(setting):
     measured = MachineProfile.load(PROFILE)
     # what calibrate assumes on CUDA is the code's figure, not the one written into the file then
-    prof = dataclasses.replace(measured, layer_efficiency=cuda_layer_efficiency(), adamw_with_copies=CUDA_ADAMW_WITH_COPIES)
+    prof = dataclasses.replace(measured, layer_efficiency=CUDA_LAYER_EFFICIENCY, adamw_with_copies=CUDA_ADAMW_WITH_COPIES)
     layers = setting["gpu_update_layers"]
     cfg = TrainConfig.from_dict({**setting["config"], "placement": setting["placement"],
                                  "gpu_update": ",".join(map(str, layers)) if layers else "none"})
