@@ -180,19 +180,21 @@ def _ratios(rec: dict) -> None:
 
 def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, seq_len: int, warmup: int, reps: int,
               variants: list[str], log: Callable[[str], None] = print, deadline: float | None = None,
-              on_variant: Callable[[dict], None] | None = None, profile: bool = False) -> dict:
+              on_variant: Callable[[dict], None] | None = None, profile: bool = False,
+              dtype: torch.dtype | None = None) -> dict:
     """One step's compute over shape ``shape``'s full stack for each variant; returns the record.
     ``deadline`` (a `time.monotonic` value): variants not started by then are recorded as skipped,
     so a device call's time limit still leaves a record of those that ran; ``on_variant`` gets the
     record so far after each variant (to write it as it grows). ``profile`` (CUDA): each variant's
-    kernels over one more step (`launch_count.kernel_table`), where the time between variants goes."""
+    kernels over one more step (`launch_count.kernel_table`), where the time between variants goes.
+    ``dtype``: the compute dtype (default bf16 on CUDA, fp32 elsewhere)."""
     if seqs % micro_batch:
         raise SystemExit(f"--model-seqs {seqs} is not a multiple of --model-micro-batch {micro_batch}")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     overrides = dict(SHAPES[shape])
     with torch.device("meta"):
-        model = build("tiny" if shape == "smoke" else LLAMA, **overrides)
-    program = trace(model, micro_batch, seq_len)
+        model = build("tiny" if shape == "smoke" else LLAMA, **overrides).to(dtype)
+    program = trace(model, micro_batch, seq_len)  # traced in the compute dtype, as `mtc train` traces (constants too)
     del model
     tiers = ComputeOnlyTiers(program, ["gpu"] * program.n_layers, device, dtype)
     _fill_weights(program, tiers, seed=0)

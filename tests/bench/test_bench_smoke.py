@@ -133,6 +133,20 @@ def test_bench_fusion_model_line_smoke_agrees_with_unfused(tmp_path):
     assert rec["goal"].startswith("none")
 
 
+def test_model_line_traces_in_the_compute_dtype():
+    """The H200 run's crash: the stack was traced from an fp32 model, so a bf16 step met fp32
+    constants in a matmul. The unfused bf16 step now runs on the CPU."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import model_stack
+
+    kw = dict(seqs=4, micro_batch=2, seq_len=8, warmup=0, reps=1, variants=["unfused"], log=lambda _: None)
+    bf16 = model_stack.run_model("smoke", torch.device("cpu"), dtype=torch.bfloat16, **kw)
+    fp32 = model_stack.run_model("smoke", torch.device("cpu"), **kw)
+    assert bf16["dtype"] == "torch.bfloat16" and fp32["dtype"] == "torch.float32"
+    assert bf16["results"]["unfused"]["median_ms"] > 0
+
+
 def test_fusion_goal_verdict_takes_the_faster_fused_variant_and_says_which():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
