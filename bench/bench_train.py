@@ -324,7 +324,7 @@ def predicted(cfg: TrainConfig, measured_step_s: float | None = None) -> dict[st
     st = plan.step
     tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum
     out = {"profile": prof.name, "placement": describe(plan.placement), "gpu_update_layers": sorted(plan.gpu_update),
-           "step_s": st.step_s, "tokens_per_s": tokens / st.step_s, "bottleneck": st.bottleneck, "stages_s": st.stages()}
+           "update_prefetch_layers": plan.prefetch, "step_s": st.step_s, "tokens_per_s": tokens / st.step_s, "bottleneck": st.bottleneck, "stages_s": st.stages()}
     if measured_step_s:
         out["measured_over_predicted"] = measured_step_s / st.step_s
     return out
@@ -379,6 +379,8 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "placement_spec": cfg.placement, "placement": describe(res.placement), "tier_params": numels,
         "gpu_update_spec": cfg.gpu_update, "gpu_update_layers": sorted(res.gpu_update),
         "gpu_update_params": planned["streamed_update_params"],
+        # of them, the first that many loaded their state during the backward (`update_prefetch`)
+        "update_prefetch_spec": cfg.update_prefetch, "update_prefetch_layers": res.prefetch,
         "n_params": n_params, "tokens_per_step": tokens,
         "setup_s": {"init_model": t1 - t0, "plan_prepare": tp - t1, "open_run": t2 - tp,
                     "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s},
@@ -637,18 +639,27 @@ def part_p1(env: Env, part: str, settings: list[str]) -> dict[str, Any]:
     """4.6B shape, 16 or 48 sequences per step: stateless vs the plan's placement."""
     mb, accum = env.split(16 if part == "P1-16" else 48)
     steps = env.warmup + env.measure + (1 if env.profile else 0)
-    runs = [_run(env, part, s, "mtc", _cfg(env, _shape(env, P1_SHAPE), micro_batch=mb, accum=accum, steps=steps,
-                                          placement="stateless" if s == "stateless" else "auto"))
+    runs = [_run(env, part, s, "mtc", _setting(_cfg(env, _shape(env, P1_SHAPE), micro_batch=mb, accum=accum, steps=steps,
+                                                   placement="auto"), s))
             for s in settings]
     return {"settings": runs, "goal_stateless_tflops": GOALS[part], "megatrain_tflops": MEGATRAIN[part]}
+
+
+def _setting(cfg: TrainConfig, setting: str) -> TrainConfig:
+    """``cfg`` for a named setting: auto (the plan's placement), stateless (all state in host RAM),
+    or stateless-noprefetch (the same, with no GPU-updated layer's state loaded during the backward:
+    the A/B of `update_prefetch` in one run)."""
+    if setting == "auto":
+        return cfg
+    return dataclasses.replace(cfg, placement="stateless", update_prefetch=0 if setting == "stateless-noprefetch" else None)
 
 
 def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool) -> dict[str, Any]:
     """1.5B shape that fits the GPU: mtc vs GPU-resident PyTorch (eager and torch.compile)."""
     mb, accum = env.split(16)
     steps = env.warmup + env.measure + (1 if env.profile else 0)
-    runs = [_run(env, "P3", s, "mtc", _cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=steps,
-                                          placement="stateless" if s == "stateless" else "auto"))
+    runs = [_run(env, "P3", s, "mtc", _setting(_cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=steps,
+                                                   placement="auto"), s))
             for s in settings]
     bcfg = _cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=env.warmup + env.measure, placement="auto")
     base_mb = min(baseline_mb, mb * accum)
@@ -814,7 +825,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of parts (default all: {','.join(PARTS)})")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 3 steps: the code paths, not speed")
-    ap.add_argument("--settings", default="stateless,auto", help="P1/P3 mtc settings, in order (stateless, auto)")
+    ap.add_argument("--settings", default="stateless,auto",
+                    help="P1/P3 mtc settings, in order (stateless, stateless-noprefetch, auto)")
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default 2; 1 with --smoke)")
     ap.add_argument("--steps", type=int, help="measured steps after warm-up (default 4; 2 with --smoke)")
     ap.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiled extra step (no GPU busy %%)")
@@ -849,8 +861,8 @@ def main() -> None:
         if v < 1 or 16 % v or (flag == "--micro-batch" and 48 % v):
             ap.error(f"{flag} must divide the sequences per step (16, and 48 for --micro-batch), got {v}; e.g. 4 or 8")
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
-    if not settings or any(s not in ("stateless", "auto") for s in settings):
-        ap.error(f"--settings takes stateless and/or auto, got {a.settings!r}")
+    if not settings or any(s not in ("stateless", "stateless-noprefetch", "auto") for s in settings):
+        ap.error(f"--settings takes stateless, stateless-noprefetch and/or auto, got {a.settings!r}")
     if not a.smoke and not torch.cuda.is_available():
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     start = _T0

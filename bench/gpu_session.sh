@@ -10,6 +10,7 @@
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes;
+#                  P1-16 runs stateless, stateless-noprefetch and auto: update_prefetch's A/B in one run;
 #                  it starts only with TRAIN_MIN_S, default 240 s, left, and stops starting settings
 #                  at its own limit, keeping the ones it finished)
 #                  (train, dp and disk parts first run `mtc calibrate` once per machine: its profile
@@ -25,14 +26,14 @@
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
 #   call 1, timeout_s 600:  bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P1-16, train/P5, model/1.5b;
+#       (the default list, in order of what is pending: tests, train/P1-16, model/1.5b, train/P3;
 #       a part that no longer fits is skipped and says so)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then train/P3 train/P1-48 fusion
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s)
-#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P5 model/1.5b
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 model/1.5b train/P3
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,11 +57,11 @@ pack() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending, most important first: the gpu tests (4 test fixes since the first run),
-# P1-16 stateless (the cost model's new GPU-update split, against its 2.01 s with the old one), P5
-# (never measured), the whole 1.5B stack fused vs torch.compile (where P3's 0.86x goes); see the
-# header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P5 model/1.5b)
+# default: what is pending, most important first: the gpu tests (the prefetched GPU-side update's
+# race test is new), P1-16 stateless with update_prefetch against the same run without it (2.10 s
+# at 13 GPU-updated layers without), the whole 1.5B stack fused vs torch.compile (its bf16 crash is
+# fixed; where P3's 0.86x goes), P3 (not rerun since the first session); see the header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 model/1.5b train/P3)
 budget=${BENCH_BUDGET_S:-530}
 profile="$HOME/.cache/mtc/machine.json"
 for p in "${parts[@]}"; do
@@ -97,8 +98,10 @@ for p in "${parts[@]}"; do
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       # one plans directory for every train part of the call: a shape's plan compiles once (P1-48 loads P1-16's)
+      ab=()  # P1-16: the prefetch's A/B beside the plan's placement (TRAIN_ARGS may name --settings itself)
+      [ "$p" = train/P1-16 ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings stateless,stateless-noprefetch,auto)
       timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" --plans /tmp/mtc-bench-plans \
-        ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
+        "${ab[@]}" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     dp)
       if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))

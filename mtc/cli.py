@@ -32,8 +32,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 # help text, accepted values and defaults come from the schema in mtc.config.
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
-    "placement", "gpu_update", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb",
-    "optim_threads", "host_adamw", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
+    "placement", "gpu_update", "update_prefetch", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb",
+    "gpu_budget_gb", "optim_threads", "host_adamw", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
     "dist_timeout_s",
@@ -446,7 +446,7 @@ def _cmd_reshard(a: argparse.Namespace) -> int:
 
 
 # run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
-_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "durability",
+_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "update_prefetch", "durability",
                "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs")
 
 

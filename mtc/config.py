@@ -210,6 +210,12 @@ class TrainConfig:
                            help="where each layer's fp32 state (master, m, v) lives; auto: from the budgets")
     gpu_update: str = field("auto", rule=_GPU_UPDATE_RULE,
                             help="which ram layers the GPU updates (state streamed over PCIe); auto: by the cost model")
+    # the state does not depend on the gradient: loaded ahead, only the kernel and the copy back
+    # remain between the step's norm and the next forward (mtc.runtime.optimizer)
+    update_prefetch: int | None = field(None, ge=0,
+                                        help="GPU-updated ram layers whose state loads during the backward (GPU memory: "
+                                        "14 B per parameter of each); none: as many as fit in the GPU memory left "
+                                        "(0 with --activation-budget-gb)")
     # "full": two generations of master, m, v (exact crash-safe resume); "weights": two generations
     # of master weights only (resume restarts Adam's moments); "none".
     durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")

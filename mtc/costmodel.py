@@ -18,7 +18,9 @@ few steps until it repeats:
 - a layer's fp32 gradient crosses back on the device-to-host stream after its backward visit.
 - after the step's sync every layer's update starts, in forward order, on one CPU dispatcher
   (`ram` layers: AdamW on the pool; `disk` layers: read master/m/v, AdamW, write them back, all
-  in the layer's turn); `gpu_update` layers on their own chain over PCIe; `gpu` layers on the
+  in the layer's turn); `gpu_update` layers on their own chain over PCIe (state in and out at
+  once, each direction at half the two-way rate; the first ``prefetch`` of them load their state
+  from the last step's head visit on, and after the sync only copy back); `gpu` layers on the
   device. So the optimizer of step k overlaps the forward of step k+1 in layer order, and disk
   I/O overlaps compute but not other layers' updates.
 - on a commit step each `ram`/`gpu` layer's state is written behind after its update, and the
@@ -523,8 +525,11 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
-              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram") -> StepTime:
+              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram",
+              prefetch: int = 0) -> StepTime:
     """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
+    ``prefetch``: the first that many GPU-updated layers load master, m and v during the
+    backward (from the head's visit on), so after the norm only their kernel and copy back remain.
     ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
     each layer's state, and the collectives run on their own link. ``disk_compute`` "store": disk
@@ -551,6 +556,10 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     on_device = dist is None and streamed_grads_on_device(cfg.activation_budget_gb)
     dev_grad = [placement[i] == "gpu" or (i in gpu_update and on_device) for i in range(L)]
     streamed_in = 12 if on_device else 16  # master, m, v (and the gradient from the host) to the device per parameter
+    ahead = set(sorted(gpu_update)[:prefetch]) if dist is None else set()
+    # a streamed layer's copies in and out run at once: each direction then gets half the two-way
+    # rate (the H100 runs measured ~41 GB/s each, not 55); a layer loaded ahead copies back alone
+    both_each = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2) * gb
     G = [0.0 if dev_grad[i] else gn[i] * 4 / (profile.d2h_gbps * gb) for i in range(L)]
     # the executor's own work per visit and micro-batch (CPU path, calibrated; 0 elsewhere)
     ov = profile.visit_overhead_us * 1e-6 if not cuda else 0.0
@@ -609,9 +618,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     chunks = [math.ceil(sn[i] / StateTiers.disk_chunk_numel) for i in range(L)]
     set_free: list[int] = []  # per chunk taken so far, the write that gives its set back
     h2d_last = d2h_last = net_last = None
+    bwd_from: int | None = None  # last step's head visit could start: the state loads ahead from there
+    upd_prev: list[int | None] = [None] * L  # last step's updates
     for s in range(steps):
         sync = syncs[-1] if syncs else None
         upd: list[int | None] = [None] * L
+        pf_last: int | None = None  # the optimizer lane's copies in, in order
         gate: list[int | None] = [None] * L  # what a forward fetch waits for: the update (and its all-gather)
         dev = sync
         if s:
@@ -624,9 +636,13 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 if placement[i] == "gpu":
                     dev = sim.add(sn[i] / gpu_rate, on["compute"], (dev, *deps))
                     upd[i] = sync
+                elif i in ahead:  # loaded during the last backward, after its own last update
+                    pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, upd_prev[i]))
+                    pre = pf_last
+                    str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (pre, str_out, *deps))
                 elif i in gpu_update:
-                    str_in = sim.add(streamed_in * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (str_in, *deps))
-                    str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
+                    str_in = sim.add(streamed_in * sn[i] / both_each, on["h2d"], (str_in, *deps))
+                    str_out = upd[i] = sim.add(14 * sn[i] / both_each + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
                     ring = set_free[-DISK_SLOTS] if len(set_free) >= DISK_SLOTS else None
                     # a spilled gradient is read back with the state: after the backward wrote it
@@ -641,9 +657,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 if wb[i]:
                     writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev))
                 gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
+        upd_prev = upd
         comp, issue, arrived = dev, sync, sync
         ends: list[int] = []
         for k, (phase, i) in enumerate(visits):
+            if phase == "head":
+                bwd_from = comp
             issue = sim.add(0.0, "", ((issue if cuda else arrived), gate[i] if phase != "bwd" else None))
             if resident[i]:
                 arrived = issue

@@ -26,7 +26,8 @@ from mtc.runtime import placement as pl
 from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
 
 __all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
-           "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "update_rates"]
+           "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "prefetch_for",
+           "update_rates"]
 
 GiB = 2**30
 MODES = ("full", "weights", "none")
@@ -91,6 +92,7 @@ class UpdateRates:
     cpu_params_per_s: float  # CPU AdamW while PCIe copies run
     pcie_bytes_per_s: float  # each direction while both run
     source: str
+    pcie_one_way_bytes_per_s: float = pl.DEFAULT_PCIE_ONE_WAY_BYTES_S  # one direction alone (the slower of the two)
 
     def line(self) -> str:
         """One line for the run's log."""
@@ -106,7 +108,8 @@ def update_rates(cfg: TrainConfig, profile: MachineProfile | None, why: str = "n
         return UpdateRates(pl.DEFAULT_CPU_ADAMW_PARAMS_S, pl.DEFAULT_PCIE_BYTES_S, f"defaults: {why}")
     created = f", {profile.created}" if profile.created else ""
     return UpdateRates(adamw_rate(profile, cfg.optim_threads) * profile.adamw_with_copies, profile.both_gbps * 1e9 / 2,
-                       f"machine profile {profile.name!r}{created}: {profile.source.split(' (')[0] or 'no source recorded'}")
+                       f"machine profile {profile.name!r}{created}: {profile.source.split(' (')[0] or 'no source recorded'}",
+                       min(profile.h2d_gbps, profile.d2h_gbps) * 1e9)
 
 
 def local_profile(device: str, path: str | Path | None = None) -> tuple[MachineProfile | None, str]:
@@ -163,15 +166,28 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
         raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
                           "use ram or disk")
     rates = update_rates(cfg, profile)  # the planned machine's figures
-    # the GPU memory left for GPU-side updates' buffers once the placement's state and the workspace are in
-    gpu_left = None
-    if cuda:  # (gpu_workspace with the placement counts resident layers' CUDA graphs)
-        budget = cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else profile.gpu_memory_bytes - gpu_workspace(cfg, shape, placement)
-        gpu_left = int(budget - pl.gpu_state_bytes(placement, numels, shape.compute_bytes))
+    gpu_left = _gpu_left(cfg, shape, profile, placement) if cuda else None
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
                                        pcie_bytes_per_s=rates.pcie_bytes_per_s, compute_bytes=shape.compute_bytes, gpu_bytes=gpu_left,
-                                       grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
+                                       grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb),
+                                       prefetch=cfg.update_prefetch, one_way_bytes_per_s=rates.pcie_one_way_bytes_per_s)
     return placement, gpu_update
+
+
+def _gpu_left(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, placement: list[str]) -> int:
+    """The GPU memory left for GPU-side updates' buffers once the placement's state and the
+    workspace (with resident layers' CUDA graphs) are in."""
+    budget = cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else profile.gpu_memory_bytes - gpu_workspace(cfg, shape, placement)
+    return int(budget - pl.gpu_state_bytes(placement, list(shape.numels), shape.compute_bytes))
+
+
+def prefetch_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, placement: list[str], gpu_update: set[int]) -> int:
+    """The GPU-updated layers whose state loads during the backward, as `mtc.train.plan_prefetch`
+    chooses them, on ``profile``'s GPU memory."""
+    cuda = profile.accelerator == "cuda"
+    left = _gpu_left(cfg, shape, profile, placement) if cuda else None
+    return pl.choose_prefetch(cfg.update_prefetch, gpu_update, list(shape.numels), shape.compute_bytes, gpu_bytes=left,
+                              grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -193,10 +209,11 @@ class Memory:
 
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
-           host_available: int | None = None, gpu_memory: int | None = None) -> Memory:
+           host_available: int | None = None, gpu_memory: int | None = None, prefetch: int = 0) -> Memory:
     """Memory per tier of this placement (the table in `mtc.runtime.placement`) on a machine with
     ``host_available`` bytes of RAM (None: this one's) and ``gpu_memory`` bytes of GPU memory the
-    run can use (None: unknown, and disk layers' gradients are planned on the GPU)."""
+    run can use (None: unknown, and disk layers' gradients are planned on the GPU); ``prefetch``:
+    the GPU-updated layers whose state loads ahead (a scratch set each)."""
     n, c = list(shape.numels), shape.compute_bytes
     # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold
     # them (host RAM on the CPU; on CUDA the GPU memory left beside the workspace)
@@ -223,7 +240,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if dev_grads:
         host -= 4 * sum(n[i] for i in streamed)  # their gradients wait on the GPU
     return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill)
-                  + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads),
+                  + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads, prefetch=prefetch),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
                   grad_spill=spill, disk_compute=dc)
@@ -318,8 +335,10 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     shape = shape_from_program(program, cfg.model, cbytes)
     cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
     # as mtc.train decides the gradient spill: from the GPU memory free now
+    # an update_prefetch the user named (auto takes only what fits)
+    prefetch = pl.choose_prefetch(cfg.update_prefetch, gpu_update, list(shape.numels), cbytes, gpu_bytes=None, grads_on_device=False)
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
-                 gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None)
+                 gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch)
     disk_free, where = None, ""
     if store_dir is not None and (new_run or seeded_written is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -361,6 +380,7 @@ class Plan:
     memory: Memory
     checks: list[Check]
     step: StepTime
+    prefetch: int = 0  # GPU-updated layers whose state loads during the backward
 
     @property
     def fits(self) -> bool:
@@ -381,6 +401,7 @@ class Plan:
         out += [f"  assumed: {a}" for a in pr.assumed]
         out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
                    f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
+                   + (f" ({self.prefetch} loading their state during the backward)" if self.prefetch else "")
                    + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"
                       if m.disk_compute == "store" else "; disk layers' compute copy in pinned RAM"))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
@@ -414,14 +435,15 @@ def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | N
     if shape is None:
         shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[cbytes], program=program)
     placement, gpu_update = placement_for(cfg, shape, profile, disk_tier=disk_tier)
+    prefetch = prefetch_for(cfg, shape, profile, placement, gpu_update)
     cuda = profile.accelerator == "cuda"
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda, host_available=profile.host_available_bytes,
-                 gpu_memory=profile.gpu_memory_bytes if cuda else None)
+                 gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
     st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
-                   disk_compute=mem.disk_compute)
-    return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st)
+                   disk_compute=mem.disk_compute, prefetch=prefetch)
+    return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch)
 
 
 # -- extrapolations and the largest model ------------------------------------------------------

@@ -138,6 +138,7 @@ class TrainResult:
     compile_s: float | None = None  # compiling or loading the fused plan's templates (None: unfused)
     graph_report: list[str] = dataclasses.field(default_factory=list)  # CUDA-graph replay per template (runtime/graph_replay.py)
     host_adamw: str = ""  # the host AdamW's implementation and how it used the cores (timed at start where it matters)
+    prefetch: int = 0  # GPU-updated layers whose state loaded during the backward (`plan_prefetch`)
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: str | None = None) -> nn.Module:
@@ -180,7 +181,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 
 # fields that change how a run executes but not what it computes: free to differ on resume
-_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "optim_threads", "commit_every",
+_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "update_prefetch", "optim_threads", "commit_every",
                      "host_adamw", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
                      "matmul_fusion", "dp_collectives", "rank_dir")
@@ -245,19 +246,35 @@ def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | No
     rates = _gpu_update_rates(cfg)
     cuda = cfg.device.startswith("cuda")
     on_device = pl.streamed_grads_on_device(cfg.activation_budget_gb)  # (a data-parallel run plans in mtc.dist_plan)
-    gpu_left = None  # the GPU memory left for GPU-side updates' buffers beside the placement's state and the workspace
-    if cuda and cfg.gpu_update.strip() == "auto":
-        gpu_left = pl.gpu_state_bytes(placement, numels, cbytes)
-        if cfg.gpu_budget_gb is not None:
-            gpu_left = int(cfg.gpu_budget_gb * 2**30) - gpu_left
-        else:  # resident layers' CUDA graphs take their share beside it
-            extra = _graph_gpu_extra(cfg, program, cbytes)
-            gpu_left = _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes) - gpu_left - sum(
-                extra[i] for i, t in enumerate(placement) if t == "gpu")
+    gpu_left = _gpu_left(cfg, program, placement, cbytes) if cuda and cfg.gpu_update.strip() == "auto" else None
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
                                        pcie_bytes_per_s=rates.pcie_bytes_per_s, grads_on_device=on_device, compute_bytes=cbytes,
-                                       gpu_bytes=gpu_left)
+                                       gpu_bytes=gpu_left, prefetch=cfg.update_prefetch,
+                                       one_way_bytes_per_s=rates.pcie_one_way_bytes_per_s)
     return placement, gpu_update
+
+
+def plan_prefetch(cfg: TrainConfig, program: Program, placement: list[str], gpu_update: set[int]) -> int:
+    """How many of the GPU-updated ram layers load their state during the backward
+    (`mtc.runtime.placement.choose_prefetch`): ``cfg.update_prefetch``, or on CUDA as many as fit
+    in the GPU memory left beside the placement's state, the workspace and the update's buffers."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
+    left = _gpu_left(cfg, program, placement, cbytes) if cuda and gpu_update and cfg.update_prefetch is None else None
+    return pl.choose_prefetch(cfg.update_prefetch, gpu_update, numels, cbytes, gpu_bytes=left,
+                              grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
+
+
+def _gpu_left(cfg: TrainConfig, program: Program, placement: list[str], cbytes: int) -> int:
+    """The GPU memory left for GPU-side updates' buffers beside the placement's state and the workspace."""
+    numels = [program.layer_numel(i) for i in range(program.n_layers)]
+    left = pl.gpu_state_bytes(placement, numels, cbytes)
+    if cfg.gpu_budget_gb is not None:
+        return int(cfg.gpu_budget_gb * 2**30) - left
+    # resident layers' CUDA graphs take their share beside it
+    extra = _graph_gpu_extra(cfg, program, cbytes)
+    return _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes) - left - sum(extra[i] for i, t in enumerate(placement) if t == "gpu")
 
 
 def _gpu_update_rates(cfg: TrainConfig) -> UpdateRates:
@@ -563,6 +580,7 @@ def train(
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
                                      disk_compute=dc, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
+        prefetch = 0 if world.distributed else plan_prefetch(cfg, program, placement, gpu_update)
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=dc,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,
                            sharded=world.distributed,
@@ -595,7 +613,7 @@ def train(
             # the cost model's rates, when it chose the GPU-updated layers
             rates = _gpu_update_rates(cfg).line() if device.type == "cuda" and cfg.gpu_update.strip() == "auto" else None
             resolved = dict(cfg.to_dict(), resolved_placement=pl.describe(placement), gpu_update_layers=sorted(gpu_update),
-                            gpu_update_rates=rates,
+                            gpu_update_rates=rates, update_prefetch_layers=prefetch,
                             resolved_disk_compute=dc,
                             resolved_compute_dtype=cfg.resolved_compute_dtype,
                             mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)
@@ -624,7 +642,7 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
             runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
                                     log=notify)
-        eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize)
+        eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize, prefetch=prefetch)
         if device.type == "cuda" and notify is not None:
             notify(pinning_report())  # exact-size registered host memory, or torch's rounded allocator and why
         host_adamw = eng.optimizer.host_strategy.describe(eng.optimizer.host_impl)
@@ -740,7 +758,7 @@ def train(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
-        graph_report=graph_lines, host_adamw=host_adamw,
+        graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch,
     )
 
 
@@ -761,8 +779,9 @@ class Engine:
 
 def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_update: set[int], store: TensorStore,
                  timeline: Timeline, *, runners: dict[str, LayerRunner] | None = None, serialize: bool = False,
-                 on_visit: Callable[[str, int], None] | None = None) -> Engine:
-    """Wire the copy engine, executor and optimizer of a run over ``tiers``."""
+                 on_visit: Callable[[str, int], None] | None = None, prefetch: int = 0) -> Engine:
+    """Wire the copy engine, executor and optimizer of a run over ``tiers`` (``prefetch``: the
+    GPU-updated layers whose state loads during the backward, `plan_prefetch`)."""
     device = torch.device(cfg.device)
     copies = CopyEngine(device, timeline, serialize=serialize)
     budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
@@ -770,7 +789,8 @@ def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_upda
                                  activation_budget_bytes=budget, on_visit=on_visit)
     try:
         opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
-                             host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability)
+                             host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability,
+                             prefetch=prefetch)
     except BaseException:
         executor.close()  # their threads would outlive the failed set-up
         copies.close()

@@ -11,6 +11,10 @@ and clipping stays exact. Per layer, by tier:
 - ``ram``: the host AdamW on all cores (chunks over a thread pool), writing the new compute copy in
   the same pass; or, for the layers ``gpu_update`` names, on the GPU: state and gradient stream
   over PCIe through pinned buffers on the copy streams, the kernel runs, the state streams back.
+  The state does not depend on the gradient, so the first ``prefetch`` of them (in forward order)
+  load theirs during the backward, into sets of device buffers of their own: after the norm only
+  their kernel and the copy back remain, and the window between the norm and the next forward,
+  where every update runs, carries 12 bytes per parameter less of their PCIe traffic.
 - ``disk``: master, m, v of the current generation were read ahead, chunk by chunk, into buffer
   sets of the disk ring (`mtc.runtime.disk_tier`, started at `begin_step`, during the forward); the
   gradient's chunk is copied from the compute device into the set (or was read back from the
@@ -43,6 +47,7 @@ from mtc.config import OptimConfig
 from mtc.graphs.program import Program
 from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import TUNE_MIN_NUMEL, HostStrategy, adamw_flat_, host_pool, tune_strategy
+from mtc.runtime.placement import scratch_sets
 from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
@@ -89,6 +94,7 @@ class StreamingAdamW:
         durability: str = "full",
         disk_slots: int = DISK_SLOTS,
         dp: DataParallel | None = None,
+        prefetch: int = 0,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
@@ -119,7 +125,12 @@ class StreamingAdamW:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-commit")
         self._norms: dict[int, torch.Tensor] = {}
         self._step: int | None = None
-        self._scratch: list[list[torch.Tensor]] = []  # GPU-side update of ram layers: two sets of device buffers
+        self._scratch: list[list[torch.Tensor]] = []  # GPU-side update of ram layers: sets of device buffers
+        # GPU-updated layers whose state loads during the backward (not in a data-parallel run:
+        # its shards' updates wait on the reduction, `mtc.runtime.collectives`)
+        self.prefetch = min(max(0, prefetch), len(self.gpu_update)) if dp is None else 0
+        self._prefetched: dict[int, tuple[int, Transfer]] = {}  # scratch set -> (layer, its state's copy in)
+        self._prefetch_due = False
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
@@ -130,8 +141,8 @@ class StreamingAdamW:
             self._scratch = [[torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(3)]
                              + [torch.empty(copy, dtype=self.tiers.compute_dtype, device=self.device)]
                              + ([torch.empty(n, dtype=torch.float32, device=self.device)] if host_grads else [])
-                             for _ in range(2)]
-        self._scratch_free: list[Transfer | None] = [None, None]  # the last copy out of each scratch set
+                             for _ in range(scratch_sets(self.prefetch))]
+        self._scratch_free: list[Transfer | None] = [None] * len(self._scratch)  # the last copy out of each scratch set
         if self.device.type == "cuda" and (self.gpu_update or any(s.tier == "gpu" and s.numel for s in tiers.layers)):
             _warm_device_adamw(self.device, self.tiers.compute_dtype)
         self.commit_future: Future[None] = _done()  # the last commit record's write
@@ -158,12 +169,17 @@ class StreamingAdamW:
             raise RuntimeError("begin_step called twice without finish_step")
         self._step, self._lr = step, lr
         self._norms.clear()
+        self._prefetch_due = self.prefetch > 0
         if self.disk is not None:  # read this step's disk state ahead while forward and backward run
             self.disk.post(self.disk_generation, {i: self.tiers[i].write for i in self.disk.layers})
 
     def grad_final(self, layer: int, norms: torch.Tensor) -> None:
         """The executor's report: ``layer``'s gradient is complete, with these per-parameter norms."""
         self._norms[layer] = norms
+        if self._prefetch_due:  # the backward has begun: every update of the last step is done (the forward waited for them)
+            self._prefetch_due = False
+            first = sorted(self.gpu_update)[: self.prefetch]
+            self._gpu.submit(self._prefetch_states, first)
         if self.dp is not None:
             self.dp.grad_final(layer)
 
@@ -246,6 +262,8 @@ class StreamingAdamW:
             # device gradients are final once the compute stream gets here: the GPU-side updates read
             # them on their own stream (ordered by the device, not by the host read above)
             self._gpu.submit(self._update_streamed, streamed, coef, step, after=grads_final)
+        else:  # a skipped step: what was loaded ahead is not used (the next step's backward loads it again)
+            self._gpu.submit(self._prefetched.clear)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
@@ -327,6 +345,19 @@ class StreamingAdamW:
             _device_adamw(s.master, s.grad, s.m, s.v, coef=coef, compute_out=None if s.compute is s.master else s.compute,
                           **hp, **self._hyper())
 
+    def _prefetch_states(self, layers: list[int]) -> None:
+        """Copy master, m and v of ``layers`` (the first GPU-updated ones in forward order) into
+        scratch sets 0, 1, ... ahead of the update (on the optimizer's thread, so the last step's
+        updates, which wrote this host state back, have all finished)."""
+        for j, i in enumerate(layers):
+            s = self.tiers[i]
+            assert s.master is not None and s.m is not None and s.v is not None
+            n = s.numel
+            p, m, v = (t[:n] for t in self._scratch[j][:3])
+            tr = self.engine.h2d([(p, s.master), (m, s.m), (v, s.v)], after=self._scratch_free[j], layer=i,
+                                 stage="opt_prefetch", lane="opt")
+            self._prefetched[j] = (i, tr)
+
     def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
                          views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None) -> None:
         """Ram layers updated on the GPU, pipelined over two scratch sets: layer j's state crosses
@@ -339,21 +370,27 @@ class StreamingAdamW:
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
+            sets = len(self._scratch)
+            loaded, self._prefetched = self._prefetched, {}
             for j, (i, fut, hp, deps) in enumerate(jobs):
                 s = self.tiers[i]
                 hm, hmo, hv, hg, hc = views[i] if views is not None else (s.master, s.m, s.v, s.grad, s.compute)
                 n = hm.numel()
                 _wait_all(self.timeline, i, deps, tstep)
                 with self.timeline.span("update_streamed", i, step=tstep):
-                    p, m, v, c, *g = (t[:n] for t in self._scratch[j % 2])
+                    k = j % sets
+                    p, m, v, c, *g = (t[:n] for t in self._scratch[k])
                     cast = hc is not hm
-                    ins = [(p, hm), (m, hmo), (v, hv)]
+                    ahead = loaded.get(k) if views is None and j < sets else None
+                    ahead_tr = ahead[1] if ahead is not None and ahead[0] == i else None
+                    ins = [] if ahead_tr is not None else [(p, hm), (m, hmo), (v, hv)]
                     if views is None and s.device_grad:  # the gradient is on the device already
                         g = hg
                     else:
                         g = g[0]
                         ins.append((g, hg))
-                    tr_in = self.engine.h2d(ins, after=self._scratch_free[j % 2], layer=i, stage="opt_h2d", lane="opt")
+                    tr_in = (self.engine.h2d(ins, after=[t for t in (self._scratch_free[k], ahead_tr) if t is not None],
+                                             layer=i, stage="opt_h2d", lane="opt") if ins else ahead_tr)
                     if self._opt_stream is not None:
                         self._opt_stream.wait_event(tr_in.event)
                         with torch.cuda.stream(self._opt_stream):
@@ -367,7 +404,7 @@ class StreamingAdamW:
                         after = None
                     back = [(hm, p), (hmo, m), (hv, v)] + ([(hc, c)] if cast else [])
                     tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h", lane="opt")
-                    self._scratch_free[j % 2] = tr_out
+                    self._scratch_free[k] = tr_out
                 pending.append((fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued
                     done, tr = pending.pop(0)

@@ -64,6 +64,7 @@ _FP32 = 4
 # PCIe copies run, and PCIe bytes/s per direction while both run (the H100 box's DESIGN.md table)
 DEFAULT_CPU_ADAMW_PARAMS_S = 2.7e9
 DEFAULT_PCIE_BYTES_S = 50e9
+DEFAULT_PCIE_ONE_WAY_BYTES_S = 55e9  # one direction alone (DESIGN.md: 55 GB/s each way)
 
 
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
@@ -78,13 +79,16 @@ def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None
 
 def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, device_is_cuda: bool,
                        cpu_params_per_s: float = DEFAULT_CPU_ADAMW_PARAMS_S, pcie_bytes_per_s: float = DEFAULT_PCIE_BYTES_S,
-                       grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None) -> set[int]:
+                       grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None,
+                       prefetch: int | None = 0, one_way_bytes_per_s: float = DEFAULT_PCIE_ONE_WAY_BYTES_S) -> set[int]:
     """The `ram` layers the GPU updates: named ranges, "all" (every ram layer), "none", or "auto"
-    (cost model, within ``gpu_bytes`` of GPU memory for their buffers when given; see `choose_gpu_update`)."""
+    (cost model, within ``gpu_bytes`` of GPU memory for their buffers when given, with the run's
+    ``prefetch`` setting: see `choose_gpu_update`)."""
     chosen = parse_layer_set(spec, len(placement))
     if chosen is None:
         return choose_gpu_update(placement, numels, cpu_params_per_s, pcie_bytes_per_s, grads_on_device=grads_on_device,
-                                 compute_bytes=compute_bytes, gpu_bytes=gpu_bytes) if device_is_cuda else set()
+                                 compute_bytes=compute_bytes, gpu_bytes=gpu_bytes, prefetch=prefetch,
+                                 one_way_bytes_per_s=one_way_bytes_per_s) if device_is_cuda else set()
     if spec.strip() == "all":
         return {i for i in chosen if placement[i] == "ram"}
     not_ram = sorted(i for i in chosen if placement[i] != "ram")
@@ -95,7 +99,8 @@ def resolve_gpu_update(spec: str, placement: list[str], numels: list[int], *, de
 
 
 def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s: float, pcie_bytes_per_s: float, *,
-                      grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None) -> set[int]:
+                      grads_on_device: bool = True, compute_bytes: int = 2, gpu_bytes: int | None = None,
+                      prefetch: int | None = 0, one_way_bytes_per_s: float = DEFAULT_PCIE_ONE_WAY_BYTES_S) -> set[int]:
     """Balance CPU and GPU update time: the GPU takes a fraction f of the ram parameters.
 
     The CPU needs 1/r_cpu s per parameter; the GPU path moves p, m, v in (12 B; 16 with the
@@ -104,12 +109,34 @@ def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s:
     both directions overlap. Both finish together when f = (1/r_cpu) / (1/r_cpu + t). Layers are
     taken interleaved over the depth so both engines move along the next forward's order together,
     while their GPU buffers (`streamed_gpu_bytes`) fit in ``gpu_bytes`` (None: not limited).
+
+    ``prefetch`` (the run's `update_prefetch`; None: auto, `choose_prefetch`): a share phi of the
+    GPU path's parameters loads its state during the backward, so only 12 (1 - phi) B per
+    parameter cross in after the norm; while they do, each direction runs at ``bw``, and the rest
+    of the copy back at ``one_way_bytes_per_s``: t = 12 (1 - phi)/bw + (12 + c - 12 (1 - phi))/one_way.
+    The share depends on the layers chosen, so the balance is taken again with the share it gives.
     """
     ram = [i for i, t in enumerate(placement) if t == "ram" and numels[i]]
     total = sum(numels[i] for i in ram)
     if not total:
         return set()
-    t_cpu, t_gpu = 1 / cpu_params_per_s, max(12 if grads_on_device else 16, 12 + _c(compute_bytes)) / pcie_bytes_per_s
+    t_cpu = 1 / cpu_params_per_s
+    out = 12 + _c(compute_bytes)
+    chosen = _balanced(ram, numels, total, t_cpu, max(12 if grads_on_device else 16, out) / pcie_bytes_per_s, compute_bytes,
+                       grads_on_device, gpu_bytes)
+    for _ in range(2 if grads_on_device and prefetch != 0 else 0):
+        ahead = choose_prefetch(prefetch, chosen, numels, compute_bytes, gpu_bytes=gpu_bytes, grads_on_device=True)
+        phi = sum(numels[i] for i in sorted(chosen)[:ahead]) / max(1, sum(numels[i] for i in chosen))
+        if not phi:
+            break
+        t_gpu = 12 * (1 - phi) / pcie_bytes_per_s + (out - 12 * (1 - phi)) / one_way_bytes_per_s
+        chosen = _balanced(ram, numels, total, t_cpu, t_gpu, compute_bytes, grads_on_device, gpu_bytes)
+    return chosen
+
+
+def _balanced(ram: list[int], numels: list[int], total: int, t_cpu: float, t_gpu: float, compute_bytes: int,
+              grads_on_device: bool, gpu_bytes: int | None) -> set[int]:
+    """The ram layers (interleaved over the depth) that give the GPU its balanced share."""
     target = total * t_cpu / (t_cpu + t_gpu)
     chosen: set[int] = set()
     got = 0.0
@@ -133,15 +160,42 @@ def streamed_grads_on_device(activation_budget_gb: float | None, *, distributed:
 
 
 def streamed_gpu_bytes(gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,
-                       grads_on_device: bool = True) -> int:
+                       grads_on_device: bool = True, prefetch: int = 0) -> int:
     """GPU memory of the GPU-side updates of ``gpu_update``'s ram layers: their gradients, which
-    wait on the device (``grads_on_device``), and two scratch sets of master, m, v and the compute
-    copy (none in fp32; and the gradient when it comes from the host) of the largest of them."""
+    wait on the device (``grads_on_device``), and the scratch sets (`scratch_sets`: two, or one per
+    layer loaded ahead, ``prefetch``) of master, m, v and the compute copy (none in fp32; and the
+    gradient when it comes from the host) of the largest of them."""
     if not gpu_update:
         return 0
     largest = max(numels[i] for i in gpu_update)
     grads = _FP32 * sum(numels[i] for i in gpu_update) if grads_on_device else 0
-    return grads + 2 * largest * (3 * _FP32 + _c(compute_bytes) + (0 if grads_on_device else _FP32))
+    return grads + scratch_sets(prefetch) * largest * (3 * _FP32 + _c(compute_bytes) + (0 if grads_on_device else _FP32))
+
+
+def scratch_sets(prefetch: int) -> int:
+    """Device buffer sets of the GPU-side updates of ram layers: one per layer whose state loads
+    ahead (`StreamingAdamW`'s ``prefetch``), and at least two (one layer's state in flight while
+    the previous one's kernel runs and copies back)."""
+    return max(2, prefetch)
+
+
+def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,
+                    gpu_bytes: int | None, grads_on_device: bool) -> int:
+    """How many GPU-updated ram layers (the first in forward order) load their state during the
+    backward: ``spec`` when given (`TrainConfig.update_prefetch`, at most all of them), else (None)
+    as many as their extra scratch sets fit in ``gpu_bytes`` beside `streamed_gpu_bytes`'s two;
+    none when the GPU memory is not known, or the gradients do not wait on the device (data
+    parallel, a fixed activation budget: its footprint must not grow with the model)."""
+    if not gpu_update:
+        return 0
+    if spec is not None:
+        return min(spec, len(gpu_update))
+    if gpu_bytes is None or not grads_on_device:
+        return 0
+    ahead = 0
+    while ahead < len(gpu_update) and streamed_gpu_bytes(gpu_update, numels, compute_bytes, prefetch=ahead + 1) <= gpu_bytes:
+        ahead += 1
+    return ahead
 
 
 def _c(compute_bytes: int) -> int:

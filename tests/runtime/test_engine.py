@@ -35,6 +35,8 @@ MODES = [
     dict(placement="gpu:0,ram:1-2,disk:3"),
     dict(placement="ram", gpu_update="1-2"),  # ram state streamed to the device for the update
     dict(placement="stateless", gpu_update="all", commit_every=2),  # four layers through two scratch sets
+    # state loaded during the backward: three layers in sets of their own, the fourth streamed through set 0
+    dict(placement="stateless", gpu_update="all", update_prefetch=3, commit_every=2),
     dict(placement="ram", commit_every=4),
     dict(placement="ram", activation_budget_gb=1e-9),  # every boundary activation offloaded
 ]
@@ -64,10 +66,12 @@ def test_disk_and_ram_placements_are_bit_identical(tokens):
     assert all(torch.equal(w_ram[k], w_disk[k]) for k in w_ram)
 
 
-def test_overlapped_schedule_is_bit_identical_to_serialised(tokens):
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_overlapped_schedule_is_bit_identical_to_serialised(tokens, prefetch):
     # the CPU path runs copies and updates on real threads; the serialised schedule waits for each
-    a = train(small_config(steps=3, gpu_update="1"), None, tokens)
-    b = train(small_config(steps=3, gpu_update="1"), None, tokens, serialize=True)
+    # (prefetch 1: layer 1's state loads during the backward, layer 2's streams after the norm)
+    a = train(small_config(steps=3, gpu_update="1-2", update_prefetch=prefetch), None, tokens)
+    b = train(small_config(steps=3, gpu_update="1-2", update_prefetch=prefetch), None, tokens, serialize=True)
     try:
         assert a.losses == b.losses
         wa, wb = _final_weights(a), _final_weights(b)

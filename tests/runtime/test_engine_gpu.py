@@ -47,7 +47,9 @@ def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
 
 @pytest.mark.parametrize("kernels", ["unfused", "fused"])  # fused: compiled templates replayed as CUDA graphs, the default
 @pytest.mark.parametrize("mode", [dict(placement="ram", gpu_update="none"), dict(placement="gpu:0-1,ram:2,disk:3", gpu_update="2"),
-                                  dict(placement="stateless", gpu_update="all", activation_budget_gb=1e-9)])
+                                  dict(placement="stateless", gpu_update="all", activation_budget_gb=1e-9),
+                                  # three layers' state loaded during the backward, the fourth streamed through set 0
+                                  dict(placement="stateless", gpu_update="all", update_prefetch=3)])
 def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels, tmp_path):
     cfg = small_config(steps=4, device="cuda", compute_dtype="float32", allow_tf32=False, kernels=kernels, **mode)
     plan = plan_for(cfg, tmp_path / "plan") if cfg.fused else None  # both schedules launch the same kernels

@@ -73,6 +73,8 @@ CASES = {
                                activation_budget_gb=1e-9),
     "gpu-update-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2"),
     "gpu-update-fp32": dict(compute_dtype="float32", gpu_update="1-2"),
+    # layer 1's state crosses in during the backward: the same bytes, earlier
+    "gpu-update-prefetch-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", update_prefetch=1),
     # with a fixed activation budget the gradients do not wait on the device: down and back up
     "gpu-update-offload-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", activation_budget_gb=1e-9),
     "gpu-commits-bf16": dict(compute_dtype="bfloat16", placement="gpu:0-1,ram:2-3", durability="full", commit_every=2, steps=3),

@@ -54,6 +54,38 @@ def test_gpu_updates_fit_their_gpu_memory():
     assert pl.streamed_gpu_bytes({0, 1}, numels, 2, grads_on_device=False) == 2 * 18 * 100
 
 
+def test_prefetch_takes_the_gpu_memory_left_a_set_per_layer():
+    numels = [100] * 40
+    up = set(range(0, 40, 2))  # 20 GPU-updated layers
+    two = pl.streamed_gpu_bytes(up, numels, 2)
+    assert pl.streamed_gpu_bytes(up, numels, 2, prefetch=2) == two  # the two sets the update has anyway
+    assert pl.streamed_gpu_bytes(up, numels, 2, prefetch=5) == two + 3 * 14 * 100
+    auto = dict(gpu_bytes=two + 4 * 14 * 100 + 13, grads_on_device=True)
+    assert pl.choose_prefetch(None, up, numels, 2, **auto) == 6  # two sets and four more
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**9, grads_on_device=True) == 20  # at most every layer
+    assert pl.choose_prefetch(3, up, numels, 2, gpu_bytes=0, grads_on_device=False) == 3  # named: taken as it is
+    assert pl.choose_prefetch(50, up, numels, 2, gpu_bytes=None, grads_on_device=True) == 20
+    # unknown GPU memory, or gradients that come from the host (a fixed activation budget): none
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=None, grads_on_device=True) == 0
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**9, grads_on_device=False) == 0
+    assert pl.choose_prefetch(None, set(), numels, 2, gpu_bytes=10**9, grads_on_device=True) == 0
+
+
+def test_prefetch_shifts_the_balance_to_the_gpu():
+    """State loaded during the backward leaves only the copy back after the norm, at the one-way
+    rate: the GPU's share grows to balance it (t_gpu per parameter 12 (1 - phi)/bw + (14 - 12 (1 - phi))/one_way)."""
+    numels = [100] * 40
+    cpu, bw, one_way = 2.2e9, 41e9, 55e9
+    without = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way)
+    every = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way, prefetch=40)
+    assert len(every) > len(without)
+    f = len(every) / 40
+    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * 14 / one_way  # phi = 1: all loaded ahead
+    assert abs(t_cpu - t_gpu) <= 0.1 * max(t_cpu, t_gpu), (f, t_cpu, t_gpu)
+    # auto with no GPU memory figure loads nothing ahead: the balance without
+    assert pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way, prefetch=None) == without
+
+
 def test_bytes_per_tier():
     numels = [10, 20, 30]
     assert pl.disk_bytes_needed(["ram", "ram", "disk"], numels, "full") == 24 * 60

@@ -81,3 +81,34 @@ def test_timeline_keeps_a_bounded_window_of_steps():
         for layer in range(4):
             tl.add("compute", layer, 0.0, 1.0)
     assert sorted({s.step for s in tl.spans()}) == [7, 8, 9]
+
+
+def test_gpu_updated_layers_load_their_state_during_the_backward(tokens):
+    """update_prefetch: the first GPU-updated layers' master, m, v cross in before the step's norm
+    (while later layers' backward still computes), and after it only the others' state does."""
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=2,
+                       durability="none")
+    res = train(cfg, None, tokens)
+    try:
+        tl = res.timeline
+        for step in range(4):
+            pre = tl.spans("opt_prefetch", step=step)
+            assert sorted(s.layer for s in pre) == [1, 2], f"step {step}: {[s.layer for s in pre]}"
+            # the embed layer's backward is the step's last compute: the loads overlap the backward
+            last_bwd = max(s.end for s in tl.spans("compute", step=step) if s.layer == 0)
+            assert min(s.start for s in pre) < last_bwd, f"step {step}: the state loaded only after the backward"
+            streamed = tl.spans("update_streamed", step=step)
+            assert sorted(s.layer for s in streamed) == [1, 2, 3, 4]
+        # after the norm only the layers not loaded ahead copy their state in (each step's copies are
+        # issued once the next step has begun: counted over the run)
+        assert sorted({s.layer for s in tl.spans("opt_h2d")}) == [3, 4]
+        for layer in (1, 2):  # each update of a loaded layer copies back after its load, and before the next load
+            loads = sorted((s for s in tl.spans("opt_prefetch") if s.layer == layer), key=lambda s: s.start)
+            backs = sorted((s for s in tl.spans("opt_d2h") if s.layer == layer), key=lambda s: s.start)
+            assert len(loads) == len(backs) == 4
+            for k, (load, back) in enumerate(zip(loads, backs, strict=True)):
+                assert back.start >= load.end
+                if k + 1 < len(loads):
+                    assert loads[k + 1].start >= back.end
+    finally:
+        res.store.close()
