@@ -243,6 +243,35 @@ def _stage_seconds(tl: Timeline, steps: range) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def update_window(tl: Timeline, steps: range, n_layers: int) -> dict[str, Any] | None:
+    """Where a step's time goes around the update window, from host-side span ends (medians over
+    ``steps``, each timed from the previous step's norm sync, where its updates start): the CPU
+    and GPU-side update chains' ends, the head's first compute (the forward, waits included, is
+    done), and the next sync (the backward has ended). On CUDA the training thread waits on the
+    updated weights, so the forward's spans track the GPU there; the backward's are enqueue times,
+    but the sync that ends it waits for the GPU."""
+    rows: dict[str, list[float]] = {}
+    for k in steps:
+        prev, cur = tl.spans("norm_sync", step=k - 1), tl.spans("norm_sync", step=k)
+        head = [s for s in tl.spans("compute", step=k) if s.layer == n_layers - 1]
+        if not (prev and cur and head):
+            continue
+        t0 = prev[-1].end
+        cpu = [s.end for s in tl.spans("update", step=k - 1)]
+        gpu = [s.end for s in tl.spans("streamed_back", step=k - 1)]
+        got = {"step_s": cur[-1].end - t0, "forward_done_s": head[0].start - t0, "head_and_backward_s": cur[-1].end - head[0].start,
+               "cpu_updates_done_s": max(cpu) - t0 if cpu else None, "gpu_updates_done_s": max(gpu) - t0 if gpu else None}
+        for key, v in got.items():
+            if v is not None:
+                rows.setdefault(key, []).append(v)
+    if not rows:
+        return None
+    return {"method": "medians over the measured steps, seconds from the previous step's norm sync (host-side span ends): "
+                      "the last CPU update, the last GPU-side update's state back on the host, the head's first compute "
+                      "(the forward with its waits on updated weights done), and this step's sync (the backward done)",
+            **{k: median(v) for k, v in rows.items()}}
+
+
 def _initial_model(cfg: TrainConfig) -> nn.Module:
     """The preset model with its initial weights in float32 (a new run's master state, as `mtc
     train` builds it: not rounded to the compute dtype) on the CPU; on CUDA initialised on the GPU
@@ -394,6 +423,7 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": sum(1 for r in res.records if r.skipped),
         "timeline_s_per_step": {"method": "host-side span seconds per measured step, summed over threads "
                                           "(CUDA: enqueue or wait time, not GPU time)", **stages},
+        "update_window": update_window(tl, window, res.program.n_layers),
         "optimizer": {"host_adamw": res.host_adamw, "update_s": update, "update_gpu_enqueue_s": stages.get("update_gpu", 0.0),
                       # the host AdamW's rate in the run, beside the one the GPU-update split was chosen with
                       "cpu_update_gparams_s": cpu_params / stages["update"] / 1e9 if stages.get("update") else None,
@@ -768,6 +798,11 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                   f"{_f(tr.get('h2d_gbps_avg'), '8.1f')} {_f(tr.get('d2h_gbps_avg'), '8.1f')} {_f(opt.get('update_s'), '6.2f')} "
                   f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s} "
                   f"{plan_s:>9s} {_f(pred, '7.3f')}")
+            win = r.get("update_window")
+            if win:  # where the step goes around the update window (seconds from the last sync)
+                print(f"{'':6s}   window s: forward done {win['forward_done_s']:.3f}, CPU updates done "
+                      f"{_f(win.get('cpu_updates_done_s'), '.3f')}, GPU-side updates back {_f(win.get('gpu_updates_done_s'), '.3f')}, "
+                      f"head + backward {win['head_and_backward_s']:.3f}; prefetched layers {r.get('update_prefetch_layers')}")
         if part in GOALS:
             st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
             got = f"{st['model_tflops']:.1f}" if st else "-"

@@ -206,7 +206,8 @@ class StreamingAdamW:
         total = torch.linalg.vector_norm(torch.cat([self._norms[i] for i in owners]))
         clip = self.cfg.clip_norm
         coef_dev = torch.clamp(clip / (total + 1e-6), max=1.0) if clip is not None else torch.ones((), device=total.device)
-        host = torch.stack([loss.float().to(total.device), total, coef_dev]).cpu()  # the step's one sync
+        with self.timeline.span("norm_sync", step=self._step):  # its end: the backward has ended, the updates start
+            host = torch.stack([loss.float().to(total.device), total, coef_dev]).cpu()  # the step's one sync
         loss_f, total_f = float(host[0]), float(host[1])
         coef = host[2] if clip is not None else None  # a 0-dim fp32 tensor, as clip_grad_norm_ multiplies by
         self._step, step = None, self._step
@@ -405,19 +406,23 @@ class StreamingAdamW:
                     back = [(hm, p), (hmo, m), (hv, v)] + ([(hc, c)] if cast else [])
                     tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h", lane="opt")
                     self._scratch_free[k] = tr_out
-                pending.append((fut, tr_out))
+                pending.append((i, fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued
-                    done, tr = pending.pop(0)
-                    tr.wait()
-                    done.set_result(None)
-            for done, tr in pending:
-                tr.wait()
-                done.set_result(None)
+                    self._state_back(*pending.pop(0), tstep)
+            for layer, done, tr in pending:
+                self._state_back(layer, done, tr, tstep)
         except BaseException as e:
             for _, fut, _, _ in jobs:
                 if not fut.done():
                     fut.set_exception(e)
             raise
+
+    def _state_back(self, layer: int, done: Future[None], tr: Transfer, tstep: int) -> None:
+        """GPU-side update of ``layer``: wait until its state is back in host memory (the span's
+        end is when), then complete its future."""
+        with self.timeline.span("streamed_back", layer, step=tstep):
+            tr.wait()
+        done.set_result(None)
 
     # -- write-behind and commits ---------------------------------------------------------------
 

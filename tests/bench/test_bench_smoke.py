@@ -53,6 +53,11 @@ def check_mtc_setting(r: dict) -> None:
     # steps were measured apart from the first)
     if tr["counted"] is not None:
         assert (tr["counted"]["h2d_bytes"], tr["counted"]["d2h_bytes"]) == (tr["planned"]["h2d_bytes"], tr["planned"]["d2h_bytes"])
+    win = r["update_window"]  # None with no step timed after another (--warmup 0 --steps 1)
+    if win is not None:
+        assert 0 < win["forward_done_s"] < win["step_s"] and win["head_and_backward_s"] > 0
+        # every layer's fetch waited for its update, the head's last: the forward ends after the last update
+        assert 0 < win["cpu_updates_done_s"] <= win["forward_done_s"]
     opt = r["optimizer"]
     assert opt["update_s"] > 0 and 0 <= opt["hidden_s"] <= opt["update_s"] and opt["exposed_upper_s"] >= 0
     host = r["host"]
