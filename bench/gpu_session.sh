@@ -80,7 +80,7 @@ for p in "${parts[@]}"; do
     tests)
       if [ -n "${SKIP_TESTS:-}" ]; then echo "skipped tests: SKIP_TESTS" | tee -a "$log"; continue; fi
       if [ "$left" -lt 60 ]; then echo "skipped tests: out of time" | tee -a "$log"; continue; fi
-      cap=${TESTS_S:-200}  # 53 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
+      cap=${TESTS_S:-200}  # 56 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
       # the whole output in its own file: a line per test as it ends (-v: a run cut at the cap still
       # says which passed and failed), then every failure's traceback; its tail in the log and the reply
       timeout $(( left < cap ? left : cap )) python3 -m pytest -v -m gpu -n 6 -p no:benchmark --durations=8 -rfE tests \

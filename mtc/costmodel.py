@@ -534,7 +534,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
     each layer's state, and the collectives run on their own link. ``disk_compute`` "store": disk
     layers' weights are read from the store at each visit (fp32), and cross PCIe as fp32."""
-    from mtc.runtime.placement import streamed_grads_on_device
+    from mtc.runtime.placement import deferred_layers, streamed_grads_on_device
     from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 
     L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
@@ -557,6 +557,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     dev_grad = [placement[i] == "gpu" or (i in gpu_update and on_device) for i in range(L)]
     streamed_in = 12 if on_device else 16  # master, m, v (and the gradient from the host) to the device per parameter
     ahead = set(sorted(gpu_update)[:prefetch]) if dist is None else set()
+    # of those, the ones whose set no later layer reuses send their weights back first, the rest
+    # of their state behind every layer's weights
+    late = deferred_layers(gpu_update, prefetch) if dist is None else set()
+    # bytes per parameter back: the whole state (master, m, v and a separate compute copy), and of
+    # it the weights a forward reads (the compute copy, or in fp32 the master itself)
+    all_back, w_back = 12 + (c if c != 4 else 0), c
     # a streamed layer's copies in and out run at once: each direction then gets half the two-way
     # rate (the H100 runs measured ~41 GB/s each, not 55); a layer loaded ahead copies back alone
     both_each = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2) * gb
@@ -619,11 +625,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     set_free: list[int] = []  # per chunk taken so far, the write that gives its set back
     h2d_last = d2h_last = net_last = None
     bwd_from: int | None = None  # last step's head visit could start: the state loads ahead from there
-    upd_prev: list[int | None] = [None] * L  # last step's updates
+    back_prev: list[int | None] = [None] * L  # last step's GPU-side updates' state back on the host
     for s in range(steps):
         sync = syncs[-1] if syncs else None
         upd: list[int | None] = [None] * L
         pf_last: int | None = None  # the optimizer lane's copies in, in order
+        back: list[int | None] = [None] * L
         gate: list[int | None] = [None] * L  # what a forward fetch waits for: the update (and its all-gather)
         dev = sync
         if s:
@@ -636,13 +643,15 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 if placement[i] == "gpu":
                     dev = sim.add(sn[i] / gpu_rate, on["compute"], (dev, *deps))
                     upd[i] = sync
-                elif i in ahead:  # loaded during the last backward, after its own last update
-                    pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, upd_prev[i]))
-                    pre = pf_last
-                    str_out = upd[i] = sim.add(14 * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"], (pre, str_out, *deps))
+                elif i in ahead:  # loaded during the last backward, after its state came back from the last update
+                    pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, back_prev[i]))
+                    out_b = w_back if i in late else all_back
+                    str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"],
+                                               (pf_last, str_out, *deps))
+                    back[i] = None if i in late else upd[i]
                 elif i in gpu_update:
                     str_in = sim.add(streamed_in * sn[i] / both_each, on["h2d"], (str_in, *deps))
-                    str_out = upd[i] = sim.add(14 * sn[i] / both_each + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
+                    str_out = back[i] = upd[i] = sim.add(14 * sn[i] / both_each + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
                     ring = set_free[-DISK_SLOTS] if len(set_free) >= DISK_SLOTS else None
                     # a spilled gradient is read back with the state: after the backward wrote it
@@ -654,10 +663,14 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     upd[i] = wr if per_visit[i] else ad
                 else:
                     cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
-                if wb[i]:
+                if wb[i] and i not in late:
                     writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev))
                 gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
-        upd_prev = upd
+            for i in sorted(late):  # behind every layer's weights on the copy stream
+                str_out = back[i] = sim.add((all_back - w_back) * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (str_out,))
+                if wb[i]:  # a commit writes the state once it is back
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, back[i]))
+        back_prev = back
         comp, issue, arrived = dev, sync, sync
         ends: list[int] = []
         for k, (phase, i) in enumerate(visits):

@@ -236,8 +236,9 @@ def wait_for_updates(tiers: StateTiers) -> None:
     (the executor makes its compute stream wait for it; a reader here may use any stream).
     """
     for s in tiers.layers:
-        if s.update is not None:
-            s.update.result()
+        for f in (s.update, s.state_back):  # weights first, then (GPU-side updates) the rest of the state
+            if f is not None:
+                f.result()
         if s.gathered is not None:
             s.gathered.wait()
 

@@ -252,12 +252,12 @@ class StreamingAdamW:
                                             step, skipped, s.write, grads_final)
                 writes.append(s.write)
             elif i in self.gpu_update and not skipped:
-                s.update = Future()
+                s.update, s.state_back = Future(), Future()
                 streamed.append((i, s.update, hp, deps))
             else:
                 s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, prev_commit, step, skipped)
             if s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
-                s.write = self._writer.submit(self._write_after_update, i, s.update, w_gen, prev_commit, step)
+                s.write = self._writer.submit(self._write_after_update, i, s.state_back or s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
         if streamed:
             # device gradients are final once the compute stream gets here: the GPU-side updates read
@@ -276,7 +276,7 @@ class StreamingAdamW:
     def wait(self) -> None:
         """Block until every update, write and commit started so far has finished (re-raising errors)."""
         for s in self.tiers.layers:
-            for f in (s.update, s.write):
+            for f in (s.update, s.state_back, s.write):
                 if f is not None:
                     f.result()
         self.commit_future.result()
@@ -361,13 +361,23 @@ class StreamingAdamW:
 
     def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
                          views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None) -> None:
-        """Ram layers updated on the GPU, pipelined over two scratch sets: layer j's state crosses
+        """Ram layers updated on the GPU, pipelined over the scratch sets: layer j's state crosses
         PCIe in while layer j-1's kernel runs and its state crosses back (each direction on its
         own stream); a layer's future completes once its state is back in host memory.
+
+        A layer whose state was loaded ahead and whose set no later layer of the step reuses
+        sends its new weights (the compute copy; the master in fp32) back first, and completes
+        its future (`LayerState.update`: what the next forward's fetch waits for) with them; the
+        rest of its state (`LayerState.state_back`) follows after every layer's weights, so the
+        next forward waits on 2 bytes per parameter, not 14, and the other 12 cross while it
+        and the next backward run (the next step's load of the layer waits for them).
+
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
         the layer's own (data parallel: this rank's shard; compute may be master itself).
         ``after``: where the compute stream stood when the gradients were final."""
-        pending: list[tuple[Future[None], Transfer]] = []
+        pending: list[tuple[int, Future[None], Transfer]] = []
+        deferred: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], Marker | None, int]] = []
+        backs: list[tuple[int, Future[None], Transfer]] = []  # state_back futures and the copies they wait for
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
@@ -403,23 +413,42 @@ class StreamingAdamW:
                         tr_in.wait()
                         _device_adamw(p, g, m, v, coef=coef, compute_out=c if cast else None, **hp, **self._hyper())
                         after = None
-                    back = [(hm, p), (hmo, m), (hv, v)] + ([(hc, c)] if cast else [])
-                    tr_out = self.engine.d2h(back, after=after, layer=i, stage="opt_d2h", lane="opt")
-                    self._scratch_free[k] = tr_out
+                    weights = [(hc, c)] if cast else [(hm, p)]
+                    state = ([(hm, p)] if cast else []) + [(hmo, m), (hv, v)]
+                    back_fut = s.state_back if views is None else None
+                    # (the rule `mtc.runtime.placement.deferred_layers` plans with)
+                    if ahead_tr is not None and j + sets >= len(jobs) and back_fut is not None:
+                        tr_out = self.engine.d2h(weights, after=after, layer=i, stage="opt_d2h_weights", lane="opt")
+                        deferred.append((i, state, after, k))
+                    else:
+                        tr_out = self.engine.d2h(state + weights, after=after, layer=i, stage="opt_d2h", lane="opt")
+                        self._scratch_free[k] = tr_out
+                        if back_fut is not None:
+                            backs.append((i, back_fut, tr_out))
                 pending.append((i, fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued
                     self._state_back(*pending.pop(0), tstep)
             for layer, done, tr in pending:
                 self._state_back(layer, done, tr, tstep)
+            # the deferred layers' master, m and v: behind every layer's weights on the copy stream
+            for i, state, kernel_done, k in deferred:
+                tr = self.engine.d2h(state, after=kernel_done, layer=i, stage="opt_d2h", lane="opt")
+                self._scratch_free[k] = tr
+                backs.append((i, self.tiers[i].state_back, tr))
+            for layer, done, tr in backs:
+                with self.timeline.span("state_back", layer, step=tstep):
+                    tr.wait()
+                done.set_result(None)
         except BaseException as e:
-            for _, fut, _, _ in jobs:
-                if not fut.done():
-                    fut.set_exception(e)
+            for i, fut, _, _ in jobs:
+                for f in (fut, self.tiers[i].state_back if views is None else None):
+                    if f is not None and not f.done():
+                        f.set_exception(e)
             raise
 
     def _state_back(self, layer: int, done: Future[None], tr: Transfer, tstep: int) -> None:
-        """GPU-side update of ``layer``: wait until its state is back in host memory (the span's
-        end is when), then complete its future."""
+        """GPU-side update of ``layer``: wait until its new weights are back in host memory (the
+        span's end is when), then complete its future."""
         with self.timeline.span("streamed_back", layer, step=tstep):
             tr.wait()
         done.set_result(None)

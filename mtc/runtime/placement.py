@@ -65,6 +65,10 @@ _FP32 = 4
 DEFAULT_CPU_ADAMW_PARAMS_S = 2.7e9
 DEFAULT_PCIE_BYTES_S = 50e9
 DEFAULT_PCIE_ONE_WAY_BYTES_S = 55e9  # one direction alone (DESIGN.md: 55 GB/s each way)
+# GPU memory `choose_prefetch` leaves unused beyond the plan's estimate (whose workspace has its
+# own 2 GiB of slack): the sets only speed a step up, a step that runs out of memory is lost, and
+# the fullest run measured (P1-16 auto on the H100) peaked 2.4 GiB under what its plan allowed
+PREFETCH_MARGIN_BYTES = 4 * 2**30
 
 
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
@@ -111,10 +115,13 @@ def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s:
     while their GPU buffers (`streamed_gpu_bytes`) fit in ``gpu_bytes`` (None: not limited).
 
     ``prefetch`` (the run's `update_prefetch`; None: auto, `choose_prefetch`): a share phi of the
-    GPU path's parameters loads its state during the backward, so only 12 (1 - phi) B per
-    parameter cross in after the norm; while they do, each direction runs at ``bw``, and the rest
-    of the copy back at ``one_way_bytes_per_s``: t = 12 (1 - phi)/bw + (12 + c - 12 (1 - phi))/one_way.
-    The share depends on the layers chosen, so the balance is taken again with the share it gives.
+    GPU path's parameters loads its state during the backward, so only in = 12 (1 - phi) B per
+    parameter cross in after the norm; of those, the share psi whose sets no later layer reuses
+    (`deferred_layers`) sends only its weights (w = c, or 4 in fp32) back before the next
+    forward, the rest of its state after: out = (12 + c)(1 - psi) + w psi. While the copies in
+    run, each direction runs at ``bw``, the rest of the copy back at ``one_way_bytes_per_s``:
+    t = in/bw + max(0, out - in)/one_way. The shares depend on the layers chosen, so the balance
+    is taken again with the shares it gives.
     """
     ram = [i for i, t in enumerate(placement) if t == "ram" and numels[i]]
     total = sum(numels[i] for i in ram)
@@ -126,10 +133,14 @@ def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s:
                        grads_on_device, gpu_bytes)
     for _ in range(2 if grads_on_device and prefetch != 0 else 0):
         ahead = choose_prefetch(prefetch, chosen, numels, compute_bytes, gpu_bytes=gpu_bytes, grads_on_device=True)
-        phi = sum(numels[i] for i in sorted(chosen)[:ahead]) / max(1, sum(numels[i] for i in chosen))
+        total_gpu = max(1, sum(numels[i] for i in chosen))
+        phi = sum(numels[i] for i in sorted(chosen)[:ahead]) / total_gpu
         if not phi:
             break
-        t_gpu = 12 * (1 - phi) / pcie_bytes_per_s + (out - 12 * (1 - phi)) / one_way_bytes_per_s
+        psi = sum(numels[i] for i in deferred_layers(chosen, ahead)) / total_gpu
+        w = compute_bytes if compute_bytes != _FP32 else _FP32
+        t_in, t_out = 12 * (1 - phi), out * (1 - psi) + w * psi
+        t_gpu = t_in / pcie_bytes_per_s + max(0.0, t_out - t_in) / one_way_bytes_per_s
         chosen = _balanced(ram, numels, total, t_cpu, t_gpu, compute_bytes, grads_on_device, gpu_bytes)
     return chosen
 
@@ -179,11 +190,21 @@ def scratch_sets(prefetch: int) -> int:
     return max(2, prefetch)
 
 
+def deferred_layers(gpu_update: set[int] | frozenset[int], prefetch: int) -> set[int]:
+    """The GPU-updated layers that send their new weights back before the rest of their state:
+    loaded ahead (the first ``prefetch`` in forward order) into a set no later layer of the step
+    reuses (`StreamingAdamW._update_streamed`)."""
+    order = sorted(gpu_update)
+    sets = scratch_sets(prefetch)
+    return {i for j, i in enumerate(order) if j < prefetch and j + sets >= len(order)}
+
+
 def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,
                     gpu_bytes: int | None, grads_on_device: bool) -> int:
     """How many GPU-updated ram layers (the first in forward order) load their state during the
     backward: ``spec`` when given (`TrainConfig.update_prefetch`, at most all of them), else (None)
-    as many as their extra scratch sets fit in ``gpu_bytes`` beside `streamed_gpu_bytes`'s two;
+    as many as their extra scratch sets fit in ``gpu_bytes`` (less `PREFETCH_MARGIN_BYTES`)
+    beside `streamed_gpu_bytes`'s two;
     none when the GPU memory is not known, or the gradients do not wait on the device (data
     parallel, a fixed activation budget: its footprint must not grow with the model)."""
     if not gpu_update:
@@ -193,7 +214,8 @@ def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], num
     if gpu_bytes is None or not grads_on_device:
         return 0
     ahead = 0
-    while ahead < len(gpu_update) and streamed_gpu_bytes(gpu_update, numels, compute_bytes, prefetch=ahead + 1) <= gpu_bytes:
+    room = gpu_bytes - PREFETCH_MARGIN_BYTES
+    while ahead < len(gpu_update) and streamed_gpu_bytes(gpu_update, numels, compute_bytes, prefetch=ahead + 1) <= room:
         ahead += 1
     return ahead
 

@@ -74,6 +74,9 @@ class LayerState:
     staged: Transfer | None = None  # gpu tier: a commit's copy of master, m, v to the host (the next update waits for it)
     grad_ready: Transfer | None = None  # the gradient's device-to-host copy
     update: Future[None] | None = None  # this step's update (the next fetch waits for it)
+    # a GPU-updated ram layer's master, m and v back in host memory (None: `update` says so): its
+    # new weights may come back first (`StreamingAdamW._update_streamed`)
+    state_back: Future[None] | None = None
     write: Future[None] | None = None  # write-behind in flight (the next update waits for it)
     staging: list[torch.Tensor] | None = None  # gpu tier: pinned host copies for write-behind
     # data parallel: the range [lo, hi) of the flat state this rank owns; master, m and v then hold

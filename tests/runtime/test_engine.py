@@ -37,6 +37,8 @@ MODES = [
     dict(placement="stateless", gpu_update="all", commit_every=2),  # four layers through two scratch sets
     # state loaded during the backward: three layers in sets of their own, the fourth streamed through set 0
     dict(placement="stateless", gpu_update="all", update_prefetch=3, commit_every=2),
+    # every layer loaded ahead: weights back first, master, m and v after (the commits wait for them)
+    dict(placement="stateless", gpu_update="all", update_prefetch=4, commit_every=2),
     dict(placement="ram", commit_every=4),
     dict(placement="ram", activation_budget_gb=1e-9),  # every boundary activation offloaded
 ]
@@ -66,10 +68,11 @@ def test_disk_and_ram_placements_are_bit_identical(tokens):
     assert all(torch.equal(w_ram[k], w_disk[k]) for k in w_ram)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_overlapped_schedule_is_bit_identical_to_serialised(tokens, prefetch):
     # the CPU path runs copies and updates on real threads; the serialised schedule waits for each
-    # (prefetch 1: layer 1's state loads during the backward, layer 2's streams after the norm)
+    # (prefetch 1: layer 1's state loads during the backward, layer 2's streams after the norm;
+    # 2: both load ahead, and send their weights back before the rest of their state)
     a = train(small_config(steps=3, gpu_update="1-2", update_prefetch=prefetch), None, tokens)
     b = train(small_config(steps=3, gpu_update="1-2", update_prefetch=prefetch), None, tokens, serialize=True)
     try:

@@ -60,28 +60,35 @@ def test_prefetch_takes_the_gpu_memory_left_a_set_per_layer():
     two = pl.streamed_gpu_bytes(up, numels, 2)
     assert pl.streamed_gpu_bytes(up, numels, 2, prefetch=2) == two  # the two sets the update has anyway
     assert pl.streamed_gpu_bytes(up, numels, 2, prefetch=5) == two + 3 * 14 * 100
-    auto = dict(gpu_bytes=two + 4 * 14 * 100 + 13, grads_on_device=True)
+    auto = dict(gpu_bytes=two + 4 * 14 * 100 + 13 + pl.PREFETCH_MARGIN_BYTES, grads_on_device=True)
     assert pl.choose_prefetch(None, up, numels, 2, **auto) == 6  # two sets and four more
-    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**9, grads_on_device=True) == 20  # at most every layer
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**10, grads_on_device=True) == 20  # at most every layer
+    # the margin stays free: no room beyond the two sets the update has anyway
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=pl.PREFETCH_MARGIN_BYTES + two, grads_on_device=True) == 2
     assert pl.choose_prefetch(3, up, numels, 2, gpu_bytes=0, grads_on_device=False) == 3  # named: taken as it is
     assert pl.choose_prefetch(50, up, numels, 2, gpu_bytes=None, grads_on_device=True) == 20
     # unknown GPU memory, or gradients that come from the host (a fixed activation budget): none
     assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=None, grads_on_device=True) == 0
-    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**9, grads_on_device=False) == 0
-    assert pl.choose_prefetch(None, set(), numels, 2, gpu_bytes=10**9, grads_on_device=True) == 0
+    assert pl.choose_prefetch(None, up, numels, 2, gpu_bytes=10**10, grads_on_device=False) == 0
+    assert pl.choose_prefetch(None, set(), numels, 2, gpu_bytes=10**10, grads_on_device=True) == 0
 
 
 def test_prefetch_shifts_the_balance_to_the_gpu():
-    """State loaded during the backward leaves only the copy back after the norm, at the one-way
-    rate: the GPU's share grows to balance it (t_gpu per parameter 12 (1 - phi)/bw + (14 - 12 (1 - phi))/one_way)."""
+    """State loaded during the backward, into sets of their own, leaves only the new weights' copy
+    back (2 B per parameter in bf16) after the norm, at the one-way rate: the GPU's share grows to
+    balance it (t_gpu per parameter 12 (1 - phi)/bw + max(0, out - 12 (1 - phi))/one_way)."""
     numels = [100] * 40
     cpu, bw, one_way = 2.2e9, 41e9, 55e9
     without = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way)
     every = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way, prefetch=40)
     assert len(every) > len(without)
     f = len(every) / 40
-    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * 14 / one_way  # phi = 1: all loaded ahead
+    t_cpu, t_gpu = (1 - f) * 4000 / cpu, f * 4000 * 2 / one_way  # phi = psi = 1: all loaded ahead, weights back first
     assert abs(t_cpu - t_gpu) <= 0.1 * max(t_cpu, t_gpu), (f, t_cpu, t_gpu)
+    # loaded ahead but through two sets the later layers reuse (2 of 40): their whole state goes
+    # back in the window, so the share grows less
+    two_sets = pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way, prefetch=2)
+    assert len(without) <= len(two_sets) < len(every)
     # auto with no GPU memory figure loads nothing ahead: the balance without
     assert pl.choose_gpu_update(["ram"] * 40, numels, cpu, bw, one_way_bytes_per_s=one_way, prefetch=None) == without
 

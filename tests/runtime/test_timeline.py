@@ -112,3 +112,29 @@ def test_gpu_updated_layers_load_their_state_during_the_backward(tokens):
                     assert loads[k + 1].start >= back.end
     finally:
         res.store.close()
+
+
+def test_loaded_layers_send_their_weights_back_before_the_rest_of_their_state(tokens):
+    """Every GPU-updated layer loaded ahead into a set of its own (update_prefetch 4 of 4): after
+    the norm each sends back its new weights first (what the next forward waits for), and the
+    master, m and v of all of them follow behind every layer's weights."""
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=4,
+                       durability="none", compute_dtype="float32")
+    res = train(cfg, None, tokens)
+    try:
+        tl = res.timeline
+        weights, state = tl.spans("opt_d2h_weights"), tl.spans("opt_d2h")
+        assert sorted({s.layer for s in weights}) == sorted({s.layer for s in state}) == [1, 2, 3, 4]
+        assert len(weights) == len(state) == 16  # four steps
+        for k in range(4):  # the k-th update of each layer: all weights, then all state
+            w_k = [sorted((s for s in weights if s.layer == layer), key=lambda s: s.start)[k] for layer in (1, 2, 3, 4)]
+            s_k = [sorted((s for s in state if s.layer == layer), key=lambda s: s.start)[k] for layer in (1, 2, 3, 4)]
+            assert min(s.start for s in s_k) >= max(w.end for w in w_k)
+        # a layer's next forward computes with its new weights: after they are back
+        for step in range(3):
+            for layer in (1, 2, 3, 4):
+                back = sorted((s for s in weights if s.layer == layer), key=lambda s: s.start)[step]
+                fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
+                assert fwd.start >= back.end
+    finally:
+        res.store.close()
