@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 
 import torch
-from mtc.graphs.partition import RECOMPUTE, FusibleOps, partition
+from mtc.graphs.partition import RECOMPUTE, FusibleOps, FusionGroup, partition
 from torch import fx
 
-__all__ = ["MAX_CHAIN", "recompute_cheap", "stored_between_groups"]
+__all__ = ["MAX_CHAIN", "broadcast_output", "copy_broadcast_outputs", "recompute_cheap", "stored_between_groups"]
 
 MAX_CHAIN = 12  # pointwise ops copied per recomputed value: beyond that the copy is not cheap
 
@@ -109,6 +109,59 @@ def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
                 done += 1
             else:
                 _undo(graph, o, copies)
+    if done:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return done
+
+
+def broadcast_output(o: fx.Node, group: FusionGroup, fusible: FusibleOps) -> bool:
+    """Whether ``group`` outputs ``o`` at a shape its kernel cannot write: smaller than the
+    iteration shape, and neither a reduction's result nor a per-row value of a row kernel."""
+    v = _val(o)
+    if v is None or o.target in fusible.reductions:
+        return False
+    s, S = tuple(v.shape), tuple(group.shape)
+    row = any(n.target in fusible.reductions for n in group.nodes) and s == (*S[:-1], 1)
+    return s != S and not row and math.prod(s) < math.prod(S)
+
+
+def copy_broadcast_outputs(graph: fx.Graph, fusible: FusibleOps) -> int:
+    """Give the other users of a broadcast value their own copy of it; returns how many values.
+
+    A fusion group may compute a value smaller than its iteration shape (a norm's weight cast to
+    fp32, broadcast over every row) that other kernels read too. A generated kernel writes only
+    outputs of its iteration shape (and its reductions'), so such an output made the whole group
+    stay on ATen (GPT-2's LayerNorm backward: ten ops). Its users outside the group get a copy of
+    its pointwise chain (small: the value has fewer elements than a row block), marked like a
+    recomputed value so `partition` puts each copy with its consumers; the chain is fp32 and
+    computes the same ops, so the copy's values are the original's."""
+    p = partition(graph, fusible)
+    group_of = {n: i for i, g in enumerate(p.groups) for n in g.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for g in p.groups:
+        inside = set(g.nodes)
+        for o in g.outputs:
+            vo = _val(o)
+            if vo is None or not broadcast_output(o, g, fusible):
+                continue
+            found = _chain(o, inside, fusible)
+            if found is None:
+                continue
+            chain, _ = found
+            consumers: dict[int | None, list[fx.Node]] = {}  # a copy per consuming group (None: other users)
+            for u in sorted((u for u in o.users if u not in inside), key=order.__getitem__):
+                consumers.setdefault(group_of.get(u), []).append(u)
+            for users in consumers.values():
+                env: dict[fx.Node, fx.Node] = {}
+                with graph.inserting_before(users[0]):
+                    for n in chain:
+                        env[n] = graph.node_copy(n, lambda a, env=env: env.get(a, a))
+                        env[n].meta[RECOMPUTE] = True
+                for u in users:
+                    u.replace_input_with(o, env[o])
+            done += 1
     if done:
         graph.eliminate_dead_code()
         graph.lint()

@@ -17,6 +17,9 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
     recompute joint     cheap fp32 values a forward group stores only for backward groups are
                         recomputed there instead (graphs/recompute.py)
+    copy broadcast      a value smaller than its group's iteration shape (a norm's weight in
+      outputs           fp32) that other kernels read is copied into them: a generated kernel
+                        writes only full-shape outputs, and the group stayed on ATen
     fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
     fuse joint          splice the kernels into the graph
 
@@ -54,7 +57,7 @@ from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
 from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
-from mtc.graphs.recompute import recompute_cheap
+from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.kernels.attention_tuning import tune_attention
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
@@ -291,6 +294,11 @@ def _recompute_joint(w: Work) -> None:
     recompute_cheap(w.joint, FUSIBLE)
 
 
+def _copy_broadcast_outputs(w: Work) -> None:
+    for g in (w.forward, w.joint):
+        copy_broadcast_outputs(g, FUSIBLE)
+
+
 def _fuse_forward(w: Work) -> None:
     w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
 
@@ -308,6 +316,7 @@ PASSES: list[Pass] = [
     Pass("fold CE grad scale", _fold_ce_grad_scale),
     Pass("fuse matmul edges", _fuse_matmul_edges),
     Pass("recompute joint", _recompute_joint),
+    Pass("copy broadcast outputs", _copy_broadcast_outputs),
     Pass("fuse forward", _fuse_forward),
     Pass("fuse joint", _fuse_joint),
 ]

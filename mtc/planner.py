@@ -303,7 +303,7 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     budget = "the --ram-budget-gb" if cfg.ram_budget_gb is not None else "available"
     checks.append(Check(f"host RAM ({budget}; placement {desc})", mem.host, have, fix))
     if gpu_total is not None:
-        checks.append(Check(f"GPU memory (resident state {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
+        checks.append(Check(f"GPU memory (state and GPU-side update buffers {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
                             mem.gpu_peak, gpu_total,
                             "place fewer layers on the GPU (--placement), lower --micro-batch-size, or set --activation-budget-gb"))
     return checks

@@ -10,8 +10,8 @@ import pytest
 import torch
 from mtc.graphs.lower import joint_graph
 from mtc.graphs.partition import RECOMPUTE, partition
-from mtc.graphs.program import devices_to_marker, instantiate
-from mtc.graphs.recompute import recompute_cheap, stored_between_groups
+from mtc.graphs.program import devices_to_marker, dtype_from_name, instantiate
+from mtc.graphs.recompute import broadcast_output, copy_broadcast_outputs, recompute_cheap, stored_between_groups
 from mtc.kernels.codegen import FUSIBLE
 
 from mtc.compiler import TEMPLATE_SWAPS
@@ -66,3 +66,31 @@ def test_half_precision_values_are_not_recomputed():
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
             n.meta["val"] = v.to(torch.bfloat16)
     assert recompute_cheap(g, FUSIBLE) == 0
+
+
+def _broadcast_outputs(g) -> list[str]:
+    """Group outputs a generated kernel cannot write (the rule `kernels.codegen` checks)."""
+    return [o.name for grp in partition(g, FUSIBLE).groups for o in grp.outputs if broadcast_output(o, grp, FUSIBLE)]
+
+
+def test_a_broadcast_value_other_kernels_read_is_copied_into_them():
+    """bf16 GPT-2: LayerNorm's weight cast to fp32 is read by the input-gradient kernel and by the
+    weight-gradient group; as an output of one of them, that group could not be generated."""
+    torch.manual_seed(0)
+    prog = trace(build("gpt2-tiny", n_layers=1).to(torch.bfloat16), 2, 8)
+    t = prog.templates[prog.layers[1].template]
+    gm = joint_graph(t, TEMPLATE_SWAPS)[0]
+    for n in gm.graph.nodes:
+        n.args, n.kwargs = devices_to_marker(n.args), devices_to_marker(n.kwargs)
+    g = gm.graph
+    recompute_cheap(g, FUSIBLE)
+    before = instantiate(copy.deepcopy(g), "cpu")
+    assert _broadcast_outputs(g), "the case this pass exists for is gone from the graph"
+    assert copy_broadcast_outputs(g, FUSIBLE) >= 1
+    assert _broadcast_outputs(g) == []
+    dt = [dtype_from_name(i.spec.dtype) for i in t.inputs]
+    args = [torch.randn(i.spec.shape).to(d) if d.is_floating_point else torch.zeros(i.spec.shape, dtype=d) for i, d in zip(t.inputs, dt)]
+    gout = torch.randn(t.inputs[0].spec.shape).to(dt[0])
+    want, got = before(*args, gout), instantiate(g, "cpu")(*args, gout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same ops: the copies compute the same values
