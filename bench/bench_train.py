@@ -258,16 +258,19 @@ def update_window(tl: Timeline, steps: range, n_layers: int) -> dict[str, Any] |
             continue
         t0 = prev[-1].end
         cpu = [s.end for s in tl.spans("update", step=k - 1)]
-        gpu = [s.end for s in tl.spans("streamed_back", step=k - 1)]
+        gpu = [s.end for s in tl.spans("streamed_back", step=k - 1)]  # new weights on the host (the next forward's wait)
+        state = [s.end for s in tl.spans("state_back", step=k - 1)]  # and master, m, v (behind them when loaded ahead)
         got = {"step_s": cur[-1].end - t0, "forward_done_s": head[0].start - t0, "head_and_backward_s": cur[-1].end - head[0].start,
-               "cpu_updates_done_s": max(cpu) - t0 if cpu else None, "gpu_updates_done_s": max(gpu) - t0 if gpu else None}
+               "cpu_updates_done_s": max(cpu) - t0 if cpu else None, "gpu_updates_done_s": max(gpu) - t0 if gpu else None,
+               "gpu_state_back_s": max(state) - t0 if state else None}
         for key, v in got.items():
             if v is not None:
                 rows.setdefault(key, []).append(v)
     if not rows:
         return None
     return {"method": "medians over the measured steps, seconds from the previous step's norm sync (host-side span ends): "
-                      "the last CPU update, the last GPU-side update's state back on the host, the head's first compute "
+                      "the last CPU update, the last GPU-side update's new weights back on the host (and its master, m, v: "
+                      "gpu_state_back_s), the head's first compute "
                       "(the forward with its waits on updated weights done), and this step's sync (the backward done)",
             **{k: median(v) for k, v in rows.items()}}
 
@@ -802,7 +805,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             win = r.get("update_window")
             if win:  # where the step goes around the update window (seconds from the last sync)
                 print(f"{'':6s}   window s: forward done {win['forward_done_s']:.3f}, CPU updates done "
-                      f"{_f(win.get('cpu_updates_done_s'), '.3f')}, GPU-side updates back {_f(win.get('gpu_updates_done_s'), '.3f')}, "
+                      f"{_f(win.get('cpu_updates_done_s'), '.3f')}, GPU-side weights back {_f(win.get('gpu_updates_done_s'), '.3f')} "
+                      f"(state {_f(win.get('gpu_state_back_s'), '.3f')}), "
                       f"head + backward {win['head_and_backward_s']:.3f}; prefetched layers {r.get('update_prefetch_layers')}")
         if part in GOALS:
             st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
