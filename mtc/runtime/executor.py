@@ -170,6 +170,10 @@ class StreamingExecutor:
                 raise PlanError(f"unexpected batch input {name!r} in the plan")
         self.batch_shape = program.batch["ids"].shape
         self._open: dict[int, torch.Tensor] = {}  # owner layer -> its gradient accumulator (device)
+        # per open accumulator, the parameters written so far: the first gradient of a parameter is
+        # copied in, later ones added (no zeroing pass over the accumulator, no read of zeros:
+        # 0 + g is g), and at the end the parameters nothing wrote are zeroed
+        self._written: dict[int, set[str]] = {}
         self._open_slots: dict[int, Slot] = {}
         # disk layers whose compute copy is read from the store at each visit: host staging per ring slot
         self._staging: list[torch.Tensor] = []
@@ -420,9 +424,15 @@ class StreamingExecutor:
                             g.grad_aux[mb][src.index] = grad if prev is None else prev + grad
                     elif grad is not None:
                         p = prog.params[src.key]
-                        self._accumulator(p.layer)[p.offset : p.offset + p.numel].add_(grad.reshape(-1))
+                        acc = self._accumulator(p.layer)[p.offset : p.offset + p.numel]
+                        written = self._written[p.layer]
+                        if src.key in written:
+                            acc.add_(grad.reshape(-1))
+                        else:
+                            acc.copy_(grad.reshape(-1))
+                            written.add(src.key)
                     else:
-                        self._accumulator(prog.params[src.key].layer)  # unused parameter: its gradient is zero
+                        self._accumulator(prog.params[src.key].layer)  # unused parameter: zeroed when final
             if layer == 0:
                 g.grad_carry[mb] = None
                 g.grad_aux[mb] = [None] * len(self._aux_needs_grad)
@@ -441,8 +451,8 @@ class StreamingExecutor:
                 self.slabs.ready_for_compute(slot, self.engine)  # its previous copy out has finished
                 self._open_slots[owner] = slot
                 acc = slot.device[: st.numel]
-            acc.zero_()
             self._open[owner] = acc
+            self._written[owner] = set()
         return acc
 
     def _finalise(self, owner: int, sink: GradSink) -> None:
@@ -451,6 +461,10 @@ class StreamingExecutor:
         if not st.numel:
             return
         acc = self._accumulator(owner)
+        written = self._written.get(owner, set())
+        for p in self.program.layer_params(owner):  # what no gradient reached (unused, or no visit) is zero
+            if p.key not in written:
+                acc[p.offset : p.offset + p.numel].zero_()
         with self.timeline.span("grad_norms", owner):
             views = [acc[p.offset : p.offset + p.numel] for p in self.program.layer_params(owner)]
             if self.device.type == "cuda":
@@ -472,6 +486,7 @@ class StreamingExecutor:
 
     def _close_slab(self, owner: int, transfer: Transfer | None) -> None:
         self._open.pop(owner, None)
+        self._written.pop(owner, None)
         slot = self._open_slots.pop(owner, None)
         if slot is not None:
             self.slabs.release(slot, transfer if transfer is not None else self.engine.marker())
