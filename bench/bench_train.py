@@ -8,6 +8,9 @@ Parts (one JSON record each, `--only P1-16,P3`):
   P3            a 1.5B Llama shape that fits the GPU, 16 x 1024 tokens per step: mtc (auto, stateless)
                 vs GPU-resident PyTorch (bf16 autocast, fused AdamW on the GPU, activation
                 checkpointing per block), eager and torch.compile'd; the ratio mtc best / baseline best.
+                Both sides run the same micro-batch (`--baseline-micro-batch`, 16: the whole step at
+                once; `--p3-micro-batch` sets mtc's apart): until 2026-11-26 mtc ran 4 x 4 against
+                the baseline's 1 x 16, a quarter-size matmul per kernel and four times the launches.
   P5            one layer shape at 10 and 40 blocks, stateless, a fixed activation budget: the ratio of
                 GPU peak memory (deep / shallow). Default shape: P3's (h 2048); P1's at 40 blocks is 9B
                 parameters, 162 GB of host state, more than the lent box's 128 GiB of RAM.
@@ -688,9 +691,10 @@ def _setting(cfg: TrainConfig, setting: str) -> TrainConfig:
     return dataclasses.replace(cfg, placement="stateless", update_prefetch=0 if setting == "stateless-noprefetch" else None)
 
 
-def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool) -> dict[str, Any]:
-    """1.5B shape that fits the GPU: mtc vs GPU-resident PyTorch (eager and torch.compile)."""
-    mb, accum = env.split(16)
+def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool, mtc_mb: int | None = None) -> dict[str, Any]:
+    """1.5B shape that fits the GPU: mtc vs GPU-resident PyTorch (eager and torch.compile); mtc's
+    micro-batch ``mtc_mb`` (None: the baseline's, so both sides run the same kernel sizes)."""
+    mb, accum = env.split(16) if env.smoke else (mtc_mb or baseline_mb, 16 // (mtc_mb or baseline_mb))
     steps = env.warmup + env.measure + (1 if env.profile else 0)
     runs = [_run(env, "P3", s, "mtc", _setting(_cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=steps,
                                                    placement="auto"), s))
@@ -703,7 +707,8 @@ def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool) 
         bases.append({"setting": "torch_compile", "skipped": "smoke run or --no-torch-compile"})
     m, b = _best(runs), _best(bases)
     return {"settings": runs, "baselines": bases, "mtc_best_tokens_per_s": m, "baseline_best_tokens_per_s": b,
-            "ratio_mtc_over_baseline": m / b if m and b else None, "goal_ratio": P3_GOAL}
+            "ratio_mtc_over_baseline": m / b if m and b else None, "goal_ratio": P3_GOAL,
+            "mtc_micro_batch": mb, "baseline_micro_batch": base_mb}
 
 
 def _best(runs: list[dict[str, Any]]) -> float | None:
@@ -876,6 +881,7 @@ def main() -> None:
                          "interpreter). Fused settings compile each shape's plan once and later settings load it")
     ap.add_argument("--micro-batch", type=int, default=4, help="mtc sequences per micro-batch; 16 and 48 per step (default 4)")
     ap.add_argument("--baseline-micro-batch", type=int, default=16, help="P3 resident baseline micro-batch (default 16)")
+    ap.add_argument("--p3-micro-batch", type=int, help="P3 mtc micro-batch (default: the baseline's)")
     ap.add_argument("--p5-shape", choices=["p3", "p1"], default="p3", help="P5 layer shape (p1 needs ~165 GB of RAM at 40 blocks)")
     ap.add_argument("--p5-budget-gb", type=float, default=0.5, help="P5 activation_budget_gb (default 0.5)")
     ap.add_argument("--plans", help="directory of the compiled plans, one per model shape (default: a new temporary one per "
@@ -897,7 +903,8 @@ def main() -> None:
     bad = [p for p in parts if p not in (*PARTS, "DP")]
     if bad:
         ap.error(f"unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}, e.g. --only P1-16,P3")
-    for flag, v in (("--micro-batch", a.micro_batch), ("--baseline-micro-batch", a.baseline_micro_batch)):
+    for flag, v in (("--micro-batch", a.micro_batch), ("--baseline-micro-batch", a.baseline_micro_batch),
+                    ("--p3-micro-batch", a.p3_micro_batch or a.baseline_micro_batch)):
         if v < 1 or 16 % v or (flag == "--micro-batch" and 48 % v):
             ap.error(f"{flag} must divide the sequences per step (16, and 48 for --micro-batch), got {v}; e.g. 4 or 8")
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
@@ -949,7 +956,8 @@ def main() -> None:
         elif part.startswith("P1"):
             rec = part_p1(env, part, settings)
         elif part == "P3":
-            rec = part_p3(env, settings, a.baseline_micro_batch, use_compile=not a.smoke and not a.no_torch_compile)
+            rec = part_p3(env, settings, a.baseline_micro_batch, use_compile=not a.smoke and not a.no_torch_compile,
+                          mtc_mb=a.p3_micro_batch)
         else:
             rec = part_p5(env, a.p5_shape, (2, 4) if a.smoke else (10, 40), a.p5_budget_gb)
         rec = {"part": part, "smoke": a.smoke, "part_wall_s": time.monotonic() - t,
