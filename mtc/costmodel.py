@@ -570,8 +570,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # the executor's own work per visit and micro-batch (CPU path, calibrated; 0 elsewhere)
     ov = profile.visit_overhead_us * 1e-6 if not cuda else 0.0
     F = [mb * (compute_seconds(shape.costs[i], profile, backward=False) + ov) for i in range(L)]
-    # the executor's own work per layer: zero the gradient slab, add each micro-batch's gradient, norms
-    B = [mb * (compute_seconds(shape.costs[i], profile, backward=True) + ov) + _memory_seconds(profile, 4 * n[i] * (2 + 3 * mb), 4 * n[i])
+    # the executor's own work per layer: copy the first micro-batch's gradient into the fp32
+    # accumulator (read, write), add the others' (read both, write), take the norms (read)
+    B = [mb * (compute_seconds(shape.costs[i], profile, backward=True) + ov) + _memory_seconds(profile, 4 * n[i] * 3 * mb, 4 * n[i])
          for i in range(L)]
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
