@@ -1,8 +1,9 @@
 """Fused linear + cross-entropy: mean CE of ``x @ W^T (+ b)`` against targets, without the (N, V) logits.
 
 A language model's head turns N hidden rows into N x V logits (8192 x 128256 in fp32 is 4.2 GB,
-more than the rest of a layer's activations) only to reduce each row to one number. Here the rows
-go in chunks of C rows, C chosen so that a chunk's logits hold about as many elements as x itself:
+more than the rest of a layer's activations) only to reduce each row to one number. Here the
+logits never exist in fp32, and beyond `ONE_PRODUCT_BYTES` of them the rows go in chunks of C
+rows (`chunk_rows_for`):
 
 1. ``logits_c = x_c @ W^T (+ b)`` in x's dtype (cuBLAS, as the unfused linear does);
 2. one Triton program per row walks the vocabulary in blocks twice: an online max / sum-exp gives
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from mtc.errors import KernelInputError
 
-__all__ = ["LinearCrossEntropy", "chunk_rows_for", "linear_cross_entropy", "linear_cross_entropy_ref"]
+__all__ = ["ONE_PRODUCT_BYTES", "LinearCrossEntropy", "chunk_rows_for", "linear_cross_entropy", "linear_cross_entropy_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Kernels are interpreted iff this was set when they were defined (tests/conftest.py sets it).
@@ -84,15 +85,26 @@ def _ce_rows_kernel(
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def chunk_rows_for(n_rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: all rows at once unless chunking lowers the peak memory, else chunks whose
-    logits are about four times as large as x (n_rows x hidden).
+# Logits (in x's dtype) up to this size are computed in one product. Chunks cost time: dW
+# accumulates in fp32 over them and each product is smaller. GPT-2's head at 8192 x 1600 -> 50257
+# (0.8 GB of bf16 logits) ran 9.59 ms in 8 chunks on the H100 against torch.compile's 7.95
+# unchunked (bench_fusion-vm-20261123T040705). The planner's workspace reserves the head's whole
+# logits in fp32 (`mtc.planner.gpu_workspace`), twice this kernel's one-product peak.
+ONE_PRODUCT_BYTES = 2 * 2**30
+
+
+def chunk_rows_for(n_rows: int, vocab: int, hidden: int, itemsize: int = 2) -> int:
+    """Rows per chunk: all rows at once while the logits fit `ONE_PRODUCT_BYTES` (``itemsize``:
+    x's element size) or chunking would not lower the peak memory, else chunks whose logits are
+    about four times as large as x (n_rows x hidden).
 
     One chunk holds the (N, V) logits in x's dtype and computes dW in one product. Several chunks
     hold C rows of logits but accumulate dW in fp32 (V x H x 4 bytes, read and written by every
     chunk's product): they save memory only when N > C + 2H, and cost time (Llama 3's head, 8192 x
     4096 -> 128256 on an H100: 48 ms in 8 chunks, torch.compile's unchunked 40 ms). Smaller chunks
     also starve the matmuls (256-row chunks ran them 20% slower than one product)."""
+    if n_rows * vocab * itemsize <= ONE_PRODUCT_BYTES:
+        return n_rows
     chunks = max(1, math.ceil(vocab / max(4 * hidden, 1)))
     rows = max(1, math.ceil(n_rows / chunks))
     return n_rows if n_rows <= rows + 2 * hidden else rows
@@ -230,7 +242,7 @@ def _forward(
     t = targets.reshape(-1)
     N = x2.shape[0]
     _check_targets(t, V, ignore_index)
-    C = chunk_rows if chunk_rows > 0 else chunk_rows_for(N, V, H)
+    C = chunk_rows if chunk_rows > 0 else chunk_rows_for(N, V, H, x.element_size())
     n_valid = (t != ignore_index).sum().to(torch.float32)
     # the gradient's divisor (grad_scale 0 gives inf: zero gradients, as multiplying would)
     g_div = n_valid if grad_scale is None else n_valid / grad_scale.to(torch.float32)
