@@ -30,7 +30,8 @@
 #       a part that no longer fits is skipped and says so)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
-#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then train/P3 train/P1-48 fusion
+#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then fusion gpt2/head qwen2/head
+#       llama/head train/P1-48 (the heads: one product up to 2 GiB of logits, a per-lane CE row kernel)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s)
 #   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 model/1.5b train/P3
