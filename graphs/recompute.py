@@ -143,8 +143,7 @@ def copy_broadcast_outputs(graph: fx.Graph, fusible: FusibleOps) -> int:
     for g in p.groups:
         inside = set(g.nodes)
         for o in g.outputs:
-            vo = _val(o)
-            if vo is None or not broadcast_output(o, g, fusible):
+            if not broadcast_output(o, g, fusible):
                 continue
             found = _chain(o, inside, fusible)
             if found is None:

@@ -652,7 +652,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     back[i] = None if i in late else upd[i]
                 elif i in gpu_update:
                     str_in = sim.add(streamed_in * sn[i] / both_each, on["h2d"], (str_in, *deps))
-                    str_out = back[i] = upd[i] = sim.add(14 * sn[i] / both_each + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
+                    str_out = back[i] = upd[i] = sim.add(all_back * sn[i] / both_each + sn[i] / gpu_rate, on["d2h"], (str_in, str_out))
                 elif placement[i] == "disk":
                     ring = set_free[-DISK_SLOTS] if len(set_free) >= DISK_SLOTS else None
                     # a spilled gradient is read back with the state: after the backward wrote it

@@ -138,8 +138,8 @@ def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s:
         if not phi:
             break
         psi = sum(numels[i] for i in deferred_layers(chosen, ahead)) / total_gpu
-        w = compute_bytes if compute_bytes != _FP32 else _FP32
-        t_in, t_out = 12 * (1 - phi), out * (1 - psi) + w * psi
+        # the weights go back first: the compute copy, or in fp32 the master itself (4 B either way)
+        t_in, t_out = 12 * (1 - phi), out * (1 - psi) + compute_bytes * psi
         t_gpu = t_in / pcie_bytes_per_s + max(0.0, t_out - t_in) / one_way_bytes_per_s
         chosen = _balanced(ram, numels, total, t_cpu, t_gpu, compute_bytes, grads_on_device, gpu_bytes)
     return chosen
