@@ -93,7 +93,9 @@ def attention_choices(choices: dict[str, Any], seq: int) -> dict[str, str]:
     def short(v: Any) -> str:
         if isinstance(v, str):
             return v
-        return "cudnn" if v.get("BACKEND") else f"{v['BLOCK_M']}x{v['BLOCK_N']} w{v['num_warps']} s{v['num_stages']}"
+        if v.get("BACKEND"):
+            return "cudnn (grouped KV heads)" if v.get("GQA") else "cudnn"
+        return f"{v['BLOCK_M']}x{v['BLOCK_N']} w{v['num_warps']} s{v['num_stages']}"
 
     return {k.split("/")[0]: short(v) for k, v in choices.items() if k.split("/")[-4] == str(seq)}
 

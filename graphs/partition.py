@@ -358,8 +358,8 @@ def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...])
 
 
 def _row_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
-    """With a reduction in the group, every node must be a full row (…, N) or a reduced row (…, 1)
-    (or, upstream of a cat, a full row of its column window (…, W))."""
+    """With a reduction in the group, every node must be a full row (…, N), a reduced row (…, 1),
+    a per-column value (N,) (or, upstream of a cat, a full row of its column window (…, W))."""
     if not shape:
         return False
     rows = shape[:-1]
@@ -370,9 +370,16 @@ def _row_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> b
             keep = (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
             if not keep or s != (*rows, 1):
                 return False
-        elif s not in (shape, (*rows, 1), *((*rows, w) for _, w in widths.get(m, ()))):
-            return False  # not a full row, a per-row scalar (e.g. rsqrt(mean + eps)) or a cat's part
+        elif s not in (shape, (*rows, 1), *((*rows, w) for _, w in widths.get(m, ()))) and not _per_column(s, shape):
+            # not a full row, a per-row scalar (e.g. rsqrt(mean + eps)), a cat's part, or a
+            # per-column value every row reads alike (a norm's weight cast to fp32)
+            return False
     return True
+
+
+def _per_column(s: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A value of one row's width that broadcasts over every row: (N,), (1, N), (1, 1, N), ..."""
+    return 0 < len(s) <= len(shape) and s[-1] == shape[-1] and all(d == 1 for d in s[:-1])
 
 
 def _creates_cycle(group: set[fx.Node], order: dict[fx.Node, int]) -> bool:

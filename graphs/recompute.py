@@ -1,16 +1,24 @@
 """Recompute cheap fp32 intermediates in the fusion groups that consume them instead of saving them.
 
-In a joint forward+backward graph a forward fusion group often stores a value only because a
-backward group reads it later: RMSNorm's ``x * rstd`` (for the weight gradient), LayerNorm's
+In a joint forward+backward graph a fusion group often stores a value only because another
+group reads it later: RMSNorm's ``x * rstd`` or its fp32 input (for the weight and input
+gradients), the pieces of the input gradient a weight-gradient kernel computes on its way
+(``dy * w * x``, ``dy * w * rstd``) for the row kernel that finishes it, LayerNorm's
 ``(x - mean) * rstd``, a rotary product. When that value is a short pointwise chain over tensors
-that exist anyway (graph inputs, outputs of other kernels) and per-row or per-column values (a
-few bytes per row), the consumer can compute it again from those: the producer no longer writes
-it and the consumer reads at most one full-size tensor in its place, which it often reads
-already. Each consumer group gets its own copy of the chain (marked ``mtc_recompute`` so that
-`partition` puts it with its consumer, not back with its producer).
+that exist anyway (graph inputs, outputs of anchors or other kernels) and per-row or per-column
+values (a few bytes per row), the consumer can compute it again from those. It pays when the
+bytes saved (the producer's store and each consumer's read of the value) exceed the bytes of the
+chain's inputs the consumers do not read already: an fp32 value rebuilt from one or two bf16
+tensors always pays. Each consumer group gets its own copy of the chain (marked
+``mtc_recompute`` so that `partition` puts it with its consumer, not back with its producer);
+the pass repeats until nothing more pays, so a value rebuilt inside a consumer can carry
+another value's chain further back.
 
 Only fp32 values are recomputed: a stored half-precision value is rounded, its recomputation
-would not be, and the compiled graph must compute what the unfused one does. Pure graph surgery.
+would not be, and the compiled graph must compute what the unfused one does. Inside a chain any
+float dtype may appear: a generated kernel keeps every intermediate in fp32 and rounds only at an
+explicit cast, and the copy computes the same expression from the same inputs, so it computes the
+very values the producer did. Pure graph surgery.
 """
 
 from __future__ import annotations
@@ -40,9 +48,10 @@ def _small(n: fx.Node, big: torch.Tensor) -> bool:
 def _chain(o: fx.Node, inside: set[fx.Node], fusible: FusibleOps) -> tuple[list[fx.Node], set[fx.Node]] | None:
     """(pointwise nodes computing ``o`` from roots, in graph order; its full-size roots) or None.
 
-    Roots are values from outside the group (materialised anyway) or small values inside it (the
-    group then stores them: a few bytes per row). Anything else (a reduction over full rows, a
-    cat, a large intermediate not pointwise) stops the chain.
+    Roots are values from outside the group (materialised anyway) or small fp32 values inside it
+    (the group then stores them: a few bytes per row; a small half-precision value would be read
+    back rounded where the producer used it unrounded). Anything else (a reduction over full
+    rows, a cat, a large intermediate not pointwise) stops the chain.
     """
     vo = _val(o)
     chain: list[fx.Node] = []
@@ -53,25 +62,49 @@ def _chain(o: fx.Node, inside: set[fx.Node], fusible: FusibleOps) -> tuple[list[
         if n in seen:
             continue
         seen.add(n)
-        if n is not o and (n not in inside or _small(n, vo)):
-            if not _small(n, vo):
-                big_roots.add(n)
+        if n is not o and n not in inside:
+            big_roots.add(n)
             continue
-        if n.target not in fusible.pointwise or _val(n) is None or _val(n).dtype != torch.float32:
+        if n is not o and _small(n, vo):
+            if _val(n).dtype != torch.float32:
+                return None
+            continue
+        if n.target not in fusible.pointwise or _val(n) is None or not _val(n).dtype.is_floating_point:
             return None
         chain.append(n)
         if len(chain) > MAX_CHAIN:
             return None
         stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(o.graph.nodes)}
+    big_roots = {r for r in big_roots if not _small(r, vo)}
     return sorted(chain, key=order.__getitem__), big_roots
 
 
-def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
+def _nbytes(n: fx.Node) -> int:
+    v = _val(n)
+    return 0 if v is None else math.prod(v.shape) * v.element_size()
+
+
+def recompute_cheap(graph: fx.Graph, fusible: FusibleOps, *, max_rounds: int = 8) -> int:
     """Copy each cheap fp32 value a fusion group stores only for other fusion groups into those
-    groups; returns how many values are no longer stored. Run `partition` again afterwards."""
+    groups, where that moves fewer bytes; returns how many values are no longer stored. Rounds
+    repeat (a fresh partition each) until one recomputes nothing. Run `partition` again afterwards."""
+    done = 0
+    for _ in range(max_rounds):
+        n = _recompute_round(graph, fusible)
+        if not n:
+            break
+        done += n
+    if done:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return done
+
+
+def _recompute_round(graph: fx.Graph, fusible: FusibleOps) -> int:
     p = partition(graph, fusible)
     group_of = {n: i for i, g in enumerate(p.groups) for n in g.nodes}
+    reads = [set(g.inputs) for g in p.groups]  # what each group reads, kept current as copies land
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for gi, g in enumerate(p.groups):
@@ -91,8 +124,10 @@ def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
             consumers: dict[int, list[fx.Node]] = {}
             for u in outside:
                 consumers.setdefault(group_of[u], []).append(u)
-            # each consumer reads at most one full-size tensor it does not read already in o's place
-            if any(len(big_roots - set(p.groups[c].inputs)) > 1 for c in consumers):
+            # the producer's store and each consumer's read go; each consumer reads the roots it lacks
+            saved = _nbytes(o) * (1 + len(consumers))
+            added = sum(_nbytes(r) for c in consumers for r in big_roots - reads[c])
+            if added >= saved:
                 continue
             copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]] = []
             for users in consumers.values():
@@ -107,11 +142,10 @@ def recompute_cheap(graph: fx.Graph, fusible: FusibleOps) -> int:
                 copies.append((users, env))
             if _joined(graph, fusible, copies):
                 done += 1
+                for c in consumers:
+                    reads[c] = (reads[c] | big_roots) - {o}
             else:
                 _undo(graph, o, copies)
-    if done:
-        graph.eliminate_dead_code()
-        graph.lint()
     return done
 
 

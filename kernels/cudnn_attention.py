@@ -8,8 +8,12 @@ when three things hold: cuDNN attention exists in this torch and takes the probl
 bf16, D a multiple of 8 up to 128), its results agree with the Triton kernels' on the first call
 for that shape (out, logsumexp, and every gradient: the two backends then share the saved
 (out, logsumexp) pair, so a cuDNN forward may feed a Triton backward and vice versa), and it is
-the faster of the candidates timed (kernels/tuning.py). Grouped KV heads are expanded for cuDNN
-and their gradients summed back over each group.
+the faster of the candidates timed (kernels/tuning.py). Grouped KV heads go to cuDNN in two ways,
+each a candidate of its own: as they are (cuDNN maps query heads to KV heads itself and sums
+their gradients), or repeated for each query group first and the gradients summed back over the
+group (two copies of k and v each way, and two reductions, per call: ~0.6 ms of a 20 ms Llama-8B
+layer on the H200, where torch.compile's kernels had none). cuDNN's outputs are returned as they
+are when their layout is the one the ops promise, not copied into buffers of ours.
 """
 
 from __future__ import annotations
@@ -36,31 +40,44 @@ def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
+def _as_allocated(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it has the layout ``torch.empty_like(like)`` would give (what the backward
+    op's fake implementation promises, and compiled graphs view), else a copy in that layout."""
+    if t.stride() == torch.empty_like(like, device="meta").stride():
+        return t
+    out = torch.empty_like(like)
+    out.copy_(t)
+    return out
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            o: torch.Tensor, lse: torch.Tensor) -> None:
-    """Write attention's output into ``o`` and its fp32 row logsumexp (natural log) into ``lse``."""
+            *, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's output (q's shape, contiguous) and its fp32 row logsumexp (B, H, T), natural log.
+    ``grouped``: hand cuDNN the KV heads as they are (it maps query head h to KV head h // rep
+    itself); else each KV head is repeated for its query group first (two copies of k and v)."""
     rep = q.shape[1] // k.shape[1]
-    out, stats = aten._scaled_dot_product_cudnn_attention(
-        q, _expand(k, rep), _expand(v, rep), None, True, 0.0, causal, False, scale=scale
-    )[:2]
-    o.copy_(out)
-    lse.copy_(stats.reshape(lse.shape))
+    kk, vv = (k, v) if grouped else (_expand(k, rep), _expand(v, rep))
+    out, stats = aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, causal, False, scale=scale)[:2]
+    lse = stats.reshape(q.shape[:-1])
+    return out.contiguous(), lse.contiguous()  # no copy when they are (the op promises contiguous outputs)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             lse: torch.Tensor, causal: bool, scale: float,
-             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Write the gradients into ``dq, dk, dv`` (dk, dv summed over each KV head's query group)."""
+             lse: torch.Tensor, causal: bool, scale: float, *, grouped: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the layouts of q, k, v; dk, dv summed over each KV head's query group (by
+    cuDNN itself when ``grouped``, else after the expanded heads' gradients come back)."""
     T, H_KV = q.shape[2], k.shape[1]
     rep = q.shape[1] // H_KV
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
+    kk, vv = (k, v) if grouped or rep == 1 else (_expand(k, rep), _expand(v, rep))
     gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
-        do.contiguous() if o.is_contiguous() else do, q, _expand(k, rep), _expand(v, rep), o,
+        do.contiguous() if o.is_contiguous() else do, q, kk, vv, o,
         lse.unsqueeze(-1), unused, unused, None, None, None, T, T, 0.0, causal, scale=scale,
     )
-    dq.copy_(gq)
-    dk.copy_(gk if rep == 1 else gk.unflatten(1, (H_KV, rep)).sum(2))
-    dv.copy_(gv if rep == 1 else gv.unflatten(1, (H_KV, rep)).sum(2))
+    if not grouped and rep > 1:
+        gk, gv = gk.unflatten(1, (H_KV, rep)).sum(2), gv.unflatten(1, (H_KV, rep)).sum(2)
+    return _as_allocated(gq, q), _as_allocated(gk, k), _as_allocated(gv, v)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -425,12 +425,23 @@ def _cudnn_candidate(q: torch.Tensor) -> bool:
     return not _INTERPRETED and cudnn_attention.usable(q)
 
 
-def _cudnn_extra(q: torch.Tensor) -> list[dict]:
-    return [{"BACKEND": "cudnn"}] if _cudnn_candidate(q) else []
+def _cudnn_extra(q: torch.Tensor, k: torch.Tensor) -> list[dict]:
+    """cuDNN's forward candidates: KV heads repeated per query group (``{"BACKEND": "cudnn"}``, the
+    only way when there is no grouping), and with grouped KV heads also handed over as they are."""
+    if not _cudnn_candidate(q):
+        return []
+    return [{"BACKEND": "cudnn"}] + ([{"BACKEND": "cudnn", "GQA": True}] if q.shape[1] != k.shape[1] else [])
 
 
-def _backends(q: torch.Tensor) -> list[str]:
-    return ["triton", "cudnn"] if _cudnn_candidate(q) else ["triton"]
+def _backends(q: torch.Tensor, k: torch.Tensor) -> list[str]:
+    """Backward candidates: Triton, and cuDNN's ways as in `_cudnn_extra` ("cudnn", "cudnn_gqa")."""
+    return ["triton"] + ["cudnn_gqa" if c.get("GQA") else "cudnn" for c in _cudnn_extra(q, k)]
+
+
+def _cudnn_what(direction: str, cand: dict | str) -> str:
+    """How warnings name a cuDNN candidate."""
+    grouped = cand == "cudnn_gqa" or (isinstance(cand, dict) and cand.get("GQA"))
+    return f"{direction} (grouped KV heads)" if grouped else direction
 
 
 def has_choices(q: torch.Tensor) -> bool:
@@ -513,13 +524,20 @@ def _flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked inputs -> (o (B, Hq, T, D) in q's dtype, lse (B, Hq, T) fp32, natural log)."""
     B, H, T, D = q.shape
+    key = _tuning_key(q, k, causal)
+    cfg = _TUNER.recall(("fwd", _tiles(q), *key), _config_list(q, "fwd") + _cudnn_extra(q, k))
+    if cfg is not None and cfg.get("BACKEND") == "cudnn" and q.numel():
+        # cuDNN's own output buffers, as they are: no copy into ours
+        return cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
     o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
     def launch(cfg: dict) -> None:  # idempotent: timing candidates just rewrites o and lse
         if cfg.get("BACKEND") == "cudnn":
-            cudnn_attention.forward(q, k, v, causal, scale, o, lse)
+            got = cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
+            o.copy_(got[0])
+            lse.copy_(got[1])
             return
         _attn_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
             q, k, v, o, lse,
@@ -528,20 +546,22 @@ def _flash_attn_fwd(
             CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), **cfg,
         )
 
-    key = _tuning_key(q, k, causal)
-    cfg = _TUNER.recall(("fwd", _tiles(q), *key), _config_list(q, "fwd") + _cudnn_extra(q))
     if cfg is None:
-        extra: tuple = ()
+        extra: list[dict] = []
         if _cudnn_candidate(q):
-            # first call for this shape: cuDNN competes only if it computes what the Triton kernel does
+            # first call for this shape: each cuDNN way competes only if it computes what the Triton kernel does
             launch(_config_list(q, "fwd")[0])
             ours = (o.clone(), lse.clone())
-            try:
-                launch({"BACKEND": "cudnn"})
-                extra = ({"BACKEND": "cudnn"},) if cudnn_attention.agree("forward", ours, (o, lse)) else ()
-            except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
-                cudnn_attention.warn_unavailable("forward", e)
-        cfg = _config(q, "fwd", key, launch, extra)
+            for cand in _cudnn_extra(q, k):
+                try:
+                    launch(cand)
+                    if cudnn_attention.agree(_cudnn_what("forward", cand), ours, (o, lse)):
+                        extra.append(cand)
+                except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
+                    cudnn_attention.warn_unavailable(_cudnn_what("forward", cand), e)
+        cfg = _config(q, "fwd", key, launch, tuple(extra))
+        if cfg.get("BACKEND") == "cudnn":
+            return cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
     launch(cfg)
     return o, lse
 
@@ -561,6 +581,12 @@ def _flash_attn_bwd(
     B, H, T, D = q.shape
     H_KV = k.shape[1]
     do = do.to(q.dtype)  # autograd may hand a grad of another dtype; the half matmuls need q's
+    key = _tuning_key(q, k, causal)
+    bkey = ("bwd_backend", str(q.dtype), *key)
+    backend = _TUNER.recall(bkey, _backends(q, k))
+    if backend is not None and backend.startswith("cudnn") and q.numel():
+        # cuDNN's own gradient buffers, as they are (when laid out as ours would be): no copies
+        return cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, grouped=backend == "cudnn_gqa")
     # gradients take their input's layout (as autograd's do), so graphs traced against the
     # reference op can view them the same way; the kernels write through any strides
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -573,8 +599,6 @@ def _flash_attn_bwd(
         _attn_bwd_preprocess_kernel[(triton.cdiv(T, 64), B * H)](
             o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=block_d, num_warps=4,
         )
-
-    key = _tuning_key(q, k, causal)
 
     def launch_dkdv(cfg: dict) -> None:  # idempotent: writes dk, dv
         _attn_bwd_dkdv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), B * H_KV)](
@@ -593,28 +617,30 @@ def _flash_attn_bwd(
         )
 
     def run(backend: str) -> None:  # idempotent: writes dq, dk, dv
-        if backend == "cudnn":
-            cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, dq, dk, dv)
+        if backend.startswith("cudnn"):
+            for mine, got in zip((dq, dk, dv), cudnn_attention.backward(do, q, k, v, o, lse, causal, scale,
+                                                                        grouped=backend == "cudnn_gqa"), strict=True):
+                mine.copy_(got)
             return
         preprocess()
         launch_dkdv(_config(q, "dkdv", key, launch_dkdv))
         launch_dq(_config(q, "dq", key, launch_dq))
 
-    bkey = ("bwd_backend", str(q.dtype), *key)
-    backend = _TUNER.recall(bkey, _backends(q))
     if backend is None:
-        # first call for this shape: tune the Triton tiles, then let cuDNN compete if it agrees
+        # first call for this shape: tune the Triton tiles, then let each cuDNN way compete if it agrees
         run("triton")
         backends = ["triton"]
-        if _cudnn_candidate(q):
-            ours = (dq.clone(), dk.clone(), dv.clone())
+        ours = (dq.clone(), dk.clone(), dv.clone())
+        for cand in _backends(q, k)[1:]:
             try:
-                run("cudnn")
-                if cudnn_attention.agree("backward", ours, (dq, dk, dv)):
-                    backends.append("cudnn")
+                run(cand)
+                if cudnn_attention.agree(_cudnn_what("backward", cand), ours, (dq, dk, dv)):
+                    backends.append(cand)
             except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
-                cudnn_attention.warn_unavailable("backward", e)
+                cudnn_attention.warn_unavailable(_cudnn_what("backward", cand), e)
         backend = _TUNER.choose(bkey, backends, run)
+        if backend.startswith("cudnn"):
+            return cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, grouped=backend == "cudnn_gqa")
     run(backend)
     return dq, dk, dv
 

@@ -59,6 +59,7 @@ from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
+from mtc.graphs.views import move_views
 from mtc.kernels.attention_tuning import tune_attention
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
 from mtc.kernels.flash_attention import seed_tuning
@@ -290,8 +291,18 @@ def _fuse_matmul_edges(w: Work) -> None:
         w.tuning_s += choices.seconds - t0
 
 
+def _move_views(w: Work) -> None:
+    for g in (w.forward, w.joint):
+        move_views(g, FUSIBLE)
+
+
 def _recompute_joint(w: Work) -> None:
-    recompute_cheap(w.joint, FUSIBLE)
+    # copying a broadcast value into its readers re-forms groups, which can make more values
+    # cheap to recompute (GPT-2's LayerNorm backward), and recomputing can leave a broadcast
+    # value behind: alternate until neither finds anything
+    for _ in range(4):
+        if not recompute_cheap(w.joint, FUSIBLE) + copy_broadcast_outputs(w.joint, FUSIBLE):
+            break
 
 
 def _copy_broadcast_outputs(w: Work) -> None:
@@ -315,6 +326,7 @@ PASSES: list[Pass] = [
     Pass("tune attention", _tune_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),
     Pass("fuse matmul edges", _fuse_matmul_edges),
+    Pass("move views", _move_views),
     Pass("recompute joint", _recompute_joint),
     Pass("copy broadcast outputs", _copy_broadcast_outputs),
     Pass("fuse forward", _fuse_forward),

@@ -12,6 +12,7 @@ from mtc.graphs.lower import joint_graph
 from mtc.graphs.partition import RECOMPUTE, partition
 from mtc.graphs.program import devices_to_marker, dtype_from_name, instantiate
 from mtc.graphs.recompute import broadcast_output, copy_broadcast_outputs, recompute_cheap, stored_between_groups
+from mtc.graphs.views import move_views
 from mtc.kernels.codegen import FUSIBLE
 
 from mtc.compiler import TEMPLATE_SWAPS
@@ -73,23 +74,57 @@ def _broadcast_outputs(g) -> list[str]:
     return [o.name for grp in partition(g, FUSIBLE).groups for o in grp.outputs if broadcast_output(o, grp, FUSIBLE)]
 
 
+def _two_norms(x, w, W):
+    """A per-column fp32 value (w cast up) read by two row kernels an anchor keeps apart."""
+    wf = w.float()
+    xf = x.float()
+    h = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + 1e-5) * wf).to(x.dtype)
+    z = (h.view(-1, h.shape[-1]) @ W).view(h.shape).float()
+    return (z * torch.rsqrt((z * z).mean(-1, keepdim=True) + 1e-5) * wf).to(x.dtype)
+
+
 def test_a_broadcast_value_other_kernels_read_is_copied_into_them():
-    """bf16 GPT-2: LayerNorm's weight cast to fp32 is read by the input-gradient kernel and by the
-    weight-gradient group; as an output of one of them, that group could not be generated."""
-    torch.manual_seed(0)
-    prog = trace(build("gpt2-tiny", n_layers=1).to(torch.bfloat16), 2, 8)
-    t = prog.templates[prog.layers[1].template]
-    gm = joint_graph(t, TEMPLATE_SWAPS)[0]
-    for n in gm.graph.nodes:
-        n.args, n.kwargs = devices_to_marker(n.args), devices_to_marker(n.kwargs)
-    g = gm.graph
-    recompute_cheap(g, FUSIBLE)
+    """A group computing a per-column value another kernel reads would have to store it at a
+    shape its kernel cannot write (smaller than its iteration shape): that group stayed on ATen
+    (bf16 GPT-2's LayerNorm backward did, before row kernels took per-column values in)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w, W = torch.randn(2, 8, 16).bfloat16(), torch.randn(16).bfloat16(), torch.randn(16, 16).bfloat16()
+    g = make_fx(_two_norms, tracing_mode="fake")(x, w, W).graph
     before = instantiate(copy.deepcopy(g), "cpu")
     assert _broadcast_outputs(g), "the case this pass exists for is gone from the graph"
     assert copy_broadcast_outputs(g, FUSIBLE) >= 1
     assert _broadcast_outputs(g) == []
+    torch.testing.assert_close(instantiate(g, "cpu")(x, w, W), before(x, w, W), rtol=0, atol=0)
+
+
+def test_norm_backward_pieces_are_rebuilt_from_bf16_inputs():
+    """bf16 Llama: the weight-gradient kernel used to store fp32 pieces of the input gradient
+    (dy * w * x, dy * w * rstd) and the forward kernel its fp32 input, for the row kernel that
+    finishes the input gradient; rebuilt there from the bf16 gradients and inputs, none is
+    stored, and no fp32 value of a full row's size crosses between kernels at all."""
+    torch.manual_seed(0)
+    prog = trace(build("tiny", n_layers=1).to(torch.bfloat16), 2, 8)
+    t = prog.templates[prog.layers[1].template]
+    g = joint_graph(t, TEMPLATE_SWAPS)[0].graph
+    move_views(g, FUSIBLE)
+    before = instantiate(copy.deepcopy(g), "cpu")
+
+    def fp32_stored() -> list[str]:
+        p = partition(g, FUSIBLE)
+        group_of = {n: i for i, grp in enumerate(p.groups) for n in grp.nodes}
+        return [o.name for i, grp in enumerate(p.groups) for o in grp.outputs
+                if o.meta["val"].dtype == torch.float32 and o.meta["val"].shape == grp.shape
+                and any(group_of.get(u, i) != i for u in o.users)]
+
+    assert len(fp32_stored()) >= 4, fp32_stored()
+    _, bytes0 = stored_between_groups(g, FUSIBLE)
+    assert recompute_cheap(g, FUSIBLE) >= 4
+    assert fp32_stored() == []
+    _, bytes1 = stored_between_groups(g, FUSIBLE)
+    assert bytes1 < bytes0 / 2, (bytes0, bytes1)
     dt = [dtype_from_name(i.spec.dtype) for i in t.inputs]
-    args = [torch.randn(i.spec.shape).to(d) if d.is_floating_point else torch.zeros(i.spec.shape, dtype=d) for i, d in zip(t.inputs, dt)]
+    args = [torch.randn(i.spec.shape).to(d) for i, d in zip(t.inputs, dt)]
     gout = torch.randn(t.inputs[0].spec.shape).to(dt[0])
     want, got = before(*args, gout), instantiate(g, "cpu")(*args, gout)
     for a, b in zip(got, want, strict=True):

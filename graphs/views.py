@@ -1,0 +1,199 @@
+"""Move views out of the way of fusion: sink broadcasts below pointwise ops, hoist slices above them.
+
+`partition` never puts a view in a fusion group (a view launches no kernel), so a view between
+two fusible ops splits them into two kernels, and the producer's whole output goes through
+memory. Two shapes of this show up in every decoder block's joint graph:
+
+* **A broadcast** (``expand``) of a per-row value into a pointwise op: RMSNorm's backward
+  expands the row sum ``(…, 1)`` to ``(…, N)`` before dividing it by N. The row-reduction
+  kernel stops at the expand, and the pointwise rest of the input gradient runs as a kernel of
+  its own, reading back the fp32 values the reduction kernel's producers wrote for it. Pointwise
+  ops broadcast their inputs anyway: the expand is dropped where another input has the full
+  shape, and moved below the op where none has (the op then runs on the small shape). The row
+  kernel then computes the sum and the gradient in one pass.
+* **A slice** of a pointwise op's output: RoPE casts q (and k, and in the backward their
+  gradients) to fp32 and splits (or slices) off the halves for ``rotate_half``. The cast runs as a kernel of its
+  own writing the fp32 tensor, and the rotary kernel reads it back. When every user of the op is
+  a last-dim slice that feeds fusible ops, each slice takes its own copy of the op over the
+  matching slices of the op's inputs, and the copy runs inside the consumer's kernel.
+
+Both rewrites keep every value: the ops compute the same elements from the same inputs; only
+where (in which kernel) they are computed changes. Pure graph surgery: no I/O, no devices.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+
+import torch
+from mtc.graphs.partition import FusibleOps, classify
+from torch import fx
+
+__all__ = ["hoist_slices", "move_views", "sink_expands"]
+
+aten = torch.ops.aten
+
+# pointwise ops whose output is not the broadcast of their inputs (copy_'s is its destination's shape)
+_NOT_BROADCAST = frozenset({aten.copy.default})
+
+
+def _val(n: object) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _broadcasting(n: fx.Node, fusible: FusibleOps) -> bool:
+    """A fusible pointwise op whose output shape is the broadcast of its tensor arguments'."""
+    return (n.op == "call_function" and n.target in fusible.pointwise and n.target not in _NOT_BROADCAST
+            and classify(n, fusible) == "fusible" and not any(isinstance(v, fx.Node) for v in n.kwargs.values()))
+
+
+def _out_shape(args: tuple, fallback: torch.Size) -> torch.Size:
+    """The broadcast shape of the tensor arguments (a scalar-only call keeps ``fallback``)."""
+    shapes = [_val(a).shape for a in args if _val(a) is not None]
+    return torch.broadcast_shapes(*shapes) if shapes else fallback
+
+
+def _meta(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _expand_source(a: object) -> fx.Node | None:
+    """``x`` when ``a`` is ``expand(x, …)`` of a tensor that broadcasts to ``a``'s shape."""
+    if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.expand.default):
+        return None
+    x = a.args[0]
+    vx, va = _val(x), _val(a)
+    if vx is None or va is None:
+        return None
+    try:
+        ok = torch.broadcast_shapes(vx.shape, va.shape) == va.shape
+    except RuntimeError:
+        return None
+    return x if ok else None
+
+
+def sink_expands(graph: fx.Graph, fusible: FusibleOps) -> int:
+    """Drop each ``expand`` a broadcasting pointwise op reads where the op's other inputs give the
+    full shape anyway; where they do not, run the op on the unexpanded value and expand its result
+    instead (then its users get the same treatment). Returns the rewrites made."""
+    done = 0
+    for n in list(graph.nodes):
+        if not _broadcasting(n, fusible):
+            continue
+        srcs = {a: x for a in n.args if (x := _expand_source(a)) is not None}
+        if not srcs:
+            continue
+        vn = _val(n)
+        new_args = tuple(srcs.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
+        shape = _out_shape(new_args, vn.shape)
+        if shape == vn.shape:
+            n.args = new_args
+            done += 1
+            continue
+        # the op would shrink: compute it on the small shape and broadcast its result, but only
+        # when every user is itself a broadcasting op (the expand then sinks further or vanishes;
+        # an anchor or the graph output keeps a materialised value)
+        if not n.users or not all(_broadcasting(u, fusible) for u in n.users):
+            continue
+        with graph.inserting_before(n):
+            small = graph.call_function(n.target, new_args, dict(n.kwargs))
+            small.meta = {**n.meta, "val": _meta(shape, vn.dtype)}
+            big = graph.call_function(aten.expand.default, (small, list(vn.shape)))
+            big.meta = {**n.meta, "val": _meta(shape, vn.dtype).expand(vn.shape)}
+        n.replace_all_uses_with(big)
+        graph.erase_node(n)
+        done += 1
+    return done
+
+
+def _last_dim(v: torch.Tensor, dim: int) -> bool:
+    return v.dim() > 0 and dim % v.dim() == v.dim() - 1
+
+
+def _windows(u: fx.Node, v: torch.Tensor) -> list[tuple[fx.Node, tuple[int, int]]] | None:
+    """The column windows user ``u`` takes of ``v``'s last dim, each with the node that stands for
+    it: a step-1 ``slice`` (itself), or a ``split`` whose every user is a ``getitem`` (those);
+    None for any other user."""
+    if u.op != "call_function":
+        return None
+    n = v.shape[-1] if v.dim() else 0
+    if u.target is aten.slice.Tensor:
+        dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+        start = u.args[2] if len(u.args) > 2 else u.kwargs.get("start")
+        end = u.args[3] if len(u.args) > 3 else u.kwargs.get("end")
+        step = u.args[4] if len(u.args) > 4 else u.kwargs.get("step", 1)
+        if not _last_dim(v, dim) or step != 1:
+            return None
+        start, end = (0 if start is None else start), (sys.maxsize if end is None else end)
+        start, end = max(0, start + n if start < 0 else start), min(n, end + n if end < 0 else end)
+        return [(u, (start, end))] if start < end else None
+    if u.target in (aten.split_with_sizes.default, aten.split.Tensor):
+        dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+        if not _last_dim(v, dim) or not all(g.target is operator.getitem for g in u.users):
+            return None
+        size = u.args[1]
+        sizes = list(size) if isinstance(size, (list, tuple)) else [size] * -(-n // size)
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return [(g, (bounds[g.args[1]], min(n, bounds[g.args[1] + 1]))) for g in u.users]
+    return None
+
+
+def hoist_slices(graph: fx.Graph, fusible: FusibleOps) -> int:
+    """Give each last-dim slice (or split piece) of a broadcasting pointwise op its own copy of the
+    op over the same slice of the op's inputs, when every user of the op is such a slice and every slice
+    feeds only fusible ops (so each copy runs inside its consumer's kernel and the op's full
+    output is never stored). Returns the ops rewritten."""
+    done = 0
+    for a in list(graph.nodes):
+        if not _broadcasting(a, fusible) or not a.users:
+            continue
+        va = _val(a)
+        if va is None or va.dim() == 0:
+            continue
+        found = [_windows(u, va) for u in a.users]
+        if any(w is None for w in found):
+            continue
+        windows = dict(w for ws in found for w in ws)
+        if not windows or not all(classify(u, fusible) == "fusible" for s in windows for u in s.users):
+            continue
+        splits = [u for u in a.users if u.target is not aten.slice.Tensor]
+        n_cols = va.shape[-1]
+        for s, (start, end) in windows.items():
+            with graph.inserting_before(s):
+                args = []
+                for x in a.args:
+                    vx = _val(x)
+                    # inputs one column wide (or of lower rank, broadcast in front) read the same at every column
+                    if vx is None or vx.dim() == 0 or vx.shape[-1] == 1:
+                        args.append(x)
+                        continue
+                    if vx.shape[-1] != n_cols:
+                        raise AssertionError(f"{a.name}: input {x.name} of width {vx.shape[-1]} broadcast to {n_cols}")
+                    part = graph.call_function(aten.slice.Tensor, (x, vx.dim() - 1, start, end))
+                    part.meta = {**x.meta, "val": vx[..., start:end]}
+                    args.append(part)
+                copy = graph.call_function(a.target, tuple(args), dict(a.kwargs))
+                copy.meta = {**a.meta, "val": _meta((*va.shape[:-1], end - start), va.dtype)}
+            s.replace_all_uses_with(copy)
+            graph.erase_node(s)
+        for sp in splits:
+            graph.erase_node(sp)
+        graph.erase_node(a)
+        done += 1
+    return done
+
+
+def move_views(graph: fx.Graph, fusible: FusibleOps) -> int:
+    """`sink_expands` and `hoist_slices` until neither finds more; returns the rewrites made."""
+    total = 0
+    while True:
+        n = sink_expands(graph, fusible) + hoist_slices(graph, fusible)
+        if not n:
+            break
+        total += n
+    if total:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return total
