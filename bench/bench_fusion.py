@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
-from launch_count import print_kernel_table
+from launch_count import kernel_diff, print_kernel_table
 
 from mtc.compiler import compile_template, launches
 from mtc.models import build, model_config
@@ -276,6 +276,8 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         # Llama and Qwen2 blocks, where replay should only remove idle time (are its kernels slower?)
         rec["profile"] = {v: kernel_table(variants[v]) for v in ("unfused", "mtc_fused", "mtc_fused_graph", "torch_compile")
                           if v in variants}
+        if "mtc_fused_graph" in rec["profile"]:  # the kernels that run slower (or faster) replayed than eager
+            rec["profile_graph_vs_eager"] = kernel_diff(rec["profile"]["mtc_fused"], rec["profile"]["mtc_fused_graph"])
     if trace_dir and device.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -430,7 +432,13 @@ def main() -> None:
                   f"capture {cg['capture_s']:.2f} s, pool {cg['pool_bytes'] / 2**20:.0f} MiB"
                   + (f"; FELL BACK: {cg['fallback']}" if cg["fallback"] else ""))
         for v, prof in rec.get("profile", {}).items():
-            print_kernel_table(v, prof, rec["results"][v]["median_ms"])
+            print_kernel_table(v, prof, rec["results"][v]["median_ms"], top=25)
+        if "profile_graph_vs_eager" in rec:
+            d = rec["profile_graph_vs_eager"]
+            print(f"  replayed vs eager: GPU busy {d['gpu_ms_diff']:+.3f} ms; kernels that differ most:")
+            for r in d["top"]:
+                print(f"    {r['diff_ms']:+8.3f} ms  ({r['base_ms']:.3f} x{r['base_calls']} -> {r['other_ms']:.3f} x{r['other_calls']}) "
+                      f"{r['kernel'][:90]}")
         print(f"record: {write_record('bench_fusion' + ('-smoke' if a.smoke else ''), rec)}")
         recs.append(rec)
     if recs:

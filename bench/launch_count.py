@@ -21,7 +21,7 @@ from mtc.runtime.graph_replay import CudaGraphCapture, GraphRunner, launches_per
 from mtc.runtime.runners import CompiledRunner
 
 
-def kernel_table(fn: Callable[[], Any], top: int = 25) -> dict:
+def kernel_table(fn: Callable[[], Any], top: int = 80) -> dict:
     """CUDA time per kernel name over one call of ``fn`` (torch.profiler), largest first, and the
     total: wall time minus the total is time the GPU sat idle (launch and Python overhead)."""
     from torch.profiler import ProfilerActivity, profile
@@ -38,6 +38,20 @@ def kernel_table(fn: Callable[[], Any], top: int = 25) -> dict:
             rows.append({"kernel": e.key[:120], "calls": e.count, "ms": us / 1e3})
     rows.sort(key=lambda r: -r["ms"])
     return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
+
+
+def kernel_diff(base: dict, other: dict, top: int = 12) -> dict:
+    """Where ``other`` (a `kernel_table`) spends GPU time differently from ``base``: per kernel name,
+    ms in each and the difference, largest differences first, and the totals' difference."""
+    a = {r["kernel"]: r for r in base["top"]}
+    b = {r["kernel"]: r for r in other["top"]}
+    rows = [{"kernel": k, "base_ms": a[k]["ms"] if k in a else 0.0, "other_ms": b[k]["ms"] if k in b else 0.0,
+             "base_calls": a[k]["calls"] if k in a else 0, "other_calls": b[k]["calls"] if k in b else 0}
+            for k in a.keys() | b.keys()]
+    for r in rows:
+        r["diff_ms"] = r["other_ms"] - r["base_ms"]
+    rows.sort(key=lambda r: -abs(r["diff_ms"]))
+    return {"gpu_ms_diff": other["gpu_ms_total"] - base["gpu_ms_total"], "top": rows[:top]}
 
 
 def print_kernel_table(variant: str, table: dict, median_ms: float, top: int = 25) -> None:

@@ -38,6 +38,12 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   that same stream in ``thread_local`` mode (the fetch and optimizer threads keep issuing copies
   meanwhile). Capturing synchronises the device once per key, during the first step or two;
   replays never synchronise the host.
+- **Measured, not assumed.** A runner whose backend compares (`CudaGraphCapture(compare=True)`,
+  what `mtc train` uses) times the first captured graph of each callable against the eager call
+  right after capture, interleaved on the compute stream; when replay is the slower by more than
+  `REPLAY_MARGIN` (the H200 ran a Llama-8B block's replayed joint graph at 23.1 ms against 21.9
+  eager, while GPT-2's replay was 1.3x faster than eager), that callable runs eagerly from then on,
+  and the report says so with both times.
 - **Fallback.** A graph that calls an op known to synchronise the host (``nonzero``, ``.item()``,
   boolean-mask indexing, ...) is never captured; a capture that fails anyway (an op that syncs,
   allocates host memory or reads a CPU tensor) runs that graph eagerly for the rest of the run.
@@ -69,7 +75,7 @@ from mtc.graphs.program import Template
 from mtc.runtime.runners import LayerRunner
 
 __all__ = [
-    "MIN_LAUNCHES_SAVED", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphBuffers", "GraphRunner", "ReplayStats",
+    "MIN_LAUNCHES_SAVED", "REPLAY_MARGIN", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphBuffers", "GraphRunner", "ReplayStats",
     "capture_blocker", "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs", "resident_graph_bytes",
     "template_graph_buffers",
 ]
@@ -85,9 +91,13 @@ SYNCING_OPS = frozenset({
 
 # Replay holds a graph's outputs (a layer's parameter gradients among them: 1 GiB for a Llama 3
 # embedding table) for the whole run, where eager execution frees them after each call; a graph
-# is replayed only when that saves at least this many launches per call (a block: ~45 -> 7; an
+# is replayed only when that saves at least this many launches per call (a block: ~38 -> 7; an
 # embed stage or a head: at most one or two, or none)
 MIN_LAUNCHES_SAVED = 3
+
+
+# replay must not be slower than eager by more than this fraction (timing noise of a few calls)
+REPLAY_MARGIN = 0.02
 
 
 def capture_blocker(graph: fx.Graph) -> str | None:
@@ -113,14 +123,16 @@ class Capture(Protocol):
 
     def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
         """(replay, outputs, figures): ``replay()`` recomputes ``fn`` from the current contents of
-        ``args`` into ``outputs``; figures: ``warmup_s``, ``capture_s``, ``pool_bytes``."""
+        ``args`` into ``outputs``; figures: ``warmup_s``, ``capture_s``, ``pool_bytes``, and from a
+        backend that compares, ``eager_ms`` and ``replay_ms`` (median time of one call each way)."""
 
 
 class CudaGraphCapture:
-    """torch.cuda.CUDAGraph capture on one side stream, every graph in one shared memory pool."""
+    """torch.cuda.CUDAGraph capture on one side stream, every graph in one shared memory pool;
+    ``compare``: also time the replay against the eager call (``reps`` interleaved pairs)."""
 
-    def __init__(self, device: torch.device, *, warmup: int = 2) -> None:
-        self.device, self.warmup = torch.device(device), warmup
+    def __init__(self, device: torch.device, *, warmup: int = 2, compare: bool = False, reps: int = 3) -> None:
+        self.device, self.warmup, self.compare, self.reps = torch.device(device), warmup, compare, reps
         self.stream = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -157,13 +169,36 @@ class CudaGraphCapture:
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
                    "pool_bytes": float(max(0, torch.cuda.memory_reserved(self.device) - before))}
+        if self.compare:
+            figures.update(self._compare(fn, args, g, cur))
         return g.replay, out, figures
+
+    def _compare(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], g: Any, stream: Any) -> dict[str, float]:
+        """Median ms of one eager call and one replay, timed with events on ``stream`` (where both
+        run in the run), in interleaved pairs so that other streams' work weighs on both alike."""
+        eager, replay = [], []
+        with torch.cuda.stream(stream):
+            for _ in range(self.reps):
+                a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                a.record(stream)
+                fn(*args)
+                b.record(stream)
+                g.replay()
+                c.record(stream)
+                c.synchronize()
+                eager.append(a.elapsed_time(b))
+                replay.append(b.elapsed_time(c))
+        return {"eager_ms": sorted(eager)[len(eager) // 2], "replay_ms": sorted(replay)[len(replay) // 2]}
 
 
 class EmulatedCapture:
     """A CUDA graph's buffer semantics without CUDA, for the CPU tests: replay recomputes from the
     fixed input buffers captured with and overwrites the fixed output buffers in place, so a caller
-    that keeps a replay's outputs past the next replay sees them change, as on the GPU."""
+    that keeps a replay's outputs past the next replay sees them change, as on the GPU.
+    ``times``: (eager_ms, replay_ms) to report as a comparing backend would (None: no comparison)."""
+
+    def __init__(self, times: tuple[float, float] | None = None) -> None:
+        self.times = times
 
     def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
         """Run ``fn`` once; its outputs become the fixed output buffers."""
@@ -178,7 +213,10 @@ class EmulatedCapture:
                     buf.copy_(val)
 
         nbytes = sum(t.numel() * t.element_size() for t in static if isinstance(t, torch.Tensor))
-        return replay, out, {"warmup_s": 0.0, "capture_s": time.perf_counter() - t0, "pool_bytes": float(nbytes)}
+        figures = {"warmup_s": 0.0, "capture_s": time.perf_counter() - t0, "pool_bytes": float(nbytes)}
+        if self.times is not None:
+            figures.update(eager_ms=self.times[0], replay_ms=self.times[1])
+        return replay, out, figures
 
 
 @dataclasses.dataclass(slots=True)
@@ -199,6 +237,8 @@ class ReplayStats:
     copy_in_launches_per_call: int = 0  # the same, of the copy-in graph
     fallback: str | None = None  # why this graph cannot be replayed, when it cannot
     skipped: str | None = None  # why replaying it would not pay (it runs eagerly by choice)
+    eager_ms: float | None = None  # the first capture's comparison, when the backend compares
+    replay_ms: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -279,6 +319,15 @@ class _Replayer:
         except Exception as e:  # noqa: BLE001  (whatever breaks capture: run this graph eagerly from now on)
             self.owner._fall_back(self.which, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
+        if "replay_ms" in fig and st.replay_ms is None:
+            st.eager_ms, st.replay_ms = fig["eager_ms"], fig["replay_ms"]
+            if st.replay_ms > st.eager_ms * (1 + REPLAY_MARGIN):
+                st.skipped = f"replay measured slower than eager: {st.replay_ms:.2f} vs {st.eager_ms:.2f} ms per call"
+                if self.owner.log is not None:
+                    self.owner.log(f"cuda graphs: template {self.owner.template.id} {self.which} runs eagerly ({st.skipped})")
+                self.buffers.clear()  # nothing replays: the input buffers go too
+                st.static_bytes = 0
+                return None
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         e = _Entry(replay, static_in, tuple(args[k] for k in bound), outputs)
         self.entries[key] = e
@@ -386,6 +435,8 @@ class GraphRunner:
                                f"{st.copy_in_launches_per_call} launches per call")
                 launches = f", {st.launches_per_call} launches per call" if in_place else ""
                 eager = f", {st.eager_calls} eager calls (weights outside the executor's buffers, or shapes not captured)" if st.eager_calls else ""
+                if st.replay_ms is not None:
+                    launches += f"; measured {st.replay_ms:.2f} ms per replay vs {st.eager_ms:.2f} eager"
                 lines.append(f"{head} {graphs}), {st.replays} replays{launches}; "
                              f"warm-up {st.warmup_s:.2f} s, capture {st.capture_s:.2f} s; pool {st.pool_bytes / 2**20:.0f} MiB "
                              f"(outputs kept {st.kept_bytes / 2**20:.0f} MiB), input buffers {st.static_bytes / 2**20:.0f} MiB{eager}")
@@ -475,7 +526,7 @@ def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template
     if mode == "off" or (backend is None and torch.device(device).type != "cuda"):
         return runners
     if backend is None:
-        backend = CudaGraphCapture(torch.device(device))
+        backend = CudaGraphCapture(torch.device(device), compare=True)
     out: dict[str, LayerRunner] = {}
     for tid, r in runners.items():
         ct = compiled.get(tid)

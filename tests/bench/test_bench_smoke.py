@@ -192,3 +192,17 @@ def test_fusion_attention_choices_pick_the_sequence_length_out_of_the_tuners_key
                key_name(("dq", "cuda_half", *key)): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
                key_name(("fwd", "cuda_half", *fa._tuning_key(q[:, :, :512], k[:, :, :512], True))): "other"}
     assert bench_fusion.attention_choices(choices, 8192) == {"fwd": "cudnn", "dq": "64x64 w4 s2"}
+
+
+def test_kernel_diff_names_the_kernels_that_changed():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from launch_count import kernel_diff
+
+    eager = {"gpu_ms_total": 3.0, "top": [{"kernel": "gemm", "calls": 4, "ms": 2.0}, {"kernel": "k_a", "calls": 1, "ms": 1.0}]}
+    replay = {"gpu_ms_total": 3.6, "top": [{"kernel": "gemm", "calls": 4, "ms": 2.5}, {"kernel": "k_a", "calls": 1, "ms": 0.9},
+                                          {"kernel": "memcpy", "calls": 2, "ms": 0.2}]}
+    d = kernel_diff(eager, replay)
+    assert math.isclose(d["gpu_ms_diff"], 0.6)
+    assert [r["kernel"] for r in d["top"]] == ["gemm", "memcpy", "k_a"]
+    assert math.isclose(d["top"][0]["diff_ms"], 0.5) and d["top"][1]["base_calls"] == 0

@@ -127,6 +127,35 @@ def test_one_graph_per_weight_address_sharing_the_copied_input_buffers():
     assert y.shape == (2, 3) and st.eager_calls == 1
 
 
+def test_a_replay_measured_slower_than_eager_runs_eagerly_and_says_so():
+    w = torch.randn(3, 3)
+    msgs: list[str] = []
+    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(times=(10.0, 10.5)), log=msgs.append)
+    r.bind_stable(lambda t: t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr())
+    fwd = r.forward(torch.device("cpu"))
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    for x in xs:
+        assert torch.equal(fwd(x, w)[0], x @ w)
+    st = r.stats["forward"]
+    assert (st.replays, st.eager_calls, st.static_bytes) == (0, 3, 0)
+    assert "replay measured slower than eager: 10.50 vs 10.00 ms" in st.skipped
+    assert len(msgs) == 1 and "runs eagerly" in msgs[0]
+    assert any("not replayed (replay measured slower" in line for line in r.report_lines())
+
+
+def test_a_replay_measured_faster_keeps_replaying_and_reports_both_times():
+    w = torch.randn(3, 3)
+    r = GraphRunner(_ToyRunner(), _toy_template(), EmulatedCapture(times=(10.0, 10.1)))  # within the margin
+    r.bind_stable(lambda t: t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr())
+    fwd = r.forward(torch.device("cpu"))
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        assert torch.equal(fwd(x, w)[0], x @ w)
+    st = r.stats["forward"]
+    assert (st.replays, st.eager_calls, st.skipped) == (3, 0, None)
+    assert any("measured 10.10 ms per replay vs 10.00 eager" in line for line in r.report_lines())
+
+
 def test_beyond_a_cap_one_graph_copies_weights_in_and_says_so():
     ws = [torch.randn(3, 3) for _ in range(4)]
     ptrs = {w.untyped_storage().data_ptr() for w in ws}

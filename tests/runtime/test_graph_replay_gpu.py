@@ -149,3 +149,19 @@ def test_a_failed_capture_leaves_the_current_stream_as_it_was():
         cap.capture(syncs_under_capture, [x])
     assert torch.cuda.current_stream(dev) == cur  # later kernels stay on the compute stream the copy engine orders
     torch.cuda.synchronize()
+
+
+def test_a_comparing_capture_times_replay_against_eager():
+    dev = torch.device("cuda")
+    cap = CudaGraphCapture(dev, warmup=1, compare=True)
+    x = torch.randn(256, 256, device=dev)
+
+    def many_small(x):  # launch-bound: replay must win by far
+        for _ in range(50):
+            x = x * 1.0001 + 0.5
+        return (x,)
+
+    replay, out, fig = cap.capture(many_small, [x])
+    assert 0 < fig["replay_ms"] < fig["eager_ms"], fig
+    replay()
+    torch.testing.assert_close(out[0], many_small(x)[0])
