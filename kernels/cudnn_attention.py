@@ -93,11 +93,11 @@ def agree(what: str, ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor,
     if all(e <= lim for e, lim in zip(errs, limits, strict=True)):
         return True
     warnings.warn(f"cuDNN attention {what} disagrees with the Triton kernels (relative errors {errs}); "
-                  f"mtc keeps the Triton kernels for this shape", stacklevel=3)
+                  f"mtc does not use it for this shape", stacklevel=3)
     return False
 
 
 def warn_unavailable(what: str, err: Exception) -> None:
-    """cuDNN attention raised on this problem: say so once (the Triton kernels carry on)."""
+    """cuDNN attention raised on this problem: say so once (the other candidates carry on)."""
     warnings.warn(f"cuDNN attention {what} is unavailable here ({type(err).__name__}: {str(err)[:200]}); "
-                  f"mtc keeps the Triton kernels", stacklevel=3)
+                  f"mtc does not use it for this shape", stacklevel=3)
