@@ -299,6 +299,7 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
             shape_of[ga] = shape
             del members[gn], shape_of[gn]
     _merge_sibling_columns(members, shape_of, red, order)
+    _merge_sibling_pointwise(members, shape_of, red, order)
     groups = []
     for gid, ms in members.items():
         inside = set(ms)
@@ -335,6 +336,33 @@ def _merge_sibling_columns(members: dict[int, list[fx.Node]], shape_of: dict[int
                 continue
             merged = sorted(members[ga] + members[gb], key=order.__getitem__)
             if not _reductions_ok(merged, shape_of[ga], red) or _creates_cycle(set(merged), order):
+                continue
+            members[ga] = merged
+            del members[gb], shape_of[gb]
+
+
+def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], red: frozenset[Any],
+                             order: dict[fx.Node, int]) -> None:
+    """Pointwise groups over one shape that read a common full-size input become one group, when
+    neither feeds the other through outside nodes: SwiGLU's backward recomputes silu(gate) * up
+    for the down projection's weight gradient, and computes the gate's and up's gradients, from
+    the same three tensors; one kernel reads them once instead of twice."""
+    def pointwise(ms: list[fx.Node]) -> bool:
+        return not any(m.target in red for m in ms)
+
+    def big_inputs(g: int) -> set[fx.Node]:
+        n = _numel(shape_of[g])
+        return {a for a in external_inputs(members[g]) if isinstance(_val(a), torch.Tensor) and _val(a).numel() == n}
+
+    cands = [g for g in members if pointwise(members[g]) and shape_of[g]]
+    for i, ga in enumerate(cands):
+        if ga not in members:
+            continue
+        for gb in cands[i + 1:]:
+            if gb not in members or shape_of[gb] != shape_of[ga] or not big_inputs(ga) & big_inputs(gb):
+                continue
+            merged = sorted(members[ga] + members[gb], key=order.__getitem__)
+            if not _shapes_ok(merged, shape_of[ga], red) or _creates_cycle(set(merged), order):
                 continue
             members[ga] = merged
             del members[gb], shape_of[gb]

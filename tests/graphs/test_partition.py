@@ -65,3 +65,32 @@ def test_joint_graph_has_every_gradient(program):
     assert len([n for n in p.anchors if n.target is torch.ops.aten.mm.default]) == 21  # 7 fwd + 14 bwd
     assert sorted(str(n.target) for n in p.anchors if "mtc." in str(n.target)) == [
         "mtc.attention.default", "mtc.attention_backward.default"]
+
+
+def _swiglu_grads(g, u, dh, w):
+    """SwiGLU's backward as lowering writes it: silu(g) * u for the weight gradient, and the gate's
+    and up's gradients, in chains that share their inputs but not a node."""
+    s = torch.nn.functional.silu(g.float()).to(g.dtype)
+    h, du = s * u, dh * s
+    sig = torch.sigmoid(g.float())
+    dg = ((dh * u).float() * sig * (g.float() * (sig * -1.0 + 1.0) + 1.0)).to(g.dtype)
+    return h @ w, du, dg
+
+
+def _dependent(g, u, w):
+    """Two pointwise chains over one shape sharing g, where the second reads the first through a matmul."""
+    a = g * u
+    b = (a @ w) * g
+    return a, b
+
+
+def test_sibling_pointwise_groups_over_shared_inputs_become_one_kernel():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g, u, dh = (torch.randn(4, 6, 8, dtype=torch.bfloat16) for _ in range(3))
+    p = partition(make_fx(_swiglu_grads, tracing_mode="fake")(g, u, dh, torch.randn(8, 8, dtype=torch.bfloat16)).graph, FUSIBLE)
+    _check_partition(p)
+    assert len(p.groups) == 1 and len(p.groups[0].outputs) == 3  # h, du, dg from one read of g, u, dh
+    # a matmul between the two would make one kernel both feed and wait for it: they stay apart
+    p = partition(make_fx(_dependent, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)).graph, FUSIBLE)
+    assert len(p.groups) == 2
