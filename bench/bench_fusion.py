@@ -5,7 +5,10 @@ do), mtc's compiled joint graph (generated kernels, flash attention, fused linea
 recompute + backward in one call), on CUDA also mtc fused with torch's SDPA kernels instead of
 mtc's flash attention, mtc fused replayed as a CUDA graph (one launch per call), mtc fused with
 matmul prologue/epilogue fusion forced on and off (the plain fused variant takes it per shape where
-it timed faster), and torch.compile of the same template. Reports median ms, TFLOP/s (matmul +
+it timed faster), and torch.compile of the same template. Every mtc variant's joint graph returns
+the block's output, as forward + backward does; a block also gets `mtc_fused_backward`, the joint
+graph a training step's backward visit runs (the output, already held as the next layer's input,
+is not recomputed: no last matmul), timed beside them and not judged. Reports median ms, TFLOP/s (matmul +
 attention FLOPs, x3 for forward + backward), kernel counts, launches per block (the CPU proxy
 everywhere, profiled kernels on CUDA), CUDA-graph capture time and pool, peak memory; one JSON
 record per architecture and part. Each record has the speed-ups of eager fused (`fused_speedup_*`)
@@ -186,15 +189,19 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     attn_modes = ["flash", "aten"] if part == "block" and device.type == "cuda" else ["flash"]
     # matmul prologue/epilogue fusion (kernels/matmul_fusion.py): 'auto' (mtc_fused) takes it where
     # it timed faster per shape; forced on and off beside it show what each side costs
-    configs = [(mode, "auto") for mode in attn_modes] + [("flash", "on"), ("flash", "off")]
+    configs = [(mode, "auto", True) for mode in attn_modes] + [("flash", "on", True), ("flash", "off", True)]
+    if part == "block":  # the joint graph a training step's backward visit runs: the block's output is not recomputed
+        configs.append(("flash", "auto", False))
     want = unfused()
     rels = {}
     mm_fused = {}
-    for mode, mm in configs:
+    for mode, mm, outputs in configs:
         t0 = time.perf_counter()
         cache = Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-"))
-        ct = compile_template(t, cache, attention=mode, matmul_fusion=mm)
-        if mm == "auto":
+        # forward + backward, as the other variants compute: the joint graph returns the output too
+        # (a training step's backward visit does not recompute it: `mtc_fused_backward`, not judged)
+        ct = compile_template(t, cache, attention=mode, matmul_fusion=mm, joint_outputs=outputs)
+        if mm == "auto" and outputs:
             compiled_t[mode] = (ct, time.perf_counter() - t0)
         joint = ct.module("joint", device)
 
@@ -205,6 +212,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         # correctness before speed: the fused gradients must match the unfused ones
         got = fused()[1:]
         vname = ("mtc_fused" if mode == "flash" else "mtc_fused_sdpa") + ("" if mm == "auto" else f"_mm_{mm}")
+        vname = vname if outputs else "mtc_fused_backward"
         mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
                            "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
                            "joint_pre": ct.backward_report.hand_tuned.get("fused_mm_pre", 0),

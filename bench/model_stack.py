@@ -8,7 +8,9 @@ in fp32 into its own buffer, as a training step does. Nothing streams and no opt
 compute alone, and the variants differ only in how each template runs:
 
     unfused          the traced ATen templates under autograd (`mtc train --unfused`)
-    mtc_fused        the compiled plan: generated kernels, flash attention, fused cross-entropy
+    mtc_fused        the compiled plan: generated kernels, flash attention, fused cross-entropy;
+                     its blocks' backward visits do not recompute the block's output (the next
+                     layer's saved input), so they skip the last matmul the others recompute
     mtc_fused_graph  the compiled plan replayed as CUDA graphs (CUDA only; `--cuda-graphs auto`)
     torch_compile    torch.compile of the same templates, run by the same executor
 

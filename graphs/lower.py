@@ -130,23 +130,28 @@ def grad_outputs(t: Template, grad_aux: Sequence[bool] = ()) -> list[int]:
     return [0] + ([1 + j for j, need in enumerate(grad_aux) if need] if t.kind == "embed" else [])
 
 
-def joint_graph(t: Template, rewrites: Sequence[Rewrite] = (), grad_aux: Sequence[bool] = ()) -> tuple[fx.GraphModule, list[int]]:
+def joint_graph(t: Template, rewrites: Sequence[Rewrite] = (), grad_aux: Sequence[bool] = (), *,
+                outputs: bool = True) -> tuple[fx.GraphModule, list[int]]:
     """``(inputs..., grad_outs...) -> (outputs..., grads)`` in core ATen, and the input indices the
-    grads are for (see `diff_inputs` and `grad_outputs`)."""
+    grads are for (see `diff_inputs` and `grad_outputs`). ``outputs`` False: the outputs are
+    None and whatever only they needed is gone from the graph (gradients unchanged)."""
     gm = lowerable(t, rewrites)
     diff = diff_inputs(t, grad_aux)
     outs_idx = grad_outputs(t, grad_aux)
     n_in = len(t.inputs)
 
-    def joint(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def joint(*args: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xs, gouts = list(args[:n_in]), list(args[n_in:])
         xs = [x.requires_grad_() if k in diff else x for k, x in enumerate(xs)]
         with torch.enable_grad():
             outs = gm(*xs)
             grads = torch.autograd.grad([outs[i] for i in outs_idx], [xs[k] for k in diff], gouts, allow_unused=True)
-        return (*outs, *grads)
+        return (*(outs if outputs else [None] * len(outs)), *grads)
 
     ins = _meta_inputs(t)
     outs = gm(*ins)
     g = make_fx(joint, decomposition_table=_decomps())(*ins, *[torch.empty_like(outs[i]) for i in outs_idx])
+    if not outputs:
+        g.graph.eliminate_dead_code()
+        g.recompile()
     return g, diff

@@ -23,20 +23,9 @@ import torch
 from torch import fx
 
 __all__ = [
-    "aux_param_dependence",
-    "COMPUTE_DEVICE",
-    "LayerCall",
-    "ParamSpec",
-    "Program",
-    "Source",
-    "Template",
-    "TemplateInput",
-    "TensorSpec",
-    "devices_to_marker",
-    "dtype_from_name",
-    "dtype_name",
-    "external_inputs",
-    "instantiate",
+    "COMPUTE_DEVICE", "LayerCall", "ParamSpec", "Program", "Source", "Template", "TemplateInput", "TensorSpec",
+    "aux_param_dependence", "devices_to_marker", "dtype_from_name", "dtype_name", "external_inputs", "instantiate",
+    "joint_keeps_outputs",
 ]
 
 InputKind = Literal["carry", "aux", "batch", "param", "const"]
@@ -338,3 +327,11 @@ class Program:
             users = sum(1 for c in self.layers if c.template == t.id)
             lines.append(f"  {t.id}: {t.count_ops()} ATen ops, {len(t.input_names('param'))} weights, {users} call(s)")
         return "\n".join(lines)
+
+
+def joint_keeps_outputs(t: Template) -> bool:
+    """Whether the joint graph a training step runs returns the template's outputs: only the
+    head's (its loss is read); a block's or the embed stage's recomputed outputs are already
+    held (the next layer's saved input), and computing them in the backward costs a block its
+    last matmul (Llama's down projection: a quarter of its forward FLOPs)."""
+    return t.kind == "head"

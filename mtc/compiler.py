@@ -55,7 +55,7 @@ from torch import fx
 
 from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
 from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
-from mtc.graphs.program import Program, Template, devices_to_marker, instantiate
+from mtc.graphs.program import Program, Template, devices_to_marker, instantiate, joint_keeps_outputs
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
@@ -231,6 +231,7 @@ class Work:
     unfused_ops: tuple[int, int] = (0, 0)
     reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)
     matmul_fusion: str = "auto"  # kernels/matmul_fusion.MODES: 'auto' times on CUDA; 'on' forces (CPU tests)
+    joint_outputs: bool = True  # the joint graph returns the template's outputs (else None: graphs.lower)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # where tuning runs
     choices: Choices | None = None  # matmul-fusion timings (kernel cache, stamped with `toolchain_key`)
     attention_choices: Decisions = dataclasses.field(default_factory=Decisions)
@@ -254,7 +255,7 @@ def _count_aten_ops(w: Work) -> None:
 
 def _lower(w: Work) -> None:
     w.forward = forward_graph(w.template, TEMPLATE_SWAPS).graph
-    jg, w.diff = joint_graph(w.template, TEMPLATE_SWAPS, w.grad_aux)
+    jg, w.diff = joint_graph(w.template, TEMPLATE_SWAPS, w.grad_aux, outputs=w.joint_outputs)
     w.joint = jg.graph
 
 
@@ -336,7 +337,7 @@ PASSES: list[Pass] = [
 
 def compile_template(
     t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
-    matmul_fusion: str = "auto",
+    matmul_fusion: str = "auto", joint_outputs: bool | None = None,
 ) -> CompiledTemplate:
     """Run `PASSES` over one template (kernels cached under ``cache_dir``).
 
@@ -344,7 +345,10 @@ def compile_template(
     kernels (``mtc::attention``), for comparison. ``grad_aux``: for each aux output of the embed
     stage, whether it depends on a parameter (its gradient then flows back through the blocks).
     ``matmul_fusion``: 'auto' fuses matmul prologues/epilogues where they time faster on CUDA
-    (never on the CPU), 'on' wherever they match, 'off' nowhere.
+    (never on the CPU), 'on' wherever they match, 'off' nowhere. ``joint_outputs``: whether the
+    joint graph also returns the template's outputs; None (the default): as a training step needs
+    them (`graphs.lower.joint_keeps_outputs`: the head's loss, nothing of a block, whose backward
+    then skips its last matmul); True for a forward + backward comparison with other backends.
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
@@ -352,7 +356,8 @@ def compile_template(
     cache = Path(cache_dir) / cache_key()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     w = Work(t, cache, attention, tuple(grad_aux), matmul_fusion=matmul_fusion, device=device,
-             choices=Choices(cache, stamp=toolchain_key()))
+             choices=Choices(cache, stamp=toolchain_key()),
+             joint_outputs=joint_keeps_outputs(t) if joint_outputs is None else joint_outputs)
     for p in PASSES:
         p.run(w)
     tuning = {"attention": w.attention_choices.to_json(),

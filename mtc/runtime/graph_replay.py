@@ -71,7 +71,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
-from mtc.graphs.program import Template
+from mtc.graphs.program import Template, joint_keeps_outputs
 from mtc.runtime.runners import LayerRunner
 
 __all__ = [
@@ -450,7 +450,7 @@ def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: S
     placeholders = sum(1 for n in graph.nodes if n.op == "placeholder")
     weights = sum(1 for i in template.inputs if i.kind in ("param", "const"))
     out = next(n for n in graph.nodes if n.op == "output").args[0]
-    n_outputs = len(out) if isinstance(out, (tuple, list)) else 1
+    n_outputs = sum(1 for o in out if o is not None) if isinstance(out, (tuple, list)) else 1  # (a dropped output: None)
     aliased = sum(1 for k in diff if template.inputs[k].kind == "param") if which == "joint" else 0
     return (placeholders - weights) + 1 + (n_outputs - aliased)
 
@@ -484,8 +484,9 @@ def template_graph_buffers(template: Template, diff: Sequence[int], grad_outs: S
     copied = sum(b for b, i in zip(inputs, template.inputs, strict=True) if i.kind not in ("param", "const"))
     grads = sum(inputs[k] for k in diff if placeholders[k].users)
     # forward: copies the inputs, keeps the outputs; joint: copies them and the incoming
-    # gradients, keeps the recomputed outputs and the gradients
-    return GraphBuffers(template.id, copied=2 * copied + sum(outs[j] for j in grad_outs), kept=2 * sum(outs) + grads)
+    # gradients, keeps the gradients and, where it returns them (a head), the recomputed outputs
+    joint_outs = sum(outs) if joint_keeps_outputs(template) else 0
+    return GraphBuffers(template.id, copied=2 * copied + sum(outs[j] for j in grad_outs), kept=sum(outs) + joint_outs + grads)
 
 
 def graph_memory_bytes(layers: Sequence[GraphBuffers | None], placement: Sequence[str] | None = None, *, slots: int = 2) -> int:

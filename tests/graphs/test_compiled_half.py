@@ -68,7 +68,7 @@ def compare_half_with_fp32(name, over, part, dtype, tokens, device, tmp_path) ->
     half = [a.to(dtype) if a.is_floating_point() else a for a in args]
     want = eager(t32, args, gout)
     ref = eager(t16, half, gout)
-    ct = compile_template(t16, tmp_path)
+    ct = compile_template(t16, tmp_path, joint_outputs=True)  # the output checked too
     with torch.no_grad():
         got = list(ct.module("joint", device)(*half, gout.to(ref[0].dtype)))
     errs = []

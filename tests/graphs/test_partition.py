@@ -67,6 +67,26 @@ def test_joint_graph_has_every_gradient(program):
         "mtc.attention.default", "mtc.attention_backward.default"]
 
 
+def test_a_joint_graph_without_outputs_skips_the_last_matmul(program):
+    """What a training step's backward visit runs: the block's output (the next layer's saved
+    input) is not recomputed, so its last matmul (the down projection) and residual add go;
+    every gradient is the same."""
+    from mtc.graphs.program import instantiate, joint_keeps_outputs
+
+    block = program.templates[program.layers[1].template]
+    assert not joint_keeps_outputs(block) and joint_keeps_outputs(program.templates[program.layers[-1].template])
+    full = joint_graph(block, TEMPLATE_SWAPS)[0].graph
+    lean = joint_graph(block, TEMPLATE_SWAPS, outputs=False)[0].graph
+    mms = [sum(1 for n in g.nodes if n.target is torch.ops.aten.mm.default) for g in (full, lean)]
+    assert mms == [21, 20]
+    args = [torch.randn(i.spec.shape) for i in block.inputs]
+    gout = torch.randn(block.inputs[0].spec.shape)
+    want, got = instantiate(full, "cpu")(*args, gout), instantiate(lean, "cpu")(*args, gout)
+    assert want[0] is not None and got[0] is None
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def _swiglu_grads(g, u, dh, w):
     """SwiGLU's backward as lowering writes it: silu(g) * u for the weight gradient, and the gate's
     and up's gradients, in chains that share their inputs but not a node."""

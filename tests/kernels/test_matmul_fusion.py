@@ -78,13 +78,15 @@ def test_sites_in_gpt2_and_llama_blocks():
 @pytest.mark.parametrize("name", ["gpt2-tiny", pytest.param("tiny", marks=pytest.mark.slow)])
 def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
     model, prog, t = _block(name)
-    ct = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path / "on", matmul_fusion="on")
+    # the joint graph with the block's output, whose last matmul has a residual-add epilogue site
+    ct = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path / "on", matmul_fusion="on",
+                        joint_outputs=True)
     assert _fused_calls(ct.forward_graph) and _fused_calls(ct.joint_graph)
     # GPT-2's c_fc + GELU in the joint graph: one kernel writes the pre-activation (the backward
     # reads it) and the GELU (c_proj reads it); the gradients above match ATen through it
     assert len(_fused_calls(ct.joint_graph, FUSED_PRE)) == (name == "gpt2-tiny")
     if name == "tiny":  # the launch proxy needs a second compile: only in the slow case
-        off = compile_template(t, tmp_path / "off", matmul_fusion="off")
+        off = compile_template(t, tmp_path / "off", matmul_fusion="off", joint_outputs=True)
         assert not _fused_calls(off.forward_graph)
         assert launches(ct.forward_graph) < launches(off.forward_graph)
         assert launches(ct.joint_graph) < launches(off.joint_graph)
