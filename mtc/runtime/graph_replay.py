@@ -40,7 +40,7 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   replays never synchronise the host.
 - **Measured, not assumed.** A runner whose backend compares (`CudaGraphCapture(compare=True)`,
   what `mtc train` uses) times the first captured graph of each callable against the eager call
-  right after capture, interleaved on the compute stream; when replay is the slower by more than
+  (the warm-up's eager calls against replays right after capture); when replay is the slower by more than
   `REPLAY_MARGIN` (the H200 ran a Llama-8B block's replayed joint graph at 23.1 ms against 21.9
   eager, while GPT-2's replay was 1.3x faster than eager), that callable runs eagerly from then on,
   and the report says so with both times.
@@ -127,9 +127,14 @@ class Capture(Protocol):
         backend that compares, ``eager_ms`` and ``replay_ms`` (median time of one call each way)."""
 
 
+def _median(xs: Sequence[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 class CudaGraphCapture:
     """torch.cuda.CUDAGraph capture on one side stream, every graph in one shared memory pool;
-    ``compare``: also time the replay against the eager call (``reps`` interleaved pairs)."""
+    ``compare``: also time the replay against the eager call (the warm-up's eager calls after the
+    first, at least two, against ``reps`` replays)."""
 
     def __init__(self, device: torch.device, *, warmup: int = 2, compare: bool = False, reps: int = 3) -> None:
         self.device, self.warmup, self.compare, self.reps = torch.device(device), warmup, compare, reps
@@ -141,13 +146,22 @@ class CudaGraphCapture:
         cur = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
         self.stream.wait_stream(cur)  # the static inputs were filled on the compute stream
+        timed: list[tuple[Any, Any]] = []  # comparing: the eager warm-up calls after the first, timed
         try:
             with torch.cuda.stream(self.stream):
-                for _ in range(self.warmup):  # JIT compilation, kernel tuning, library handles: not under capture
+                for i in range(max(self.warmup, 3) if self.compare else self.warmup):
+                    # JIT compilation, kernel tuning, library handles: not under capture
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.compare and i else None
+                    if ev:
+                        ev[0].record(self.stream)
                     fn(*args)
+                    if ev:
+                        ev[1].record(self.stream)
+                        timed.append(ev)
         finally:  # a failed warm-up's queued kernels still read the weight slot: order them before its reuse
             cur.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
+        eager_ms = [a.elapsed_time(b) for a, b in timed]
         t1 = time.perf_counter()
         torch.cuda.empty_cache()  # so the reserved-bytes difference is what the capture added to the pool
         before = torch.cuda.memory_reserved(self.device)
@@ -170,25 +184,22 @@ class CudaGraphCapture:
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
                    "pool_bytes": float(max(0, torch.cuda.memory_reserved(self.device) - before))}
         if self.compare:
-            figures.update(self._compare(fn, args, g, cur))
+            figures.update(eager_ms=_median(eager_ms), replay_ms=self._time_replay(g, cur))
         return g.replay, out, figures
 
-    def _compare(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], g: Any, stream: Any) -> dict[str, float]:
-        """Median ms of one eager call and one replay, timed with events on ``stream`` (where both
-        run in the run), in interleaved pairs so that other streams' work weighs on both alike."""
-        eager, replay = [], []
+    def _time_replay(self, g: Any, stream: Any) -> float:
+        """Median ms of one replay on ``stream``. (The eager side was timed in the warm-up: timing
+        it after the capture would hold the graph's pool and an eager call's temporaries at once.)"""
+        times = []
         with torch.cuda.stream(stream):
             for _ in range(self.reps):
-                a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record(stream)
-                fn(*args)
-                b.record(stream)
                 g.replay()
-                c.record(stream)
-                c.synchronize()
-                eager.append(a.elapsed_time(b))
-                replay.append(b.elapsed_time(c))
-        return {"eager_ms": sorted(eager)[len(eager) // 2], "replay_ms": sorted(replay)[len(replay) // 2]}
+                b.record(stream)
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+        return _median(times)
 
 
 class EmulatedCapture:

@@ -4,7 +4,9 @@ A runner gives two callables per device:
 
 - ``forward(*args) -> outputs`` (no autograd),
 - ``joint(*args, *grad_outputs) -> (*outputs, *grads)``: the layer recomputed and differentiated
-  in one call, with gradients for the template inputs listed in ``diff``, in that order.
+  in one call, with gradients for the template inputs listed in ``diff``, in that order; the
+  outputs are None except a head's (`graphs.program.joint_keeps_outputs`: the executor reads
+  only the head's loss, and a compiled block then skips its last matmul).
 
 Compiled templates (`mtc.compiler.CompiledTemplate`: generated kernels, joint graph from the
 compiler) already have this shape; `AutogradRunner` gives it to an unfused ATen template through
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mtc.graphs.program import LayerCall, Template
+from mtc.graphs.program import LayerCall, Template, joint_keeps_outputs
 
 __all__ = ["AutogradRunner", "CompiledRunner", "LayerRunner"]
 
@@ -89,6 +91,7 @@ class AutogradRunner:
         fn = self._joints.get(key)
         if fn is None:
             gm, n_in, diff, outs_idx = self.module(device), len(self.template.inputs), self.diff, self._grad_outs
+            keep = joint_keeps_outputs(self.template)  # as a compiled joint graph: only a head's outputs are read
 
             def fn(*a: torch.Tensor) -> tuple[Any, ...]:
                 args, gouts = list(a[:n_in]), list(a[n_in:])
@@ -99,7 +102,7 @@ class AutogradRunner:
                     outs = [out[i] for i in outs_idx]
                     gouts = [go.to(o.dtype) if go.dtype != o.dtype else go for go, o in zip(gouts, outs, strict=True)]
                     grads = torch.autograd.grad(outs, [args[k] for k in diff], gouts, allow_unused=True)
-                return (*[o.detach() for o in out], *grads)
+                return (*[o.detach() if keep else None for o in out], *grads)
 
             self._joints[key] = fn
         return fn

@@ -326,9 +326,9 @@ def test_resident_and_streamed_layers_of_one_template_read_their_weights_in_plac
     # 3 steps x 2 micro-batches x 4 blocks, forward and joint
     assert block.stats["forward"].replays == block.stats["joint"].replays == 3 * 2 * 4
     # per call: copy the carry and the two aux inputs (and the incoming gradient), launch, clone the
-    # output (and the recomputed output and dx; the parameter gradients are the graph's buffers)
+    # output (the joint: dx; it returns no output, and the parameter gradients are the graph's buffers)
     assert block.stats["forward"].launches_per_call == 3 + 1 + 1
-    assert block.stats["joint"].launches_per_call == 4 + 1 + 2
+    assert block.stats["joint"].launches_per_call == 4 + 1 + 1
     line = graph_report(runners)[3]
     assert line.startswith(f"{block.template.id} forward: 4 graphs (4 reading weights in place), 24 replays, 5 launches per call")
 
@@ -361,10 +361,10 @@ def test_the_planner_counts_a_graph_per_ring_slot_and_per_resident_layer():
     b = shape.graph_buffers[1]
     assert all(x == b for x in shape.graph_buffers[1:-1])
     hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * shape.compute_bytes
-    # a block's graphs keep its parameter gradients and three activations (the forward output, the
-    # joint's recomputed output and dx) per weight address; they share the copied carry, aux inputs
-    # and incoming gradient
-    assert b.kept == shape.numels[1] * shape.compute_bytes + 3 * hidden
+    # a block's graphs keep its parameter gradients and two activations (the forward output and
+    # dx; its joint does not return the output) per weight address; they share the copied carry,
+    # aux inputs and incoming gradient
+    assert b.kept == shape.numels[1] * shape.compute_bytes + 2 * hidden
     assert b.copied > 3 * hidden
 
     def extra(placement):

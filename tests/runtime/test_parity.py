@@ -224,7 +224,10 @@ def test_parity_compiled_plan(tokens):
     ref_losses, ref_weights = reference_train(cfg, tokens)
     res = train(cfg, None, tokens)
     try:
-        assert res.compiled and all(c.backward_report.generated > 0 for c in res.compiled.values())
+        # every fusion group got a kernel (the embed stage's joint graph has none left: its output
+        # is not recomputed, and its backward is the embedding's ATen scatter)
+        assert res.compiled and all(c.backward_report.generated == c.backward_report.groups for c in res.compiled.values())
+        assert sum(c.backward_report.generated > 0 for c in res.compiled.values()) >= 2  # the block and the head
         assert_losses_close(res.losses, ref_losses)
         # Fused kernels sum in another order (~1e-7 per op); Adam turns that into up to ~3e-6 on
         # the odd weight whose gradient is near zero (update ~ g / (sqrt(v) + eps)), so the
