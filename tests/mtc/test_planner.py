@@ -120,7 +120,7 @@ def test_extrapolations_say_plainly_what_does_not_fit():
     assert "placement ram:0-6,disk:7-113;" in block_175 and "host RAM 204.5 GiB of 248.0 GiB" in block_175
     # without durability the disk layers keep one generation (12 B/param + the 4 of gradient scratch): it fits
     assert "durability none    disk    2.63 TB: fits" in block_175
-    assert "GPU peak 72.3 GiB of 79.6 GiB" in block_175
+    assert "GPU peak 71.9 GiB of 79.6 GiB" in block_175  # (a block's joint graph keeps no output buffer)
     block_70 = text[text.index("70b"):text.index("120b")]
     assert "durability full    disk    1.69 TB: fits" in block_70
 
