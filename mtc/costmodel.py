@@ -53,7 +53,7 @@ from mtc.calibrate import MachineProfile
 from mtc.config import TrainConfig
 from mtc.errors import ConfigError
 from mtc.graphs.lower import diff_inputs, grad_outputs
-from mtc.graphs.program import Program, Template, aux_param_dependence
+from mtc.graphs.program import Program, Template, aux_param_dependence, joint_keeps_outputs
 from mtc.runtime.graph_replay import GraphBuffers, template_graph_buffers
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ class LayerCost:
     big_outputs: int = 0  # bytes of forward outputs >= 32 MiB (fresh mappings: page faults on the CPU)
     big_weight_grads: int = 0  # bytes of weight gradients >= 32 MiB the backward allocates
     embeddings: tuple[tuple[str, int, int], ...] = ()  # (weight input, rows, row width) of embedding lookups
+    # indices into `matmuls` of those only the layer's output needs (a block's last matmul): a
+    # compiled plan's backward visit does not recompute them (graphs.program.joint_keeps_outputs)
+    output_only: tuple[int, ...] = ()
 
     @property
     def matmul_flops(self) -> float:
@@ -121,9 +124,33 @@ def _largest(vals: Iterable[object]) -> int:
     return max((_nbytes(v) for v in vals if isinstance(v, torch.Tensor)), default=0)
 
 
+# ops through which a value reaches the output without its backward reading it
+_PASS_THROUGH = _VIEW_OPS | {"add", "sub", "to", "_to_copy", "type_as", "contiguous", "clone"}
+
+
+def _output_only(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches nothing but the graph's output, through ops whose backward
+    does not read it (views, casts, additions): the backward never needs it."""
+    stack, seen = list(node.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "output":
+            continue
+        if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload):
+            return False
+        if u.target._schema.name.split("::")[-1] not in _PASS_THROUGH:
+            return False
+        stack.extend(u.users)
+    return True
+
+
 def template_cost(tmpl: Template) -> LayerCost:
     """Count a template's matmuls, attention, element-wise traffic and ops."""
     matmuls: list[tuple[int, int, int, int]] = []
+    output_only: list[int] = []
     attn: list[tuple[int, int, int, int, bool]] = []
     ew: list[tuple[int, int]] = []
     extra: list[tuple[int, int]] = []
@@ -151,6 +178,8 @@ def template_cost(tmpl: Template) -> LayerCost:
                 n = b.shape[-1]
                 batch = a.numel() // (a.shape[-2] * k) if a.dim() > 2 and b.dim() > 2 else 1
                 m = a.numel() // k // batch
+            if not joint_keeps_outputs(tmpl) and _output_only(node):
+                output_only.append(len(matmuls))
             matmuls.append((batch, m, k, n))
             if _nbytes(b) >= _MMAP_MAX and b.dim() == 2:
                 big_w += _nbytes(b)
@@ -170,7 +199,7 @@ def template_cost(tmpl: Template) -> LayerCost:
             emb.append((node.args[0].name, ins[0].shape[0], ins[0].numel() // ins[0].shape[0]))
             continue
         ew.append((sum(_nbytes(x) for x in ins) + _nbytes(out), max(_largest(ins), _nbytes(out))))
-    return LayerCost(tuple(matmuls), tuple(attn), tuple(ew), tuple(extra), ops, big, big_w, tuple(emb))
+    return LayerCost(tuple(matmuls), tuple(attn), tuple(ew), tuple(extra), ops, big, big_w, tuple(emb), tuple(output_only))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -335,7 +364,7 @@ def elementwise_seconds(profile: MachineProfile, nbytes: float, largest: float) 
     return nbytes / _interp_log(max(largest, 1.0), pts)
 
 
-def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool) -> tuple[float, float]:
+def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool, lean: bool = False) -> tuple[float, float]:
     """(matmul seconds, other seconds) of one micro-batch through a layer, before the profile's
     reference-block scales: attention, element-wise traffic, op dispatch and page faults are "other"."""
     t_mm = sum(b * _matmul_seconds(profile, m, k, n) for b, m, k, n in cost.matmuls)
@@ -348,6 +377,8 @@ def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool) 
     other = t_at + t_ew + t_op + t_ft
     if not backward:
         return t_mm, other
+    if lean:  # a compiled joint graph does not recompute what only the output needs
+        t_mm -= sum(b * _matmul_seconds(profile, m, k, n) for j, (b, m, k, n) in enumerate(cost.matmuls) if j in cost.output_only)
     # dX = dY @ W: (m x n) @ (n x k); dW = dY^T @ X: (n x m) @ (m x k)
     t_mm_b = sum(b * (_matmul_seconds(profile, m, n, k) + _matmul_seconds(profile, n, m, k)) for b, m, k, n in cost.matmuls)
     t_extra = sum(_memory_seconds(profile, b, big) for b, big in cost.backward_extra)
@@ -355,10 +386,11 @@ def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool) 
     return t_mm + t_mm_b, other + ATTN_BWD * t_at + EW_BWD * t_ew + t_extra + OPS_BWD * t_op + t_ft_b
 
 
-def compute_seconds(cost: LayerCost, profile: MachineProfile, *, backward: bool) -> float:
+def compute_seconds(cost: LayerCost, profile: MachineProfile, *, backward: bool, lean: bool = False) -> float:
     """Seconds of one micro-batch through a layer: its forward, or (``backward``) its joint:
-    forward recomputed, then backward."""
-    mm, other = _compute_parts(cost, profile, backward=backward)
+    forward recomputed, then backward; ``lean``: as a compiled plan's joint graph runs it, without
+    the matmuls only the layer's output needs (`LayerCost.output_only`)."""
+    mm, other = _compute_parts(cost, profile, backward=backward, lean=lean)
     return (mm + other) * (profile.other_scale_bwd if backward else profile.other_scale_fwd)
 
 
@@ -572,7 +604,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     F = [mb * (compute_seconds(shape.costs[i], profile, backward=False) + ov) for i in range(L)]
     # the executor's own work per layer: copy the first micro-batch's gradient into the fp32
     # accumulator (read, write), add the others' (read both, write), take the norms (read)
-    B = [mb * (compute_seconds(shape.costs[i], profile, backward=True) + ov) + _memory_seconds(profile, 4 * n[i] * 3 * mb, 4 * n[i])
+    lean = cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)  # compiled plans skip output-only matmuls
+    B = [mb * (compute_seconds(shape.costs[i], profile, backward=True, lean=lean) + ov) + _memory_seconds(profile, 4 * n[i] * 3 * mb, 4 * n[i])
          for i in range(L)]
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
@@ -729,6 +762,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
     hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
     hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
+    if lean:
+        hw -= mb * sum(2 * b * m_ * k * n_ for x in shape.costs for j, (b, m_, k, n_) in enumerate(x.matmuls) if j in x.output_only)
     copies_s = (h2d_b + d2h_b) / (profile.both_gbps * gb)
     stages = {"GPU compute" if cuda else "compute (CPU)": fwd_s + bwd_s,
               "PCIe" if cuda else "host copies (memcpy)": copies_s,

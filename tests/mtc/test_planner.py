@@ -395,3 +395,24 @@ def test_a_seeded_run_checks_the_disk_it_adds_to_the_seed(tmp_path, data, monkey
     again = train(cfg, tmp_path / "new", data)
     assert again.losses == res.losses
     again.store.close()
+
+
+def test_compiled_backward_visits_are_modelled_without_the_blocks_last_matmul():
+    """A compiled joint graph does not recompute what only a block's output needs (its down
+    projection): the cost model's backward for fused plans leaves exactly that matmul out."""
+    import torch
+
+    from mtc.costmodel import _matmul_seconds, compute_seconds, template_cost
+    from mtc.models import build
+    from mtc.tracer import trace
+
+    with torch.device("meta"):
+        prog = trace(build("8b", n_layers=1).to(torch.bfloat16), 1, 1024)
+    block, head = template_cost(prog.template_of(1)), template_cost(prog.template_of(2))
+    assert [block.matmuls[j] for j in block.output_only] == [(1, 1024, 14336, 4096)]  # the down projection only
+    assert head.output_only == ()  # the head's loss is read
+    prof = builtin("h100-box")
+    full = compute_seconds(block, prof, backward=True)
+    lean = compute_seconds(block, prof, backward=True, lean=True)
+    assert full - lean == pytest.approx(_matmul_seconds(prof, 1024, 14336, 4096) * prof.other_scale_bwd, rel=1e-6)
+    assert compute_seconds(block, prof, backward=False, lean=True) == compute_seconds(block, prof, backward=False)
