@@ -91,7 +91,7 @@ SYNCING_OPS = frozenset({
 
 # Replay holds a graph's outputs (a layer's parameter gradients among them: 1 GiB for a Llama 3
 # embedding table) for the whole run, where eager execution frees them after each call; a graph
-# is replayed only when that saves at least this many launches per call (a block: ~38 -> 7; an
+# is replayed only when that saves at least this many launches per call (a block's joint: ~35 -> 6; an
 # embed stage or a head: at most one or two, or none)
 MIN_LAUNCHES_SAVED = 3
 
