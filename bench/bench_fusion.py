@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
-from launch_count import kernel_diff, print_kernel_table
+from launch_count import generated_bytes, kernel_diff, print_kernel_table
 
 from mtc.compiler import compile_template, launches
 from mtc.models import build, model_config
@@ -216,7 +216,9 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
                            "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
                            "joint_pre": ct.backward_report.hand_tuned.get("fused_mm_pre", 0),
-                           "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)}}
+                           "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)},
+                           # what the generated kernels read and write per call (a CPU count)
+                           "generated_bytes": {"forward": generated_bytes(ct.forward_graph), "joint": generated_bytes(ct.joint_graph)}}
         if mm == "auto":  # the template's own share of the timed sites (the compiled record's choices)
             mm_fused[vname]["timed"] = ct.tuning["matmul_fusion"]
         rels[vname] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
@@ -425,6 +427,9 @@ def main() -> None:
             print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
         print(f"{arch:12s} fused matmuls and launches: "
               + "; ".join(f"{v} {m['forward']}/{m['joint']} of {m['launches']['forward']}/{m['launches']['joint']}"
+                          for v, m in rec["matmul_fusion"].items()))
+        print(f"{arch:12s} generated kernels' bytes per call (forward / joint, MiB): "
+              + "; ".join(f"{v} {m['generated_bytes']['forward'] / 2**20:.0f} / {m['generated_bytes']['joint'] / 2**20:.0f}"
                           for v, m in rec["matmul_fusion"].items()))
         print(f"{arch:12s} fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x{extra}; kernels {rec['kernels']}; "
               f"hand-tuned {rec['hand_tuned']}; max rel grad diff vs unfused: {diffs}")

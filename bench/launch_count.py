@@ -11,6 +11,7 @@ launch for all of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,23 @@ def profiled_kernels(fn: Callable[[], Any]) -> int:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
+
+
+def generated_bytes(graph: Any) -> int:
+    """Bytes the generated kernels of a compiled graph read and write per call (their inputs'
+    and outputs' sizes, each counted once per kernel): the memory traffic fusion is about, a CPU
+    count to read beside the GPU times."""
+    total = 0
+    for n in graph.nodes:
+        k = n.target
+        if n.op != "call_function" or not hasattr(k, "out_specs"):
+            continue
+        for a in n.args:
+            v = a.meta.get("val") if hasattr(a, "meta") else None
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+        total += sum(math.prod(s) * dt.itemsize for s, dt in k.out_specs)
+    return total
 
 
 def proxy_launches(ct: Any, t: Any) -> dict[str, int]:

@@ -206,3 +206,26 @@ def test_kernel_diff_names_the_kernels_that_changed():
     assert math.isclose(d["gpu_ms_diff"], 0.6)
     assert [r["kernel"] for r in d["top"]] == ["gemm", "memcpy", "k_a"]
     assert math.isclose(d["top"][0]["diff_ms"], 0.5) and d["top"][1]["base_calls"] == 0
+
+
+def test_generated_bytes_counts_each_kernels_inputs_and_outputs(tmp_path):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from launch_count import generated_bytes
+
+    from mtc.compiler import compile_template
+    from mtc.models import build
+    from mtc.tracer import trace
+
+    prog = trace(build("tiny", n_layers=1), 1, 8)
+    t = prog.templates[prog.layers[1].template]
+    full = compile_template(t, tmp_path, matmul_fusion="off", joint_outputs=True)
+    lean = compile_template(t, tmp_path, matmul_fusion="off")
+    want = 0
+    for n in full.forward_graph.nodes:
+        if n.op == "call_function" and hasattr(n.target, "out_specs"):
+            want += sum(a.meta["val"].numel() * 4 for a in n.args if isinstance(a, torch.fx.Node))
+            want += sum(math.prod(s) * 4 for s, _ in n.target.out_specs)  # fp32 model: 4 bytes everywhere
+    assert generated_bytes(full.forward_graph) == want > 0
+    # the backward visit's joint graph does not recompute the block's output (its residual add's kernel goes)
+    assert 0 < generated_bytes(lean.joint_graph) < generated_bytes(full.joint_graph)
