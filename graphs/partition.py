@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -316,29 +317,36 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
     )
 
 
+def _merge_siblings(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], order: dict[fx.Node, int],
+                    candidates: list[int], related: Callable[[int, int], bool],
+                    ok: Callable[[list[fx.Node], tuple[int, ...]], bool]) -> None:
+    """Merge pairs of ``candidates`` over one shape that are ``related`` (they share an input),
+    where the merged group is ``ok`` over that shape and forms no cycle. Unconnected groups are
+    siblings only here; everything else merges through a shared node in `partition`."""
+    for i, ga in enumerate(candidates):
+        if ga not in members:
+            continue
+        for gb in candidates[i + 1:]:
+            if gb not in members or shape_of[gb] != shape_of[ga] or not related(ga, gb):
+                continue
+            merged = sorted(members[ga] + members[gb], key=order.__getitem__)
+            if not ok(merged, shape_of[ga]) or _creates_cycle(set(merged), order):
+                continue
+            members[ga] = merged
+            del members[gb], shape_of[gb]
+
+
 def _merge_sibling_columns(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], red: frozenset[Any],
                            order: dict[fx.Node, int]) -> None:
     """Column-reduction groups over one shape that read a common input become one group: a norm's
-    weight and bias gradients (sum(dy * xhat) and sum(dy)) then read dy once, in one launch.
-    Unconnected groups are siblings only here; everything else merges through a shared node."""
+    weight and bias gradients (sum(dy * xhat) and sum(dy)) then read dy once, in one launch."""
     def columns(ms: list[fx.Node]) -> bool:
         reds = [m for m in ms if m.target in red]
         return bool(reds) and all(is_column_reduction(m) for m in reds)
 
-    cols = [g for g in members if columns(members[g])]
-    for i, ga in enumerate(cols):
-        if ga not in members:
-            continue
-        for gb in cols[i + 1:]:
-            if gb not in members or shape_of[gb] != shape_of[ga]:
-                continue
-            if not set(external_inputs(members[ga])) & set(external_inputs(members[gb])):
-                continue
-            merged = sorted(members[ga] + members[gb], key=order.__getitem__)
-            if not _reductions_ok(merged, shape_of[ga], red) or _creates_cycle(set(merged), order):
-                continue
-            members[ga] = merged
-            del members[gb], shape_of[gb]
+    _merge_siblings(members, shape_of, order, [g for g in members if columns(members[g])],
+                    lambda ga, gb: bool(set(external_inputs(members[ga])) & set(external_inputs(members[gb]))),
+                    lambda ms, shape: _reductions_ok(ms, shape, red))
 
 
 def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], red: frozenset[Any],
@@ -347,25 +355,14 @@ def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[i
     neither feeds the other through outside nodes: SwiGLU's backward recomputes silu(gate) * up
     for the down projection's weight gradient, and computes the gate's and up's gradients, from
     the same three tensors; one kernel reads them once instead of twice."""
-    def pointwise(ms: list[fx.Node]) -> bool:
-        return not any(m.target in red for m in ms)
-
     def big_inputs(g: int) -> set[fx.Node]:
         n = _numel(shape_of[g])
         return {a for a in external_inputs(members[g]) if isinstance(_val(a), torch.Tensor) and _val(a).numel() == n}
 
-    cands = [g for g in members if pointwise(members[g]) and shape_of[g]]
-    for i, ga in enumerate(cands):
-        if ga not in members:
-            continue
-        for gb in cands[i + 1:]:
-            if gb not in members or shape_of[gb] != shape_of[ga] or not big_inputs(ga) & big_inputs(gb):
-                continue
-            merged = sorted(members[ga] + members[gb], key=order.__getitem__)
-            if not _shapes_ok(merged, shape_of[ga], red) or _creates_cycle(set(merged), order):
-                continue
-            members[ga] = merged
-            del members[gb], shape_of[gb]
+    _merge_siblings(members, shape_of, order,
+                    [g for g in members if shape_of[g] and not any(m.target in red for m in members[g])],
+                    lambda ga, gb: bool(big_inputs(ga) & big_inputs(gb)),
+                    lambda ms, shape: _shapes_ok(ms, shape, red))
 
 
 def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
