@@ -629,9 +629,9 @@ def _flash_attn_bwd(
     if backend is None:
         # first call for this shape: tune the Triton tiles, then let each cuDNN way compete if it agrees
         run("triton")
-        backends = ["triton"]
-        ours = (dq.clone(), dk.clone(), dv.clone())
-        for cand in _backends(q, k)[1:]:
+        backends, cands = ["triton"], _backends(q, k)[1:]
+        ours = (dq.clone(), dk.clone(), dv.clone()) if cands else ()  # what each cuDNN way must agree with
+        for cand in cands:
             try:
                 run(cand)
                 if cudnn_attention.agree(_cudnn_what("backward", cand), ours, (dq, dk, dv)):
