@@ -347,7 +347,7 @@ def compile_template(
     ``matmul_fusion``: 'auto' fuses matmul prologues/epilogues where they time faster on CUDA
     (never on the CPU), 'on' wherever they match, 'off' nowhere. ``joint_outputs``: whether the
     joint graph also returns the template's outputs; None (the default): as a training step needs
-    them (`graphs.lower.joint_keeps_outputs`: the head's loss, nothing of a block, whose backward
+    them (`graphs.program.joint_keeps_outputs`: the head's loss, nothing of a block, whose backward
     then skips its last matmul); True for a forward + backward comparison with other backends.
     """
     if attention not in ("flash", "aten"):
