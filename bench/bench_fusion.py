@@ -11,7 +11,9 @@ graph a training step's backward visit runs (the output, already held as the nex
 is not recomputed: no last matmul), timed beside them and not judged. Reports median ms, TFLOP/s (matmul +
 attention FLOPs, x3 for forward + backward), kernel counts, launches per block (the CPU proxy
 everywhere, profiled kernels on CUDA), CUDA-graph capture time and pool, peak memory; one JSON
-record per architecture and part. Each record has the speed-ups of eager fused (`fused_speedup_*`)
+record per architecture and part. Variants are timed in interleaved rounds (each round calls every
+variant once), and on CUDA each call's GPU span (events) and the SM clock and power its calls ran at
+(bench/gpu_clocks.py) are recorded beside the wall time. Each record has the speed-ups of eager fused (`fused_speedup_*`)
 and, on CUDA, of the replayed variant (`graph_speedup_*`: what `mtc train` runs there) over
 unfused and torch.compile, and issue 9's goal for the part with a verdict judged on the faster of
 the two (`goal`); a table of them ends the run.
@@ -48,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
+from gpu_clocks import ClockSampler, attribute, nvml_index
 from launch_count import generated_bytes, kernel_diff, print_kernel_table
 
 from mtc.compiler import compile_template, launches
@@ -74,18 +77,39 @@ SMOKE = {
 }
 
 
-def _time(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
+def _time_all(variants: dict[str, Any], device: torch.device, warmup: int, reps: int,
+              sampler: Any = None) -> dict[str, dict[str, list]]:
+    """Time every variant in interleaved rounds: after ``warmup`` calls of each, ``reps`` rounds
+    call each variant once, the order rotated every round, so drift in the GPU's clock or
+    temperature over the run falls on all variants alike. Per variant: wall seconds per call
+    (host, synchronised before and after: what the speed-ups use), on CUDA the GPU span of the
+    call (ms between events recorded on the stream before and after it: wall minus span is host
+    time before the first kernel and after the last), and the calls' (start, end) perf_counter
+    intervals, to attribute ``sampler``'s clock samples (`gpu_clocks.attribute`)."""
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    out: dict[str, dict[str, list]] = {n: {"times_s": [], "gpu_span_ms": [], "intervals": []} for n in names}
+    cuda = device.type == "cuda"
+    for r in range(reps):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, rec = variants[name], out[name]
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            if cuda:
+                a.record()
+            fn()
+            if cuda:
+                b.record()
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            rec["times_s"].append(t1 - t)
+            rec["intervals"].append((t, t1))
+            if cuda:
+                rec["gpu_span_ms"].append(a.elapsed_time(b))
     return out
 
 
@@ -258,10 +282,22 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                  # 'auto', each site's check and timing
                  "matmul_fusion": mm_fused,
                  "results": {}}
+    sampler = ClockSampler(nvml_index(device.index or 0)).start() if device.type == "cuda" else None
+    try:
+        timed = _time_all(variants, device, warmup, reps)
+    finally:
+        samples = sampler.stop() if sampler is not None else []
     for vname, fn in variants.items():
-        ts = _time(fn, device, warmup, reps)
+        ts = timed[vname]["times_s"]
         med = statistics.median(ts)
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
+        if timed[vname]["gpu_span_ms"]:
+            rec["results"][vname]["gpu_span_median_ms"] = statistics.median(timed[vname]["gpu_span_ms"])
+    rec["timing"] = {"method": "interleaved rounds (bench_fusion._time_all): each round calls every variant once, the order "
+                               "rotated; median_ms: host wall per call, synchronised; gpu_span_median_ms: CUDA events around the call"}
+    if sampler is not None:  # at what SM clock and power each variant's calls ran (bench/gpu_clocks.py)
+        rec["timing"]["clock_source"] = sampler.source
+        rec["timing"]["clocks"] = attribute(samples, {v: timed[v]["intervals"] for v in variants})
     from launch_count import kernel_table, profiled_kernels, proxy_launches
 
     # launches per block (forward + backward): the CPU proxy, and on CUDA the kernels the profiler sees
@@ -444,6 +480,16 @@ def main() -> None:
             print(f"{arch:12s} CUDA-graph replay vs eager fused {cg['speedup_vs_fused_eager']:.2f}x; warm-up {cg['warmup_s']:.2f} s, "
                   f"capture {cg['capture_s']:.2f} s, pool {cg['pool_bytes'] / 2**20:.0f} MiB"
                   + (f"; FELL BACK: {cg['fallback']}" if cg["fallback"] else ""))
+        if "clock_source" in rec.get("timing", {}):
+            print(f"{arch:12s} timing: interleaved rounds; SM clock and power from {rec['timing']['clock_source']}")
+        for v, c in rec.get("timing", {}).get("clocks", {}).items():
+            span = rec["results"][v].get("gpu_span_median_ms")
+            line = f"{arch:12s} {v:22s} wall {rec['results'][v]['median_ms']:.2f} ms" + (f", GPU span {span:.2f} ms" if span is not None else "")
+            if c.get("samples"):
+                line += f"; SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), {c['power_w_median']:.0f} W"
+                if "power_limited_frac" in c:
+                    line += f", power-limited {c['power_limited_frac']:.0%}, thermal {c['thermal_limited_frac']:.0%}"
+            print(line)
         for v, prof in rec.get("profile", {}).items():
             print_kernel_table(v, prof, rec["results"][v]["median_ms"], top=25)
         if "profile_graph_vs_eager" in rec:

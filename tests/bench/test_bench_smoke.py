@@ -5,11 +5,13 @@ gradient norms), each run as a user runs it, records written under a temporary d
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,77 @@ def test_generated_bytes_counts_each_kernels_inputs_and_outputs(tmp_path):
     assert generated_bytes(full.forward_graph) == want > 0
     # the backward visit's joint graph does not recompute the block's output (its residual add's kernel goes)
     assert 0 < generated_bytes(lean.joint_graph) < generated_bytes(full.joint_graph)
+
+
+def test_fusion_timing_interleaves_variants_and_rotates_their_order():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_fusion
+
+    calls: list[str] = []
+    variants = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}
+    timed = bench_fusion._time_all(variants, torch.device("cpu"), warmup=1, reps=3)
+    # warm-up of each, then three rounds, each starting one variant later
+    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    for n in variants:
+        assert len(timed[n]["times_s"]) == 3 and timed[n]["gpu_span_ms"] == []
+        assert all(a <= b for a, b in timed[n]["intervals"])
+    # a variant's intervals are its own calls: they do not overlap another variant's
+    spans = sorted((a, b, n) for n in variants for a, b in timed[n]["intervals"])
+    assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))
+
+
+def test_clock_samples_are_attributed_to_the_calls_they_fall_in(monkeypatch):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from gpu_clocks import POWER_BITS, Sample, attribute, nvml_index, parse_smi_line
+
+    samples = [Sample(0.5, 1980, 500, 0), Sample(1.5, 1700, 690, 0x4), Sample(1.7, 1650, 700, 0x4 | 0x20),
+               Sample(2.5, 1900, 300, None), Sample(9.0, 1000, 100, 0)]
+    got = attribute(samples, {"eager": [(0.0, 1.0), (2.0, 3.0)], "replay": [(1.0, 2.0)], "none": [(5.0, 6.0)]})
+    assert got["eager"]["samples"] == 2 and got["eager"]["sm_mhz_median"] == 1940 and got["eager"]["sm_mhz_min"] == 1900
+    assert got["eager"]["power_limited_frac"] == 0.0  # the sample without reason bits is not counted in fractions
+    assert got["replay"]["power_limited_frac"] == 1.0 and got["replay"]["thermal_limited_frac"] == 0.5
+    assert got["none"] == {"samples": 0}
+    s = parse_smi_line("1980, 612.34, 0x0000000000000004\n", 3, 7.0)
+    assert s == Sample(7.0, 1980.0, 612.34, 4) and s.reasons & POWER_BITS
+    assert parse_smi_line("1980, 612.34\n", 2, 1.0).reasons is None
+    assert parse_smi_line("[N/A], 612.34, 0x0\n", 3, 1.0) is None and parse_smi_line("clocks.sm, power.draw", 3, 1.0) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # torch's device 0 is NVML's 3
+    assert (nvml_index(0), nvml_index(1), nvml_index(2)) == (3, 1, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f3a")  # a UUID: no index to map to
+    assert nvml_index(0) == 0
+
+
+def test_clock_sampler_streams_nvidia_smi_and_falls_back_to_older_field_names(tmp_path, monkeypatch):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import gpu_clocks
+
+    # a stand-in nvidia-smi that knows only the older reasons field and streams with -lms
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *clocks_event_reasons*) echo 'Field is not a valid field' >&2; exit 2;; esac\n"
+                    "case \"$*\" in *-lms*) while true; do echo '1755, 650.5, 0x0000000000000004'; sleep 0.01; done;; esac\n"
+                    "echo '1980, 120.0, 0x0000000000000000'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_clocks, "_nvml_reader", lambda index: None)  # as on a box without pynvml
+    with gpu_clocks.ClockSampler(0, period_s=0.01) as s:
+        deadline = time.monotonic() + 10
+        while len(s.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "clocks_throttle_reasons.active" in s.source
+    assert len(s.samples) >= 3 and all(x.sm_mhz == 1755 and x.reasons == 4 for x in s.samples)
+    assert s._proc is not None and s._proc.poll() is not None  # the stream was ended
+
+
+def test_clock_sampler_without_a_source_records_nothing(monkeypatch):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import gpu_clocks
+
+    monkeypatch.setattr(gpu_clocks, "_nvml_reader", lambda index: None)
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    s = gpu_clocks.ClockSampler(0).start()
+    assert s.stop() == [] and s.source.startswith("unavailable")
