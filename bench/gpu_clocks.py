@@ -9,7 +9,7 @@ an eager call with gaps. These samples say, per variant, at what clock and power
 and how often the driver reported a power or thermal limit.
 
 Sources, first that works: NVML through ``pynvml`` (nvidia-ml-py, every ``period_s``), else an
-``nvidia-smi --query-gpu ... -lms`` subprocess streaming lines; neither (the CPU, or a box
+``nvidia-smi --query-gpu ... --loop-ms`` subprocess streaming lines; neither (the CPU, or a box
 without them): no samples, ``source`` says why. A sample's time is when this process read it
 (``time.perf_counter``), within a millisecond or two of the reading.
 """
@@ -153,7 +153,7 @@ def _smi_process(index: int, period_ms: int) -> tuple[subprocess.Popen | None, l
             return None, []
         if probe.returncode == 0 and parse_smi_line(probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "",
                                                     len(fields), 0.0) is not None:
-            return subprocess.Popen([*args, f"-lms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            return subprocess.Popen([*args, f"--loop-ms={period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     text=True), fields
     return None, []
 

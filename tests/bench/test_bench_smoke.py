@@ -278,11 +278,11 @@ def test_clock_sampler_streams_nvidia_smi_and_falls_back_to_older_field_names(tm
         sys.path.insert(0, str(BENCH))
     import gpu_clocks
 
-    # a stand-in nvidia-smi that knows only the older reasons field and streams with -lms
+    # a stand-in nvidia-smi that knows only the older reasons field and streams with --loop-ms
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\n"
                     "case \"$*\" in *clocks_event_reasons*) echo 'Field is not a valid field' >&2; exit 2;; esac\n"
-                    "case \"$*\" in *-lms*) while true; do echo '1755, 650.5, 0x0000000000000004'; sleep 0.01; done;; esac\n"
+                    "case \"$*\" in *--loop-ms*) while true; do echo '1755, 650.5, 0x0000000000000004'; sleep 0.01; done;; esac\n"
                     "echo '1980, 120.0, 0x0000000000000000'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
