@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
 from gpu_clocks import ClockSampler, attribute, nvml_index
-from launch_count import generated_bytes, kernel_diff, print_kernel_table
+from launch_count import generated_bytes, kernel_diff, print_kernel_table, second_stage_launches
 
 from mtc.compiler import compile_template, launches
 from mtc.models import build, model_config
@@ -241,6 +241,9 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                            "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
                            "joint_pre": ct.backward_report.hand_tuned.get("fused_mm_pre", 0),
                            "launches": {"forward": launches(ct.forward_graph), "joint": launches(ct.joint_graph)},
+                           # column kernels' second-stage combines, launched beside the proxy's count
+                           "combine_launches": {"forward": second_stage_launches(ct.forward_graph),
+                                                "joint": second_stage_launches(ct.joint_graph)},
                            # what the generated kernels read and write per call (a CPU count)
                            "generated_bytes": {"forward": generated_bytes(ct.forward_graph), "joint": generated_bytes(ct.joint_graph)}}
         if mm == "auto":  # the template's own share of the timed sites (the compiled record's choices)
@@ -463,6 +466,7 @@ def main() -> None:
             print(f"{arch:12s} attention launches chosen: {rec['attention_choices']}")
         print(f"{arch:12s} fused matmuls and launches: "
               + "; ".join(f"{v} {m['forward']}/{m['joint']} of {m['launches']['forward']}/{m['launches']['joint']}"
+                          f" (+{m['combine_launches']['forward']}/{m['combine_launches']['joint']} combines)"
                           for v, m in rec["matmul_fusion"].items()))
         print(f"{arch:12s} generated kernels' bytes per call (forward / joint, MiB): "
               + "; ".join(f"{v} {m['generated_bytes']['forward'] / 2**20:.0f} / {m['generated_bytes']['joint'] / 2**20:.0f}"

@@ -75,6 +75,13 @@ def profiled_kernels(fn: Callable[[], Any]) -> int:
     return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
 
 
+def second_stage_launches(graph: Any) -> int:
+    """Launches a compiled graph's column kernels add after their own (their combines), beyond
+    the proxy's one per kernel-invoking node (on the GPU, where their rows split into chunks)."""
+    return sum(n.target.second_stage_launches for n in graph.nodes
+               if n.op == "call_function" and hasattr(n.target, "second_stage_launches"))
+
+
 def generated_bytes(graph: Any) -> int:
     """Bytes the generated kernels of a compiled graph read and write per call (their inputs'
     and outputs' sizes, each counted once per kernel): the memory traffic fusion is about, a CPU

@@ -27,7 +27,8 @@ import torch
 from mtc.graphs.program import external_inputs
 from torch import fx
 
-__all__ = ["CAT", "RECOMPUTE", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "is_column_reduction", "partition"]
+__all__ = ["CAT", "RECOMPUTE", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "column_cast",
+           "is_column_reduction", "partition"]
 
 aten = torch.ops.aten
 
@@ -106,6 +107,8 @@ def _reduced_dims(node: fx.Node) -> tuple[torch.Tensor, list[int]] | None:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") is not None):
         return None
+    if not all(isinstance(d, int) for d in (dims if isinstance(dims, (list, tuple)) else [dims])):
+        return None  # not a reduction's dim list (e.g. a binary op's second operand)
     return v, sorted(d % v.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
 
 
@@ -372,14 +375,32 @@ def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any
         return _row_ok(ms, shape, red)
     if len(column) != sum(1 for m in ms if m.target in red):
         return False
-    return _column_ok(ms, column, shape)
+    return _column_ok(ms, column, shape, red)
 
 
-def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...]) -> bool:
+def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
     """Column reductions read the whole iteration shape and end the group (their (N,) results are
-    complete only after the last row, so nothing in the same kernel may use them)."""
+    complete only after the last row, so nothing in the same kernel may use them), but for a cast
+    of the result (`column_cast`): the second stage that combines the chunks casts as it writes."""
     inside = set(ms)
-    return all(tuple(_val(c.args[0]).shape) == shape and not any(u in inside for u in c.users) for c in column)
+    for c in column:
+        if tuple(_val(c.args[0]).shape) != shape:
+            return False
+        if any(u in inside and column_cast(u, red) is not c for u in c.users):
+            return False
+    return not any(column_cast(m, red) is not None and any(u in inside for u in m.users) for m in ms)
+
+
+def column_cast(node: fx.Node, reductions: frozenset[Any]) -> fx.Node | None:
+    """The column reduction (one of ``reductions``) ``node`` only casts (its sole user, a plain
+    dtype cast), else None: a LayerNorm's weight and bias gradients are summed in fp32 and cast to
+    the weight's dtype."""
+    if node.target is not aten._to_copy.default or len(node.args) != 1 or set(node.kwargs) - {"dtype"}:
+        return None
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or src.target not in reductions or len(src.users) != 1 or not is_column_reduction(src):
+        return None
+    return src
 
 
 def _row_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:

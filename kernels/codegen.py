@@ -24,18 +24,19 @@ source with `inspect`) in a cache directory and imported from there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import itertools
 import math
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from mtc.graphs.partition import CAT, Frame, FusibleOps, FusionGroup, arg_frames, is_column_reduction
+from mtc.graphs.partition import CAT, Frame, FusibleOps, FusionGroup, arg_frames, column_cast, is_column_reduction
 from mtc.kernels.column_reduce import combine_partials
 from torch import fx
 
@@ -175,18 +176,28 @@ def _mode(group: FusionGroup) -> str:
     return "column"
 
 
+def _reduced(o: fx.Node, mode: str) -> fx.Node | None:
+    """Column mode: the column reduction output ``o`` is (or casts: `column_cast`), else None."""
+    if mode != "column":
+        return None
+    if o.target in REDUCTIONS:
+        return o
+    return column_cast(o, REDUCTIONS)
+
+
 def _check_outputs(group: FusionGroup, mode: str) -> None:
     S = group.shape
     for o in group.outputs:
         s = _shape(o)
-        if mode == "column" and o.target in REDUCTIONS:
+        if _reduced(o, mode) is not None:
             if math.prod(s) != S[-1] or s[-1:] != S[-1:]:
                 raise CodegenError(f"column reduction {o.name} has shape {s}, not ({S[-1]},)")
         elif s != S and not (mode == "row" and s == (*S[:-1], 1)):
             raise CodegenError(f"output {o.name} has shape {s}, not the iteration shape {S}")
         if _dtype(o) not in _TL_DTYPE:
             raise CodegenError(f"output dtype {_dtype(o)}")
-    if mode == "column" and any(u in set(group.nodes) for n in group.nodes if n.target in REDUCTIONS for u in n.users):
+    if mode == "column" and any(u in set(group.nodes) and column_cast(u, REDUCTIONS) is not n
+                                for n in group.nodes if n.target in REDUCTIONS for u in n.users):
         raise CodegenError(f"{group.name}: a column reduction is used inside its own group")
 
 
@@ -344,9 +355,10 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     em = _Emitter(group, mode)
     out_off = {"pointwise": "offs", "row": f"row * {S[-1]} + cols", "column": f"row * {S[-1]} + cols"}[mode]
     for j, o in enumerate(group.outputs):
-        value = em.val(o, em.full)
+        red = _reduced(o, mode)
+        value = em.val(o if red is None else red, em.full)  # a cast of a reduction: the combine casts
         dt = _TL_DTYPE[_dtype(o)]
-        if mode == "column" and o.target in REDUCTIONS:
+        if red is not None:
             em.epilogue.append(f"tl.store(out{j} + tl.program_id(1).to(tl.int64) * {S[-1]} + ccols, {value}, mask=cmask)")
             continue
         if mode == "row" and (o in em.scalar) != (_shape(o) != S):
@@ -381,13 +393,26 @@ class FusedKernel:
         # column mode: how each reduction output's per-chunk partials combine (None: stored directly)
         self.combine = combine
         self.__name__ = fn.__name__
+        self._plans: dict[tuple[Any, ...], _LaunchPlan] = {}  # input signature -> launch (see __call__)
+        # column mode: (how, dtype, output indices) of the outputs combined in one second-stage launch
+        by: dict[tuple[str, torch.dtype], list[int]] = {}
+        for j, ((_, dt), c) in enumerate(zip(out_specs, combine, strict=True)):
+            if c is not None:
+                by.setdefault((c, dt), []).append(j)
+        self._combines = [(how, dt, js) for (how, dt), js in by.items()]
 
     @classmethod
     def of_group(cls, fn: Any, group: FusionGroup, mode: str, source: str) -> FusedKernel:
         """The launcher of ``fn``, generated from ``group``."""
-        combine = [str(o.target).split(".")[1] if mode == "column" and o.target in REDUCTIONS else None for o in group.outputs]
+        combine = [str(r.target).split(".")[1] if (r := _reduced(o, mode)) is not None else None for o in group.outputs]
         return cls(fn, mode, source, group.shape, [_shape(i) for i in group.inputs],
                    [(_shape(o), _dtype(o)) for o in group.outputs], combine)
+
+    @property
+    def second_stage_launches(self) -> int:
+        """Launches after the kernel's own, per call: a column kernel's combines (one per output
+        dtype and kind; none when a single chunk of fp32 sums needs no combining)."""
+        return len(self._combines)
 
     def spec(self) -> dict[str, Any]:
         """What `load_kernel` needs to rebuild this launcher from the cached source (JSON-able)."""
@@ -395,6 +420,28 @@ class FusedKernel:
                 "out_specs": [[list(s), str(dt).removeprefix("torch.")] for s, dt in self.out_specs], "combine": self.combine}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # a graph calls a kernel with the same shapes and strides every time: the checks, strides and
+        # launch sizes are worked out once per input signature (~14 us of Python for 8 inputs on a
+        # slow CPU, 3-4 us to look up), and launches stay cheap next to the GPU work they queue
+        try:
+            key = tuple([(x.shape, x.stride(), x.get_device()) for x in inputs])
+        except AttributeError:
+            raise KernelInputError(f"{self.__name__}: expected tensors, got {[type(x).__name__ for x in inputs]}") from None
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(inputs)
+            if len(self._plans) < _MAX_PLANS:
+                self._plans[key] = plan
+        ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else inputs
+        if self.mode == "column":
+            return self._columns(ins, plan)
+        dev = inputs[0].device
+        outs = [torch.empty(s, dtype=dt, device=dev) for s, dt in self.out_specs]
+        self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, BLOCK=plan.block, num_warps=plan.warps)
+        return tuple(outs)
+
+    def _plan(self, inputs: tuple[torch.Tensor, ...]) -> _LaunchPlan:
+        """Check ``inputs`` against the kernel's shapes and work out their strides and the launch."""
         S = self.shape
         if len(inputs) != len(self.in_shapes):
             raise KernelInputError(f"{self.__name__}: expected {len(self.in_shapes)} inputs, got {len(inputs)}")
@@ -404,50 +451,70 @@ class FusedKernel:
             if tuple(x.shape) != shp or x.device != dev:
                 raise KernelInputError(f"{self.__name__}: input of shape {tuple(x.shape)} on {x.device}, expected {shp} on {dev}")
             strides += _strides(x, S)
-        if self.mode == "column":
-            return self._columns(inputs, strides)
-        outs = [torch.empty(s, dtype=dt, device=dev) for s, dt in self.out_specs]
+        scalar = any(x.dim() == 0 for x in inputs)
         numel = math.prod(S)
+        if self.mode == "column":
+            N, M = S[-1], numel // S[-1]
+            cuda = dev.type == "cuda"
+            # GPU: 128-column, 32-row tiles and enough chunks to fill the SMs; CPU interpreter: wide
+            # tiles and few programs (each step is one vectorised numpy op)
+            block = min(triton_next_pow2(N), 128 if cuda else 1024)
+            block_m = min(triton_next_pow2(M), 32 if cuda else 64)
+            target = 4 * _sm_count(dev) if cuda else 2
+            tiles = triton_cdiv(M, block_m)
+            split = max(1, min(tiles, target // triton_cdiv(N, block)))
+            chunk = triton_cdiv(tiles, split) * block_m
+            split = triton_cdiv(M, chunk)
+            return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, 4, numel, block_m, chunk, split)
         if self.mode == "row":
             block = triton_next_pow2(S[-1])
-            grid = (max(1, numel // S[-1]),)
             # wide rows: more warps, so each thread holds a few dozen values and nothing spills
             warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-        else:
-            # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
-            # edge and a masked tail stay tested), each one vectorised numpy op
-            block = 1024 if dev.type == "cuda" else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
-            grid = (triton_cdiv(numel, block),)
-            warps = 4
-        ins = [x if x.dim() else x.reshape(1) for x in inputs]
-        self.fn[grid](*ins, *outs, *strides, numel, BLOCK=block, num_warps=warps)
+            return _LaunchPlan(strides, scalar, (max(1, numel // S[-1]),), block, warps, numel)
+        # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
+        # edge and a masked tail stay tested), each one vectorised numpy op
+        block = 1024 if dev.type == "cuda" else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
+        return _LaunchPlan(strides, scalar, (triton_cdiv(numel, block),), block, 4, numel)
+
+    def _columns(self, ins: Sequence[torch.Tensor], plan: _LaunchPlan) -> tuple[torch.Tensor, ...]:
+        """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here."""
+        dev, N, split = ins[0].device, self.shape[-1], plan.split
+        M = plan.numel // N
+        outs: list[torch.Tensor | None] = [torch.empty(s, dtype=dt, device=dev) if c is None else None
+                                           for (s, dt), c in zip(self.out_specs, self.combine, strict=True)]
+        # the outputs that combine alike share one (K, split, N) buffer of fp32 partials
+        parts = []
+        for how, dt, js in self._combines:
+            buf = torch.empty((len(js), split, N), dtype=torch.float32, device=dev)
+            parts.append(buf)
+            for i, j in enumerate(js):
+                outs[j] = buf[i]
+        self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m)
+        for buf, (how, dt, js) in zip(parts, self._combines, strict=True):
+            # second stage: one small launch per buffer sums the chunks in a fixed order, scales and casts
+            got = combine_partials(buf, how, M, dt)
+            for i, j in enumerate(js):
+                outs[j] = got[i].reshape(self.out_specs[j][0])
         return tuple(outs)
 
-    def _columns(self, inputs: tuple[torch.Tensor, ...], strides: list[int]) -> tuple[torch.Tensor, ...]:
-        """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here."""
-        S, dev = self.shape, inputs[0].device
-        N, M = S[-1], math.prod(S[:-1])
-        cuda = dev.type == "cuda"
-        # GPU: 128-column, 32-row tiles and enough chunks to fill the SMs; CPU interpreter: wide
-        # tiles and few programs (each step is one vectorised numpy op)
-        block = min(triton_next_pow2(N), 128 if cuda else 1024)
-        block_m = min(triton_next_pow2(M), 32 if cuda else 64)
-        target = 4 * _sm_count(dev) if cuda else 2
-        tiles = triton_cdiv(M, block_m)
-        split = max(1, min(tiles, target // triton_cdiv(N, block)))
-        chunk = triton_cdiv(tiles, split) * block_m
-        split = triton_cdiv(M, chunk)
-        outs = [torch.empty((split, N), dtype=torch.float32, device=dev) if c else torch.empty(s, dtype=dt, device=dev)
-                for (s, dt), c in zip(self.out_specs, self.combine, strict=True)]
-        ins = [x if x.dim() else x.reshape(1) for x in inputs]
-        self.fn[(triton_cdiv(N, block), split)](*ins, *outs, *strides, M * N, chunk, BLOCK=block, BLOCK_M=block_m)
-        done = []
-        for o, (s, dt), c in zip(outs, self.out_specs, self.combine, strict=True):
-            if c is not None:
-                # second stage: one small launch sums the chunks in a fixed order, scales and casts
-                o = combine_partials(o, c, M, dt).reshape(s)
-            done.append(o)
-        return tuple(done)
+
+# launch plans kept per kernel (input signatures: a plan's graphs call each kernel with one or two)
+_MAX_PLANS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LaunchPlan:
+    """What one input signature (shapes, strides, device) of a `FusedKernel` launches with."""
+
+    strides: list[int]
+    scalar_inputs: bool  # some input is 0-d (passed as a 1-element view)
+    grid: tuple[int, ...]
+    block: int
+    warps: int
+    numel: int
+    block_m: int = 0  # column mode: rows per tile, rows per chunk, chunks
+    chunk: int = 0
+    split: int = 1
 
 
 def _sm_count(dev: torch.device) -> int:

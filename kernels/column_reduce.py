@@ -4,7 +4,8 @@ Generated column kernels (kernels/codegen.py, ``column`` mode) split the rows of
 reduction into chunks; each chunk writes an fp32 partial per column into a (SPLIT, N) buffer.
 This kernel sums (or maxes) the SPLIT partials of each column in a fixed order (deterministic,
 unlike atomics), applies the mean's 1/M, and casts to the output dtype: one launch where torch
-would run three (``sum(0)``, the division, the cast). Norm weight and bias gradients of every
+would run three (``sum(0)``, the division, the cast), and one for all of a kernel's outputs that
+combine alike. Norm weight and bias gradients of every
 layer go through it (GPT-2's LayerNorm gradients took 0.1-0.2 ms each on the H100 with the
 torch combine and a per-tile cross-warp reduction).
 """
@@ -23,6 +24,9 @@ __all__ = ["combine_partials", "combine_partials_ref"]
 @triton.jit
 def _combine_kernel(part_ptr, out_ptr, SPLIT, N, scale, IS_MAX: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1).to(tl.int64)  # which of the K outputs combined in this launch
+    part_ptr += k * SPLIT * N
+    out_ptr += k * N
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     if IS_MAX:
@@ -40,25 +44,27 @@ def _combine_kernel(part_ptr, out_ptr, SPLIT, N, scale, IS_MAX: tl.constexpr, BL
 
 def combine_partials(partials: torch.Tensor, how: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """(N,) of ``dtype``: the (SPLIT, N) fp32 ``partials`` combined by ``how`` ('sum', 'mean' over
-    ``rows`` rows, or 'amax'), chunk by chunk in order."""
-    if partials.dim() != 2 or partials.dtype != torch.float32 or not partials.is_contiguous():
-        raise KernelInputError(f"combine_partials: expected contiguous fp32 (SPLIT, N) partials, got "
+    ``rows`` rows, or 'amax'), chunk by chunk in order. (K, SPLIT, N) partials give (K, N): K
+    outputs combined the same way in one launch (a LayerNorm's weight and bias gradients)."""
+    if partials.dim() not in (2, 3) or partials.dtype != torch.float32 or not partials.is_contiguous():
+        raise KernelInputError(f"combine_partials: expected contiguous fp32 (SPLIT, N) or (K, SPLIT, N) partials, got "
                                f"{partials.dtype} {tuple(partials.shape)}")
     if how not in ("sum", "mean", "amax"):
         raise KernelInputError(f"combine_partials: how must be 'sum', 'mean' or 'amax', got {how!r}")
-    split, n = partials.shape
+    k, split, n = partials.shape if partials.dim() == 3 else (1, *partials.shape)
+    shape = (k, n) if partials.dim() == 3 else (n,)
     if split == 1 and how != "mean" and dtype == torch.float32:
-        return partials.reshape(n)  # one chunk: the partial is the answer
-    out = torch.empty(n, dtype=dtype, device=partials.device)
+        return partials.reshape(shape)  # one chunk: the partial is the answer
+    out = torch.empty(shape, dtype=dtype, device=partials.device)
     block = min(1024, triton.next_power_of_2(max(n, 1))) if partials.is_cuda else min(4096, triton.next_power_of_2(max(n, 1)))
     scale = 1.0 / rows if how == "mean" else 1.0
-    _combine_kernel[(triton.cdiv(n, block),)](partials, out, split, n, scale, IS_MAX=how == "amax", BLOCK=block)
+    _combine_kernel[(triton.cdiv(n, block), k)](partials, out, split, n, scale, IS_MAX=how == "amax", BLOCK=block)
     return out
 
 
 def combine_partials_ref(partials: torch.Tensor, how: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """Pure-torch reference of `combine_partials`."""
     if how == "amax":
-        return partials.amax(0).to(dtype)
-    s = partials.sum(0)
+        return partials.amax(-2).to(dtype)
+    s = partials.sum(-2)
     return (s / rows if how == "mean" else s).to(dtype)

@@ -305,3 +305,26 @@ def test_clock_sampler_without_a_source_records_nothing(monkeypatch):
     monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
     s = gpu_clocks.ClockSampler(0).start()
     assert s.stop() == [] and s.source.startswith("unavailable")
+
+
+def test_layernorm_gradients_cast_and_combine_in_one_second_stage(tmp_path):
+    # GPT-2's LayerNorm weight and bias gradients: summed in fp32, cast to bf16; the casts fold
+    # into the column kernel, whose outputs combine in one launch (they were 4 casts + 4 combines)
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from launch_count import second_stage_launches
+
+    from mtc.compiler import compile_template
+    from mtc.models import build
+    from mtc.tracer import trace
+
+    with torch.device("meta"):
+        model = build("gpt2-tiny", n_layers=1, vocab_size=512, dim=256, n_heads=4).to(torch.bfloat16)
+    prog = trace(model, 1, 64)
+    ct = compile_template(prog.templates[prog.layers[1].template], tmp_path, matmul_fusion="off")
+    cols = [n.target for n in ct.joint_graph.nodes if getattr(n.target, "mode", None) == "column"]
+    ln = [k for k in cols if len(k.out_specs) == 4]
+    assert len(ln) == 1 and {dt for _, dt in ln[0].out_specs} == {torch.bfloat16} and ln[0].second_stage_launches == 1
+    assert second_stage_launches(ct.joint_graph) == sum(k.second_stage_launches for k in cols) == len(cols)
+    # no kernel of the graph only casts a (N,) vector any more
+    assert not any(getattr(n.target, "mode", None) == "pointwise" and len(n.target.shape) == 1 for n in ct.joint_graph.nodes)

@@ -226,3 +226,91 @@ def test_cat_that_cannot_be_fused_stays_on_aten():
     g = make_fx(f, decomposition_table=core_aten_decompositions())(torch.randn(3, 4), torch.ones(3, 2, dtype=torch.int64))
     cats = [n for n in g.graph.nodes if n.target is torch.ops.aten.cat.default]
     assert [classify(n, FUSIBLE) for n in cats] == ["fallback", "fallback"]
+
+
+def test_launch_plans_are_worked_out_once_per_input_signature(tmp_path, monkeypatch):
+    # a graph calls each kernel with the same shapes and strides every time: the checks and
+    # strides run once per signature, and a new layout or a wrong shape is still seen
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.errors import KernelInputError
+    from mtc.kernels import codegen
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    x, w = torch.randn(6, 37), torch.randn(37)
+    g = make_fx(f, decomposition_table=core_aten_decompositions())(x, w)
+    (group,) = partition(g.graph, FUSIBLE).groups
+    kern = compile_group(group, tmp_path)
+    planned = []
+    real = codegen.FusedKernel._plan
+    monkeypatch.setattr(codegen.FusedKernel, "_plan", lambda self, ins: planned.append(1) or real(self, ins))
+    for _ in range(3):
+        torch.testing.assert_close(kern(x, w)[0], f(x, w), rtol=1e-5, atol=1e-5)
+    assert len(planned) == 1
+    xt = torch.randn(37, 6).t()  # same shape, transposed strides: a plan of its own, and right
+    torch.testing.assert_close(kern(xt, w)[0], f(xt, w), rtol=1e-5, atol=1e-5)
+    assert len(planned) == 2
+    with pytest.raises(KernelInputError, match="expected"):
+        kern(torch.randn(5, 37), w)
+    with pytest.raises(KernelInputError, match="expected tensors"):
+        kern(x, 2.0)
+
+
+def test_cast_of_a_column_sum_is_done_by_the_combine(tmp_path, monkeypatch):
+    # a LayerNorm's weight and bias gradients, summed in fp32 and cast to the weight's dtype: the
+    # casts join the column kernel (its second stage casts as it combines), no kernel of their own
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dw = (g.float() * x).sum([0, 1])
+        db = g.float().sum([0, 1])
+        return dw.to(torch.bfloat16), db.to(torch.bfloat16), (g.float() * 2).sum([0, 1])  # the last stays fp32
+
+    g, x = torch.randn(3, 7, 19).to(torch.bfloat16), torch.randn(3, 7, 19)
+    gr = make_fx(f, decomposition_table=core_aten_decompositions())(g, x)
+    p = partition(gr.graph, FUSIBLE)
+    (group,) = p.groups
+    assert [o.meta["val"].dtype for o in group.outputs] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    kern = compile_group(group, tmp_path)
+    assert kern.mode == "column" and kern.combine == ["sum", "sum", "sum"]
+    vals = _record(gr, g, x)
+    from mtc.kernels import codegen
+
+    combines = []
+    real = codegen.combine_partials
+    monkeypatch.setattr(codegen, "combine_partials", lambda p, *a: combines.append(tuple(p.shape)) or real(p, *a))
+    for o, got in zip(group.outputs, kern(*[vals[i] for i in group.inputs]), strict=True):
+        assert got.dtype == vals[o].dtype
+        torch.testing.assert_close(got.float(), vals[o].float(), rtol=8e-3, atol=1e-5)  # bf16: one rounding
+    # one second-stage launch per output dtype: the two bf16 gradients together, the fp32 sum apart
+    assert [c[0] for c in combines] == [2, 1]
+
+
+def test_an_op_reading_a_cast_column_sum_stays_out_of_the_column_kernel(tmp_path):
+    # the cast folds into the combine, but what reads its result needs it complete: another kernel
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.graphs.partition import column_cast
+    from mtc.kernels import codegen
+
+    def f(g: torch.Tensor) -> torch.Tensor:
+        return g.float().sum([0, 1]).to(torch.bfloat16) * 3.0
+
+    g = torch.randn(3, 7, 19).to(torch.bfloat16)
+    gr = make_fx(f, decomposition_table=core_aten_decompositions())(g)
+    groups = partition(gr.graph, FUSIBLE).groups
+    kerns = [compile_group(gp, tmp_path) for gp in groups]
+    assert sorted(k.mode for k in kerns) == ["column", "pointwise"]
+    col = groups[[k.mode for k in kerns].index("column")]
+    (out,) = col.outputs
+    assert column_cast(out, codegen.REDUCTIONS) is not None and out.meta["val"].dtype == torch.bfloat16
+    assert not any(n.target is torch.ops.aten.mul.Tensor for n in col.nodes)
+    vals = _record(gr, g)
+    for gp, k in zip(groups, kerns, strict=True):
+        for o, got in zip(gp.outputs, k(*[vals[i] for i in gp.inputs]), strict=True):
+            torch.testing.assert_close(got.float(), vals[o].float(), rtol=8e-3, atol=1e-5)

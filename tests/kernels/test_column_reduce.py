@@ -20,8 +20,22 @@ def test_combine_matches_reference(split, n, how, dtype):
     torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("how", ["sum", "mean", "amax"])
+def test_several_outputs_combine_in_one_launch(split, how):
+    # (K, SPLIT, N): each of the K outputs is combined from its own partials, none from another's
+    parts = torch.randn(3, split, 19)
+    got = combine_partials(parts, how, 11, torch.float16)
+    assert got.shape == (3, 19) and got.dtype == torch.float16
+    for k in range(3):
+        torch.testing.assert_close(got[k], combine_partials_ref(parts[k], how, 11, torch.float16), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(combine_partials(parts, how, 11, torch.float32), combine_partials_ref(parts, how, 11, torch.float32))
+
+
 def test_combine_rejects_bad_partials():
     with pytest.raises(KernelInputError, match="fp32"):
         combine_partials(torch.randn(2, 3, dtype=torch.float16), "sum", 2, torch.float32)
     with pytest.raises(KernelInputError, match="how"):
         combine_partials(torch.randn(2, 3), "prod", 2, torch.float32)
+    with pytest.raises(KernelInputError, match="fp32"):
+        combine_partials(torch.randn(2, 2, 2, 3), "sum", 2, torch.float32)
