@@ -48,7 +48,7 @@ class ClockSampler:
     manager). ``index``: the GPU's index as NVML and nvidia-smi count it (`nvml_index`)."""
 
     index: int = 0
-    period_s: float = 0.005
+    period_s: float = 0.01
     samples: list[Sample] = field(default_factory=list)
     source: str = "not started"
     _stop: threading.Event = field(default_factory=threading.Event)
