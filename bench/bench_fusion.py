@@ -77,15 +77,14 @@ SMOKE = {
 }
 
 
-def _time_all(variants: dict[str, Any], device: torch.device, warmup: int, reps: int,
-              sampler: Any = None) -> dict[str, dict[str, list]]:
+def _time_all(variants: dict[str, Any], device: torch.device, warmup: int, reps: int) -> dict[str, dict[str, list]]:
     """Time every variant in interleaved rounds: after ``warmup`` calls of each, ``reps`` rounds
     call each variant once, the order rotated every round, so drift in the GPU's clock or
     temperature over the run falls on all variants alike. Per variant: wall seconds per call
     (host, synchronised before and after: what the speed-ups use), on CUDA the GPU span of the
     call (ms between events recorded on the stream before and after it: wall minus span is host
     time before the first kernel and after the last), and the calls' (start, end) perf_counter
-    intervals, to attribute ``sampler``'s clock samples (`gpu_clocks.attribute`)."""
+    intervals, to attribute clock samples to them (`gpu_clocks.attribute`)."""
     names = list(variants)
     for name in names:
         for _ in range(warmup):

@@ -107,9 +107,10 @@ def _reduced_dims(node: fx.Node) -> tuple[torch.Tensor, list[int]] | None:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (node.target is aten.sum.dim_IntList and node.kwargs.get("dtype") is not None):
         return None
-    if not all(isinstance(d, int) for d in (dims if isinstance(dims, (list, tuple)) else [dims])):
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    if not all(isinstance(d, int) for d in dims):
         return None  # not a reduction's dim list (e.g. a binary op's second operand)
-    return v, sorted(d % v.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+    return v, sorted(d % v.dim() for d in dims)
 
 
 def is_column_reduction(node: fx.Node) -> bool:

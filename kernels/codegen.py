@@ -410,8 +410,8 @@ class FusedKernel:
 
     @property
     def second_stage_launches(self) -> int:
-        """Launches after the kernel's own, per call: a column kernel's combines (one per output
-        dtype and kind; none when a single chunk of fp32 sums needs no combining)."""
+        """Launches after the kernel's own, per call, at most: a column kernel's combines (one per
+        output dtype and kind; fp32 sums over a single chunk need none, which only the call knows)."""
         return len(self._combines)
 
     def spec(self) -> dict[str, Any]:
@@ -446,12 +446,12 @@ class FusedKernel:
         if len(inputs) != len(self.in_shapes):
             raise KernelInputError(f"{self.__name__}: expected {len(self.in_shapes)} inputs, got {len(inputs)}")
         dev = inputs[0].device
-        strides: list[int] = []
+        flat: list[int] = []
         for x, shp in zip(inputs, self.in_shapes, strict=True):
             if tuple(x.shape) != shp or x.device != dev:
                 raise KernelInputError(f"{self.__name__}: input of shape {tuple(x.shape)} on {x.device}, expected {shp} on {dev}")
-            strides += _strides(x, S)
-        scalar = any(x.dim() == 0 for x in inputs)
+            flat += _strides(x, S)
+        strides, scalar = tuple(flat), any(x.dim() == 0 for x in inputs)
         numel = math.prod(S)
         if self.mode == "column":
             N, M = S[-1], numel // S[-1]
@@ -506,7 +506,7 @@ _MAX_PLANS = 16
 class _LaunchPlan:
     """What one input signature (shapes, strides, device) of a `FusedKernel` launches with."""
 
-    strides: list[int]
+    strides: tuple[int, ...]
     scalar_inputs: bool  # some input is 0-d (passed as a 1-element view)
     grid: tuple[int, ...]
     block: int
