@@ -808,13 +808,17 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
     for s in tiers.layers:
         if not s.numel:
             continue
-        flat = flatten_layer(program, s.layer, params)
+        # a ram layer's weights go straight into its master buffer (no host copy of the layer first)
+        flat = flatten_layer(program, s.layer, params, out=tiers.initial_master(s.layer))
         for p in program.layer_params(s.layer):  # in the tiers now: the initial copy goes as the tiers fill
             params.pop(p.key, None)
-        tiers.set_layer(s.layer, flat)
+        tiers.set_layer(s.layer, flat, fresh=True)
+        # generation 0's moments are zeros: a ram layer's own (fresh) m and v are, and they stay so until training starts
+        zeros = s.m if flat is s.master else None
         futs = []
         for k in state_kinds(s.tier, durability):
-            futs.append(st.write_async(state_array_name(s.layer, k, 0), flat if k == "master" else torch.zeros_like(flat)))
+            src = flat if k == "master" else zeros if zeros is not None else torch.zeros_like(flat)
+            futs.append(st.write_async(state_array_name(s.layer, k, 0), src))
         for f in futs:
             f.result()
 

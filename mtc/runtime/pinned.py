@@ -69,10 +69,21 @@ def _clear_cuda_error() -> None:
         torch.zeros(1, device="cuda").add_(1)
 
 
+_HUGE_PAGE = 2 * 2**20
+
+
 def _mapped(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
     """Page-aligned, zero-filled memory of ``nbytes`` (a private anonymous mapping, its pages
-    allocated on first touch) and the mapping that holds it."""
+    allocated on first touch) and the mapping that holds it. Mappings of a huge page or more ask
+    for transparent huge pages (where THP is in 'madvise' mode, the usual default): a first touch,
+    or pinning, then faults once per 2 MiB instead of once per 4 KiB (a 4.6B model's host state is
+    ~70 GB: ~17 M small faults). On this project's 2-core CPU VM, first touch of a 2 GB mapping ran
+    at 5-7 GB/s with them against ~5 without, and a new 0.57B stateless run's `init_state` took 4.0-4.8 s
+    against 5.7-7.5 (its first step 12 s against 15-16 s)."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without THP: plain pages, as before
+            buf.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buf, dtype=np.uint8, count=nbytes), buf
 
 

@@ -12,16 +12,24 @@ from mtc.store import TensorStore, state_array_name
 __all__ = ["flatten_layer", "load_into_module", "read_params"]
 
 
-def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Layer ``layer``'s parameters concatenated in its flat-state order, as fp32 on the CPU."""
+@torch.no_grad()
+def flatten_layer(program: Program, layer: int, params: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer ``layer``'s parameters concatenated in its flat-state order, as fp32 on the CPU, or
+    written into ``out`` (a 1-D fp32 tensor of the layer's size on any device; returned)."""
     specs = program.layer_params(layer)
-    flat = torch.empty(program.layer_numel(layer), dtype=torch.float32)
+    n = program.layer_numel(layer)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    elif out.dim() != 1 or out.numel() != n or out.dtype != torch.float32:
+        raise StoreError(f"flatten_layer: layer {layer} needs a 1-D float32 buffer of {n} elements, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     for p in specs:
         t = params[p.key]
         if tuple(t.shape) != p.spec.shape:
             raise StoreError(f"parameter {p.key} has shape {tuple(t.shape)}, the plan expects {p.spec.shape}")
-        flat[p.offset : p.offset + p.numel] = t.detach().reshape(-1).to("cpu", torch.float32)
-    return flat
+        # one pass: copy_ converts the dtype and crosses devices as it writes (no temporary)
+        out[p.offset : p.offset + p.numel].copy_(t.detach().reshape(-1))
+    return out
 
 
 def read_params(program: Program, store: TensorStore, generation: int) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,29 @@ def test_unpinned_buffers_are_page_aligned_zeroed_and_exact(numel, dtype):
     assert pinned.host_nbytes(t) == numel * dtype.itemsize
 
 
+def _vm_flags(ptr: int) -> list[str] | None:
+    """The kernel's VmFlags of the mapping holding address ``ptr`` (Linux /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="needs Linux with transparent huge pages")
+def test_buffers_of_a_huge_page_or_more_ask_for_huge_pages():
+    big = pinned.host_buffer(2**20, torch.float32, pinned=False)  # 4 MiB
+    small = pinned.host_buffer(1024, torch.float32, pinned=False)
+    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE: first touch faults per 2 MiB, not per 4 KiB
+    assert "hg" not in _vm_flags(small.data_ptr())
+    assert not big.any() and big.data_ptr() % mmap.PAGESIZE == 0
+
+
 def test_an_empty_buffer():
     assert pinned.host_buffer(0, torch.float32, pinned=True).numel() == 0
 
@@ -107,13 +131,14 @@ def test_a_refused_registration_is_reported_and_its_error_cleared(driver):
 
 
 @pytest.mark.gpu
-def test_gpu_registered_buffer_is_pinned_and_copies_asynchronously():
+@pytest.mark.parametrize("numel", [1000003, 6_000_001])  # under a huge page, and over (asks for huge pages)
+def test_gpu_registered_buffer_is_pinned_and_copies_asynchronously(numel):
     gc.collect()  # earlier tests' dead buffers go now, not during this test's count
     before = pinned.registered_bytes()
-    t = pinned.host_buffer(1000003, torch.bfloat16, pinned=True)
+    t = pinned.host_buffer(numel, torch.bfloat16, pinned=True)
     assert "exact-size" in pinned.pinning_report(), pinned.pinning_report()
     assert t.is_pinned()
-    assert pinned.registered_bytes() - before == 2_000_006
+    assert pinned.registered_bytes() - before == 2 * numel
     t.copy_(torch.arange(t.numel(), dtype=torch.float32).to(torch.bfloat16))
     dev = t.to("cuda", non_blocking=True)
     back = pinned.host_buffer(t.numel(), torch.bfloat16, pinned=True)

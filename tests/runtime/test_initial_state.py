@@ -1,0 +1,116 @@
+"""A new run's start: its initial weights go straight into the tiers' buffers, and generation 0
+holds them with zero moments.
+
+`init_state` flattens a ram layer's parameters into that layer's master buffer itself (no host
+copy of the layer first), and skips the zero pass over moments that are pinned (registering them
+faulted every page in, zero-filled); unpinned moments are zeroed, a pass that is also their first touch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtc.store import state_array_name
+
+from mtc.errors import StoreError
+from mtc.runtime.state import flatten_layer
+from mtc.runtime.tiers import StateTiers
+from mtc.train import init_state, open_run
+from tests.runtime.engine_util import small_config
+
+
+def _reference_flat(prog, layer: int, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([params[p.key].detach().reshape(-1).float() for p in sorted(prog.layer_params(layer), key=lambda p: p.offset)])
+
+
+def test_flatten_layer_writes_into_the_buffer_it_is_given_converting_the_dtype():
+    run = open_run(small_config(), None)
+    try:
+        prog = run.program
+        params = {k: v.to(torch.bfloat16) for k, v in run.params.items()}  # a compute-dtype source
+        out = torch.full((prog.layer_numel(1),), float("nan"))
+        got = flatten_layer(prog, 1, params, out=out)
+        assert got is out
+        assert torch.equal(out, _reference_flat(prog, 1, params))
+        assert torch.equal(flatten_layer(prog, 1, params), out)  # a fresh buffer when none is given
+        with pytest.raises(StoreError, match=r"layer 1 needs a 1-D float32 buffer of \d+ elements"):
+            flatten_layer(prog, 1, params, out=torch.empty(prog.layer_numel(1) - 1))
+        with pytest.raises(StoreError, match="float32"):
+            flatten_layer(prog, 1, params, out=torch.empty(prog.layer_numel(1), dtype=torch.bfloat16))
+    finally:
+        run.store.close()
+
+
+@pytest.mark.parametrize("durability", ["none", "full"])
+def test_a_new_run_fills_ram_masters_in_place_and_generation_0_holds_zero_moments(durability):
+    cfg = small_config(placement="stateless", durability=durability)
+    run = open_run(cfg, None)
+    try:
+        prog = run.program
+        want = {i: _reference_flat(prog, i, run.params) for i in range(prog.n_layers) if prog.layer_numel(i)}
+        tiers = StateTiers(prog, ["ram"] * prog.n_layers, torch.device("cpu"), torch.float32)
+        masters = {i: tiers.initial_master(i) for i in want}
+        assert all(masters[i] is tiers[i].master for i in want)  # the buffers the weights are flattened into
+        for s in tiers.layers:  # dirty moments: what a zero pass must clear (unpinned buffers get one)
+            if s.numel:
+                s.m.fill_(7.0)
+                s.v.fill_(7.0)
+        init_state(run.store, tiers, prog, run.params, durability)
+        assert not run.params  # every parameter went into the tiers
+        for i, flat in want.items():
+            s = tiers[i]
+            assert s.master is masters[i] and torch.equal(s.master, flat)
+            assert not s.m.any() and not s.v.any()
+            if durability == "full":
+                assert torch.equal(run.store.read(state_array_name(i, "master", 0)), flat)
+                for k in ("m", "v"):
+                    assert not run.store.read(state_array_name(i, k, 0)).any()
+    finally:
+        run.store.close()
+
+
+def test_gpu_and_disk_layers_take_a_host_copy_first():
+    run = open_run(small_config(), None)
+    try:
+        prog = run.program
+        tiers = StateTiers(prog, ["gpu", "disk", "ram", "ram"], torch.device("cpu"), torch.float32)
+        assert tiers.initial_master(0) is None and tiers.initial_master(1) is None
+        assert tiers.initial_master(2) is tiers[2].master
+    finally:
+        run.store.close()
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_fresh_pinned_moments_are_left_as_allocated_and_unpinned_ones_are_zeroed(monkeypatch, pinned):
+    run = open_run(small_config(), None)
+    try:
+        prog = run.program
+        tiers = StateTiers(prog, ["ram"] * prog.n_layers, torch.device("cpu"), torch.float32)
+        s = tiers[1]
+        s.m.fill_(3.0)  # stands for memory a zero pass would touch; a pinned buffer is really zero-filled already
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: pinned)
+        tiers.set_layer(1, flatten_layer(prog, 1, run.params), fresh=True)
+        assert bool((s.m == 3.0).all()) is pinned
+        assert not s.v.any()
+        tiers.set_layer(1, s.master)  # not fresh (e.g. a reset): always zeroed
+        assert not s.m.any()
+    finally:
+        run.store.close()
+
+
+@pytest.mark.gpu
+def test_gpu_fresh_pinned_moments_are_zero_without_a_pass():
+    """On CUDA a GPU-updated ram layer's moments are registered (pinned) buffers: `init_state`
+    leaves them as allocated, and they must read as zeros."""
+    run = open_run(small_config(device="cuda"), None)
+    try:
+        prog = run.program
+        tiers = StateTiers(prog, ["ram"] * prog.n_layers, torch.device("cuda"), torch.bfloat16, streamed={1, 2})
+        init_state(run.store, tiers, prog, run.params, "none")
+        for i in (1, 2):
+            s = tiers[i]
+            assert s.m.is_pinned() and s.v.is_pinned()
+            assert not s.m.any() and not s.v.any()
+            assert torch.equal(s.compute, s.master.to(torch.bfloat16))
+    finally:
+        run.store.close()
