@@ -87,6 +87,7 @@ from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.models import build, model_config
 from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
 from mtc.planner import local_update_rates
+from mtc.runtime.pinned import host_buffer
 from mtc.runtime.placement import describe, streamed_grads_on_device
 from mtc.runtime.timeline import Timeline
 from mtc.train import StepRecord, TrainResult, build_model, open_run, train
@@ -284,8 +285,26 @@ def _initial_model(cfg: TrainConfig) -> nn.Module:
     (seconds, where the CPU takes minutes for billions of normal_ draws), then moved over."""
     if not cfg.device.startswith("cuda"):
         return build_model(cfg, dtype="float32")
-    model = build_model(cfg, device=cfg.device, dtype="float32").to("cpu")
+    model = to_host(build_model(cfg, device=cfg.device, dtype="float32"))
     torch.cuda.empty_cache()
+    return model
+
+
+@torch.no_grad()
+def to_host(model: nn.Module) -> nn.Module:
+    """``model`` with its parameters and buffers moved into the engine's host buffers
+    (`mtc.runtime.pinned.host_buffer`, unpinned: page-aligned mappings that ask for huge pages),
+    not torch's allocator: the copy first-touches ~18.5 GB for the 4.6B shape, and `.to("cpu")`
+    took 14 s of each P1 setting's start on the H100 (records of 2026-11-26, ``setup_s.init_model``)."""
+    moved: dict[int, torch.Tensor] = {}  # by the original's id: a tied weight stays one tensor
+    for mod in model.modules():
+        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is None:
+                continue
+            if id(t) not in moved:
+                host = host_buffer(t.numel(), t.dtype, pinned=False).view(t.shape).copy_(t)
+                moved[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if name in mod._parameters else host
+            (mod._parameters if name in mod._parameters else mod._buffers)[name] = moved[id(t)]
     return model
 
 

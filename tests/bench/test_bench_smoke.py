@@ -154,6 +154,30 @@ def test_model_line_traces_in_the_compute_dtype():
     assert bf16["results"]["unfused"]["median_ms"] > 0
 
 
+def test_bench_train_moves_the_initial_model_into_host_buffers_keeping_values_and_ties():
+    """On CUDA the initial model is built on the GPU and moved into the engine's host buffers
+    (page-aligned mappings asking for huge pages) instead of torch's allocator; a tied weight stays tied."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import mmap
+
+    import bench_train
+    from mtc.models import build
+
+    torch.manual_seed(0)
+    model = build("gpt2-tiny", n_layers=1, dim=64, n_heads=4)
+    model.lm_head.weight = model.wte.weight  # tie, as GPT-2 checkpoints do
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    got = bench_train.to_host(model)
+    assert got is model
+    assert model.lm_head.weight is model.wte.weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]) and v.device.type == "cpu"
+        assert v.data_ptr() != ptrs[k] and v.data_ptr() % mmap.PAGESIZE == 0, k
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_fusion_goal_verdict_takes_the_faster_fused_variant_and_says_which():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
