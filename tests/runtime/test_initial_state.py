@@ -114,3 +114,52 @@ def test_gpu_fresh_pinned_moments_are_zero_without_a_pass():
             assert torch.equal(s.compute, s.master.to(torch.bfloat16))
     finally:
         run.store.close()
+
+
+@pytest.mark.parametrize("durability", ["full", "weights"])
+def test_a_resume_reads_ram_layers_straight_into_their_buffers(durability, monkeypatch):
+    cfg = small_config(placement="stateless", durability=durability)
+    run = open_run(cfg, None)
+    try:
+        prog = run.program
+        placement = ["ram"] * prog.n_layers
+        tiers = StateTiers(prog, placement, torch.device("cpu"), torch.bfloat16)
+        init_state(run.store, tiers, prog, run.params, durability)
+        gen = torch.Generator().manual_seed(0)
+        n = prog.layer_numel(1)
+        m = torch.randn(n, generator=gen)
+        if durability == "full":  # moments a step has moved: what the resume must bring back
+            run.store.write(state_array_name(1, "m", 0), m)
+        again = StateTiers(prog, placement, torch.device("cpu"), torch.bfloat16)
+        bufs = {i: (again[i].master, again[i].m, again[i].v) for i in range(prog.n_layers)}
+
+        def no_copy(name: str) -> torch.Tensor:
+            raise AssertionError(f"{name} was read into a fresh host tensor first")
+
+        monkeypatch.setattr(run.store, "read", no_copy)
+        again.load(run.store, 0, durability)
+        monkeypatch.undo()
+        for i in range(prog.n_layers):
+            s = again[i]
+            if not s.numel:
+                continue
+            assert all(a is b for a, b in zip((s.master, s.m, s.v), bufs[i], strict=True))  # read in place
+            assert torch.equal(s.master, tiers[i].master)
+            assert torch.equal(s.compute, s.master.to(torch.bfloat16))
+            assert not s.v.any()
+        assert torch.equal(again[1].m, m if durability == "full" else torch.zeros(n))
+    finally:
+        run.store.close()
+
+
+def test_a_resume_missing_an_array_says_which():
+    cfg = small_config(placement="stateless", durability="weights")
+    run = open_run(cfg, None)
+    try:
+        prog = run.program
+        tiers = StateTiers(prog, ["ram"] * prog.n_layers, torch.device("cpu"), torch.float32)
+        init_state(run.store, tiers, prog, run.params, "weights")
+        with pytest.raises(StoreError, match=r"no array 'layers/0000/m/g0'"):
+            StateTiers(prog, ["ram"] * prog.n_layers, torch.device("cpu"), torch.float32).load(run.store, 0, "full")
+    finally:
+        run.store.close()
