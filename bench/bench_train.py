@@ -438,7 +438,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "update_prefetch_spec": cfg.update_prefetch, "update_prefetch_layers": res.prefetch,
         "n_params": n_params, "tokens_per_step": tokens,
         "setup_s": {"init_model": t1 - t0, "plan_prepare": tp - t1, "open_run": t2 - tp,
-                    "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s},
+                    "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s,
+                    # of train_until_first_step: allocating the tiers and filling them with the initial state
+                    "state_fill": res.state_s},
         "plan": _plan_record(plan_dir, prepared, res),
         "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
         "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,

@@ -139,6 +139,7 @@ class TrainResult:
     graph_report: list[str] = dataclasses.field(default_factory=list)  # CUDA-graph replay per template (runtime/graph_replay.py)
     host_adamw: str = ""  # the host AdamW's implementation and how it used the cores (timed at start where it matters)
     prefetch: int = 0  # GPU-updated layers whose state loaded during the backward (`plan_prefetch`)
+    state_s: float | None = None  # allocating the tiers and filling them (a new run's initial state, or a resume's read)
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: str | None = None) -> nn.Module:
@@ -581,6 +582,7 @@ def train(
                                      disk_compute=dc, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         prefetch = 0 if world.distributed else plan_prefetch(cfg, program, placement, gpu_update)
+        t_state = time.perf_counter()
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=dc,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,
                            sharded=world.distributed,
@@ -606,6 +608,7 @@ def train(
             last = run.last
             tiers.load(st, last.generation, last.config.get("durability", "full"))
         run.params = None  # the tiers hold the state now
+        state_s = time.perf_counter() - t_state
         metrics = None
         if st.path is not None and world.is_root:
             logs = st.path / "logs"
@@ -758,7 +761,7 @@ def train(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
-        graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch,
+        graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch, state_s=state_s,
     )
 
 
