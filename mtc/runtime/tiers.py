@@ -221,7 +221,7 @@ class StateTiers:
         as they are (registering them faulted every page in: a zero pass is 8 B/param of writes
         for nothing). Unpinned ones are still zeroed: that pass is their first touch, and on the
         CPU VM here it ran faster in one tight pass than spread over the first update's threads
-        (a 0.57B run's first step: ~20 s against 25-45 s)."""
+        (a 0.57B stateless run's state fill and first step: 20-21 s with the pass, 25-46 s without)."""
         s = self.layers[layer]
         if s.tier == "disk":
             if s.compute is not None:
