@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_stack
 from common import write_record
 from gpu_clocks import ClockSampler, attribute, nvml_index
-from launch_count import generated_bytes, kernel_diff, print_kernel_table, second_stage_launches
+from launch_count import compute_floor, generated_bytes, kernel_diff, print_kernel_table, second_stage_launches
 
 from mtc.compiler import compile_template, launches
 from mtc.models import build, model_config
@@ -326,6 +326,8 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                           if v in variants}
         if "mtc_fused_graph" in rec["profile"]:  # the kernels that run slower (or faster) replayed than eager
             rec["profile_graph_vs_eager"] = kernel_diff(rec["profile"]["mtc_fused"], rec["profile"]["mtc_fused_graph"])
+        # the matmuls and attention every variant must run: the speed-up a goal can ask of fusion at most
+        rec["compute_floor"] = compute_floor(rec["profile"], {v: x["median_ms"] for v, x in rec["results"].items()})
     if trace_dir and device.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -399,6 +401,11 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
             line += f", vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
         line += " (issue 9 states no goal for the whole-model line)"
         print(line)
+        profs = {v: x["profile"] for v, x in r.items() if "profile" in x}
+        if profs:  # as for a block: the matmuls and attention no variant can skip
+            rec["compute_floor"] = f = compute_floor(profs, {v: x["median_ms"] for v, x in r.items()})
+            print(f"model/{shape:5s} compute floor: matmuls + attention {f['floor_ms']:.1f} ms ({f['floor_variant']}): "
+                  f"at most {_x(f.get('best_possible_vs_unfused'))} unfused, {_x(f.get('best_possible_vs_torch_compile'))} torch.compile")
         for v, x in r.items():
             extra = [f"plan compile {x['plan_compile_s']:.1f} s"] if "plan_compile_s" in x else []
             if "loss_rel_diff_vs_reference" in x:
@@ -495,6 +502,11 @@ def main() -> None:
             print(line)
         for v, prof in rec.get("profile", {}).items():
             print_kernel_table(v, prof, rec["results"][v]["median_ms"], top=25)
+        if rec.get("compute_floor"):
+            f = rec["compute_floor"]
+            print(f"{arch:12s} compute floor: matmuls + attention {f['floor_ms']:.2f} ms ({f['floor_variant']}); a variant "
+                  f"running only those would be {_x(f.get('best_possible_vs_unfused'))} unfused, "
+                  f"{_x(f.get('best_possible_vs_torch_compile'))} torch.compile")
         if "profile_graph_vs_eager" in rec:
             d = rec["profile_graph_vs_eager"]
             print(f"  replayed vs eager: GPU busy {d['gpu_ms_diff']:+.3f} ms; kernels that differ most:")

@@ -4,7 +4,8 @@
 # of the time budget (BENCH_BUDGET_S, default 530 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling; at most
 #                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
-#   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head
+#   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head, profiled (each variant's kernels over one
+#                  more call, and the compute floor they give: how far fusion can take the part at most)
 #   model/SHAPE    bench_fusion's whole-model line: SHAPE 1.5b or 4.6b (bench_train's P3 / P1), the full
 #                  stack's step through the executor, unfused vs mtc fused vs replayed vs torch.compile
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
@@ -126,7 +127,7 @@ for p in "${parts[@]}"; do
         | tee -a "$log" ;;
     *)
       if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
-      timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
+      timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" --profile ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
   esac
   pack
 done

@@ -55,6 +55,44 @@ def kernel_diff(base: dict, other: dict, top: int = 12) -> dict:
     return {"gpu_ms_diff": other["gpu_ms_total"] - base["gpu_ms_total"], "top": rows[:top]}
 
 
+# kernel names by what they compute (cuBLAS's nvjet / cutlass / xmma GEMMs, mtc's Triton matmul;
+# cuDNN's and mtc's attention kernels); anything else is memory-bound work between them
+_MATMUL_NAMES = ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitkreduce", "_fused_mm_kernel")
+_ATTENTION_NAMES = ("sdpa", "cudnn", "flash", "fmha", "_attn_")
+
+
+def kernel_class(name: str) -> str:
+    """'matmul', 'attention' or 'other' for a profiled kernel's name."""
+    n = name.lower()
+    if any(k in n for k in _MATMUL_NAMES):
+        return "matmul"
+    return "attention" if any(k in n for k in _ATTENTION_NAMES) else "other"
+
+
+def compute_floor(tables: dict[str, dict], medians: dict[str, float]) -> dict | None:
+    """How fast any variant could be: each profiled variant's matmul and attention time (what all
+    of them must compute; the rest is memory-bound work and idle time), the least of those as the
+    floor, and the speed-ups over unfused and torch.compile a variant doing only that would reach.
+    A goal above them cannot be met by fusing the rest (ms from `kernel_table`s, one call each)."""
+    if not tables:
+        return None
+    split = {}
+    for v, t in tables.items():
+        ms = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        for r in t["top"]:
+            ms[kernel_class(r["kernel"])] += r["ms"]
+        split[v] = ms
+    floor_v = min(split, key=lambda v: split[v]["matmul"] + split[v]["attention"])
+    floor = split[floor_v]["matmul"] + split[floor_v]["attention"]
+    out = {"method": "per profiled variant, GPU ms of matmul, attention and other kernels over one call; floor: the least "
+                     "matmul + attention sum; best_possible_vs_*: that variant's median over the floor",
+           "split_ms": split, "floor_ms": floor, "floor_variant": floor_v}
+    for v in ("unfused", "torch_compile"):
+        if v in medians and floor > 0:
+            out[f"best_possible_vs_{v}"] = medians[v] / floor
+    return out
+
+
 def print_kernel_table(variant: str, table: dict, median_ms: float, top: int = 25) -> None:
     """`kernel_table`'s figures as lines: GPU-busy time against the variant's median, then its top kernels."""
     print(f"  {variant}: GPU busy {table['gpu_ms_total']:.2f} ms of {median_ms:.2f} ms; top kernels:")

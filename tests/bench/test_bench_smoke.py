@@ -236,6 +236,32 @@ def test_kernel_diff_names_the_kernels_that_changed():
     assert math.isclose(d["top"][0]["diff_ms"], 0.5) and d["top"][1]["base_calls"] == 0
 
 
+def test_compute_floor_takes_the_least_matmul_and_attention_time_of_any_variant():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from launch_count import compute_floor, kernel_class
+
+    assert kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_class("void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn_align1>") == "matmul"
+    assert kernel_class("_fused_mm_kernel") == "matmul"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kernel_class("_attn_bwd_dkdv_kernel") == "attention"
+    assert kernel_class("k_c152951b99bf8632") == kernel_class("triton_poi_fused_mul_silu_0") == "other"
+
+    def table(*rows: tuple[str, float]) -> dict:
+        return {"gpu_ms_total": sum(ms for _, ms in rows), "top": [{"kernel": k, "calls": 1, "ms": ms} for k, ms in rows]}
+
+    tables = {"unfused": table(("nvjet_a", 10.0), ("cudnn_sdpa_fprop", 3.0), ("elementwise", 5.0)),
+              "mtc_fused": table(("nvjet_a", 10.5), ("_attn_fwd_kernel", 2.0), ("k_1", 1.5)),
+              "torch_compile": table(("nvjet_a", 10.2), ("cudnn_sdpa_fprop", 3.0), ("triton_poi_x", 1.0))}
+    f = compute_floor(tables, {"unfused": 20.0, "mtc_fused": 15.0, "torch_compile": 15.6})
+    assert f["floor_variant"] == "mtc_fused" and math.isclose(f["floor_ms"], 12.5)
+    assert f["split_ms"]["unfused"] == {"matmul": 10.0, "attention": 3.0, "other": 5.0}
+    assert math.isclose(f["best_possible_vs_unfused"], 20.0 / 12.5)
+    assert math.isclose(f["best_possible_vs_torch_compile"], 15.6 / 12.5)
+    assert compute_floor({}, {}) is None
+
+
 def test_generated_bytes_counts_each_kernels_inputs_and_outputs(tmp_path):
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
