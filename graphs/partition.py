@@ -358,15 +358,25 @@ def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[i
     """Pointwise groups over one shape that read a common full-size input become one group, when
     neither feeds the other through outside nodes: SwiGLU's backward recomputes silu(gate) * up
     for the down projection's weight gradient, and computes the gate's and up's gradients, from
-    the same three tensors; one kernel reads them once instead of twice."""
+    the same three tensors; one kernel reads them once instead of twice. One of the two may be a
+    column group (its kernel then also stores the other's full-size outputs): GPT-2's GELU
+    backward sums its bias gradient as it goes, beside the GELU the weight gradient recomputes."""
     def big_inputs(g: int) -> set[fx.Node]:
         n = _numel(shape_of[g])
         return {a for a in external_inputs(members[g]) if isinstance(_val(a), torch.Tensor) and _val(a).numel() == n}
 
-    _merge_siblings(members, shape_of, order,
-                    [g for g in members if shape_of[g] and not any(m.target in red for m in members[g])],
-                    lambda ga, gb: bool(big_inputs(ga) & big_inputs(gb)),
-                    lambda ms, shape: _shapes_ok(ms, shape, red))
+    def pointwise(g: int) -> bool:
+        return not any(m.target in red for m in members[g])
+
+    def columns(g: int) -> bool:
+        reds = [m for m in members[g] if m.target in red]
+        return bool(reds) and all(is_column_reduction(m) for m in reds)
+
+    def ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
+        return _shapes_ok(ms, shape, red) and (not any(m.target in red for m in ms) or _reductions_ok(ms, shape, red))
+
+    _merge_siblings(members, shape_of, order, [g for g in members if shape_of[g] and (pointwise(g) or columns(g))],
+                    lambda ga, gb: (pointwise(ga) or pointwise(gb)) and bool(big_inputs(ga) & big_inputs(gb)), ok)
 
 
 def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:

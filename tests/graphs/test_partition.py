@@ -104,6 +104,30 @@ def _dependent(g, u, w):
     return a, b
 
 
+def _act_and_bias_grad(h, dy, w):
+    """GPT-2's MLP backward after views moved: the activation recomputed for the weight gradient,
+    and the activation's gradient summed over the rows for the bias gradient, both from h."""
+    a = h * torch.sigmoid(h)
+    g = dy * h * 2.0
+    return a.view(-1, 8) @ w, g, g.sum([0, 1])
+
+
+def _row_and_pointwise(h, dy):
+    return (h * dy).sum(-1, keepdim=True), h * 3.0
+
+
+def test_a_pointwise_sibling_joins_a_column_kernel_over_a_shared_input():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h, dy = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    p = partition(make_fx(_act_and_bias_grad, tracing_mode="fake")(h, dy, torch.randn(8, 8)).graph, FUSIBLE)
+    _check_partition(p)
+    assert len(p.groups) == 1 and len(p.groups[0].outputs) == 3  # a, g and the sum from one read of h
+    # a row kernel takes no pointwise sibling this way (rows and columns never share a kernel)
+    p = partition(make_fx(_row_and_pointwise, tracing_mode="fake")(h, dy).graph, FUSIBLE)
+    assert len(p.groups) == 2
+
+
 def test_sibling_pointwise_groups_over_shared_inputs_become_one_kernel():
     from torch.fx.experimental.proxy_tensor import make_fx
 

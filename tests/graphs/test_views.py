@@ -9,7 +9,7 @@ import torch
 from mtc.graphs.lower import joint_graph
 from mtc.graphs.partition import partition
 from mtc.graphs.program import instantiate
-from mtc.graphs.views import hoist_slices, move_views, sink_expands
+from mtc.graphs.views import hoist_slices, move_views, sink_expands, sum_through_reshapes
 from mtc.kernels.codegen import FUSIBLE
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -118,3 +118,55 @@ def test_llama_joint_graph_has_fewer_kernels_and_the_same_values():
     want, got = before(*args, gout), instantiate(g, "cpu")(*args, gout)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _bias_grad(h, dy, w):
+    """An MLP's backward as GPT-2's lowers: an activation's gradient (pointwise), read by the
+    matmul through its 2-D view and summed over that view's rows (the bias gradient)."""
+    g = dy * torch.tanh(h) * h + dy
+    flat = g.view(-1, g.shape[-1])
+    return flat @ w, flat.sum(0, keepdim=True), flat.sum(0)
+
+
+def test_a_bias_gradient_sums_in_the_kernel_that_makes_its_input():
+    h, dy, w = torch.randn(2, 6, 16), torch.randn(2, 6, 16), torch.randn(16, 5)
+    g = _graph(_bias_grad, h, dy, w)
+    before = instantiate(copy.deepcopy(g), "cpu")
+    # the activation's gradient, then the two sums of its view: a column kernel that reads it all back
+    assert len(partition(g, FUSIBLE).groups) == 2
+    assert move_views(g, FUSIBLE) == 2
+    assert len(partition(g, FUSIBLE).groups) == 1
+    got, want = instantiate(g, "cpu")(h, dy, w), before(h, dy, w)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # the same sums, maybe in another order
+
+
+def test_a_sum_of_a_reshaped_graph_input_is_left_alone():
+    def fn(x):
+        return x.view(-1, x.shape[-1]).sum(0, keepdim=True)
+
+    g = _graph(fn, torch.randn(2, 3, 4))
+    assert sum_through_reshapes(g, FUSIBLE) == 0  # no kernel makes x: nothing to join
+
+
+def test_gpt2_bias_gradients_run_in_the_kernels_of_their_inputs(tmp_path):
+    """No column kernel of GPT-2's joint graph reads a reshaped output of another generated kernel
+    (before: the MLP's and the QKV projection's bias gradients did, two launches and a read-back each)."""
+    from mtc.compiler import compile_template
+
+    prog = trace(build("gpt2-tiny", n_layers=1), 2, 8)
+    ct = compile_template(prog.templates[prog.layers[1].template], tmp_path, joint_outputs=True)
+    kernel_nodes = {n for n in ct.joint_graph.nodes if n.op == "call_function" and hasattr(n.target, "out_specs")}
+
+    def made_by_kernel(a) -> bool:
+        while a.op == "call_function" and a.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            a = a.args[0]
+        return a.op == "call_function" and a.args and any(x in kernel_nodes for x in a.args if hasattr(x, "op"))
+
+    columns = [n for n in kernel_nodes if n.target.mode == "column"]
+    assert columns
+    for n in columns:
+        for a in n.args:
+            if hasattr(a, "op") and a.op == "call_function" and a.target in (aten.view.default, aten._unsafe_view.default):
+                assert not made_by_kernel(a), f"{n.name} reads {a.name}, a reshaped kernel output"

@@ -89,7 +89,9 @@ def test_forced_fusion_matches_aten_and_cuts_launches(name, tmp_path):
         off = compile_template(t, tmp_path / "off", matmul_fusion="off", joint_outputs=True)
         assert not _fused_calls(off.forward_graph)
         assert launches(ct.forward_graph) < launches(off.forward_graph)
-        assert launches(ct.joint_graph) < launches(off.joint_graph)
+        # the joint: the residual add the epilogue takes is, without it, a pointwise kernel that
+        # the RMSNorm weight-gradient kernel takes in (a sibling over a shared input): a tie
+        assert launches(ct.joint_graph) <= launches(off.joint_graph)
     # a stored plan keeps the fused matmuls (op name, None and string arguments round-trip)
     loaded = compiler._load_record(json.loads(json.dumps(compiler._record(ct, {}))), tmp_path / "on" / compiler.cache_key())
     assert len(_fused_calls(loaded.forward_graph)) == len(_fused_calls(ct.forward_graph))
