@@ -811,7 +811,8 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
     for s in tiers.layers:
         if not s.numel:
             continue
-        # a ram layer's weights go straight into its master buffer (no host copy of the layer first)
+        # a ram layer's weights go straight into its master buffer, a gpu layer's through a staging
+        # buffer every gpu layer reuses (no host copy allocated per layer)
         flat = flatten_layer(program, s.layer, params, out=tiers.initial_master(s.layer))
         for p in program.layer_params(s.layer):  # in the tiers now: the initial copy goes as the tiers fill
             params.pop(p.key, None)
@@ -822,8 +823,9 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
         for k in state_kinds(s.tier, durability):
             src = flat if k == "master" else zeros if zeros is not None else torch.zeros_like(flat)
             futs.append(st.write_async(state_array_name(s.layer, k, 0), src))
-        for f in futs:
+        for f in futs:  # (a staging buffer is refilled by the next gpu layer only after its writes)
             f.result()
+    tiers.release_staging()
 
 
 class _CommitPacer:

@@ -131,6 +131,7 @@ class StateTiers:
         # ... and their gradient waits on the device (`placement.streamed_grads_on_device`; never sharded)
         self.streamed_grads_on_device = streamed_grads_on_device and not self.sharded
         self.rank, self.world_size = rank, world_size
+        self._stage: list[torch.Tensor] = []  # start-up only: host buffers gpu layers' state passes through
         self.layers: list[LayerState] = []
         for i, tier in enumerate(placement):
             n = program.layer_numel(i)
@@ -215,11 +216,27 @@ class StateTiers:
     # -- filling the state ----------------------------------------------------------------------
 
     def initial_master(self, layer: int) -> torch.Tensor | None:
-        """The buffer a new run may flatten ``layer``'s initial weights into directly (then hand
-        it to `set_layer` as the master: no copy): a ram layer's master, when it holds the whole
-        layer (not a data-parallel shard); None for the other tiers (they take a host copy)."""
+        """The buffer a new run may flatten ``layer``'s initial weights into, then hand to
+        `set_layer` as the master: a ram layer's master itself (no copy at all), a gpu layer's
+        share of a host staging buffer (pinned on CUDA) that every gpu layer reuses (it is
+        copied over at once); None for disk layers and data-parallel shards (a host copy).
+        `release_staging` lets the staging buffer go once the state is filled."""
         s = self.layers[layer]
-        return s.master if s.tier == "ram" and s.shard is None else None
+        if s.shard is not None or s.tier == "disk":
+            return None
+        return s.master if s.tier == "ram" else self._staging(1)[0][: s.numel]
+
+    def _staging(self, k: int) -> list[torch.Tensor]:
+        """``k`` host buffers as large as the largest whole gpu layer, pinned on CUDA, kept until
+        `release_staging`: a new run's weights and a resume's arrays reach gpu layers through them."""
+        if len(self._stage) < k:
+            most = max(x.numel for x in self.layers if x.tier == "gpu" and x.shard is None)
+            self._stage += [self._host(most, STATE_DTYPE, pinned=True) for _ in range(k - len(self._stage))]
+        return self._stage[:k]
+
+    def release_staging(self) -> None:
+        """Let the start-up staging buffers go (their pinned memory is not the run's)."""
+        self._stage = []
 
     @torch.no_grad()
     def set_layer(self, layer: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
@@ -293,7 +310,6 @@ class StateTiers:
         staging buffers (pinned on CUDA) that every gpu layer reuses, then copied over. Either
         way the arrays of a layer are read side by side, and no host memory is allocated per
         layer (a 4.6B run's full resume: ~55 GB less to allocate and copy)."""
-        staging: list[torch.Tensor] | None = None
         for s in self.layers:
             if not s.numel:
                 continue
@@ -307,13 +323,7 @@ class StateTiers:
                                  "a run with durability 'none' cannot be resumed: start it over with --overwrite")
             if s.shard is None:
                 own = {"master": s.master, "m": s.m, "v": s.v}
-                if s.tier == "ram":
-                    bufs = own
-                else:
-                    if staging is None:
-                        most = max(x.numel for x in self.layers if x.tier == "gpu" and x.shard is None)
-                        staging = [self._host(most, STATE_DTYPE, pinned=True) for _ in range(3)]
-                    bufs = {k: t[: s.numel] for k, t in zip(own, staging, strict=True)}
+                bufs = own if s.tier == "ram" else {k: t[: s.numel] for k, t in zip(own, self._staging(3), strict=True)}
                 _read_arrays(store, {state_array_name(s.layer, k, generation): bufs[k] for k in kinds})
                 if bufs is not own:
                     for k in kinds:
@@ -324,6 +334,7 @@ class StateTiers:
                 continue
             vals = {k: store.read(state_array_name(s.layer, k, generation)) for k in kinds}
             self.set_layer(s.layer, vals["master"], vals.get("m"), vals.get("v"))
+        self.release_staging()
 
     def write_arrays(self, store: TensorStore, layer: int, generation: int, durability: str) -> list[Future[None]]:
         """Start writing a RAM/GPU layer's state into ``generation`` (the caller keeps it unchanged until done)."""

@@ -69,13 +69,24 @@ def test_a_new_run_fills_ram_masters_in_place_and_generation_0_holds_zero_moment
         run.store.close()
 
 
-def test_gpu_and_disk_layers_take_a_host_copy_first():
-    run = open_run(small_config(), None)
+def test_gpu_layers_share_one_staging_buffer_and_disk_layers_take_a_host_copy():
+    run = open_run(small_config(durability="full"), None)
     try:
         prog = run.program
-        tiers = StateTiers(prog, ["gpu", "disk", "ram", "ram"], torch.device("cpu"), torch.float32)
-        assert tiers.initial_master(0) is None and tiers.initial_master(1) is None
-        assert tiers.initial_master(2) is tiers[2].master
+        placement = ["gpu", "disk", "ram", "gpu"]
+        tiers = StateTiers(prog, placement, torch.device("cpu"), torch.float32)
+        a, b = tiers.initial_master(0), tiers.initial_master(3)
+        assert a.numel() == prog.layer_numel(0) and b.numel() == prog.layer_numel(3)
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer, reused
+        assert a.data_ptr() != tiers[0].master.data_ptr()
+        assert tiers.initial_master(1) is None and tiers.initial_master(2) is tiers[2].master
+        want = {i: _reference_flat(prog, i, run.params) for i in range(prog.n_layers)}
+        init_state(run.store, tiers, prog, run.params, "full")
+        assert not tiers._stage  # the staging buffer went once the state was filled
+        for i in (0, 2, 3):  # every layer got its own weights, though gpu ones came through one buffer
+            assert torch.equal(tiers[i].master, want[i])
+            assert torch.equal(run.store.read(state_array_name(i, "master", 0)), want[i])
+            assert not run.store.read(state_array_name(i, "m", 0)).any()
     finally:
         run.store.close()
 
@@ -172,13 +183,16 @@ def test_a_resume_missing_an_array_says_which():
 
 
 @pytest.mark.gpu
-def test_gpu_a_resume_brings_gpu_layers_back_through_pinned_staging():
+def test_gpu_new_and_resumed_gpu_layers_go_through_pinned_staging():
     run = open_run(small_config(device="cuda", durability="full"), None)
     try:
         prog = run.program
         placement = ["gpu", "gpu", "ram", "gpu"]
         first = StateTiers(prog, placement, torch.device("cuda"), torch.bfloat16)
-        init_state(run.store, first, prog, run.params, "full")
+        want = {i: _reference_flat(prog, i, run.params) for i in range(prog.n_layers)}
+        init_state(run.store, first, prog, run.params, "full")  # gpu layers through one pinned staging buffer
+        for i in range(prog.n_layers):
+            assert torch.equal(first[i].master.cpu(), want[i])
         moved = torch.rand(prog.layer_numel(1), generator=torch.Generator().manual_seed(1))
         run.store.write(state_array_name(1, "m", 0), moved)
         again = StateTiers(prog, placement, torch.device("cuda"), torch.bfloat16)
