@@ -79,7 +79,9 @@ def _mapped(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
     or pinning, then faults once per 2 MiB instead of once per 4 KiB (a 4.6B model's host state is
     ~70 GB: ~17 M small faults). On this project's 2-core CPU VM, first touch of a 2 GB mapping ran
     at 5-7 GB/s with them against ~5 without, and a new 0.57B stateless run's `init_state` took 4.0-4.8 s
-    against 5.7-7.5 (its first step 12 s against 15-16 s)."""
+    against 5.7-7.5 (its first step 12 s against 15-16 s). Registration is charged per page too:
+    ROCm's mori measured hipHostRegister of a 1.5 TB range 2.47x faster with the same advice
+    (github.com/ROCm/mori pull 679); not measured with cudaHostRegister here yet."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without THP: plain pages, as before
