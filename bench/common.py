@@ -67,7 +67,19 @@ def environment(device: str | None = None) -> dict[str, Any]:
         "zarr": zarr_v,
         "git_sha": sha,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        # the host's transparent-huge-page mode: whether the engine's host buffers can get huge pages
+        # ('madvise' or 'always'), which their first touch and pinning time depend on
+        "thp": _thp_mode(),
     }
+
+
+def _thp_mode() -> str | None:
+    """The bracketed word of /sys/kernel/mm/transparent_hugepage/enabled, or None where it is absent."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 def median(xs: list[float]) -> float:

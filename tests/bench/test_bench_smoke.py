@@ -236,6 +236,18 @@ def test_kernel_diff_names_the_kernels_that_changed():
     assert math.isclose(d["top"][0]["diff_ms"], 0.5) and d["top"][1]["base_calls"] == 0
 
 
+def test_records_say_the_hosts_huge_page_mode():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import common
+
+    mode = common.environment()["thp"]
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert mode in ("always", "madvise", "never")
+    else:
+        assert mode is None
+
+
 def test_compute_floor_takes_the_least_matmul_and_attention_time_of_any_variant():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
