@@ -356,6 +356,12 @@ def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
+def _floor_text(f: dict) -> str:
+    """`compute_floor`'s record as a line."""
+    return (f"compute floor: matmuls + attention {f['floor_ms']:.2f} ms ({f['floor_variant']}); a variant running only "
+            f"those would be {_x(f.get('best_possible_vs_unfused'))} unfused, {_x(f.get('best_possible_vs_torch_compile'))} torch.compile")
+
+
 def _goal_text(goal: dict[str, float]) -> str:
     return ", ".join(f">= {v}x {k.removeprefix('vs_').replace('_', '.')}" for k, v in goal.items())
 
@@ -403,9 +409,8 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
         print(line)
         profs = {v: x["profile"] for v, x in r.items() if "profile" in x}
         if profs:  # as for a block: the matmuls and attention no variant can skip
-            rec["compute_floor"] = f = compute_floor(profs, {v: x["median_ms"] for v, x in r.items()})
-            print(f"model/{shape:5s} compute floor: matmuls + attention {f['floor_ms']:.1f} ms ({f['floor_variant']}): "
-                  f"at most {_x(f.get('best_possible_vs_unfused'))} unfused, {_x(f.get('best_possible_vs_torch_compile'))} torch.compile")
+            rec["compute_floor"] = compute_floor(profs, {v: x["median_ms"] for v, x in r.items()})
+            print(f"model/{shape:5s} {_floor_text(rec['compute_floor'])}")
         for v, x in r.items():
             extra = [f"plan compile {x['plan_compile_s']:.1f} s"] if "plan_compile_s" in x else []
             if "loss_rel_diff_vs_reference" in x:
@@ -503,10 +508,7 @@ def main() -> None:
         for v, prof in rec.get("profile", {}).items():
             print_kernel_table(v, prof, rec["results"][v]["median_ms"], top=25)
         if rec.get("compute_floor"):
-            f = rec["compute_floor"]
-            print(f"{arch:12s} compute floor: matmuls + attention {f['floor_ms']:.2f} ms ({f['floor_variant']}); a variant "
-                  f"running only those would be {_x(f.get('best_possible_vs_unfused'))} unfused, "
-                  f"{_x(f.get('best_possible_vs_torch_compile'))} torch.compile")
+            print(f"{arch:12s} {_floor_text(rec['compute_floor'])}")
         if "profile_graph_vs_eager" in rec:
             d = rec["profile_graph_vs_eager"]
             print(f"  replayed vs eager: GPU busy {d['gpu_ms_diff']:+.3f} ms; kernels that differ most:")

@@ -344,11 +344,7 @@ def _merge_sibling_columns(members: dict[int, list[fx.Node]], shape_of: dict[int
                            order: dict[fx.Node, int]) -> None:
     """Column-reduction groups over one shape that read a common input become one group: a norm's
     weight and bias gradients (sum(dy * xhat) and sum(dy)) then read dy once, in one launch."""
-    def columns(ms: list[fx.Node]) -> bool:
-        reds = [m for m in ms if m.target in red]
-        return bool(reds) and all(is_column_reduction(m) for m in reds)
-
-    _merge_siblings(members, shape_of, order, [g for g in members if columns(members[g])],
+    _merge_siblings(members, shape_of, order, [g for g in members if _column_group(members[g], red)],
                     lambda ga, gb: bool(set(external_inputs(members[ga])) & set(external_inputs(members[gb]))),
                     lambda ms, shape: _reductions_ok(ms, shape, red))
 
@@ -368,15 +364,18 @@ def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[i
     def pointwise(g: int) -> bool:
         return not any(m.target in red for m in members[g])
 
-    def columns(g: int) -> bool:
-        reds = [m for m in members[g] if m.target in red]
-        return bool(reds) and all(is_column_reduction(m) for m in reds)
-
     def ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
         return _shapes_ok(ms, shape, red) and (not any(m.target in red for m in ms) or _reductions_ok(ms, shape, red))
 
-    _merge_siblings(members, shape_of, order, [g for g in members if shape_of[g] and (pointwise(g) or columns(g))],
+    _merge_siblings(members, shape_of, order,
+                    [g for g in members if shape_of[g] and (pointwise(g) or _column_group(members[g], red))],
                     lambda ga, gb: (pointwise(ga) or pointwise(gb)) and bool(big_inputs(ga) & big_inputs(gb)), ok)
+
+
+def _column_group(ms: list[fx.Node], red: frozenset[Any]) -> bool:
+    """Whether the group's reductions are all column reductions (and it has one)."""
+    reds = [m for m in ms if m.target in red]
+    return bool(reds) and all(is_column_reduction(m) for m in reds)
 
 
 def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:

@@ -817,12 +817,11 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
         for p in program.layer_params(s.layer):  # in the tiers now: the initial copy goes as the tiers fill
             params.pop(p.key, None)
         tiers.set_layer(s.layer, flat, fresh=True)
-        # generation 0's moments are zeros: a ram layer's own (fresh) m and v are, and they stay so until training starts
-        zeros = s.m if flat is s.master else None
-        futs = []
-        for k in state_kinds(s.tier, durability):
-            src = flat if k == "master" else zeros if zeros is not None else torch.zeros_like(flat)
-            futs.append(st.write_async(state_array_name(s.layer, k, 0), src))
+        kinds = state_kinds(s.tier, durability)
+        # generation 0's moments are zeros: a ram layer's own (fresh) m and v are, and they stay so
+        # until training starts; other tiers take one buffer of zeros for both
+        zeros = s.m if flat is s.master else torch.zeros_like(flat) if "m" in kinds else None
+        futs = [st.write_async(state_array_name(s.layer, k, 0), flat if k == "master" else zeros) for k in kinds]
         for f in futs:  # (a staging buffer is refilled by the next gpu layer only after its writes)
             f.result()
     tiers.release_staging()
