@@ -378,7 +378,7 @@ def predicted(cfg: TrainConfig, measured_step_s: float | None = None) -> dict[st
     st = plan.step
     tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum
     out = {"profile": prof.name, "placement": describe(plan.placement), "gpu_update_layers": sorted(plan.gpu_update),
-           "update_prefetch_layers": plan.prefetch, "step_s": st.step_s, "tokens_per_s": tokens / st.step_s,
+           "update_prefetch_layers": plan.prefetch, "saved_activation_layers": plan.saves, "step_s": st.step_s, "tokens_per_s": tokens / st.step_s,
            "bottleneck": st.bottleneck, "stages_s": st.stages()}
     if measured_step_s:
         out["measured_over_predicted"] = measured_step_s / st.step_s
@@ -436,6 +436,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "gpu_update_params": planned["streamed_update_params"],
         # of them, the first that many loaded their state during the backward (`update_prefetch`)
         "update_prefetch_spec": cfg.update_prefetch, "update_prefetch_layers": res.prefetch,
+        # blocks that kept their matmul and attention outputs from forward to backward (`plan_saves`)
+        "save_activations_spec": cfg.save_activations, "saved_activation_layers": res.saves,
+        "saved_activation_bytes": res.saved_bytes,
         "n_params": n_params, "tokens_per_step": tokens,
         "setup_s": {"init_model": t1 - t0, "plan_prepare": tp - t1, "open_run": t2 - tp,
                     "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s,
@@ -505,11 +508,15 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
 
 
-def _resident_bytes(mcfg: Any, micro_batch: int, seq: int) -> int:
+def _resident_bytes(mcfg: Any, micro_batch: int, seq: int, *, checkpoint: bool = True) -> int:
     """Rough GPU need of the resident baseline: 16 B/param (fp32 weights, grads, m, v), the fp32
-    residual stream at every block boundary, one block's recompute, fp32 logits + grads, 2 GiB slack."""
+    residual stream at every block boundary, one block's recompute, fp32 logits + grads, 2 GiB
+    slack; without checkpointing every block's saved values instead of one block's recompute (at
+    least its matmul outputs in bf16, as torch.compile's partitioner keeps them: 2 x (4 dim +
+    2 ffn) bytes per token; eager keeps more, and a run that does not fit records the error)."""
     tokens = micro_batch * seq
-    acts = tokens * (mcfg.n_layers * mcfg.dim * 4 + 16 * max(mcfg.dim, mcfg.ffn_dim) * 2 + 12 * mcfg.vocab_size)
+    block = 16 * max(mcfg.dim, mcfg.ffn_dim) * 2 if checkpoint else mcfg.n_layers * 2 * (4 * mcfg.dim + 2 * mcfg.ffn_dim)
+    acts = tokens * (mcfg.n_layers * mcfg.dim * 4 + block + 12 * mcfg.vocab_size)
     return 16 * mcfg.n_params() + acts + 2 * 2**30
 
 
@@ -520,14 +527,15 @@ def resident_job(spec: dict[str, Any]) -> dict[str, Any]:
     mcfg = model_config(cfg.model, **cfg.model_overrides)
     mb = spec["micro_batch"]
     accum = cfg.micro_batch_size * cfg.grad_accum // mb
+    ckpt = spec.get("checkpoint", True)
     out: dict[str, Any] = {"setting": spec["setting"], "micro_batch_size": mb, "grad_accum": accum,
-                           "torch_compile": spec["compile"], "n_params": mcfg.n_params(),
+                           "torch_compile": spec["compile"], "activation_checkpointing": ckpt, "n_params": mcfg.n_params(),
                            # mtc's compiler is not used; torch.compile compiles inside the first steps
                            "plan": {"kernels": "torch.compile" if spec["compile"] else "torch eager",
                                     "how": "torch.compile in the warm-up steps (see first_step_s)" if spec["compile"]
                                     else "none: eager PyTorch", "compile_or_load_s": None}}
     if device.type == "cuda":
-        need, (free, _) = _resident_bytes(mcfg, mb, cfg.seq_len), torch.cuda.mem_get_info(device)
+        need, (free, _) = _resident_bytes(mcfg, mb, cfg.seq_len, checkpoint=ckpt), torch.cuda.mem_get_info(device)
         out.update(estimated_need_bytes=need, gpu_free_bytes=free)
         if need > free:
             out["skipped"] = f"does not fit: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
@@ -537,7 +545,8 @@ def resident_job(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.device(device):
         model = build(cfg.model, **cfg.model_overrides)  # fp32 weights; bf16 comes from autocast
     for i, blk in enumerate(model.layers):
-        model.layers[i] = torch.compile(_Checkpointed(blk)) if spec["compile"] else _Checkpointed(blk)
+        wrapped = _Checkpointed(blk) if ckpt else blk
+        model.layers[i] = torch.compile(wrapped) if spec["compile"] else wrapped
     lm = LossModel(model)
     o = cfg.optim
     params = list(model.parameters())
@@ -706,9 +715,12 @@ def part_p1(env: Env, part: str, settings: list[str]) -> dict[str, Any]:
 def _setting(cfg: TrainConfig, setting: str) -> TrainConfig:
     """``cfg`` for a named setting: auto (the plan's placement), stateless (all state in host RAM),
     or stateless-noprefetch (the same, with no GPU-updated layer's state loaded during the backward:
-    the A/B of `update_prefetch` in one run)."""
+    the A/B of `update_prefetch` in one run), or auto-recompute (auto with every block recomputed
+    in its backward visit: the A/B of `save_activations`)."""
     if setting == "auto":
         return cfg
+    if setting == "auto-recompute":
+        return dataclasses.replace(cfg, save_activations="off")
     return dataclasses.replace(cfg, placement="stateless", update_prefetch=0 if setting == "stateless-noprefetch" else None)
 
 
@@ -722,10 +734,14 @@ def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool, 
             for s in settings]
     bcfg = _cfg(env, _shape(env, P3_SHAPE), micro_batch=mb, accum=accum, steps=env.warmup + env.measure, placement="auto")
     base_mb = min(baseline_mb, mb * accum)
-    variants = [("torch_eager", False)] + ([("torch_compile", True)] if use_compile else [])
-    bases = [_run(env, "P3", name, "resident", bcfg, micro_batch=base_mb, compile=comp) for name, comp in variants]
+    # torch_compile_no_ckpt: what a user whose model fits without checkpointing would run, the
+    # fair comparison for mtc's blocks that keep their activations (save_activations auto)
+    variants = [("torch_eager", False, True)] + ([("torch_compile", True, True), ("torch_compile_no_ckpt", True, False)]
+                                                  if use_compile else [])
+    bases = [_run(env, "P3", name, "resident", bcfg, micro_batch=base_mb, compile=comp, checkpoint=ckpt)
+             for name, comp, ckpt in variants]
     if not use_compile:
-        bases.append({"setting": "torch_compile", "skipped": "smoke run or --no-torch-compile"})
+        bases += [{"setting": n, "skipped": "smoke run or --no-torch-compile"} for n in ("torch_compile", "torch_compile_no_ckpt")]
     m, b = _best(runs), _best(bases)
     return {"settings": runs, "baselines": bases, "mtc_best_tokens_per_s": m, "baseline_best_tokens_per_s": b,
             "ratio_mtc_over_baseline": m / b if m and b else None, "goal_ratio": P3_GOAL,
@@ -892,7 +908,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of parts (default all: {','.join(PARTS)})")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 3 steps: the code paths, not speed")
     ap.add_argument("--settings", default="stateless,auto",
-                    help="P1/P3 mtc settings, in order (stateless, stateless-noprefetch, auto)")
+                    help="P1/P3 mtc settings, in order (stateless, stateless-noprefetch, auto, auto-recompute)")
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default 2; 1 with --smoke)")
     ap.add_argument("--steps", type=int, help="measured steps after warm-up (default 4; 2 with --smoke)")
     ap.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiled extra step (no GPU busy %%)")
@@ -929,8 +945,8 @@ def main() -> None:
         if v < 1 or 16 % v or (flag == "--micro-batch" and 48 % v):
             ap.error(f"{flag} must divide the sequences per step (16, and 48 for --micro-batch), got {v}; e.g. 4 or 8")
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
-    if not settings or any(s not in ("stateless", "stateless-noprefetch", "auto") for s in settings):
-        ap.error(f"--settings takes stateless, stateless-noprefetch and/or auto, got {a.settings!r}")
+    if not settings or any(s not in ("stateless", "stateless-noprefetch", "auto", "auto-recompute") for s in settings):
+        ap.error(f"--settings takes stateless, stateless-noprefetch, auto and/or auto-recompute, got {a.settings!r}")
     if not a.smoke and not torch.cuda.is_available():
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     start = _T0

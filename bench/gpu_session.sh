@@ -106,6 +106,10 @@ for p in "${parts[@]}"; do
       # off by default: a lent task's 15 device minutes fit the tests, P1-16, the 1.5B stack and P3 only without it
       ab=()
       [ "$p" = train/P1-16 ] && [ -n "${P1_AB:-}" ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings stateless,stateless-noprefetch,auto)
+      # P3: the saved activations' A/B (auto keeps every block's matmul and attention outputs on the
+      # GPU, auto-recompute recomputes them) first, then stateless; its baselines add torch.compile
+      # without checkpointing (about 40 s more than before)
+      [ "$p" = train/P3 ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings auto,auto-recompute,stateless)
       timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" --plans /tmp/mtc-bench-plans \
         "${ab[@]}" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     dp)

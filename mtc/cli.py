@@ -40,6 +40,7 @@ _TRAIN_FLAGS = (
     "matmul_fusion",
     "dp_collectives",
     "rank_dir",
+    "save_activations",
 )
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
@@ -447,7 +448,8 @@ def _cmd_reshard(a: argparse.Namespace) -> int:
 
 # run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
 _PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "update_prefetch", "durability",
-               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs")
+               "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs",
+               "save_activations")
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:

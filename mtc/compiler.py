@@ -15,13 +15,18 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
+    split saves         a block's joint graph traced with its outputs, cut into a forward that
+                        also returns its matmul and attention outputs and a backward that reads
+                        them (graphs/split.py): run where the GPU has room to keep them between
+                        a layer's forward and backward visits, instead of recomputing the layer
     recompute joint     cheap fp32 values a forward group stores only for backward groups are
                         recomputed there instead (graphs/recompute.py)
     copy broadcast      a value smaller than its group's iteration shape (a norm's weight in
       outputs           fp32) that other kernels read is copied into them: a generated kernel
                         writes only full-shape outputs, and the group stayed on ATen
     fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
-    fuse joint          splice the kernels into the graph
+    fuse joint          splice the kernels into the graph (forward: the forward and the saving
+                        forward; joint: the joint and the backward from saved values)
 
 Each fusion group the generator can express becomes one generated Triton kernel called from the
 graph; anchors (matmuls, attention) and the ops no kernel covers stay ATen calls, and the report
@@ -42,6 +47,7 @@ import functools
 import hashlib
 import heapq
 import json
+import math
 import os
 import sys
 import time
@@ -54,11 +60,12 @@ import torch
 from torch import fx
 
 from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
-from mtc.graphs.partition import VIEWS, FusionGroup, Partition, partition
+from mtc.graphs.partition import VIEWS, FusionGroup, Partition, classify, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate, joint_keeps_outputs
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
+from mtc.graphs.split import SplitError, split_joint
 from mtc.graphs.views import move_views
 from mtc.kernels.attention_tuning import tune_attention
 from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
@@ -102,15 +109,34 @@ class CompiledTemplate:
     tuning: dict[str, Any] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0  # compiling it (or loading it) in this process
     tuning_s: float = 0.0  # of which timing kernel candidates (0 when loaded)
+    # a block's split joint graph (graphs/split.py), when it has one: the forward that also returns
+    # the values its backward reads, the backward from them, and their shapes and dtypes
+    save_graph: fx.Graph | None = None
+    backward_graph: fx.Graph | None = None
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
+    split_reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)  # 'save', 'backward'
+    split_note: str = ""  # why a block has no split graphs, when it has none
     _modules: dict[tuple[str, str], fx.GraphModule] = dataclasses.field(default_factory=dict, repr=False)
 
+    def graph(self, which: str) -> fx.Graph:
+        """The compiled graph 'forward', 'joint', 'save' or 'backward'."""
+        g = {"forward": self.forward_graph, "joint": self.joint_graph, "save": self.save_graph,
+             "backward": self.backward_graph}[which]
+        if g is None:
+            raise KeyError(f"template {self.template_id} has no {which!r} graph ({self.split_note or 'not split'})")
+        return g
+
     def module(self, which: str, device: torch.device | str) -> fx.GraphModule:
-        """The runnable 'forward' or 'joint' GraphModule with device arguments bound to ``device``."""
+        """The runnable graph ``which`` (see `graph`) with device arguments bound to ``device``."""
         key = (which, str(torch.device(device)))
         gm = self._modules.get(key)
         if gm is None:
-            gm = self._modules[key] = instantiate(self.forward_graph if which == "forward" else self.joint_graph, device)
+            gm = self._modules[key] = instantiate(self.graph(which), device)
         return gm
+
+    def saved_bytes(self) -> int:
+        """Bytes one call of the saving forward keeps for the backward (0: not split)."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.saved)
 
 
 def _capability() -> str:
@@ -236,6 +262,20 @@ class Work:
     choices: Choices | None = None  # matmul-fusion timings (kernel cache, stamped with `toolchain_key`)
     attention_choices: Decisions = dataclasses.field(default_factory=Decisions)
     tuning_s: float = 0.0
+    split: bool = True  # a block also gets the split graphs (graphs/split.py)
+    joint_full: fx.Graph | None = None  # a block's joint traced with its outputs, until it is split
+    save: fx.Graph | None = None
+    backward: fx.Graph | None = None
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
+    split_note: str = ""
+
+    def graphs(self) -> list[fx.Graph]:
+        """Every graph this template has at this point of the pipeline."""
+        return [g for g in (self.forward, self.joint, self.joint_full, self.save, self.backward) if g is not None]
+
+    def joints(self) -> list[fx.Graph]:
+        """The graphs that run a backward: the joint and the backward from saved values."""
+        return [g for g in (self.joint, self.backward) if g is not None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,10 +297,12 @@ def _lower(w: Work) -> None:
     w.forward = forward_graph(w.template, TEMPLATE_SWAPS).graph
     jg, w.diff = joint_graph(w.template, TEMPLATE_SWAPS, w.grad_aux, outputs=w.joint_outputs)
     w.joint = jg.graph
+    if w.split and w.template.kind == "block":  # (the embed stage and the head gain nothing: see `_split_saves`)
+        w.joint_full = _copy_graph(jg.graph) if w.joint_outputs else joint_graph(w.template, TEMPLATE_SWAPS, w.grad_aux)[0].graph
 
 
 def _mark_devices(w: Work) -> None:
-    for g in (w.forward, w.joint):
+    for g in w.graphs():
         for n in g.nodes:
             n.args = devices_to_marker(n.args)
             n.kwargs = devices_to_marker(n.kwargs)
@@ -268,13 +310,36 @@ def _mark_devices(w: Work) -> None:
 
 def _flash_attention(w: Work) -> None:
     if w.attention == "flash":
-        use_flash_attention(w.forward)
-        use_flash_attention(w.joint)
+        for g in w.graphs():
+            use_flash_attention(g)
+
+
+def _split_saves(w: Work) -> None:
+    # Only blocks: the head's forward and backward run in one visit already, and the embed
+    # stage's forward is a lookup. A graph that cannot be cut keeps recomputing, and says why.
+    if w.joint_full is None:
+        return
+    full, w.joint_full = w.joint_full, None
+    try:
+        sp = split_joint(full, len(w.template.inputs), 1 + w.template.n_aux_out,
+                         lambda n: classify(n, FUSIBLE) in ("view", "fusible"))
+    except SplitError as e:
+        w.split_note = f"not split: {e}"
+        return
+    w.save, w.backward, w.saved = sp.save, sp.backward, sp.saved
+
+
+def _copy_graph(g: fx.Graph) -> fx.Graph:
+    """A copy of ``g`` that later passes can rewrite on their own."""
+    new = fx.Graph()
+    out = new.graph_copy(g, {})
+    new.output(out)
+    return new
 
 
 def _tune_attention(w: Work) -> None:
     t0 = time.perf_counter()
-    w.attention_choices = tune_attention([w.forward, w.joint], w.device)
+    w.attention_choices = tune_attention(w.graphs(), w.device)
     w.tuning_s += time.perf_counter() - t0
 
 
@@ -286,14 +351,14 @@ def _fuse_matmul_edges(w: Work) -> None:
     # the timings exist on CUDA only ('auto' fuses nothing on the CPU; 'on' asks no timing)
     choices = w.choices if w.device.type == "cuda" else None
     t0 = choices.seconds if choices is not None else 0.0
-    fuse_matmuls(w.forward, w.matmul_fusion, w.cache, device=w.device, choices=choices)
-    fuse_matmuls(w.joint, w.matmul_fusion, w.cache, device=w.device, choices=choices)
+    for g in w.graphs():
+        fuse_matmuls(g, w.matmul_fusion, w.cache, device=w.device, choices=choices)
     if choices is not None:
         w.tuning_s += choices.seconds - t0
 
 
 def _move_views(w: Work) -> None:
-    for g in (w.forward, w.joint):
+    for g in w.graphs():
         move_views(g, FUSIBLE)
 
 
@@ -301,22 +366,27 @@ def _recompute_joint(w: Work) -> None:
     # copying a broadcast value into its readers re-forms groups, which can make more values
     # cheap to recompute (GPT-2's LayerNorm backward), and recomputing can leave a broadcast
     # value behind: alternate until neither finds anything
-    for _ in range(4):
-        if not recompute_cheap(w.joint, FUSIBLE) + copy_broadcast_outputs(w.joint, FUSIBLE):
-            break
+    for g in w.joints():
+        for _ in range(4):
+            if not recompute_cheap(g, FUSIBLE) + copy_broadcast_outputs(g, FUSIBLE):
+                break
 
 
 def _copy_broadcast_outputs(w: Work) -> None:
-    for g in (w.forward, w.joint):
+    for g in w.graphs():
         copy_broadcast_outputs(g, FUSIBLE)
 
 
 def _fuse_forward(w: Work) -> None:
     w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
+    if w.save is not None:
+        w.save, w.reports["save"] = _fuse(w.save, w.cache)
 
 
 def _fuse_joint(w: Work) -> None:
     w.joint, w.reports["backward"] = _fuse(w.joint, w.cache, w.unfused_ops[1])
+    if w.backward is not None:
+        w.backward, w.reports["backward_saved"] = _fuse(w.backward, w.cache)
 
 
 PASSES: list[Pass] = [
@@ -324,6 +394,7 @@ PASSES: list[Pass] = [
     Pass("lower", _lower),
     Pass("mark devices", _mark_devices),
     Pass("flash attention", _flash_attention),
+    Pass("split saves", _split_saves),
     Pass("tune attention", _tune_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),
     Pass("fuse matmul edges", _fuse_matmul_edges),
@@ -337,7 +408,7 @@ PASSES: list[Pass] = [
 
 def compile_template(
     t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
-    matmul_fusion: str = "auto", joint_outputs: bool | None = None,
+    matmul_fusion: str = "auto", joint_outputs: bool | None = None, split: bool = True,
 ) -> CompiledTemplate:
     """Run `PASSES` over one template (kernels cached under ``cache_dir``).
 
@@ -349,6 +420,8 @@ def compile_template(
     joint graph also returns the template's outputs; None (the default): as a training step needs
     them (`graphs.program.joint_keeps_outputs`: the head's loss, nothing of a block, whose backward
     then skips its last matmul); True for a forward + backward comparison with other backends.
+    ``split``: a block also gets the graphs that keep values between its visits (``save`` and
+    ``backward``: graphs/split.py), which the executor runs where `mtc.train` plans to.
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
@@ -357,13 +430,16 @@ def compile_template(
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     w = Work(t, cache, attention, tuple(grad_aux), matmul_fusion=matmul_fusion, device=device,
              choices=Choices(cache, stamp=toolchain_key()),
-             joint_outputs=joint_keeps_outputs(t) if joint_outputs is None else joint_outputs)
+             joint_outputs=joint_keeps_outputs(t) if joint_outputs is None else joint_outputs, split=split)
     for p in PASSES:
         p.run(w)
     tuning = {"attention": w.attention_choices.to_json(),
               "matmul_fusion": {k: w.choices.known[k] for k in sorted(w.choices.asked) if k in w.choices.known}}
     return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"],
-                            tuning=tuning, seconds=time.perf_counter() - t0, tuning_s=w.tuning_s)
+                            tuning=tuning, seconds=time.perf_counter() - t0, tuning_s=w.tuning_s,
+                            save_graph=w.save, backward_graph=w.backward, saved=w.saved,
+                            split_reports={k: w.reports[k] for k in ("save", "backward_saved") if k in w.reports},
+                            split_note=w.split_note)
 
 
 def launches(graph: fx.Graph) -> int:
@@ -375,7 +451,8 @@ def launches(graph: fx.Graph) -> int:
 # -- plans that load ---------------------------------------------------------------------------
 
 RECORDS = "compiled"  # sub-directory of the kernel cache holding one JSON record per template
-RECORD_VERSION = 2  # 2: tuning choices and compile seconds in the record
+RECORD_VERSION = 3  # 2: tuning choices and compile seconds in the record; 3: a block's split graphs
+GRAPHS = ("forward", "joint", "save", "backward")  # a record's graphs (the last two: split blocks only)
 
 
 @functools.cache
@@ -444,13 +521,18 @@ def _name_target(target: Any, kernels: list[dict[str, Any]]) -> str | None:
 
 def _record(ct: CompiledTemplate, key: dict[str, str]) -> dict[str, Any]:
     graphs = {}
-    for which, g in (("forward", ct.forward_graph), ("joint", ct.joint_graph)):
+    for which in GRAPHS:
+        g = getattr(ct, f"{which}_graph")
+        if g is None:
+            continue
         kernels: list[dict[str, Any]] = []
         graphs[which] = {"nodes": graph_to_dict(g, lambda t, k=kernels: _name_target(t, k)), "kernels": kernels}
     return {"format": "mtc-compiled-template", "version": RECORD_VERSION, "template": ct.template_id, "key": key,
             "diff": ct.diff, "forward_report": dataclasses.asdict(ct.forward_report),
             "backward_report": dataclasses.asdict(ct.backward_report), "graphs": graphs,
-            "tuning": ct.tuning, "compile_s": ct.seconds, "tuning_s": ct.tuning_s}
+            "tuning": ct.tuning, "compile_s": ct.seconds, "tuning_s": ct.tuning_s,
+            "saved": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in ct.saved],
+            "split_reports": {k: dataclasses.asdict(r) for k, r in ct.split_reports.items()}, "split_note": ct.split_note}
 
 
 def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
@@ -461,7 +543,9 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
     import mtc.kernels.linear_cross_entropy  # noqa: F401
 
     graphs = {}
-    for which in ("forward", "joint"):
+    for which in GRAPHS:
+        if which not in doc["graphs"] and which not in ("forward", "joint"):
+            continue  # not split
         rec = doc["graphs"][which]
         kernels = [load_kernel(spec, cache) for spec in rec["kernels"]]
 
@@ -477,9 +561,14 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
     Decisions.from_json(tuning["attention"])  # malformed: PlanError, and the template is recompiled
     if not isinstance(tuning["matmul_fusion"], dict):
         raise TypeError(f"matmul_fusion choices must be a dict, got {type(tuning['matmul_fusion']).__name__}")
+    saved = [(tuple(int(x) for x in shape), getattr(torch, dtype)) for shape, dtype in doc["saved"]]
+    if ("save" in graphs) != ("backward" in graphs) or ("save" in graphs) != bool(saved):
+        raise KeyError("the record's split graphs are incomplete")
     return CompiledTemplate(doc["template"], graphs["forward"], graphs["joint"], list(doc["diff"]),
                             GraphReport(**doc["forward_report"]), GraphReport(**doc["backward_report"]), loaded=True,
-                            tuning=tuning)
+                            tuning=tuning, save_graph=graphs.get("save"), backward_graph=graphs.get("backward"), saved=saved,
+                            split_reports={k: GraphReport(**r) for k, r in doc["split_reports"].items()},
+                            split_note=doc["split_note"])
 
 
 def _stale_fields(old: dict[str, str], new: dict[str, str]) -> str:

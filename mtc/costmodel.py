@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +59,7 @@ from mtc.runtime.graph_replay import GraphBuffers, template_graph_buffers
 if TYPE_CHECKING:
     from mtc.dist_plan import RankDist
 
-__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "model_shape", "reference_scales", "shape_from_program",
+__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "saved_bytes", "saved_seconds", "model_shape", "reference_scales", "shape_from_program",
            "step_time", "template_cost"]
 
 GiB = 2**30
@@ -386,6 +386,27 @@ def _compute_parts(cost: LayerCost, profile: MachineProfile, *, backward: bool, 
     return t_mm + t_mm_b, other + ATTN_BWD * t_at + EW_BWD * t_ew + t_extra + OPS_BWD * t_op + t_ft_b
 
 
+def saved_bytes(cost: LayerCost, compute_bytes: int) -> int:
+    """What a block keeps per micro-batch between its visits when it saves its activations
+    (graphs/split.py): the outputs of its matmuls but those only its output needs, and of its
+    attention calls (with their fp32 log-sum-exp), in the compute dtype. An estimate from the
+    shapes; a compiled template knows its exact figure (`CompiledTemplate.saved_bytes`)."""
+    mm = sum(b * m * n for j, (b, m, _, n) in enumerate(cost.matmuls) if j not in cost.output_only)
+    at = sum(bh * tq * d for bh, tq, _, d, _ in cost.attention)
+    lse = sum(bh * tq for bh, tq, _, _, _ in cost.attention)
+    return (mm + at) * compute_bytes + 4 * lse
+
+
+def saved_seconds(cost: LayerCost, profile: MachineProfile) -> float:
+    """What a backward visit from saved values does not run, per micro-batch: the forward's
+    matmuls the compiled joint graph recomputes and its attention forward (the cheap ops in
+    between are computed again either way)."""
+    t_mm = sum(b * _matmul_seconds(profile, m, k, n) for j, (b, m, k, n) in enumerate(cost.matmuls) if j not in cost.output_only)
+    t_at = sum(4 * bh * tq * tk * d * (0.5 if c else 1.0) for bh, tq, tk, d, c in cost.attention) / _attention_rate(profile) \
+        if cost.attention else 0.0
+    return (t_mm + t_at) * profile.other_scale_bwd
+
+
 def compute_seconds(cost: LayerCost, profile: MachineProfile, *, backward: bool, lean: bool = False) -> float:
     """Seconds of one micro-batch through a layer: its forward, or (``backward``) its joint:
     forward recomputed, then backward; ``lean``: as a compiled plan's joint graph runs it, without
@@ -558,14 +579,16 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
               host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram",
-              prefetch: int = 0) -> StepTime:
+              prefetch: int = 0, saves: Collection[int] = ()) -> StepTime:
     """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
     ``prefetch``: the first that many GPU-updated layers load master, m and v during the
     backward (from the head's visit on), so after the norm only their kernel and copy back remain.
     ``dist``: one rank of a data-parallel run (`mtc.dist_plan`): ``cfg`` and ``profile`` are then
     the rank's (its micro-batches, its share of the host), the rank updates only its shard of
     each layer's state, and the collectives run on their own link. ``disk_compute`` "store": disk
-    layers' weights are read from the store at each visit (fp32), and cross PCIe as fp32."""
+    layers' weights are read from the store at each visit (fp32), and cross PCIe as fp32.
+    ``saves``: the blocks that keep their activations between visits (`saved_seconds` less in
+    their backward visits)."""
     from mtc.runtime.placement import deferred_layers, streamed_grads_on_device
     from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 
@@ -606,6 +629,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # accumulator (read, write), add the others' (read both, write), take the norms (read)
     lean = cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)  # compiled plans skip output-only matmuls
     B = [mb * (compute_seconds(shape.costs[i], profile, backward=True, lean=lean) + ov) + _memory_seconds(profile, 4 * n[i] * 3 * mb, 4 * n[i])
+         - (mb * saved_seconds(shape.costs[i], profile) if i in saves else 0.0)
          for i in range(L)]
     opt_threads = cfg.optim_threads if cfg.optim_threads > 0 else profile.cores
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
@@ -762,6 +786,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
     hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
     hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
+    hw -= sum(mb * (shape.costs[i].matmul_flops + shape.costs[i].attention_flops) for i in saves)  # no recompute (about)
     if lean:
         hw -= mb * sum(2 * b * m_ * k * n_ for x in shape.costs for j, (b, m_, k, n_) in enumerate(x.matmuls) if j in x.output_only)
     copies_s = (h2d_b + d2h_b) / (profile.both_gbps * gb)

@@ -19,7 +19,7 @@ import torch
 import mtc.calibrate as _calibrate
 from mtc.calibrate import MachineProfile, builtin
 from mtc.config import TrainConfig
-from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, shape_from_program, step_time
+from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, saved_bytes, shape_from_program, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
@@ -201,11 +201,12 @@ class Memory:
     disk: dict[str, int]  # store bytes (both generations) by durability mode
     grad_spill: bool = False  # disk layers' gradients wait in the store (the budget cannot hold them)
     disk_compute: str = "ram"  # where disk layers' compute copy lives: pinned RAM, or read from the store per visit
+    gpu_saved: int = 0  # blocks' activations kept between their visits (`saves_for`)
 
     @property
     def gpu_peak(self) -> int:
-        """Resident state plus workspace."""
-        return self.gpu_state + self.gpu_workspace
+        """Resident state plus workspace plus saved activations."""
+        return self.gpu_state + self.gpu_workspace + self.gpu_saved
 
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
@@ -303,9 +304,11 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     budget = "the --ram-budget-gb" if cfg.ram_budget_gb is not None else "available"
     checks.append(Check(f"host RAM ({budget}; placement {desc})", mem.host, have, fix))
     if gpu_total is not None:
-        checks.append(Check(f"GPU memory (state and GPU-side update buffers {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
+        saved = f" + saved activations {_size(mem.gpu_saved)}" if mem.gpu_saved else ""
+        checks.append(Check(f"GPU memory (state and GPU-side update buffers {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)}{saved})",
                             mem.gpu_peak, gpu_total,
-                            "place fewer layers on the GPU (--placement), lower --micro-batch-size, or set --activation-budget-gb"))
+                            "place fewer layers on the GPU (--placement), lower --micro-batch-size, or set --activation-budget-gb"
+                            + (", or keep fewer blocks' activations (--save-activations)" if mem.gpu_saved else "")))
     return checks
 
 
@@ -339,6 +342,15 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     prefetch = pl.choose_prefetch(cfg.update_prefetch, gpu_update, list(shape.numels), cbytes, gpu_bytes=None, grads_on_device=False)
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
                  gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch)
+    if cuda and cfg.fused and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
+        blocks = list(range(1, shape.n_layers - 1))
+        per = [saved_bytes(shape.costs[i], cbytes) for i in blocks]
+        try:
+            kept = pl.choose_saves(cfg.save_activations, blocks, per, ["block"] * len(blocks), micro_batches=cfg.grad_accum,
+                                   gpu_bytes=None, replay_copy=False)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        mem = dataclasses.replace(mem, gpu_saved=cfg.grad_accum * sum(per[i - 1] for i in kept))
     disk_free, where = None, ""
     if store_dir is not None and (new_run or seeded_written is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -381,6 +393,7 @@ class Plan:
     checks: list[Check]
     step: StepTime
     prefetch: int = 0  # GPU-updated layers whose state loads during the backward
+    saves: list[int] = dataclasses.field(default_factory=list)  # blocks that keep their activations (`saves_for`)
 
     @property
     def fits(self) -> bool:
@@ -402,9 +415,12 @@ class Plan:
         out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
                    f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
                    + (f" ({self.prefetch} loading their state during the backward)" if self.prefetch else "")
+                   + (f"; {len(self.saves)} of {sh.n_layers - 2} blocks keep their activations between visits "
+                      f"({_size(m.gpu_saved)} on the GPU)" if self.saves else "")
                    + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"
                       if m.disk_compute == "store" else "; disk layers' compute copy in pinned RAM"))
-        gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
+        saved = f" + saved activations {_size(m.gpu_saved)}" if m.gpu_saved else ""
+        gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
         for mode in MODES:
@@ -439,11 +455,37 @@ def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | N
     cuda = profile.accelerator == "cuda"
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda, host_available=profile.host_available_bytes,
                  gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
+    saves = saves_for(cfg, shape, profile, mem)
+    if saves:
+        mem = dataclasses.replace(mem, gpu_saved=cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves))
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
     st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
-                   disk_compute=mem.disk_compute, prefetch=prefetch)
-    return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch)
+                   disk_compute=mem.disk_compute, prefetch=prefetch, saves=saves)
+    return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch, saves)
+
+
+def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory) -> list[int]:
+    """The blocks that keep their activations between visits, as `mtc.train.plan_saves` chooses
+    them (`mtc.runtime.placement.choose_saves`), from the shapes' estimate of what each keeps
+    (`mtc.costmodel.saved_bytes`) and the GPU memory ``mem`` leaves; none unfused (the blocks
+    recompute), on the CPU, or with a fixed activation budget (auto). Blocks: the layers between
+    the embed stage and the head."""
+    cuda = profile.accelerator == "cuda"
+    if not (cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)):
+        return []
+    blocks = list(range(1, shape.n_layers - 1))
+    left = None  # no GPU, or a fixed activation budget: auto keeps nothing
+    if cuda and cfg.activation_budget_gb is None and cfg.gpu_budget_gb is not None:
+        left = int(cfg.gpu_budget_gb * GiB) - mem.gpu_state
+    elif cuda and cfg.activation_budget_gb is None:
+        left = profile.gpu_memory_bytes - mem.gpu_peak
+    try:
+        return pl.choose_saves(cfg.save_activations, blocks, [saved_bytes(shape.costs[i], shape.compute_bytes) for i in blocks],
+                               ["block"] * len(blocks), micro_batches=cfg.grad_accum, gpu_bytes=left,
+                               replay_copy=cfg.cuda_graphs != "off")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # -- extrapolations and the largest model ------------------------------------------------------

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,6 +140,8 @@ class TrainResult:
     host_adamw: str = ""  # the host AdamW's implementation and how it used the cores (timed at start where it matters)
     prefetch: int = 0  # GPU-updated layers whose state loaded during the backward (`plan_prefetch`)
     state_s: float | None = None  # allocating the tiers and filling them (a new run's initial state, or a resume's read)
+    saves: list[int] = dataclasses.field(default_factory=list)  # blocks that kept their activations (`plan_saves`)
+    saved_bytes: int = 0  # what they kept on the device per step, all micro-batches
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: str | None = None) -> nn.Module:
@@ -185,7 +187,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 _EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "update_prefetch", "optim_threads", "commit_every",
                      "host_adamw", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
-                     "matmul_fusion", "dp_collectives", "rank_dir")
+                     "matmul_fusion", "dp_collectives", "rank_dir", "save_activations")
 
 
 # fields a resumed run may change when the user names them in --allow-change (recorded in the
@@ -265,6 +267,39 @@ def plan_prefetch(cfg: TrainConfig, program: Program, placement: list[str], gpu_
     left = _gpu_left(cfg, program, placement, cbytes) if cuda and gpu_update and cfg.update_prefetch is None else None
     return pl.choose_prefetch(cfg.update_prefetch, gpu_update, numels, cbytes, gpu_bytes=left,
                               grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
+
+
+def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placement: list[str], gpu_update: set[int],
+               prefetch: int = 0, *, micro_batches: int | None = None) -> list[int]:
+    """The blocks that keep their forward's saved values on the device until their backward
+    visit (`cfg.save_activations`, chosen by `mtc.runtime.placement.choose_saves` from each
+    compiled block's exact saved bytes): 'auto' fills, on CUDA, the GPU memory the placement, the
+    workspace and the GPU-side updates leave, for every micro-batch of the step
+    (``micro_batches``: this rank's, default ``cfg.grad_accum``); none on the CPU or with a fixed
+    ``activation_budget_gb``. An explicit choice that some block cannot take (an unfused plan, a
+    block without split graphs) raises ConfigError."""
+    spec = cfg.save_activations.strip()
+    blocks = [c.index for c in program.layers if program.templates[c.template].kind == "block"]
+    split = [i for i in blocks if compiled is not None and compiled[program.layers[i].template].save_graph is not None]
+    if spec not in ("off", "auto") and len(split) < len(blocks):
+        why = "the plan runs unfused (--kernels fused compiles it)" if compiled is None else "; ".join(
+            sorted({f"{ct.template_id}: {ct.split_note or 'compiled without split graphs'}" for ct in compiled.values()
+                    if ct.save_graph is None and program.templates[ct.template_id].kind == "block"}))
+        raise ConfigError(f"--save-activations {spec}: {len(blocks) - len(split)} of {len(blocks)} blocks cannot keep their "
+                          f"activations ({why}); use --save-activations auto or off")
+    left = None
+    if spec == "auto" and split and cfg.device.startswith("cuda") and cfg.activation_budget_gb is None:
+        cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+        numels = [program.layer_numel(i) for i in range(program.n_layers)]
+        left = _gpu_left(cfg, program, placement, cbytes) - pl.streamed_gpu_bytes(
+            gpu_update, numels, cbytes, prefetch=prefetch, grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
+    tids = [program.layers[i].template for i in split]
+    try:
+        return pl.choose_saves(spec, split, [compiled[t].saved_bytes() for t in tids], tids,  # type: ignore[index]
+                               micro_batches=cfg.grad_accum if micro_batches is None else micro_batches,
+                               gpu_bytes=left, replay_copy=cfg.cuda_graphs != "off")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _gpu_left(cfg: TrainConfig, program: Program, placement: list[str], cbytes: int) -> int:
@@ -645,7 +680,14 @@ def train(
             runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
             runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
                                     log=notify)
-        eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize, prefetch=prefetch)
+        saves = plan_saves(cfg, program, compiled, placement, gpu_update, prefetch,
+                           micro_batches=cfg.grad_accum // world.world_size)
+        kept = sum(compiled[program.layers[i].template].saved_bytes() for i in saves) * (cfg.grad_accum // world.world_size)  # type: ignore[index]
+        if notify is not None and (saves or cfg.save_activations != "auto"):
+            notify(f"saved activations: {len(saves)} blocks keep their matmul and attention outputs for the backward "
+                   f"({kept / 2**30:.2f} GiB on the device), the others recompute them")
+        eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize, prefetch=prefetch,
+                           saves=saves)
         if device.type == "cuda" and notify is not None:
             notify(pinning_report())  # exact-size registered host memory, or torch's rounded allocator and why
         host_adamw = eng.optimizer.host_strategy.describe(eng.optimizer.host_impl)
@@ -761,7 +803,7 @@ def train(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
-        graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch, state_s=state_s,
+        graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch, state_s=state_s, saves=saves, saved_bytes=kept,
     )
 
 
@@ -782,14 +824,15 @@ class Engine:
 
 def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_update: set[int], store: TensorStore,
                  timeline: Timeline, *, runners: dict[str, LayerRunner] | None = None, serialize: bool = False,
-                 on_visit: Callable[[str, int], None] | None = None, prefetch: int = 0) -> Engine:
+                 on_visit: Callable[[str, int], None] | None = None, prefetch: int = 0, saves: Sequence[int] = ()) -> Engine:
     """Wire the copy engine, executor and optimizer of a run over ``tiers`` (``prefetch``: the
-    GPU-updated layers whose state loads during the backward, `plan_prefetch`)."""
+    GPU-updated layers whose state loads during the backward, `plan_prefetch`; ``saves``: the blocks
+    that keep their activations between visits, `plan_saves`)."""
     device = torch.device(cfg.device)
     copies = CopyEngine(device, timeline, serialize=serialize)
     budget = int(cfg.activation_budget_gb * 2**30) if cfg.activation_budget_gb is not None else None
     executor = StreamingExecutor(program, tiers, device=device, engine=copies, timeline=timeline, runners=runners,
-                                 activation_budget_bytes=budget, on_visit=on_visit)
+                                 activation_budget_bytes=budget, on_visit=on_visit, saves=saves)
     try:
         opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
                              host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability,

@@ -7,6 +7,11 @@ group (weights cross PCIe twice per step, not twice per micro-batch):
     head (forward + backward at once, per micro-batch),
     block N-1..1, embed (recompute + backward per micro-batch).
 
+Blocks in ``saves`` (compiled blocks with split graphs, as many as the plan found GPU memory for:
+`mtc.train.plan_saves`) run their saving forward instead and keep, per micro-batch, the values
+their backward reads (matmul and attention outputs: graphs/split.py) on the device until their
+backward visit, which then runs the backward from them instead of recomputing the layer.
+
 Before a visit its weights are copied from the layer's compute copy (pinned host, or resident on
 the GPU) into a slot of a device ring, on the host-to-device stream, while the previous layer
 computes; a fetch first waits for the layer's optimizer update of the previous step (updates run
@@ -27,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -93,6 +98,7 @@ class _Group:
     grad_carry: list[torch.Tensor | None]
     grad_aux: list[list[torch.Tensor | None]]
     losses: list[torch.Tensor]
+    saved: dict[tuple[int, int], Sequence[torch.Tensor]] = dataclasses.field(default_factory=dict)  # (layer, mb)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,6 +123,7 @@ class StreamingExecutor:
         activation_budget_bytes: int | None = None,
         slots: int = 2,
         on_visit: Callable[[str, int], None] | None = None,
+        saves: Collection[int] = (),
     ) -> None:
         self.program, self.tiers, self.device = program, tiers, torch.device(device)
         self.engine, self.timeline = engine, timeline
@@ -131,6 +138,12 @@ class StreamingExecutor:
             if missing:
                 raise PlanError(f"the compiled plan lacks templates {missing}; recompile it (`mtc compile`)")
         self.runners = runners
+        for i in saves:
+            call = program.layers[i] if 0 <= i < program.n_layers else None
+            if call is None or program.templates[call.template].kind != "block" or not runners[call.template].saves:
+                raise PlanError(f"layer {i} cannot keep its activations between visits: only blocks of a compiled plan "
+                                "with split graphs can (`mtc compile`); leave --save-activations at auto or off")
+        self.saves = frozenset(saves)
         self._plans = [self._fetch_plan(c) for c in program.layers]
         ring_numel = max((p.numel for p in self._plans if not p.resident), default=1)
         self.ring = DeviceRing(ring_numel, tiers.compute_dtype, self.device, slots=slots, name="weight")
@@ -380,7 +393,9 @@ class StreamingExecutor:
     def _forward(self, layer: int, w: LayerWeights, g: _Group) -> None:
         call = self.program.layers[layer]
         tmpl = self.program.templates[call.template]
-        fwd = self.runners[call.template].forward(self.device)
+        runner = self.runners[call.template]
+        save = layer in self.saves
+        fwd = runner.save(self.device) if save else runner.forward(self.device)
         with torch.no_grad():
             for mb in range(len(g.batches)):
                 with self.timeline.span("compute", layer, mb):
@@ -389,14 +404,18 @@ class StreamingExecutor:
                         g.carry[mb], g.aux[mb] = out[0], list(out[1:])
                     else:
                         self.acts.put((layer, mb), g.carry[mb])
-                        g.carry[mb] = fwd(*self._args(call, tmpl, w.tensors, g, mb, g.carry[mb]))[0]
+                        out = fwd(*self._args(call, tmpl, w.tensors, g, mb, g.carry[mb]))
+                        g.carry[mb] = out[0]
+                        if save:  # kept on the device until this layer's backward visit
+                            g.saved[(layer, mb)] = out[runner.n_out:]
 
     def _backward(self, layer: int, w: LayerWeights, g: _Group, scales: torch.Tensor, sink: GradSink) -> None:
         prog = self.program
         call = prog.layers[layer]
         tmpl = prog.templates[call.template]
         runner = self.runners[call.template]
-        joint = runner.joint(self.device)
+        save = layer in self.saves
+        joint = runner.backward(self.device) if save else runner.joint(self.device)
         head = layer == prog.n_layers - 1
         for mb in range(len(g.batches)):
             with self.timeline.span("compute", layer, mb):
@@ -411,7 +430,9 @@ class StreamingExecutor:
                     g.carry[mb] = None
                 else:
                     carry_in, gouts = self.acts.take((layer, mb)), [g.grad_carry[mb]]
-                res = joint(*self._args(call, tmpl, w.tensors, g, mb, carry_in), *gouts)
+                saved = g.saved.pop((layer, mb)) if save else ()
+                res = joint(*self._args(call, tmpl, w.tensors, g, mb, carry_in), *saved, *gouts)
+                del saved
                 if head:
                     g.losses.append(res[0].detach().float())
                 for k, grad in zip(runner.diff, res[runner.n_out :], strict=True):

@@ -378,12 +378,19 @@ class GraphRunner:
         self.inner, self.template, self.backend = inner, template, backend
         self.diff, self.n_out = list(inner.diff), inner.n_out
         self.max_graphs, self.log = max_graphs, log
-        self.stats = {"forward": ReplayStats(), "joint": ReplayStats()}
+        self.saves = bool(getattr(inner, "saves", False))
+        self.stats = {w: ReplayStats() for w in (("forward", "joint", "save", "backward") if self.saves else ("forward", "joint"))}
+        if self.saves:
+            # a replayed graph keeps its outputs (per weight address: every resident layer), and
+            # each replay's would be cloned: the saved values, the largest outputs a block has
+            self.stats["save"].skipped = "its saved values would be held by the graph and cloned at every call"
         self._stable: Callable[[torch.Tensor], bool] | None = None
         self._replayers: dict[tuple[str, str], _Replayer] = {}
         # weights and constants may be read in place; activations, aux and batch inputs never
         self._weights = frozenset(k for k, i in enumerate(template.inputs) if i.kind in ("param", "const"))
         for which, g in (graphs or {}).items():
+            if which not in self.stats:
+                continue
             why = capture_blocker(g)
             if why is not None:
                 self._fall_back(which, why)
@@ -405,14 +412,22 @@ class GraphRunner:
         """Recompute + backward, replayed; parameter gradients are returned as graph buffers."""
         return self._replayer("joint", device)
 
+    def save(self, device: torch.device) -> Callable[..., Any]:
+        """The forward that saves (run eagerly: see ``stats['save'].skipped``)."""
+        return self._replayer("save", device)
+
+    def backward(self, device: torch.device) -> Callable[..., Any]:
+        """The backward from saved values, replayed as the joint is."""
+        return self._replayer("backward", device)
+
     def _replayer(self, which: str, device: torch.device) -> _Replayer:
         key = (which, str(device))
         r = self._replayers.get(key)
         if r is None:
-            fn = self.inner.forward(device) if which == "forward" else self.inner.joint(device)
+            fn = getattr(self.inner, which)(device)
             # joint outputs: n_out recomputed outputs, then one gradient per diff input
             alias = frozenset(self.n_out + j for j, k in enumerate(self.diff)
-                              if self.template.inputs[k].kind == "param") if which == "joint" else frozenset()
+                              if self.template.inputs[k].kind == "param") if which in ("joint", "backward") else frozenset()
             r = self._replayers[key] = _Replayer(self, which, fn, alias, self.stats[which])
         return r
 
@@ -462,7 +477,7 @@ def launches_per_replay(graph: fx.Graph, template: Template, which: str, diff: S
     weights = sum(1 for i in template.inputs if i.kind in ("param", "const"))
     out = next(n for n in graph.nodes if n.op == "output").args[0]
     n_outputs = sum(1 for o in out if o is not None) if isinstance(out, (tuple, list)) else 1  # (a dropped output: None)
-    aliased = sum(1 for k in diff if template.inputs[k].kind == "param") if which == "joint" else 0
+    aliased = sum(1 for k in diff if template.inputs[k].kind == "param") if which in ("joint", "backward") else 0
     return (placeholders - weights) + 1 + (n_outputs - aliased)
 
 
@@ -534,7 +549,8 @@ def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template
     """``runners`` with each compiled template's runner wrapped in a `GraphRunner`, where graph
     replay applies: ``mode`` 'auto' on a CUDA device (or with an explicit ``backend``); 'off' or
     another device returns ``runners`` unchanged. ``compiled``: template id -> compiled template
-    (its ``forward_graph`` and ``joint_graph`` are checked for ops that cannot be captured)."""
+    (its ``forward_graph``, ``joint_graph`` and ``backward_graph`` are checked for ops that
+    cannot be captured)."""
     if mode == "off" or (backend is None and torch.device(device).type != "cuda"):
         return runners
     if backend is None:
@@ -542,8 +558,13 @@ def replay_graphs(runners: dict[str, LayerRunner], templates: dict[str, Template
     out: dict[str, LayerRunner] = {}
     for tid, r in runners.items():
         ct = compiled.get(tid)
-        graphs = {"forward": ct.forward_graph, "joint": ct.joint_graph} if ct is not None else None
-        eager = {"forward": ct.forward_report.kernels, "joint": ct.backward_report.kernels} if ct is not None else None
+        graphs = eager = None
+        if ct is not None:
+            graphs = {"forward": ct.forward_graph, "joint": ct.joint_graph}
+            eager = {"forward": ct.forward_report.kernels, "joint": ct.backward_report.kernels}
+            if getattr(ct, "backward_graph", None) is not None:
+                graphs["backward"] = ct.backward_graph
+                eager["backward"] = ct.split_reports["backward_saved"].kernels
         out[tid] = GraphRunner(r, templates[tid], backend, graphs=graphs, eager_launches=eager, log=log) if ct is not None else r
     return out
 

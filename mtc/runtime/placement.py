@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
@@ -46,6 +47,7 @@ __all__ = [
     "available_host_bytes",
     "choose_gpu_update",
     "choose_grad_spill",
+    "choose_saves",
     "default_ram_budget",
     "disk_bytes_beyond_seed",
     "disk_bytes_needed",
@@ -69,6 +71,10 @@ DEFAULT_PCIE_ONE_WAY_BYTES_S = 55e9  # one direction alone (DESIGN.md: 55 GB/s e
 # own 2 GiB of slack): the sets only speed a step up, a step that runs out of memory is lost, and
 # the fullest run measured (P1-16 auto on the H100) peaked 2.4 GiB under what its plan allowed
 PREFETCH_MARGIN_BYTES = 4 * 2**30
+# GPU memory `choose_saves` leaves free beside its estimate: allocator rounding and fragmentation,
+# and a streamed template's second set of replayed graphs (a saving block's backward beside a
+# recomputing block's joint, each keeping a layer's parameter gradients per ring slot)
+SAVE_MARGIN_BYTES = 2 * 2**30
 
 
 def resolve_placement(spec: str, n_layers: int, *, auto: list[str] | None = None) -> list[str]:
@@ -197,6 +203,40 @@ def deferred_layers(gpu_update: set[int] | frozenset[int], prefetch: int) -> set
     order = sorted(gpu_update)
     sets = scratch_sets(prefetch)
     return {i for j, i in enumerate(order) if j < prefetch and j + sets >= len(order)}
+
+
+def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], templates: Sequence[str], *,
+                 micro_batches: int, gpu_bytes: int | None, replay_copy: bool) -> list[int]:
+    """The blocks that keep their activations between visits (`TrainConfig.save_activations`):
+    ``spec`` 'off' none, 'all' every one of ``blocks``, N the last N; 'auto' (``gpu_bytes`` None:
+    no GPU, or a fixed activation budget: none) the last blocks whose values fit in ``gpu_bytes``
+    less `SAVE_MARGIN_BYTES`: ``saved_bytes[i]`` per micro-batch of block ``blocks[i]`` for every
+    one of the step's ``micro_batches``, plus (``replay_copy``: the backward replays as a CUDA
+    graph) one set per template (``templates[i]``), its input buffers. Later blocks first: their
+    values are held the shortest. An N beyond the blocks raises ValueError."""
+    spec = spec.strip()
+    if spec == "off":
+        return []
+    if spec == "all":
+        return list(blocks)
+    if spec != "auto":
+        n = int(spec)
+        if n > len(blocks):
+            raise ValueError(f"--save-activations {n}: the model has {len(blocks)} blocks; use at most {len(blocks)}, or all")
+        return list(blocks[len(blocks) - n:])
+    if gpu_bytes is None:
+        return []
+    left = gpu_bytes - SAVE_MARGIN_BYTES
+    chosen: list[int] = []
+    copies: set[str] = set()  # a replayed backward copies its saved inputs into one buffer set per template
+    for b, nbytes, tid in reversed(list(zip(blocks, saved_bytes, templates, strict=True))):
+        need = micro_batches * nbytes + (nbytes if replay_copy and tid not in copies else 0)
+        if need > left:
+            break
+        left -= need
+        copies.add(tid)
+        chosen.append(b)
+    return sorted(chosen)
 
 
 def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,

@@ -8,6 +8,13 @@ A runner gives two callables per device:
   outputs are None except a head's (`graphs.program.joint_keeps_outputs`: the executor reads
   only the head's loss, and a compiled block then skips its last matmul).
 
+A runner whose ``saves`` is true (a compiled block with split graphs: graphs/split.py) has two
+more, for layers the executor keeps values of between their visits instead of recomputing them:
+
+- ``save(*args) -> (*outputs, *saved)``: the forward, also returning what its backward reads,
+- ``backward(*args, *saved, *grad_outputs) -> (*None, *grads)``: the joint's result without the
+  recomputed forward.
+
 Compiled templates (`mtc.compiler.CompiledTemplate`: generated kernels, joint graph from the
 compiler) already have this shape; `AutogradRunner` gives it to an unfused ATen template through
 ``torch.autograd.grad``. The executor therefore has one backward path for both, and never imports
@@ -33,6 +40,7 @@ class LayerRunner(Protocol):
 
     diff: list[int]  # template input indices whose gradients `joint` returns, in order
     n_out: int  # outputs before the gradients in `joint`'s result
+    saves: bool  # `save` and `backward` exist
 
     def forward(self, device: torch.device) -> Callable[..., Any]:
         """The forward callable on ``device``."""
@@ -40,12 +48,19 @@ class LayerRunner(Protocol):
     def joint(self, device: torch.device) -> Callable[..., Any]:
         """The recompute + backward callable on ``device``."""
 
+    def save(self, device: torch.device) -> Callable[..., Any]:
+        """The forward that also returns the values `backward` reads (``saves`` only)."""
+
+    def backward(self, device: torch.device) -> Callable[..., Any]:
+        """The backward from saved values (``saves`` only)."""
+
 
 class CompiledRunner:
     """Adapts a compiled template (anything with ``module(which, device)`` and ``diff``)."""
 
     def __init__(self, compiled: Any, template: Template) -> None:
         self.compiled, self.diff, self.n_out = compiled, list(compiled.diff), 1 + template.n_aux_out
+        self.saves = getattr(compiled, "save_graph", None) is not None
 
     def forward(self, device: torch.device) -> Callable[..., Any]:
         """The compiled forward graph."""
@@ -55,6 +70,14 @@ class CompiledRunner:
         """The compiled joint graph."""
         return self.compiled.module("joint", device)
 
+    def save(self, device: torch.device) -> Callable[..., Any]:
+        """The compiled forward that saves."""
+        return self.compiled.module("save", device)
+
+    def backward(self, device: torch.device) -> Callable[..., Any]:
+        """The compiled backward from saved values."""
+        return self.compiled.module("backward", device)
+
 
 class AutogradRunner:
     """An unfused template: forward as traced, joint through ``torch.autograd.grad``.
@@ -62,6 +85,8 @@ class AutogradRunner:
     ``aux_needs_grad[j]`` says whether the embed stage's aux output j depends on a parameter (then
     blocks take its gradient and the embed stage receives it as an extra grad output).
     """
+
+    saves = False  # an unfused layer is recomputed (nothing is kept between its visits)
 
     def __init__(self, template: Template, call: LayerCall, aux_needs_grad: Sequence[bool]) -> None:
         self.template = template
@@ -106,3 +131,9 @@ class AutogradRunner:
 
             self._joints[key] = fn
         return fn
+
+    def save(self, device: torch.device) -> Callable[..., Any]:
+        """Not available: an unfused layer is recomputed (``saves`` is False)."""
+        raise NotImplementedError("an unfused template keeps nothing between visits; compile the plan to save activations")
+
+    backward = save

@@ -48,4 +48,14 @@ def check_compiled(prog, params, call, tmp_path, **compile_kw):
         assert outs[0] is None
     for k, a, b in zip(ct.diff, outs[1:], want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{t.kind} grad of {t.inputs[k].role}: {m}")
+    if t.kind == "block" and compile_kw.get("split", True):  # the split pair: the forward that saves, the backward from it
+        assert ct.save_graph is not None, ct.split_note
+        saved = ct.module("save", "cpu")(*args)
+        torch.testing.assert_close(saved[0], ref, rtol=1e-5, atol=1e-5)
+        kept = saved[1 + t.n_aux_out:]
+        assert [(tuple(s.shape), s.dtype) for s in kept] == ct.saved and 0 < ct.saved_bytes()
+        split = ct.module("backward", "cpu")(*args, *kept, g)
+        assert all(o is None for o in split[:1 + t.n_aux_out])
+        for k, a, b in zip(ct.diff, split[1 + t.n_aux_out:], outs[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"split backward, grad of {t.inputs[k].role}: {m}")
     return ct

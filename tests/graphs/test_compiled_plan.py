@@ -149,6 +149,16 @@ def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, 
     gout = torch.randn(prog.carry.shape)
     for a, b in zip(again[block].module("joint", "cpu")(*args, gout), first[block].module("joint", "cpu")(*args, gout), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and so do its split graphs (the forward that saves, the backward from saved values); the
+    # embed stage and the head have none
+    assert again[block].saved == first[block].saved and again[block].split_reports == first[block].split_reports
+    assert all(ct.save_graph is None and ct.backward_graph is None for tid, ct in again.items() if tid != block)
+    kept = [o[1:] for o in (again[block].module("save", "cpu")(*args), first[block].module("save", "cpu")(*args))]
+    for a, b in zip(*kept, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(again[block].module("backward", "cpu")(*args, *kept[0], gout),
+                    first[block].module("backward", "cpu")(*args, *kept[1], gout), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     # a stale key: exactly that template is recompiled, with one line naming it and why
     rec = tmp_path / compiler.RECORDS / f"{block}.json"
     doc = json.loads(rec.read_text())

@@ -49,9 +49,12 @@ def test_predicted_step_within_25_percent_of_the_h100s(setting):
     # what calibrate assumes on CUDA is the code's figure, not the one written into the file then
     prof = dataclasses.replace(measured, layer_efficiency=CUDA_LAYER_EFFICIENCY, adamw_with_copies=CUDA_ADAMW_WITH_COPIES)
     layers = setting["gpu_update_layers"]
+    # as the run did: its blocks recomputed their activations unless the record names the saved ones
+    saved = setting.get("saved_activation_layers") or []
     cfg = TrainConfig.from_dict({**setting["config"], "placement": setting["placement"],
-                                 "gpu_update": ",".join(map(str, layers)) if layers else "none"})
+                                 "gpu_update": ",".join(map(str, layers)) if layers else "none",
+                                 "save_activations": str(len(saved)) if saved else "off"})
     plan = make_plan(cfg, prof)
-    assert sorted(plan.gpu_update) == sorted(layers)
+    assert sorted(plan.gpu_update) == sorted(layers) and plan.saves == saved
     ratio = setting["median_step_s"] / plan.step.step_s
     assert 0.75 <= ratio <= 1.25, f"measured {setting['median_step_s']:.3f} s, predicted {plan.step.step_s:.3f} s"

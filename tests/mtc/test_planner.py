@@ -416,3 +416,27 @@ def test_compiled_backward_visits_are_modelled_without_the_blocks_last_matmul():
     lean = compute_seconds(block, prof, backward=True, lean=True)
     assert full - lean == pytest.approx(_matmul_seconds(prof, 1024, 14336, 4096) * prof.other_scale_bwd, rel=1e-6)
     assert compute_seconds(block, prof, backward=False, lean=True) == compute_seconds(block, prof, backward=False)
+
+
+def test_the_plan_keeps_blocks_activations_where_the_gpu_has_room():
+    # P3's shape on the H100 box: every block's matmul and attention outputs fit beside the
+    # resident state, and the predicted step loses the recomputed forward of every block
+    over = {"dim": 2048, "ffn_dim": 8192, "n_heads": 32, "n_kv_heads": 8, "n_layers": 23, "vocab_size": 32000}
+
+    def plan(**kw):
+        kw = {"micro_batch_size": 16, **kw}
+        return make_plan(TrainConfig(model="8b", model_overrides=over, seq_len=1024, device="cuda", durability="none", **kw),
+                         builtin("h100-box"))
+
+    off, auto = plan(save_activations="off"), plan()
+    assert off.saves == [] and off.memory.gpu_saved == 0
+    assert auto.saves == list(range(1, 24)) and auto.placement == off.placement
+    # per token and block: q 2048 + k, v 512 each + attention 2048 + o 2048 + gate, up 8192 each, in bf16 (+ fp32 lse)
+    assert auto.memory.gpu_saved == 23 * 16 * 1024 * (2 * 23552 + 4 * 32)
+    assert auto.step.compute_s < 0.85 * off.step.compute_s and auto.fits
+    assert any("23 of 23 blocks keep their activations" in line for line in auto.lines())
+    assert plan(activation_budget_gb=1.0).saves == []  # a fixed activation budget: nothing kept (auto)
+    assert plan(save_activations="5").saves == [19, 20, 21, 22, 23]
+    # an explicit choice is not fitted: more than the GPU holds fails the GPU check
+    big = plan(save_activations="all", grad_accum=4, placement="gpu")
+    assert not big.fits and any("saved activations" in c.what and not c.ok for c in big.checks)

@@ -11,7 +11,7 @@ import torch
 
 from mtc.compiler import compile_program
 from mtc.config import OptimConfig, TrainConfig
-from mtc.data import TokenFile, write_token_file
+from mtc.data import BatchSampler, TokenFile, write_token_file
 from mtc.plan import save_plan
 from mtc.runtime.placement import streamed_grads_on_device
 from mtc.runtime.runners import LayerRunner
@@ -74,11 +74,13 @@ class HandBuilt:
 
 
 def hand_built_engine(cfg: TrainConfig, kernels_dir: Path | None = None, *,
-                      log: Callable[[str], None] | None = None) -> HandBuilt:
+                      log: Callable[[str], None] | None = None, saves: tuple[int, ...] = (),
+                      wrap: Callable[[dict[str, LayerRunner]], dict[str, LayerRunner]] | None = None) -> HandBuilt:
     """The engine `mtc.train` builds for a new run of ``cfg``, for tests that drive `run_step`
     themselves: the plan's placement, the state arrays created and filled (`init_state`: a disk
     layer's ring reads its first generation when the optimizer is built), and for a fused config
-    the compiled templates in ``kernels_dir``, replayed as CUDA graphs on CUDA."""
+    the compiled templates in ``kernels_dir``, replayed as CUDA graphs on CUDA (``wrap``: what
+    the executor gets instead of those runners; ``saves``: the blocks that keep their activations)."""
     run = open_run(cfg, None)
     prog, device = run.program, torch.device(cfg.device)
     placement, gpu_update = plan_placement(cfg, prog)
@@ -96,5 +98,26 @@ def hand_built_engine(cfg: TrainConfig, kernels_dir: Path | None = None, *,
         compiled = compile_program(prog, kernels_dir, log=None)
         runners = {tid: CompiledRunner(ct, prog.templates[tid]) for tid, ct in compiled.items()}
         runners = replay_graphs(runners, prog.templates, compiled, device, log=log)
-    eng = build_engine(cfg, prog, tiers, gpu_update, run.store, Timeline(), runners=runners)
+    if wrap is not None:
+        runners = wrap(runners)
+    eng = build_engine(cfg, prog, tiers, gpu_update, run.store, Timeline(), runners=runners, saves=saves)
     return HandBuilt(run, placement, tiers, gpu_update, runners, compiled, eng)
+
+
+def steps_without_host_sync(hb: HandBuilt, cfg: TrainConfig, tokens: TokenFile, steps: int, strict_from: int) -> None:
+    """Run ``steps`` steps of the hand-built CUDA engine of ``cfg`` on the same pinned micro-batches; from
+    step ``strict_from`` on (warm: allocations, lazy set-up and graph captures done) any host
+    synchronisation inside a step raises (torch's sync debug mode 'error')."""
+    eng = hb.engine
+    sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
+    mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
+    for step in range(steps):
+        eng.optimizer.begin_step(step, 1e-3)
+        if step >= strict_from:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = eng.executor.run_step(mbs, eng.optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        eng.optimizer.finish_step(out.loss)
+    eng.optimizer.wait()

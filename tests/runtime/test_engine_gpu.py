@@ -12,7 +12,7 @@ from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.tracer import LossModel
 from mtc.train import build_model, open_run, train
-from tests.runtime.engine_util import hand_built_engine, plan_for, skewed_tokens, small_config
+from tests.runtime.engine_util import hand_built_engine, plan_for, skewed_tokens, small_config, steps_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -27,20 +27,8 @@ def test_no_host_sync_inside_the_layer_loop(tokens, kernels, tmp_path):
     cfg = small_config(device="cuda", kernels=kernels, placement="gpu:0,ram:1-2,disk:3", durability="none",
                        activation_budget_gb=1e-9)
     hb = hand_built_engine(cfg, tmp_path / "kernels")  # its set-up runs on the CPU in test_engine.py
-    eng = hb.engine
-    sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=0)
-    mbs = [tuple(t.pin_memory() for t in sampler.batch(j)) for j in range(cfg.grad_accum)]
     try:
-        for step in range(3):
-            eng.optimizer.begin_step(step, 1e-3)
-            if step == 2:  # warm: allocations and lazy set-up are done
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = eng.executor.run_step(mbs, eng.optimizer)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            eng.optimizer.finish_step(out.loss)
-        eng.optimizer.wait()
+        steps_without_host_sync(hb, cfg, tokens, 3, strict_from=2)  # step 2: allocations and lazy set-up are done
     finally:
         hb.close()
 

@@ -216,14 +216,18 @@ def test_kill_9_mid_run_resumes_exactly(tokens, reference, tmp_path, extra):
         assert_weights_close(read_params(load_plan(store / "plan"), st, last.generation), ref_weights, atol=atol)
 
 
-def test_parity_compiled_plan(tokens):
+@pytest.mark.parametrize("save", ["auto", "all"])
+def test_parity_compiled_plan(tokens, save):
     # The same contract with generated Triton kernels (interpreter on the CPU): a smaller shape
-    # keeps the interpreter's cost down; everything else is the parity run.
+    # keeps the interpreter's cost down; everything else is the parity run. save "all": both
+    # blocks keep their matmul and attention outputs from the forward visit, for both
+    # micro-batches, and run the backward from them (auto on the CPU: they recompute)
     cfg = parity_config(steps=6, micro_batch_size=2, seq_len=8, kernels="fused",
-                        model_overrides={"n_layers": 2})
+                        model_overrides={"n_layers": 2}, save_activations=save)
     ref_losses, ref_weights = reference_train(cfg, tokens)
     res = train(cfg, None, tokens)
     try:
+        assert res.saves == ([1, 2] if save == "all" else []) and (res.saved_bytes > 0) == (save == "all")
         # every fusion group got a kernel (the embed stage's joint graph has none left: its output
         # is not recomputed, and its backward is the embedding's ATen scatter)
         assert res.compiled and all(c.backward_report.generated == c.backward_report.groups for c in res.compiled.values())
