@@ -35,7 +35,9 @@
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then fusion gpt2/head qwen2/head
 #       llama/head train/P1-48 (the heads: one product up to 2 GiB of logits, a per-lane CE row kernel)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
-#   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s)
+#   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
+#   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
+#   more, and model/ a fifth variant, mtc_fused_saved)
 #   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 model/1.5b train/P3
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail

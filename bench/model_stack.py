@@ -12,6 +12,9 @@ compute alone, and the variants differ only in how each template runs:
                      its blocks' backward visits do not recompute the block's output (the next
                      layer's saved input), so they skip the last matmul the others recompute
     mtc_fused_graph  the compiled plan replayed as CUDA graphs (CUDA only; `--cuda-graphs auto`)
+    mtc_fused_saved  the compiled plan with every block keeping its matmul and attention outputs
+                     from the forward to the backward visit (`--save-activations all`): its
+                     backward visits run the backward from them, no recompute (eager, as mtc_fused)
     torch_compile    torch.compile of the same templates, run by the same executor
 
 Shapes are bench_train's: P3 (1.5B, h 2048, 23 blocks) and P1 (4.6B, h 4096, 20 blocks), sequences
@@ -50,7 +53,7 @@ from mtc.tracer import trace
 __all__ = ["SHAPES", "VARIANTS", "run_model"]
 
 SHAPES = {"1.5b": P3_SHAPE, "4.6b": P1_SHAPE, "smoke": SMOKE_SHAPE}
-VARIANTS = ("unfused", "mtc_fused", "mtc_fused_graph", "torch_compile")
+VARIANTS = ("unfused", "mtc_fused", "mtc_fused_graph", "mtc_fused_saved", "torch_compile")
 
 
 class ComputeOnlyTiers(StateTiers):
@@ -178,6 +181,8 @@ def _ratios(rec: dict) -> None:
         rec["graph_speedup_vs_unfused"] = res["unfused"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
     if "mtc_fused_graph" in res and "torch_compile" in res:
         rec["graph_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
+    if "mtc_fused_saved" in res and "mtc_fused" in res:  # what keeping the activations saves (both eager)
+        rec["saved_speedup_vs_fused"] = res["mtc_fused"]["median_ms"] / res["mtc_fused_saved"]["median_ms"]
 
 
 def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, seq_len: int, warmup: int, reps: int,
@@ -227,7 +232,8 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         runners, info = _runners(v, program, device, cache)
         timeline = Timeline(keep_steps=2)
         engine = CopyEngine(device, timeline)
-        ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners)
+        saves = [c.index for c in program.iter_blocks()] if v == "mtc_fused_saved" else ()
+        ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners, saves=saves)
         try:
             got = _time_steps(ex, batches, device, warmup, reps)
             if profile and device.type == "cuda":
