@@ -379,7 +379,7 @@ def predicted(cfg: TrainConfig, measured_step_s: float | None = None) -> dict[st
     tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum
     out = {"profile": prof.name, "placement": describe(plan.placement), "gpu_update_layers": sorted(plan.gpu_update),
            "update_prefetch_layers": plan.prefetch, "saved_activation_layers": plan.saves, "step_s": st.step_s, "tokens_per_s": tokens / st.step_s,
-           "bottleneck": st.bottleneck, "stages_s": st.stages()}
+           "bottleneck": st.bottleneck, "stages_s": st.stages(), "choice": plan.choice}
     if measured_step_s:
         out["measured_over_predicted"] = measured_step_s / st.step_s
     return out

@@ -394,6 +394,7 @@ class Plan:
     step: StepTime
     prefetch: int = 0  # GPU-updated layers whose state loads during the backward
     saves: list[int] = dataclasses.field(default_factory=list)  # blocks that keep their activations (`saves_for`)
+    choice: str = ""  # why the plan took another candidate than the first (`make_plan`)
 
     @property
     def fits(self) -> bool:
@@ -419,6 +420,8 @@ class Plan:
                       f"({_size(m.gpu_saved)} on the GPU)" if self.saves else "")
                    + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"
                       if m.disk_compute == "store" else "; disk layers' compute copy in pinned RAM"))
+        if self.choice:
+            out.append(self.choice)
         saved = f" + saved activations {_size(m.gpu_saved)}" if m.gpu_saved else ""
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
@@ -443,9 +446,42 @@ class Plan:
         return out
 
 
+# keeping activations instead of loading GPU-updated layers' state during the backward must
+# predict at least this much faster (the cost model's noise between two close candidates)
+TRADE_MARGIN = 0.02
+
+
+def trades_prefetch_for_saves(cfg: TrainConfig, profile: MachineProfile) -> bool:
+    """Whether the plan weighs GPU memory for saved activations against the update prefetch's
+    buffer sets: both chosen automatically, on CUDA, for a fused plan, no fixed activation budget."""
+    return (cfg.update_prefetch is None and cfg.save_activations.strip() == "auto" and profile.accelerator == "cuda"
+            and cfg.kernels in ("auto", "fused") and cfg.activation_budget_gb is None)
+
+
 def make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | None = None, shape: ModelShape | None = None,
               disk_tier: bool = False) -> Plan:
-    """Plan ``cfg`` on ``profile``'s machine (the model from ``program``, else a trace of its preset)."""
+    """Plan ``cfg`` on ``profile``'s machine (the model from ``program``, else a trace of its preset).
+
+    GPU memory beside the state goes to the update prefetch's buffer sets first and what is left
+    to blocks' saved activations; where both are automatic (`trades_prefetch_for_saves`), the plan
+    without prefetch (all of that memory for saved activations) is taken instead when the cost
+    model predicts it faster by `TRADE_MARGIN`: a step bound by GPU compute gains more from not
+    recomputing blocks (P1 at 48 sequences) than from updates that start earlier, one bound by the
+    optimizer the reverse (P1 at 16). The plan's ``choice`` says which and why."""
+    plan = _make_plan(cfg, profile, program=program, shape=shape, disk_tier=disk_tier)
+    if not trades_prefetch_for_saves(cfg, profile) or not plan.prefetch:
+        return plan
+    alt = _make_plan(dataclasses.replace(cfg, update_prefetch=0), profile, shape=plan.shape, disk_tier=disk_tier)
+    if not (alt.fits and len(alt.saves) > len(plan.saves) and alt.step.step_s < plan.step.step_s * (1 - TRADE_MARGIN)):
+        return plan
+    why = (f"update prefetch off: its GPU memory keeps {len(alt.saves)} blocks' activations instead of {len(plan.saves)}, "
+           f"predicted {alt.step.step_s * 1e3:,.0f} ms per step against {plan.step.step_s * 1e3:,.0f} ms with "
+           f"{plan.prefetch} layers prefetched")
+    return dataclasses.replace(alt, choice=why)
+
+
+def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | None = None, shape: ModelShape | None = None,
+               disk_tier: bool = False) -> Plan:
     cfg.validate()
     cbytes = compute_bytes(cfg, profile)
     if shape is None:

@@ -269,6 +269,25 @@ def plan_prefetch(cfg: TrainConfig, program: Program, placement: list[str], gpu_
                               grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
 
 
+def trade_prefetch_for_saves(cfg: TrainConfig, program: Program | None) -> tuple[TrainConfig, str]:
+    """``cfg`` with ``update_prefetch`` 0 when `mtc.planner.make_plan`, on this machine's
+    calibrated profile (`mtc.planner.local_profile`), predicts the step faster with that GPU
+    memory keeping blocks' activations instead (a step bound by GPU compute), and the plan's
+    reason; else ``cfg`` unchanged and "" (no profile for this device: the memory-based choices
+    stand, prefetch first). ``program`` None: the preset's, traced on the meta device."""
+    from mtc.planner import local_profile, make_plan, trades_prefetch_for_saves
+
+    if not cfg.device.startswith("cuda"):
+        return cfg, ""
+    prof, _ = local_profile(cfg.device)
+    if prof is None or not trades_prefetch_for_saves(cfg, prof):
+        return cfg, ""
+    plan = make_plan(cfg, prof, program=program)
+    if plan.cfg.update_prefetch == 0:
+        return dataclasses.replace(cfg, update_prefetch=0), f"{plan.choice} (profile {prof.name})"
+    return cfg, ""
+
+
 def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placement: list[str], gpu_update: set[int],
                prefetch: int = 0, *, micro_batches: int | None = None) -> list[int]:
     """The blocks that keep their forward's saved values on the device until their backward
@@ -609,14 +628,18 @@ def train(
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         # a data-parallel rank's store holds its shard only: its disk layers keep the compute copy in RAM
         dc = "ram" if world.distributed else run_disk_compute(cfg, program)
-        placement, gpu_update = plan_placement(cfg, program, disk_compute=dc)
+        # GPU memory for the update prefetch's buffers, or for blocks' saved activations (the cost model's pick)
+        pcfg, why = (cfg, "") if world.distributed else trade_prefetch_for_saves(cfg, program)
+        if why and notify is not None:
+            notify(why)
+        placement, gpu_update = plan_placement(pcfg, program, disk_compute=dc)
         placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
                                      disk_compute=dc, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
-        prefetch = 0 if world.distributed else plan_prefetch(cfg, program, placement, gpu_update)
+        prefetch = 0 if world.distributed else plan_prefetch(pcfg, program, placement, gpu_update)
         t_state = time.perf_counter()
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=dc,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,

@@ -440,3 +440,38 @@ def test_the_plan_keeps_blocks_activations_where_the_gpu_has_room():
     # an explicit choice is not fitted: more than the GPU holds fails the GPU check
     big = plan(save_activations="all", grad_accum=4, placement="gpu")
     assert not big.fits and any("saved activations" in c.what and not c.ok for c in big.checks)
+
+
+@pytest.mark.parametrize("seqs", [16, 48])
+def test_a_compute_bound_step_trades_the_update_prefetch_for_saved_activations(monkeypatch, seqs):
+    # P1's shape, stateless, on the H100 box's profile: at 48 sequences the step is bound by GPU
+    # compute and the memory the prefetch's buffer sets would take keeps 11 blocks' activations
+    # instead (predicted 3.22 s against 3.50 s at this commit); at 16 the optimizer bounds it and
+    # the prefetch stays. `mtc.train` takes the same choice on a calibrated profile of its machine.
+    import importlib
+
+    import mtc.planner as planner
+
+    tr = importlib.import_module("mtc.train")
+    over = {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20, "vocab_size": 32000}
+    cfg = TrainConfig(model="8b", model_overrides=over, micro_batch_size=4, grad_accum=seqs // 4, seq_len=1024, device="cuda",
+                      durability="none", placement="stateless")
+    prof = builtin("h100-box")
+    plan = make_plan(cfg, prof)
+    with_prefetch = make_plan(cfg, prof) if seqs == 16 else planner._make_plan(cfg, prof)
+    no_prefetch = planner._make_plan(dataclasses.replace(cfg, update_prefetch=0), prof)
+    assert with_prefetch.prefetch > 0 and len(no_prefetch.saves) > len(with_prefetch.saves)
+    monkeypatch.setattr(planner, "local_profile", lambda device: (prof, ""))
+    got, why = tr.trade_prefetch_for_saves(cfg, None)
+    if seqs == 48:
+        assert no_prefetch.step.step_s < with_prefetch.step.step_s * (1 - planner.TRADE_MARGIN)
+        assert plan.cfg.update_prefetch == 0 and plan.prefetch == 0 and plan.saves == no_prefetch.saves
+        assert plan.choice.startswith("update prefetch off") and plan.choice in plan.lines()
+        assert got.update_prefetch == 0 and why.startswith("update prefetch off") and "h100-box" in why
+    else:
+        assert no_prefetch.step.step_s > with_prefetch.step.step_s
+        assert plan.cfg.update_prefetch is None and plan.prefetch > 0 and not plan.choice
+        assert got is cfg and why == ""
+    # told what to do, neither changes it
+    fixed = dataclasses.replace(cfg, update_prefetch=2)
+    assert make_plan(fixed, prof).prefetch == 2 and tr.trade_prefetch_for_saves(fixed, None) == (fixed, "")
