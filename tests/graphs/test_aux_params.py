@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,16 +83,18 @@ def test_compiled_templates_take_aux_gradients(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_training_with_aux_parameters_matches_torch(tmp_path):
+@pytest.mark.parametrize("save", ["auto", "all"])  # all: the blocks keep their activations and return the aux gradient from them
+def test_compiled_training_with_aux_parameters_matches_torch(tmp_path, save):
     torch.manual_seed(0)
     m = LearnedPositions()
     toks = np.random.default_rng(3).integers(0, 64, 4_000).astype(np.uint16)
     tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=64, tokenizer="byte")
-    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=8, grad_accum=2, kernels="fused",
+    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=8, grad_accum=2, kernels="fused", save_activations=save,
                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
     ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(m))
     res = train(cfg, None, tf, model=m)
     try:
+        assert bool(res.saves) == (save == "all")
         for a, b in zip(res.losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * b
         got = read_params(res.program, res.store, res.generation)
