@@ -40,8 +40,9 @@ the H100). `GraphRunner` wraps a template's runner and replays each graph as a C
   replays never synchronise the host.
 - **Measured, not assumed.** A runner whose backend compares (`CudaGraphCapture(compare=True)`,
   what `mtc train` uses) times the first captured graph of each callable against the eager call
-  (the warm-up's eager calls against replays right after capture); when replay is the slower by more than
-  `REPLAY_MARGIN` (the H200 ran a Llama-8B block's replayed joint graph at 23.1 ms against 21.9
+  (the warm-up's eager calls against replays right after capture, each with its copies into the
+  fixed input buffers: a backward from saved activations copies hundreds of MB of them); when
+  replay is the slower by more than `REPLAY_MARGIN` (the H200 ran a Llama-8B block's replayed joint graph at 23.1 ms against 21.9
   eager, while GPT-2's replay was 1.3x faster than eager), that callable runs eagerly from then on,
   and the report says so with both times.
 - **Fallback.** A graph that calls an op known to synchronise the host (``nonzero``, ``.item()``,
@@ -121,10 +122,12 @@ def capture_blocker(graph: fx.Graph) -> str | None:
 class Capture(Protocol):
     """Records ``fn(*args)`` once and replays it on the same buffers."""
 
-    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor],
+                copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Callable[[], None], Any, dict[str, float]]:
         """(replay, outputs, figures): ``replay()`` recomputes ``fn`` from the current contents of
         ``args`` into ``outputs``; figures: ``warmup_s``, ``capture_s``, ``pool_bytes``, and from a
-        backend that compares, ``eager_ms`` and ``replay_ms`` (median time of one call each way)."""
+        backend that compares, ``eager_ms`` and ``replay_ms`` (median time of one call each way;
+        a replayed call includes ``copies``, the (fixed buffer, argument) copies made before it)."""
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -141,7 +144,8 @@ class CudaGraphCapture:
         self.stream = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor],
+                copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Callable[[], None], Any, dict[str, float]]:
         """Warm up ``fn`` on the side stream, then capture it there (see the module docstring)."""
         cur = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
@@ -184,17 +188,21 @@ class CudaGraphCapture:
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
                    "pool_bytes": float(max(0, torch.cuda.memory_reserved(self.device) - before))}
         if self.compare:
-            figures.update(eager_ms=_median(eager_ms), replay_ms=self._time_replay(g, cur))
+            figures.update(eager_ms=_median(eager_ms), replay_ms=self._time_replay(g, cur, copies))
         return g.replay, out, figures
 
-    def _time_replay(self, g: Any, stream: Any) -> float:
-        """Median ms of one replay on ``stream``. (The eager side was timed in the warm-up: timing
-        it after the capture would hold the graph's pool and an eager call's temporaries at once.)"""
+    def _time_replay(self, g: Any, stream: Any, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Median ms of one replayed call on ``stream``: its copies into the fixed input buffers (a
+        block's saved activations are hundreds of MB), then the replay. (The eager side was timed
+        in the warm-up: timing it after the capture would hold the graph's pool and an eager
+        call's temporaries at once.)"""
         times = []
         with torch.cuda.stream(stream):
             for _ in range(self.reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record(stream)
+                for dst, src in copies:
+                    dst.copy_(src)
                 g.replay()
                 b.record(stream)
                 b.synchronize()
@@ -211,8 +219,9 @@ class EmulatedCapture:
     def __init__(self, times: tuple[float, float] | None = None) -> None:
         self.times = times
 
-    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> tuple[Callable[[], None], Any, dict[str, float]]:
-        """Run ``fn`` once; its outputs become the fixed output buffers."""
+    def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor],
+                copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Callable[[], None], Any, dict[str, float]]:
+        """Run ``fn`` once; its outputs become the fixed output buffers (``copies``: unused here)."""
         t0 = time.perf_counter()
         out = fn(*args)
         static = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -326,7 +335,8 @@ class _Replayer:
         static_in = [None if k in bound else self._buffer(k, a) for k, a in enumerate(args)]
         call_args = [a if s is None else s for a, s in zip(args, static_in, strict=True)]
         try:
-            replay, out, fig = self.owner.backend.capture(self.fn, call_args)
+            copies = [(s, a) for a, s in zip(args, static_in, strict=True) if s is not None and s.data_ptr() != a.data_ptr()]
+            replay, out, fig = self.owner.backend.capture(self.fn, call_args, copies)
         except Exception as e:  # noqa: BLE001  (whatever breaks capture: run this graph eagerly from now on)
             self.owner._fall_back(self.which, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None

@@ -72,7 +72,7 @@ class _ToyRunner:
 
 
 class _Failing:
-    def capture(self, fn, args):
+    def capture(self, fn, args, copies=()):
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
 
