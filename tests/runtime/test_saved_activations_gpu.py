@@ -50,7 +50,9 @@ def test_no_host_sync_with_saved_activations_and_the_backward_replays(tokens, tm
         steps_without_host_sync(hb, cfg, tokens, 4, strict_from=2)  # warm from step 2: the ring's slots alternate
         block = next(r for r in hb.runners.values() if r.template.kind == "block")
         st = block.stats
-        assert st["backward"].captured and st["backward"].replays and st["backward"].fallback is None, st["backward"].fallback
+        # replayed, unless its replay (copies of the saved values in) measured slower than eager
+        assert st["backward"].fallback is None, st["backward"].fallback
+        assert (st["backward"].captured and st["backward"].replays) or st["backward"].skipped
         assert st["save"].skipped and st["joint"].replays == 0
         # the flash-attention forward's output and log-sum-exp are among the saved values
         ct = hb.compiled[block.template.id]
