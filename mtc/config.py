@@ -226,15 +226,16 @@ class TrainConfig:
     durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")
     commit_every: int = field(0, ge=0, help="commit (write state behind, then the atomic record) every N steps; 0: auto, "
                               "as often as keeps commits under 5%% of the run's time (each once the last has landed)")
-    # Fused plans: a block may keep its matmul and attention outputs on the GPU from its forward
-    # visit to its backward visit instead of recomputing them (graphs/split.py): about a quarter
-    # of a block's compute, for ~86 KB per token of a Llama-8B-wide block in bf16
-    # (mtc.train.plan_saves); "auto" fills the GPU memory the placement leaves, and is off with a
-    # fixed --activation-budget-gb (whose GPU peak must not grow with the model)
+    # A block may keep its matmul and attention outputs on the GPU from its forward visit to its
+    # backward visit instead of recomputing them (graphs/split.py): about a fifth of a block's
+    # compute, for ~86 KB per token of a Llama-8B-wide block in bf16 (mtc.train.plan_saves);
+    # "auto" fills the GPU memory the placement leaves (fused plans), and is off with a fixed
+    # --activation-budget-gb (whose GPU peak must not grow with the model). Unfused blocks keep
+    # their autograd graphs, when told to (their size is not estimated).
     save_activations: str = field("auto", choices=("auto", "off", "all"), syntax=_count, syntax_doc="a number of blocks",
-                                  help="blocks that keep their forward's matmul and attention outputs on the GPU for the "
-                                  "backward instead of recomputing them (fused plans): auto (as many as fit in the GPU "
-                                  "memory left; none on the CPU or with --activation-budget-gb), off, all, or N (the last N)")
+                                  help="blocks that keep their forward's activations on the device for the backward instead "
+                                  "of recomputing them: auto (fused plans on CUDA: as many as fit in the GPU memory left; "
+                                  "none on the CPU, unfused or with --activation-budget-gb), off, all, or N (the last N)")
     activation_budget_gb: float | None = field(None, gt=0,
                                                help="GPU GB for layer-boundary activations (beyond: pinned host); none: no limit")
     ram_budget_gb: float | None = field(None, gt=0, help="host RAM GB for state (auto placement); none: available memory minus a margin")

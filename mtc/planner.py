@@ -342,7 +342,7 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     prefetch = pl.choose_prefetch(cfg.update_prefetch, gpu_update, list(shape.numels), cbytes, gpu_bytes=None, grads_on_device=False)
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
                  gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch)
-    if cuda and cfg.fused and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
+    if cuda and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
         blocks = list(range(1, shape.n_layers - 1))
         per = [saved_bytes(shape.costs[i], cbytes) for i in blocks]
         try:
@@ -504,12 +504,12 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
 def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory) -> list[int]:
     """The blocks that keep their activations between visits, as `mtc.train.plan_saves` chooses
     them (`mtc.runtime.placement.choose_saves`), from the shapes' estimate of what each keeps
-    (`mtc.costmodel.saved_bytes`) and the GPU memory ``mem`` leaves; none unfused (the blocks
-    recompute), on the CPU, or with a fixed activation budget (auto). Blocks: the layers between
-    the embed stage and the head."""
+    (`mtc.costmodel.saved_bytes`: a compiled block's; an unfused block keeps more, its autograd
+    graph) and the GPU memory ``mem`` leaves; auto keeps none unfused, on the CPU, or with a fixed
+    activation budget. Blocks: the layers between the embed stage and the head."""
     cuda = profile.accelerator == "cuda"
-    if not (cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)):
-        return []
+    if not (cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)) and cfg.save_activations.strip() == "auto":
+        return []  # (unfused blocks keep their autograd graphs only when told: their size is not estimated)
     blocks = list(range(1, shape.n_layers - 1))
     left = None  # no GPU, or a fixed activation budget: auto keeps nothing
     if cuda and cfg.activation_budget_gb is None and cfg.gpu_budget_gb is not None:

@@ -295,15 +295,21 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
     compiled block's exact saved bytes): 'auto' fills, on CUDA, the GPU memory the placement, the
     workspace and the GPU-side updates leave, for every micro-batch of the step
     (``micro_batches``: this rank's, default ``cfg.grad_accum``); none on the CPU or with a fixed
-    ``activation_budget_gb``. An explicit choice that some block cannot take (an unfused plan, a
-    block without split graphs) raises ConfigError."""
+    ``activation_budget_gb``. Unfused blocks keep their autograd graphs (`mtc.runtime.runners`),
+    whose size no compiled template states: only an explicit choice keeps them. An explicit
+    choice that some compiled block cannot take (no split graphs) raises ConfigError."""
     spec = cfg.save_activations.strip()
     blocks = [c.index for c in program.layers if program.templates[c.template].kind == "block"]
-    split = [i for i in blocks if compiled is not None and compiled[program.layers[i].template].save_graph is not None]
+    if compiled is None:  # unfused
+        try:
+            return [] if spec == "auto" else pl.choose_saves(spec, blocks, [0] * len(blocks), [""] * len(blocks),
+                                                              micro_batches=1, gpu_bytes=None, replay_copy=False)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    split = [i for i in blocks if compiled[program.layers[i].template].save_graph is not None]
     if spec not in ("off", "auto") and len(split) < len(blocks):
-        why = "the plan runs unfused (--kernels fused compiles it)" if compiled is None else "; ".join(
-            sorted({f"{ct.template_id}: {ct.split_note or 'compiled without split graphs'}" for ct in compiled.values()
-                    if ct.save_graph is None and program.templates[ct.template_id].kind == "block"}))
+        why = "; ".join(sorted({f"{ct.template_id}: {ct.split_note or 'compiled without split graphs'}" for ct in compiled.values()
+                                if ct.save_graph is None and program.templates[ct.template_id].kind == "block"}))
         raise ConfigError(f"--save-activations {spec}: {len(blocks) - len(split)} of {len(blocks)} blocks cannot keep their "
                           f"activations ({why}); use --save-activations auto or off")
     left = None
@@ -314,7 +320,7 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
             gpu_update, numels, cbytes, prefetch=prefetch, grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
     tids = [program.layers[i].template for i in split]
     try:
-        return pl.choose_saves(spec, split, [compiled[t].saved_bytes() for t in tids], tids,  # type: ignore[index]
+        return pl.choose_saves(spec, split, [compiled[t].saved_bytes() for t in tids], tids,
                                micro_batches=cfg.grad_accum if micro_batches is None else micro_batches,
                                gpu_bytes=left, replay_copy=cfg.cuda_graphs != "off")
     except ValueError as e:
@@ -705,10 +711,12 @@ def train(
                                     log=notify)
         saves = plan_saves(cfg, program, compiled, placement, gpu_update, prefetch,
                            micro_batches=cfg.grad_accum // world.world_size)
-        kept = sum(compiled[program.layers[i].template].saved_bytes() for i in saves) * (cfg.grad_accum // world.world_size)  # type: ignore[index]
+        kept = 0 if compiled is None else sum(compiled[program.layers[i].template].saved_bytes() for i in saves) * (
+            cfg.grad_accum // world.world_size)
         if notify is not None and (saves or cfg.save_activations != "auto"):
-            notify(f"saved activations: {len(saves)} blocks keep their matmul and attention outputs for the backward "
-                   f"({kept / 2**30:.2f} GiB on the device), the others recompute them")
+            what = ("their autograd graphs (unfused: size not known ahead)" if compiled is None else
+                    f"their matmul and attention outputs ({kept / 2**30:.2f} GiB on the device)")
+            notify(f"saved activations: {len(saves)} blocks keep {what} for the backward, the others recompute them")
         eng = build_engine(cfg, program, tiers, gpu_update, st, timeline, runners=runners, serialize=serialize, prefetch=prefetch,
                            saves=saves)
         if device.type == "cuda" and notify is not None:

@@ -458,6 +458,8 @@ class GraphRunner:
         call, time, memory) or why not."""
         lines = []
         for which, st in self.stats.items():
+            if which in ("save", "backward") and not (st.eager_calls or st.replays or st.captured):
+                continue  # no layer of the template kept its activations
             head = f"{self.template.id} {which}:"
             if st.fallback is not None:
                 lines.append(f"{head} eager ({st.fallback}), {st.eager_calls} calls")

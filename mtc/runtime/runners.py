@@ -8,12 +8,18 @@ A runner gives two callables per device:
   outputs are None except a head's (`graphs.program.joint_keeps_outputs`: the executor reads
   only the head's loss, and a compiled block then skips its last matmul).
 
-A runner whose ``saves`` is true (a compiled block with split graphs: graphs/split.py) has two
-more, for layers the executor keeps values of between their visits instead of recomputing them:
+A runner whose ``saves`` is true (a compiled block with split graphs: graphs/split.py; an unfused
+block) has two more, for layers the executor keeps values of between their visits instead of
+recomputing them:
 
 - ``save(*args) -> (*outputs, *saved)``: the forward, also returning what its backward reads,
 - ``backward(*args, *saved, *grad_outputs) -> (*None, *grads)``: the joint's result without the
   recomputed forward.
+
+An unfused block's saved value is its autograd graph (`_Kept`): the tensors autograd keeps,
+except those that are views of the layer's weights, which live in a weight-ring slot that later
+layers overwrite: those are kept as their place in the slot and read from the backward visit's
+weights (same layout, fetched again) when the backward unpacks them.
 
 Compiled templates (`mtc.compiler.CompiledTemplate`: generated kernels, joint graph from the
 compiler) already have this shape; `AutogradRunner` gives it to an unfused ATen template through
@@ -86,10 +92,9 @@ class AutogradRunner:
     blocks take its gradient and the embed stage receives it as an extra grad output).
     """
 
-    saves = False  # an unfused layer is recomputed (nothing is kept between its visits)
-
     def __init__(self, template: Template, call: LayerCall, aux_needs_grad: Sequence[bool]) -> None:
         self.template = template
+        self.saves = template.kind == "block"
         self.embed = template.kind == "embed"
         self.n_out = 1 + template.n_aux_out
         self.diff = []
@@ -133,7 +138,60 @@ class AutogradRunner:
         return fn
 
     def save(self, device: torch.device) -> Callable[..., Any]:
-        """Not available: an unfused layer is recomputed (``saves`` is False)."""
-        raise NotImplementedError("an unfused template keeps nothing between visits; compile the plan to save activations")
+        """The forward under autograd, returning the detached outputs and the graph (`_Kept`)."""
+        gm, diff, outs_idx = self.module(device), self.diff, self._grad_outs
+        params = [k for k, i in enumerate(self.template.inputs) if i.kind == "param"]
 
-    backward = save
+        def fn(*a: torch.Tensor) -> tuple[Any, ...]:
+            args = list(a)
+            kept = _Kept({args[k].untyped_storage().data_ptr(): k for k in params})
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+                for k in diff:
+                    args[k] = args[k].detach().requires_grad_()
+                out = gm(*args)
+            kept.outs, kept.leaves = [out[i] for i in outs_idx], [args[k] for k in diff]
+            return (*[o.detach() for o in out], kept)
+
+        return fn
+
+    def backward(self, device: torch.device) -> Callable[..., Any]:
+        """Gradients of the ``diff`` inputs from the forward visit's graph (outputs None)."""
+        n_in, n_out = len(self.template.inputs), self.n_out
+
+        def fn(*a: Any) -> tuple[Any, ...]:
+            kept: _Kept = a[n_in]
+            kept.weights = list(a[:n_in])  # this visit's weights: where the graph's weight views are read
+            gouts = [go.to(o.dtype) if go.dtype != o.dtype else go for go, o in zip(a[n_in + 1:], kept.outs, strict=True)]
+            grads = torch.autograd.grad(kept.outs, kept.leaves, gouts, allow_unused=True)
+            kept.outs = kept.leaves = kept.weights = []  # the graph goes now, not when the executor drops the tuple
+            return (*[None] * n_out, *grads)
+
+        return fn
+
+
+class _Kept:
+    """An unfused block's autograd graph between its forward and its backward visit.
+
+    ``pack`` replaces every saved tensor that lies in the storage of one of the layer's weights
+    (keyed by that storage's address: a ring slot, or a resident layer's compute copy) with its
+    place there; ``unpack`` reads that place in ``weights``, the backward visit's arguments."""
+
+    __slots__ = ("leaves", "outs", "storages", "weights")
+
+    def __init__(self, storages: dict[int, int]) -> None:
+        self.storages = storages  # storage address -> index of a weight argument in it
+        self.outs: list[torch.Tensor] = []
+        self.leaves: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """What the graph keeps of ``t``."""
+        k = self.storages.get(t.untyped_storage().data_ptr())
+        return t if k is None else (k, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        """The tensor ``pack`` kept, in this visit's weights where it was a weight view."""
+        if isinstance(x, torch.Tensor):
+            return x
+        k, shape, stride, offset = x
+        return self.weights[k].as_strided(shape, stride, offset)

@@ -99,6 +99,15 @@ def hand_built_engine(cfg: TrainConfig, kernels_dir: Path | None = None, *,
         runners = {tid: CompiledRunner(ct, prog.templates[tid]) for tid, ct in compiled.items()}
         runners = replay_graphs(runners, prog.templates, compiled, device, log=log)
     if wrap is not None:
+        if runners is None:  # unfused: the runners the executor would make
+            from mtc.graphs.program import aux_param_dependence
+            from mtc.runtime.runners import AutogradRunner
+
+            aux = aux_param_dependence(prog.template_of(0))
+            runners = {}
+            for c in prog.layers:  # each template's first call, as the executor takes it
+                if c.template not in runners:
+                    runners[c.template] = AutogradRunner(prog.templates[c.template], c, aux)
         runners = wrap(runners)
     eng = build_engine(cfg, prog, tiers, gpu_update, run.store, Timeline(), runners=runners, saves=saves)
     return HandBuilt(run, placement, tiers, gpu_update, runners, compiled, eng)

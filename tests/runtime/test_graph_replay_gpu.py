@@ -53,12 +53,16 @@ def test_replay_equals_eager_bit_for_bit(tmp_path, dtype):
     again = ct.module("joint", dev)(*args, g)
     if not all(torch.equal(a, b) for a, b in zip(again, want_j, strict=True) if a is not None):
         pytest.skip("two eager calls differ (a nondeterministic kernel was chosen): nothing to compare bit for bit")
+    kept = ct.module("save", dev)(*args)[1:]  # the backward from saved values replays too
+    want_b = ct.module("backward", dev)(*args, *kept, g)
     for _ in range(3):  # the first call captures, every call replays
-        got_f, got_j = r.forward(dev)(*args), r.joint(dev)(*args, g)
+        got_f, got_j, got_b = r.forward(dev)(*args), r.joint(dev)(*args, g), r.backward(dev)(*args, *kept, g)
         assert all(torch.equal(a, b) for a, b in zip(got_f, want_f, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(got_j, want_j, strict=True) if a is not None)
-    for st in r.stats.values():
-        assert st.fallback is None and st.captured == 1 and st.replays == 3 and st.eager_calls == 0
+        assert all(torch.equal(a, b) for a, b in zip(got_b, want_b, strict=True) if a is not None)
+    for which in ("forward", "joint", "backward"):
+        st = r.stats[which]
+        assert st.fallback is None and st.captured == 1 and st.replays == 3 and st.eager_calls == 0, which
     run.store.close()
 
 
@@ -125,7 +129,7 @@ def test_no_host_sync_once_graphs_are_captured_and_their_memory_is_counted(token
     from mtc.runtime.graph_replay import graph_memory_bytes
 
     block = next(r for r in runners.values() if r.template.kind == "block")
-    assert all((st.captured, st.copy_in) == (3, 0) for st in block.stats.values())
+    assert all((block.stats[w].captured, block.stats[w].copy_in) == (3, 0) for w in ("forward", "joint"))
     shape = shape_from_program(prog, cfg.model, 2)
     blocks = [shape.graph_buffers[i] if prog.template_of(i).kind == "block" else None for i in range(prog.n_layers)]
     assert graph_memory_bytes(blocks, placement) == sum(st.static_bytes + st.kept_bytes for st in block.stats.values())

@@ -91,12 +91,44 @@ def test_a_saving_block_runs_its_backward_from_saved_values(tokens, tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
 
 
-def test_only_blocks_with_split_graphs_can_save(tokens):
+def test_only_blocks_can_save(tokens):
     cfg = small_config(kernels="unfused", durability="none")
-    with pytest.raises(PlanError, match="layer 1 cannot keep its activations"):
-        hand_built_engine(cfg, saves=(1,)).close()
-    with pytest.raises(ConfigError, match="2 of 2 blocks cannot keep their activations.*unfused"):
-        train(small_config(kernels="unfused", save_activations="all", steps=1, durability="none"), None, tokens)
+    for layer in (0, 3, 4):  # the embed stage, the head, no layer
+        with pytest.raises(PlanError, match=f"layer {layer} cannot keep its activations"):
+            hand_built_engine(cfg, saves=(layer,)).close()
+
+
+@pytest.mark.parametrize("placement", ["ram", "gpu:0-1,ram:2-3"])  # streamed through the ring, and resident
+def test_unfused_blocks_keep_their_autograd_graphs_bit_for_bit(tokens, placement):
+    # an unfused block's saved value is its autograd graph, its weight views re-read from the
+    # backward visit's weights: the step is the recomputing one's bit for bit (the same ATen ops
+    # on the same values). (With the ring's two slots a layer's two visits land in one slot, so
+    # the test below, with the slot overwritten in between, is the one that checks the re-read.)
+    cfg = small_config(kernels="unfused", durability="none", placement=placement, steps=3)
+    calls: Counter = Counter()
+    hb = hand_built_engine(cfg, saves=(1, 2), wrap=lambda rs: {tid: Counting(r, tid, calls) for tid, r in rs.items()})
+    try:
+        losses = _steps(hb, cfg, tokens, 3)
+        weights = torch.cat([hb.tiers[i].master.clone() for i in range(hb.run.program.n_layers)])
+    finally:
+        hb.close()
+    ref = hand_built_engine(cfg)
+    try:
+        want = _steps(ref, cfg, tokens, 3)
+        want_weights = torch.cat([ref.tiers[i].master.clone() for i in range(ref.run.program.n_layers)])
+    finally:
+        ref.close()
+    assert losses == want and torch.equal(weights, want_weights)
+    n = 3 * cfg.grad_accum * 2  # steps x micro-batches x blocks
+    block = hb.run.program.layers[1].template
+    assert calls[(block, "save")] == calls[(block, "backward")] == n and calls[(block, "joint")] == 0
+    # train chooses them only when told (their size is not known ahead)
+    res = train(dataclasses.replace(cfg, save_activations="all"), None, tokens)
+    res.store.close()
+    assert res.saves == [1, 2] and res.losses == want
+    res = train(cfg, None, tokens)
+    res.store.close()
+    assert res.saves == []
 
 
 @dataclasses.dataclass
@@ -183,3 +215,40 @@ def test_replayed_backward_from_saved_values_matches_eager(tokens, tmp_path):
     assert block.stats["backward"].replays == 3 * 2 * cfg.grad_accum and block.stats["joint"].replays == 0
     assert block.stats["save"].skipped and block.stats["save"].captured == 0
     assert any("block" in line and "save: not replayed" in line for line in graph_report(wrapped))
+
+
+def test_an_unfused_saved_graph_reads_the_backward_visits_weights():
+    # the forward visit's slot is reused by other layers before the backward visit, which may
+    # fetch the layer into another slot (a ring of three, say): the kept graph must read its
+    # weight views from the backward visit's arguments, not from the slot it was built in
+    from mtc.graphs.program import aux_param_dependence
+    from mtc.runtime.runners import AutogradRunner
+    from mtc.runtime.state import flatten_layer
+    from mtc.train import open_run
+
+    run = open_run(small_config(kernels="unfused"), None)
+    run.store.close()
+    prog, call = run.program, run.program.layers[1]
+    t = prog.templates[call.template]
+    runner = AutogradRunner(t, call, aux_param_dependence(prog.template_of(0)))
+    torch.manual_seed(0)
+    aux = [torch.randn(a.shape) for a in prog.aux]
+    carry, gout = torch.randn(prog.carry.shape), torch.randn(prog.carry.shape)
+    weights = flatten_layer(prog, 1, run.params)
+
+    def args(slot: torch.Tensor) -> list[torch.Tensor]:
+        views = {p.key: slot[p.offset:p.offset + p.numel].view(p.spec.shape) for p in prog.layer_params(1)}
+        out = []
+        for inp in t.inputs:
+            src = call.bindings[inp.name]
+            out.append(views[src.key] if src.kind == "param" else carry if src.kind == "carry" else aux[src.index])
+        return out
+
+    a, b = weights.clone(), weights.clone()
+    kept = runner.save(torch.device("cpu"))(*args(a))[-1]
+    a.fill_(float("nan"))  # the forward visit's slot, filled with another layer's weights
+    got = runner.backward(torch.device("cpu"))(*args(b), kept, gout)
+    want = runner.joint(torch.device("cpu"))(*args(b), gout)
+    assert all(o is None for o in got[:runner.n_out])
+    for x, y in zip(got[runner.n_out:], want[runner.n_out:], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
