@@ -394,3 +394,18 @@ def test_layernorm_gradients_cast_and_combine_in_one_second_stage(tmp_path):
     assert second_stage_launches(ct.joint_graph) == sum(k.second_stage_launches for k in cols) == len(cols)
     # no kernel of the graph only casts a (N,) vector any more
     assert not any(getattr(n.target, "mode", None) == "pointwise" and len(n.target.shape) == 1 for n in ct.joint_graph.nodes)
+
+
+def test_bench_saves_smoke(tmp_path):
+    # the A/B of saved activations: both settings in every round, the same losses (the unfused
+    # blocks' kept graphs compute the recomputing step bit for bit), the ratio from the medians
+    (rec,) = run_bench("bench_saves.py", ["--dim", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--layers", "2",
+                                          "--micro-batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2", "--rounds", "2"],
+                       tmp_path)
+    assert rec["benchmark"] == "bench_saves" and rec["kernels"] == "unfused" and len(rec["rounds"]) == 4
+    by = {(r["round"], r["save_activations"]): r for r in rec["rounds"]}
+    for r in range(2):
+        assert by[(r, "all")]["saved_blocks"] == [1, 2] and by[(r, "off")]["saved_blocks"] == []
+        assert by[(r, "all")]["losses"] == by[(r, "off")]["losses"]
+    med = rec["median_step_s"]
+    assert rec["recompute_over_save"] == pytest.approx(med["off"] / med["all"])
