@@ -16,8 +16,11 @@ def tokens(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tokens, tmp_path_factory):
-    # four blocks: six program layers; a local store so write-behind and commits really hit a disk
-    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, optim_threads=1, commit_every=1)
+    # four blocks: six program layers; a local store so write-behind and commits really hit a disk.
+    # Blocks of width 384: each update takes a few ms, so the updates still running when the next
+    # step's forward starts are ~40 ms of work, not ~15 ms that a loaded 2-core machine's thread
+    # scheduling could eat (the overlap test failed once by 1.3 ms at the preset's width 128)
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4, "dim": 384, "ffn_dim": 1024}, optim_threads=1, commit_every=1)
     res = train(cfg, tmp_path_factory.mktemp("run") / "s", tokens)
     yield res
     res.store.close()
