@@ -8,7 +8,9 @@ matmul prologue/epilogue fusion forced on and off (the plain fused variant takes
 it timed faster), and torch.compile of the same template. Every mtc variant's joint graph returns
 the block's output, as forward + backward does; a block also gets `mtc_fused_backward`, the joint
 graph a training step's backward visit runs (the output, already held as the next layer's input,
-is not recomputed: no last matmul), timed beside them and not judged. Reports median ms, TFLOP/s (matmul +
+is not recomputed: no last matmul), and `mtc_fused_saved_backward`, the backward visit of a block
+that kept its activations (the backward graph from the saving forward's values: graphs/split.py),
+both timed beside them and not judged. Reports median ms, TFLOP/s (matmul +
 attention FLOPs, x3 for forward + backward), kernel counts, launches per block (the CPU proxy
 everywhere, profiled kernels on CUDA), CUDA-graph capture time and pool, peak memory; one JSON
 record per architecture and part. Variants are timed in interleaved rounds (each round calls every
@@ -218,6 +220,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     want = unfused()
     rels = {}
     mm_fused = {}
+    saved_info = None  # a block's backward from saved values: its launches and what it keeps
     for mode, mm, outputs in configs:
         t0 = time.perf_counter()
         cache = Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-"))
@@ -250,6 +253,24 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         rels[vname] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
                           for a, b in zip(got, want, strict=True))
         variants[vname] = fused
+        if not outputs and ct.backward_graph is not None:
+            # the backward visit of a block that kept its activations (graphs/split.py): the backward
+            # from the saving forward's values, against mtc_fused_backward's recompute + backward
+            with torch.no_grad():
+                kept = ct.module("save", device)(*args)[1 + t.n_aux_out:]
+            backward = ct.module("backward", device)
+
+            def saved(backward=backward, kept=kept):
+                with torch.no_grad():
+                    return backward(*args, *kept, gout)
+
+            got = saved()[1 + t.n_aux_out:]
+            rels["mtc_fused_saved_backward"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+                                                   for a, b in zip(got, want, strict=True))
+            variants["mtc_fused_saved_backward"] = saved
+            saved_info = {"launches": {"save": launches(ct.save_graph), "backward": launches(ct.backward_graph),
+                                       "joint_without_output": launches(ct.joint_graph)},
+                          "saved_bytes_per_call": ct.saved_bytes()}
     graph_runner = None
     if device.type == "cuda":  # the same joint graph replayed as a CUDA graph (mtc.runtime.graph_replay)
         from launch_count import graph_variant
@@ -283,6 +304,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                  # per variant: fused matmuls and kernel launches (forward graph, joint graph) and, for
                  # 'auto', each site's check and timing
                  "matmul_fusion": mm_fused,
+                 "saved_activations": saved_info,
                  "results": {}}
     sampler = ClockSampler(nvml_index(device.index or 0)).start() if device.type == "cuda" else None
     try:

@@ -409,3 +409,15 @@ def test_bench_saves_smoke(tmp_path):
         assert by[(r, "all")]["losses"] == by[(r, "off")]["losses"]
     med = rec["median_step_s"]
     assert rec["recompute_over_save"] == pytest.approx(med["off"] / med["all"])
+
+
+def test_bench_fusion_block_smoke_times_the_backward_from_saved_values(tmp_path):
+    # GPT-2's block on the CPU (interpreter): beside the backward visit's joint graph
+    # (mtc_fused_backward), the backward of a block that kept its activations, checked on the
+    # same gradients, with its launches and what it keeps
+    (rec,) = run_bench("bench_fusion.py", ["--smoke", "--arch", "gpt2", "--part", "block", "--no-torch-compile",
+                                           "--warmup", "0", "--reps", "1"], tmp_path)
+    assert {"mtc_fused_backward", "mtc_fused_saved_backward"} <= set(rec["results"])
+    assert rec["max_rel_grad_diff_vs_unfused"]["mtc_fused_saved_backward"] < 1e-5
+    info = rec["saved_activations"]
+    assert info["saved_bytes_per_call"] > 0 and info["launches"]["backward"] < info["launches"]["joint_without_output"]
