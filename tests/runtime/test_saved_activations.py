@@ -66,6 +66,15 @@ def _steps(hb, cfg, tokens, n: int) -> list[float]:
     return losses
 
 
+def _run(hb, cfg, tokens, n: int) -> tuple[list[float], torch.Tensor]:
+    """``n`` steps of the hand-built engine ``hb`` (closed after): the losses and every layer's master."""
+    try:
+        losses = _steps(hb, cfg, tokens, n)
+        return losses, torch.cat([hb.tiers[i].master.clone() for i in range(hb.run.program.n_layers)])
+    finally:
+        hb.close()
+
+
 def test_a_saving_block_runs_its_backward_from_saved_values(tokens, tmp_path):
     # block 2 keeps its activations, block 1 (same template) recomputes: per step and micro-batch
     # block 2 runs the saving forward and the backward from it, block 1 the forward and the joint
@@ -107,17 +116,8 @@ def test_unfused_blocks_keep_their_autograd_graphs_bit_for_bit(tokens, placement
     cfg = small_config(kernels="unfused", durability="none", placement=placement, steps=3)
     calls: Counter = Counter()
     hb = hand_built_engine(cfg, saves=(1, 2), wrap=lambda rs: {tid: Counting(r, tid, calls) for tid, r in rs.items()})
-    try:
-        losses = _steps(hb, cfg, tokens, 3)
-        weights = torch.cat([hb.tiers[i].master.clone() for i in range(hb.run.program.n_layers)])
-    finally:
-        hb.close()
-    ref = hand_built_engine(cfg)
-    try:
-        want = _steps(ref, cfg, tokens, 3)
-        want_weights = torch.cat([ref.tiers[i].master.clone() for i in range(ref.run.program.n_layers)])
-    finally:
-        ref.close()
+    losses, weights = _run(hb, cfg, tokens, 3)
+    want, want_weights = _run(hand_built_engine(cfg), cfg, tokens, 3)
     assert losses == want and torch.equal(weights, want_weights)
     n = 3 * cfg.grad_accum * 2  # steps x micro-batches x blocks
     block = hb.run.program.layers[1].template
@@ -198,18 +198,8 @@ def test_replayed_backward_from_saved_values_matches_eager(tokens, tmp_path):
     run = open_run(cfg, None)
     hb_prog = run.program
     run.store.close()
-    hb = hand_built_engine(cfg, tmp_path / "k", saves=(1, 2), wrap=wrap)
-    try:
-        losses = _steps(hb, cfg, tokens, 3)
-        weights = torch.cat([hb.tiers[i].master.clone() for i in range(hb.run.program.n_layers)])
-    finally:
-        hb.close()
-    eager = hand_built_engine(cfg, tmp_path / "k", saves=(1, 2))
-    try:
-        want = _steps(eager, cfg, tokens, 3)
-        want_weights = torch.cat([eager.tiers[i].master.clone() for i in range(eager.run.program.n_layers)])
-    finally:
-        eager.close()
+    losses, weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2), wrap=wrap), cfg, tokens, 3)
+    want, want_weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2)), cfg, tokens, 3)
     assert losses == want and torch.equal(weights, want_weights)
     block = next(r for r in wrapped.values() if r.template.kind == "block")
     assert block.stats["backward"].replays == 3 * 2 * cfg.grad_accum and block.stats["joint"].replays == 0
