@@ -37,7 +37,7 @@
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
-#   more, and model/ a fifth variant, mtc_fused_saved)
+#   more, and model/ two variants after torch.compile, mtc_fused_saved and mtc_fused_saved_graph)
 #   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 model/1.5b train/P3
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail

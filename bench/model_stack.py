@@ -15,6 +15,8 @@ compute alone, and the variants differ only in how each template runs:
     mtc_fused_saved  the compiled plan with every block keeping its matmul and attention outputs
                      from the forward to the backward visit (`--save-activations all`): its
                      backward visits run the backward from them, no recompute (eager, as mtc_fused)
+    mtc_fused_saved_graph  the same replayed as `mtc train` runs it on CUDA (the backward from
+                     saved values as CUDA graphs where they time faster, the saving forward eagerly)
     torch_compile    torch.compile of the same templates, run by the same executor
 
 Shapes are bench_train's: P3 (1.5B, h 2048, 23 blocks) and P1 (4.6B, h 4096, 20 blocks), sequences
@@ -53,7 +55,10 @@ from mtc.tracer import trace
 __all__ = ["SHAPES", "VARIANTS", "run_model"]
 
 SHAPES = {"1.5b": P3_SHAPE, "4.6b": P1_SHAPE, "smoke": SMOKE_SHAPE}
-VARIANTS = ("unfused", "mtc_fused", "mtc_fused_graph", "mtc_fused_saved", "torch_compile")
+# in the order they run: a time limit skips the last (the comparison with torch.compile before the saved variants)
+VARIANTS = ("unfused", "mtc_fused", "mtc_fused_graph", "torch_compile", "mtc_fused_saved", "mtc_fused_saved_graph")
+GRAPH_VARIANTS = ("mtc_fused_graph", "mtc_fused_saved_graph")  # CUDA only
+SAVING_VARIANTS = ("mtc_fused_saved", "mtc_fused_saved_graph")
 
 
 class ComputeOnlyTiers(StateTiers):
@@ -150,7 +155,7 @@ def _runners(variant: str, program: Program, device: torch.device, cache: Path) 
     compiled = compile_program(program, cache, log=None)  # fresh cache: compiled (and tuned); else loaded
     info = {"plan_compile_s" if fresh else "plan_load_s": time.perf_counter() - t0}
     runners = {tid: CompiledRunner(ct, program.templates[tid]) for tid, ct in compiled.items()}
-    if variant == "mtc_fused_graph":
+    if variant in GRAPH_VARIANTS:
         runners = replay_graphs(runners, program.templates, compiled, device)
     return runners, info
 
@@ -183,6 +188,10 @@ def _ratios(rec: dict) -> None:
         rec["graph_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused_graph"]["median_ms"]
     if "mtc_fused_saved" in res and "mtc_fused" in res:  # what keeping the activations saves (both eager)
         rec["saved_speedup_vs_fused"] = res["mtc_fused"]["median_ms"] / res["mtc_fused_saved"]["median_ms"]
+    if "mtc_fused_saved_graph" in res and "mtc_fused_graph" in res:  # the same, both as `mtc train` runs them on CUDA
+        rec["saved_graph_speedup_vs_graph"] = res["mtc_fused_graph"]["median_ms"] / res["mtc_fused_saved_graph"]["median_ms"]
+    if "mtc_fused_saved_graph" in res and "torch_compile" in res:
+        rec["saved_graph_speedup_vs_torch_compile"] = res["torch_compile"]["median_ms"] / res["mtc_fused_saved_graph"]["median_ms"]
 
 
 def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, seq_len: int, warmup: int, reps: int,
@@ -223,7 +232,7 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
     ref: dict[str, Any] | None = None
     cache = Path(tempfile.mkdtemp(prefix="mtc-bench-model-"))  # the plan: compiled once, loaded by the graph variant
     for v in variants:
-        if v == "mtc_fused_graph" and device.type != "cuda":
+        if v in GRAPH_VARIANTS and device.type != "cuda":
             continue
         if deadline is not None and time.monotonic() > deadline:
             rec["results"][v] = {"skipped": "time limit (--time-limit-s) reached before it started"}
@@ -232,7 +241,7 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
         runners, info = _runners(v, program, device, cache)
         timeline = Timeline(keep_steps=2)
         engine = CopyEngine(device, timeline)
-        saves = [c.index for c in program.iter_blocks()] if v == "mtc_fused_saved" else ()
+        saves = [c.index for c in program.iter_blocks()] if v in SAVING_VARIANTS else ()
         ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners, saves=saves)
         try:
             got = _time_steps(ex, batches, device, warmup, reps)
