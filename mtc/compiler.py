@@ -2,7 +2,8 @@
 
 For every template two graphs are built: the forward, used in forward visits, and the joint
 forward+backward, used in backward visits (it recomputes the layer and returns its gradients in
-one go). `PASSES` below is the whole pipeline, in order; each pass is a named function of the
+one go); a block gets two more, for the layers that keep their activations between the visits
+(the saving forward and the backward from saved values). `PASSES` below is the whole pipeline, in order; each pass is a named function of the
 template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and their swaps):
 
     count ATen ops      lower without hand-tuned swaps: the op count unfused execution runs
@@ -10,15 +11,18 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
                         (grouped KV heads, linear + cross-entropy: kernels/swaps.py)
     mark devices        device arguments become a marker bound when the graph is instantiated
     flash attention     mtc::attention -> the Triton flash-attention kernels (optional)
+    split saves         a block's joint graph traced with its outputs, cut into a forward that
+                        also returns its matmul and attention outputs and a backward that reads
+                        them (graphs/split.py): run where the GPU has room to keep them between
+                        a layer's forward and backward visits, instead of recomputing the layer
     tune attention      each attention shape's tiles and cuDNN-or-Triton choice, timed now on
                         CUDA (kernels/attention_tuning.py) and stored with the template
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
-    split saves         a block's joint graph traced with its outputs, cut into a forward that
-                        also returns its matmul and attention outputs and a backward that reads
-                        them (graphs/split.py): run where the GPU has room to keep them between
-                        a layer's forward and backward visits, instead of recomputing the layer
+    move views          broadcasts sunk below pointwise ops, slices hoisted above them, a column
+                        sum read through the reshape above it (graphs/views.py): no view splits
+                        two fusible ops into two kernels
     recompute joint     cheap fp32 values a forward group stores only for backward groups are
                         recomputed there instead (graphs/recompute.py)
     copy broadcast      a value smaller than its group's iteration shape (a norm's weight in

@@ -174,3 +174,12 @@ def test_plan_loads_without_recompiling_and_stale_key_recompiles_one(tiny_plan, 
     compile_program(prog, tmp_path, log=msgs.append, matmul_fusion="off")
     assert sorted(counted) == sorted(prog.templates)
     assert all("matmul_fusion=auto" in m and m.endswith("matmul_fusion=off)") for m in msgs[1:]) and len(msgs) == 1 + len(prog.templates)
+
+
+def test_the_compilers_docstring_lists_every_pass_in_order():
+    # the pipeline is read off mtc/compiler.py's docstring: it must be PASSES, in order
+    # (a name may wrap: "copy broadcast outputs" is listed as "copy broadcast" and "  outputs")
+    doc = compiler.__doc__
+    at = [doc.find("\n    " + " ".join(p.name.split()[:2]) + " ") for p in compiler.PASSES]
+    assert all(i >= 0 for i in at), [p.name for p, i in zip(compiler.PASSES, at, strict=True) if i < 0]
+    assert at == sorted(at), [p.name for p in compiler.PASSES]
