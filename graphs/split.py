@@ -28,6 +28,7 @@ deterministic. Pure graph surgery: no I/O, no devices, no kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 
@@ -41,25 +42,13 @@ class SplitError(ValueError):
     """The joint graph cannot be split (the caller keeps recomputing the layer)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class SplitJoint:
     """The two graphs of a split joint graph and what passes between them."""
 
-    __slots__ = ("backward", "save", "saved")
-
-    def __init__(self, save: fx.Graph, backward: fx.Graph, saved: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.save, self.backward = save, backward
-        self.saved = saved  # shape and dtype of each saved value, in the order `save` returns them
-
-    def saved_bytes(self) -> int:
-        """Bytes one call keeps between the visits."""
-        return sum(_numel(s) * d.itemsize for s, d in self.saved)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    save: fx.Graph
+    backward: fx.Graph
+    saved: list[tuple[tuple[int, ...], torch.dtype]]  # shape and dtype of each saved value, in the order `save` returns them
 
 
 def _tensor(n: fx.Node) -> torch.Tensor | None:

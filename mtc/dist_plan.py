@@ -57,10 +57,10 @@ import os
 
 from mtc.calibrate import MachineProfile
 from mtc.config import TrainConfig
-from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, saved_bytes, step_time
+from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
-from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan, saves_for
+from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
 from mtc.runtime import placement as pl
 from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
@@ -534,7 +534,7 @@ def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *
     mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda, engine=eng)
     saves = saves_for(rcfg, shape, rprof, mem) if engine == "engine" else []  # (mtc's own: blocks keep their activations)
     if saves:
-        mem = dataclasses.replace(mem, gpu_saved=rcfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves))
+        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(rcfg, shape, saves))
     checks = rank_checks(rcfg, mem, placement, lay, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                          gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}", engine=eng)
     dist, assumed = _dist_for(shape, lay, profile, eng)

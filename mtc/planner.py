@@ -25,7 +25,7 @@ from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
 from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
 
-__all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
+__all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "saved_gpu_bytes", "saves_for", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
            "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "prefetch_for",
            "update_rates"]
 
@@ -344,13 +344,12 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
                  gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch)
     if cuda and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
         blocks = list(range(1, shape.n_layers - 1))
-        per = [saved_bytes(shape.costs[i], cbytes) for i in blocks]
         try:
-            kept = pl.choose_saves(cfg.save_activations, blocks, per, ["block"] * len(blocks), micro_batches=cfg.grad_accum,
-                                   gpu_bytes=None, replay_copy=False)
+            kept = pl.choose_saves(cfg.save_activations, blocks, [0] * len(blocks), ["block"] * len(blocks),
+                                   micro_batches=cfg.grad_accum, gpu_bytes=None, replay_copy=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        mem = dataclasses.replace(mem, gpu_saved=cfg.grad_accum * sum(per[i - 1] for i in kept))
+        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, kept))
     disk_free, where = None, ""
     if store_dir is not None and (new_run or seeded_written is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -493,12 +492,18 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
                  gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
     saves = saves_for(cfg, shape, profile, mem)
     if saves:
-        mem = dataclasses.replace(mem, gpu_saved=cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves))
+        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves))
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
     st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
                    disk_compute=mem.disk_compute, prefetch=prefetch, saves=saves)
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch, saves)
+
+
+def saved_gpu_bytes(cfg: TrainConfig, shape: ModelShape, saves: list[int]) -> int:
+    """GPU memory the blocks ``saves`` keep between their visits, every micro-batch of the step
+    (the estimate from the shapes: `mtc.costmodel.saved_bytes`)."""
+    return cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves)
 
 
 def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory) -> list[int]:
