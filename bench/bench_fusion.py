@@ -350,6 +350,11 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
             rec["profile_graph_vs_eager"] = kernel_diff(rec["profile"]["mtc_fused"], rec["profile"]["mtc_fused_graph"])
         # the matmuls and attention every variant must run: the speed-up a goal can ask of fusion at most
         rec["compute_floor"] = compute_floor(rec["profile"], {v: x["median_ms"] for v, x in rec["results"].items()})
+        # each generated kernel's GB/s (CPU byte count over profiled time): row, column and rowcol
+        # kernels against the memory bandwidth pointwise ones reach
+        from launch_count import generated_kernels, kernel_bandwidth
+
+        rec["generated_kernel_bandwidth"] = kernel_bandwidth(generated_kernels(ct.joint_graph), rec["profile"]["mtc_fused"])
     if trace_dir and device.type == "cuda":
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -531,6 +536,10 @@ def main() -> None:
             print_kernel_table(v, prof, rec["results"][v]["median_ms"], top=25)
         if rec.get("compute_floor"):
             print(f"{arch:12s} {_floor_text(rec['compute_floor'])}")
+        if rec.get("generated_kernel_bandwidth"):
+            print("  generated kernels (mode, MiB per call, ms, GB/s):")
+            for name, k in sorted(rec["generated_kernel_bandwidth"].items(), key=lambda x: -x[1]["ms"]):
+                print(f"    {name:20s} {k['mode']:9s} {k['bytes'] / 2**20:8.1f} {k['ms']:7.3f} {k['gb_per_s']:7.0f}")
         if "profile_graph_vs_eager" in rec:
             d = rec["profile_graph_vs_eager"]
             print(f"  replayed vs eager: GPU busy {d['gpu_ms_diff']:+.3f} ms; kernels that differ most:")

@@ -137,6 +137,36 @@ def generated_bytes(graph: Any) -> int:
     return total
 
 
+def generated_kernels(graph: Any) -> dict[str, dict[str, Any]]:
+    """Per generated kernel of a compiled graph (by the name the profiler shows): its mode
+    (pointwise, row, column, rowcol), calls per graph call and bytes read and written per call."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in graph.nodes:
+        k = n.target
+        if n.op != "call_function" or not hasattr(k, "out_specs"):
+            continue
+        nbytes = sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in n.args
+                     if hasattr(a, "meta") and isinstance(a.meta.get("val"), torch.Tensor))
+        nbytes += sum(math.prod(s) * dt.itemsize for s, dt in k.out_specs)
+        row = out.setdefault(k.__name__, {"mode": k.mode, "calls": 0, "bytes": 0})
+        row["calls"] += 1
+        row["bytes"] += nbytes
+    return out
+
+
+def kernel_bandwidth(kernels: dict[str, dict[str, Any]], table: dict) -> dict[str, dict[str, Any]]:
+    """Each generated kernel's profiled time (a `kernel_table`) beside its bytes: GB/s achieved,
+    to read against the device's memory bandwidth (which kernel shapes run near it, which not)."""
+    rows = {r["kernel"]: r for r in table["top"]}
+    out = {}
+    for name, k in kernels.items():
+        r = rows.get(name)
+        if r is None or not r["ms"]:
+            continue
+        out[name] = {**k, "ms": r["ms"], "gb_per_s": k["bytes"] / (r["ms"] / 1e3) / 1e9}
+    return out
+
+
 def proxy_launches(ct: Any, t: Any) -> dict[str, int]:
     """The CPU proxy of one forward + backward call of a compiled template (its joint graph):
     eager (one launch per kernel-invoking node) and replayed as a CUDA graph."""

@@ -7,7 +7,9 @@ Every call node is classified:
 * ``view``: metadata-only ops (view, permute, expand, slice, ...): no kernel, run as ATen;
 * ``fusible``: what the code generator says it can express (`FusibleOps`, owned by
   kernels/codegen.py and handed in): pointwise ops, last-dim cats, and reductions over the last
-  dim (row kernels) or over every leading dim (column kernels: weight and bias gradients);
+  dim (row kernels) or over every leading dim (column kernels: weight and bias gradients), or
+  both in one kernel where rows are narrow enough to hold whole (a norm's backward: its input
+  gradient's row sums and its weight gradient's column sums from one read of the row);
 * ``fallback``: anything else (other cats, embedding, gather, ...): run as ATen, and reported.
 
 A fusion group is a maximal connected set of fusible nodes that compute over one iteration
@@ -28,7 +30,7 @@ from mtc.graphs.program import external_inputs
 from torch import fx
 
 __all__ = ["CAT", "RECOMPUTE", "Frame", "FusibleOps", "FusionGroup", "Partition", "arg_frames", "classify", "column_cast",
-           "is_column_reduction", "partition"]
+           "is_column_reduction", "is_row_and_column", "partition"]
 
 aten = torch.ops.aten
 
@@ -59,12 +61,14 @@ class FusibleOps:
     hands it to `partition`, so the list exists once.
 
     ``pointwise``: elementwise ops; ``reductions``: sum/mean/amax-like ops over the last dim or
-    over every leading dim; ``cat``: whether last-dim cats are computed in place.
+    over every leading dim; ``cat``: whether last-dim cats are computed in place; ``row_and_column``:
+    the widest row a kernel that reduces rows and columns at once can hold (0: no such kernels).
     """
 
     pointwise: frozenset[Any]
     reductions: frozenset[Any]
     cat: bool = True
+    row_and_column: int = 0
 
 
 def classify(node: fx.Node, fusible: FusibleOps) -> str:
@@ -294,7 +298,7 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
             shape = _iter_shape(merged, red)
             if not _shapes_ok(merged, shape, red):
                 continue
-            if any(m.target in red for m in merged) and not _reductions_ok(merged, shape, red):
+            if any(m.target in red for m in merged) and not _reductions_ok(merged, shape, red, fusible.row_and_column):
                 continue
             if _creates_cycle(set(merged), order):
                 continue
@@ -304,7 +308,9 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
             shape_of[ga] = shape
             del members[gn], shape_of[gn]
     _merge_sibling_columns(members, shape_of, red, order)
-    _merge_sibling_pointwise(members, shape_of, red, order)
+    if fusible.row_and_column:
+        _merge_sibling_rows_and_columns(members, shape_of, red, order, fusible.row_and_column)
+    _merge_sibling_pointwise(members, shape_of, red, order, fusible.row_and_column)
     groups = []
     for gid, ms in members.items():
         inside = set(ms)
@@ -349,8 +355,29 @@ def _merge_sibling_columns(members: dict[int, list[fx.Node]], shape_of: dict[int
                     lambda ms, shape: _reductions_ok(ms, shape, red))
 
 
+def _big_inputs(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], g: int) -> set[fx.Node]:
+    """The inputs of group ``g`` as large as its iteration shape (what a merge reads once, not twice)."""
+    n = _numel(shape_of[g])
+    return {a for a in external_inputs(members[g]) if isinstance(_val(a), torch.Tensor) and _val(a).numel() == n}
+
+
+def _merge_sibling_rows_and_columns(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]],
+                                    red: frozenset[Any], order: dict[fx.Node, int], row_and_column: int) -> None:
+    """A row group and a column group over one shape that read a common full-size input become one
+    row-and-column group: with the normalised input fused into the matmuls, a norm's weight
+    gradient (a column sum) and its input gradient (row sums) no longer share a node, only the
+    incoming gradient and the norm's input, which one kernel then reads once."""
+    def reduces(g: int) -> bool:
+        return any(m.target in red for m in members[g])
+
+    _merge_siblings(members, shape_of, order, [g for g in members if shape_of[g] and reduces(g)],
+                    lambda ga, gb: (_column_group(members[ga], red) != _column_group(members[gb], red)
+                                    and bool(_big_inputs(members, shape_of, ga) & _big_inputs(members, shape_of, gb))),
+                    lambda ms, shape: _shapes_ok(ms, shape, red) and _reductions_ok(ms, shape, red, row_and_column))
+
+
 def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple[int, ...]], red: frozenset[Any],
-                             order: dict[fx.Node, int]) -> None:
+                             order: dict[fx.Node, int], row_and_column: int = 0) -> None:
     """Pointwise groups over one shape that read a common full-size input become one group, when
     neither feeds the other through outside nodes: SwiGLU's backward recomputes silu(gate) * up
     for the down projection's weight gradient, and computes the gate's and up's gradients, from
@@ -358,14 +385,13 @@ def _merge_sibling_pointwise(members: dict[int, list[fx.Node]], shape_of: dict[i
     column group (its kernel then also stores the other's full-size outputs): GPT-2's GELU
     backward sums its bias gradient as it goes, beside the GELU the weight gradient recomputes."""
     def big_inputs(g: int) -> set[fx.Node]:
-        n = _numel(shape_of[g])
-        return {a for a in external_inputs(members[g]) if isinstance(_val(a), torch.Tensor) and _val(a).numel() == n}
+        return _big_inputs(members, shape_of, g)
 
     def pointwise(g: int) -> bool:
         return not any(m.target in red for m in members[g])
 
     def ok(ms: list[fx.Node], shape: tuple[int, ...]) -> bool:
-        return _shapes_ok(ms, shape, red) and (not any(m.target in red for m in ms) or _reductions_ok(ms, shape, red))
+        return _shapes_ok(ms, shape, red) and (not any(m.target in red for m in ms) or _reductions_ok(ms, shape, red, row_and_column))
 
     _merge_siblings(members, shape_of, order,
                     [g for g in members if shape_of[g] and (pointwise(g) or _column_group(members[g], red))],
@@ -378,14 +404,25 @@ def _column_group(ms: list[fx.Node], red: frozenset[Any]) -> bool:
     return bool(reds) and all(is_column_reduction(m) for m in reds)
 
 
-def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:
-    """A group reduces either rows (a row kernel) or columns (a column kernel), never both."""
+def _reductions_ok(ms: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any], row_and_column: int = 0) -> bool:
+    """A group reduces rows (a row kernel), columns (a column kernel), or both where its rows are
+    at most ``row_and_column`` wide: a kernel that walks whole rows, reducing each, and sums the
+    column reductions' inputs across the rows it walked (`is_row_and_column`)."""
     column = [m for m in ms if m.target in red and is_column_reduction(m)]
     if not column:
         return _row_ok(ms, shape, red)
-    if len(column) != sum(1 for m in ms if m.target in red):
+    if len(column) == sum(1 for m in ms if m.target in red):
+        return _column_ok(ms, column, shape, red)
+    if not shape or shape[-1] > row_and_column or not _column_ok(ms, column, shape, red):
         return False
-    return _column_ok(ms, column, shape, red)
+    ends = set(column) | {m for m in ms if column_cast(m, red) is not None}
+    return _row_ok([m for m in ms if m not in ends], shape, red)
+
+
+def is_row_and_column(nodes: list[fx.Node], reductions: frozenset[Any]) -> bool:
+    """Whether a group of ``nodes`` reduces both rows (last dim) and columns (every leading dim)."""
+    reds = [m for m in nodes if m.target in reductions]
+    return any(is_column_reduction(m) for m in reds) and not all(is_column_reduction(m) for m in reds)
 
 
 def _column_ok(ms: list[fx.Node], column: list[fx.Node], shape: tuple[int, ...], red: frozenset[Any]) -> bool:

@@ -1,4 +1,4 @@
-"""Recompute cheap fp32 intermediates in the fusion groups that consume them instead of saving them.
+"""Recompute cheap intermediates in the fusion groups that consume them instead of saving them.
 
 In a joint forward+backward graph a fusion group often stores a value only because another
 group reads it later: RMSNorm's ``x * rstd`` or its fp32 input (for the weight and input
@@ -9,16 +9,19 @@ that exist anyway (graph inputs, outputs of anchors or other kernels) and per-ro
 values (a few bytes per row), the consumer can compute it again from those. It pays when the
 bytes saved (the producer's store and each consumer's read of the value) exceed the bytes of the
 chain's inputs the consumers do not read already: an fp32 value rebuilt from one or two bf16
-tensors always pays. Each consumer group gets its own copy of the chain (marked
+tensors always pays, and so does a bf16 value rebuilt from tensors its consumer reads anyway
+(RMSNorm's ``x * rstd`` before the weight, which the forward kernel stored for the weight
+gradient, rebuilt in the kernel that computes the norm's input gradient from the same ``x``). Each consumer group gets its own copy of the chain (marked
 ``mtc_recompute`` so that `partition` puts it with its consumer, not back with its producer);
 the pass repeats until nothing more pays, so a value rebuilt inside a consumer can carry
 another value's chain further back.
 
-Only fp32 values are recomputed: a stored half-precision value is rounded, its recomputation
-would not be, and the compiled graph must compute what the unfused one does. Inside a chain any
-float dtype may appear: a generated kernel keeps every intermediate in fp32 and rounds only at an
-explicit cast, and the copy computes the same expression from the same inputs, so it computes the
-very values the producer did. Pure graph surgery.
+The copy computes the very values the producer stored. Inside a chain any float dtype may
+appear: a generated kernel keeps every intermediate in fp32 and rounds only at an explicit cast,
+and the copy computes the same expression from the same inputs. A half-precision value is rounded
+where the producer stores it, so its copy ends in an explicit cast to that dtype (a round trip
+the kernel computes as the store and the load would have; a no-op for ATen, whose ops round
+their outputs anyway). Pure graph surgery.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def _nbytes(n: fx.Node) -> int:
 
 
 def recompute_cheap(graph: fx.Graph, fusible: FusibleOps, *, max_rounds: int = 8) -> int:
-    """Copy each cheap fp32 value a fusion group stores only for other fusion groups into those
+    """Copy each cheap value a fusion group stores only for other fusion groups into those
     groups, where that moves fewer bytes; returns how many values are no longer stored. Rounds
     repeat (a fresh partition each) until one recomputes nothing. Run `partition` again afterwards."""
     done = 0
@@ -113,7 +116,7 @@ def _recompute_round(graph: fx.Graph, fusible: FusibleOps) -> int:
             vo = _val(o)
             outside = [u for u in o.users if u not in inside]
             # stored only for other fusion groups (an anchor or the graph's output needs it whole)
-            if vo is None or vo.dtype != torch.float32 or _small(o, vo) or not outside:
+            if vo is None or not vo.dtype.is_floating_point or _small(o, vo) or not outside:
                 continue
             if any(group_of.get(u, gi) == gi for u in outside):
                 continue
@@ -129,7 +132,7 @@ def _recompute_round(graph: fx.Graph, fusible: FusibleOps) -> int:
             added = sum(_nbytes(r) for c in consumers for r in big_roots - reads[c])
             if added >= saved:
                 continue
-            copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]] = []
+            copies: list[tuple[list[fx.Node], list[fx.Node]]] = []
             for users in consumers.values():
                 first = min(users, key=order.__getitem__)
                 env: dict[fx.Node, fx.Node] = {}
@@ -137,9 +140,12 @@ def _recompute_round(graph: fx.Graph, fusible: FusibleOps) -> int:
                     for n in chain:
                         env[n] = graph.node_copy(n, lambda a, env=env: env.get(a, a))
                         env[n].meta[RECOMPUTE] = True
+                    made = [env[n] for n in chain]
+                    if vo.dtype != torch.float32:  # rounded as the producer's store rounds it
+                        made.append(_round(graph, env[o], vo))
                 for u in users:
-                    u.replace_input_with(o, env[o])
-                copies.append((users, env))
+                    u.replace_input_with(o, made[-1])
+                copies.append((users, made))
             if _joined(graph, fusible, copies):
                 done += 1
                 for c in consumers:
@@ -147,6 +153,14 @@ def _recompute_round(graph: fx.Graph, fusible: FusibleOps) -> int:
             else:
                 _undo(graph, o, copies)
     return done
+
+
+def _round(graph: fx.Graph, x: fx.Node, like: torch.Tensor) -> fx.Node:
+    """An explicit cast of ``x`` to ``like``'s dtype (inserted at the graph's insertion point)."""
+    r = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": like.dtype})
+    r.meta["val"] = like
+    r.meta[RECOMPUTE] = True
+    return r
 
 
 def broadcast_output(o: fx.Node, group: FusionGroup, fusible: FusibleOps) -> bool:
@@ -201,19 +215,19 @@ def copy_broadcast_outputs(graph: fx.Graph, fusible: FusibleOps) -> int:
     return done
 
 
-def _joined(graph: fx.Graph, fusible: FusibleOps, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> bool:
+def _joined(graph: fx.Graph, fusible: FusibleOps, copies: list[tuple[list[fx.Node], list[fx.Node]]]) -> bool:
     """Did every copy land in its consumers' kernel? (Shape or cycle rules may keep it apart: then
     it would be one more kernel storing the same value.)"""
     group_of = {n: i for i, g in enumerate(partition(graph, fusible).groups) for n in g.nodes}
     return all(group_of.get(c) is not None and all(group_of.get(u) == group_of[c] for u in users)
-               for users, env in copies for c in env.values())
+               for users, made in copies for c in made)
 
 
-def _undo(graph: fx.Graph, o: fx.Node, copies: list[tuple[list[fx.Node], dict[fx.Node, fx.Node]]]) -> None:
-    for users, env in copies:
+def _undo(graph: fx.Graph, o: fx.Node, copies: list[tuple[list[fx.Node], list[fx.Node]]]) -> None:
+    for users, made in copies:
         for u in users:
-            u.replace_input_with(env[o], o)
-        for c in reversed(list(env.values())):
+            u.replace_input_with(made[-1], o)
+        for c in reversed(made):
             graph.erase_node(c)
 
 

@@ -17,6 +17,11 @@ memory. Two shapes of this show up in every decoder block's joint graph:
   a last-dim slice that feeds fusible ops, each slice takes its own copy of the op over the
   matching slices of the op's inputs, and the copy runs inside the consumer's kernel.
 
+* **An alias.** ``alias`` is the identity (autograd leaves them where a backward formula reads
+  its forward's output, e.g. RMSNorm's ``rsqrt``): the per-row value a row kernel stores reached
+  the input gradient's pointwise ops through two of them, and that pointwise part ran as a kernel
+  of its own. Ops read the aliased value directly instead.
+
 * **A reshape under a column sum.** A linear layer's bias gradient sums the incoming gradient
   over every row of its ``(B*T, N)`` view, the view the matmuls read. The column kernel reads the
   view, so it cannot join the kernel that produced the ``(B, T, N)`` gradient, and reads all of it
@@ -36,7 +41,7 @@ import torch
 from mtc.graphs.partition import FusibleOps, classify
 from torch import fx
 
-__all__ = ["hoist_slices", "move_views", "sink_expands", "sum_through_reshapes"]
+__all__ = ["drop_aliases", "hoist_slices", "move_views", "sink_expands", "sum_through_reshapes"]
 
 aten = torch.ops.aten
 
@@ -229,10 +234,27 @@ def sum_through_reshapes(graph: fx.Graph, fusible: FusibleOps) -> int:
     return done
 
 
+def drop_aliases(graph: fx.Graph) -> int:
+    """Ops that read an ``alias`` of a value read the value itself (the graph's outputs keep theirs:
+    an output that is also an input stays a distinct result); returns the uses rewritten."""
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.alias.default:
+            continue
+        src = node.args[0]
+        while isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.alias.default:
+            src = src.args[0]
+        for user in list(node.users):
+            if user.op == "call_function":
+                user.replace_input_with(node, src)
+                n += 1
+    return n
+
+
 def move_views(graph: fx.Graph, fusible: FusibleOps) -> int:
-    """`sink_expands`, `hoist_slices` and `sum_through_reshapes` until none finds more; returns
-    the rewrites made."""
-    total = 0
+    """`drop_aliases`, then `sink_expands`, `hoist_slices` and `sum_through_reshapes` until none
+    finds more; returns the rewrites made."""
+    total = drop_aliases(graph)
     while True:
         n = sink_expands(graph, fusible) + hoist_slices(graph, fusible) + sum_through_reshapes(graph, fusible)
         if not n:

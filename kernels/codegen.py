@@ -1,6 +1,6 @@
 """Generate a Triton kernel for a fusion group, from the group's FX nodes.
 
-Three kernel shapes cover what `mtc.graphs.partition` groups (from the ops `FUSIBLE` lists):
+Four kernel shapes cover what `mtc.graphs.partition` groups (from the ops `FUSIBLE` lists):
 
 * ``pointwise``: one program per BLOCK elements of the iteration shape S; every input is read
   through its strides after broadcasting to S (so transposed or expanded inputs need no copy);
@@ -13,6 +13,13 @@ Three kernel shapes cover what `mtc.graphs.partition` groups (from the ops `FUSI
   loop; the pointwise producers of the reduced value are computed in the same loop. Each chunk
   writes an fp32 partial per column and a second small kernel (kernels/column_reduce.py)
   combines the partials in a fixed order (deterministic, unlike atomics), scales and casts.
+* ``rowcol``: groups with both (a norm's backward: the input gradient needs row sums, the weight
+  gradient column sums of values computed from the same rows): each program walks a chunk of
+  whole rows as a row kernel does, one row at a time, and adds each column reduction's input row
+  into an fp32 accumulator of one row's width; after its last row it writes that partial, and the
+  second stage combines the chunks as for ``column``. The row's inputs are read once, where a row
+  kernel and a column kernel would each read them (and the row kernel write what the column
+  kernel reads back).
 
 A cat along the last dim is computed in place: its inputs are computed in their column windows
 of S (loads at shifted columns, masked to the window) and picked per column with ``tl.where``.
@@ -70,6 +77,7 @@ FUSIBLE = FusibleOps(
     }),
     reductions=REDUCTIONS,
     cat=True,
+    row_and_column=MAX_ROW,
 )
 
 
@@ -164,23 +172,22 @@ def _dtype(n: fx.Node) -> torch.dtype:
 
 
 def _mode(group: FusionGroup) -> str:
-    """'pointwise', 'row' (last-dim reductions) or 'column' (reductions over all leading dims)."""
+    """'pointwise', 'row' (last-dim reductions), 'column' (reductions over all leading dims) or
+    'rowcol' (both)."""
     reds = [n for n in group.nodes if n.target in REDUCTIONS]
     if not reds:
         return "pointwise"
     column = [n for n in reds if is_column_reduction(n)]
     if not column:
         return "row"
-    if len(column) != len(reds):
-        raise CodegenError(f"{group.name} mixes row and column reductions")
-    return "column"
+    return "column" if len(column) == len(reds) else "rowcol"
 
 
 def _reduced(o: fx.Node, mode: str) -> fx.Node | None:
-    """Column mode: the column reduction output ``o`` is (or casts: `column_cast`), else None."""
-    if mode != "column":
+    """Column and rowcol modes: the column reduction output ``o`` is (or casts: `column_cast`), else None."""
+    if mode not in ("column", "rowcol"):
         return None
-    if o.target in REDUCTIONS:
+    if o.target in REDUCTIONS and is_column_reduction(o):
         return o
     return column_cast(o, REDUCTIONS)
 
@@ -192,12 +199,13 @@ def _check_outputs(group: FusionGroup, mode: str) -> None:
         if _reduced(o, mode) is not None:
             if math.prod(s) != S[-1] or s[-1:] != S[-1:]:
                 raise CodegenError(f"column reduction {o.name} has shape {s}, not ({S[-1]},)")
-        elif s != S and not (mode == "row" and s == (*S[:-1], 1)):
+        elif s != S and not (mode in ("row", "rowcol") and s == (*S[:-1], 1)):
             raise CodegenError(f"output {o.name} has shape {s}, not the iteration shape {S}")
         if _dtype(o) not in _TL_DTYPE:
             raise CodegenError(f"output dtype {_dtype(o)}")
-    if mode == "column" and any(u in set(group.nodes) and column_cast(u, REDUCTIONS) is not n
-                                for n in group.nodes if n.target in REDUCTIONS for u in n.users):
+    if mode in ("column", "rowcol") and any(u in set(group.nodes) and column_cast(u, REDUCTIONS) is not n
+                                            for n in group.nodes if n.target in REDUCTIONS and is_column_reduction(n)
+                                            for u in n.users):
         raise CodegenError(f"{group.name}: a column reduction is used inside its own group")
 
 
@@ -205,7 +213,8 @@ def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
     """Index set-up: leading indices ``i0..i{R-2}``, columns ``cols`` and ``mask`` for each mode.
 
     pointwise: flat 1-D blocks; row: one row per program, 1-D columns; column: a block of columns
-    and a chunk of CHUNK rows per program, in [BLOCK_M, BLOCK] tiles (the loop body follows, indented).
+    and a chunk of CHUNK rows per program, in [BLOCK_M, BLOCK] tiles; rowcol: a chunk of CHUNK
+    whole rows per program, one row per step (the loop body follows, indented, in the last two).
     """
     R, N = len(S), S[-1]
     if mode == "pointwise":
@@ -217,6 +226,12 @@ def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
     if mode == "row":
         # int64 columns: a transposed input's last-dim stride times the column can pass 2^31
         L = ["row = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK).to(tl.int64)", f"mask = cols < {N}", "rem = row"]
+    elif mode == "rowcol":
+        # the loop runs over exactly this chunk's rows (the last chunk is cut at M): no row mask;
+        # the bounds are int64 (pid is), so the row offsets are too
+        M = math.prod(S[:-1])
+        L = ["pid = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK).to(tl.int64)", f"mask = cols < {N}", "%ACC%",
+             "r_lo = pid * CHUNK", f"r_hi = tl.minimum(r_lo + CHUNK, {M})", "for row in range(r_lo, r_hi):", "    rem = row"]
     else:
         M = math.prod(S[:-1])
         L = ["pid = tl.program_id(0).to(tl.int64)", "ccols = pid * BLOCK + tl.arange(0, BLOCK)", f"cmask = ccols < {N}",
@@ -224,7 +239,7 @@ def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
              "for r0 in range(r_lo, r_lo + CHUNK, BLOCK_M):",
              "    row = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]", f"    mask = (row < {M}) & cmask[None, :]",
              "    rem = row"]
-    ind = "    " if mode == "column" else ""
+    ind = "    " if mode in ("column", "rowcol") else ""
     for d in reversed(range(R - 1)):
         L += [f"{ind}i{d} = rem % {S[d]}", f"{ind}rem = rem // {S[d]}"]
     return L
@@ -243,11 +258,12 @@ class _Emitter:
         self.full: Frame = (0, group.shape[-1])
         self.inputs = {n: i for i, n in enumerate(group.inputs)}
         self.inside = set(group.nodes)
-        self.ind = "    " if mode == "column" else ""
+        self.ind = "    " if mode in ("column", "rowcol") else ""
         self.body: list[str] = []
         self.epilogue: list[str] = []
         self.acc: list[str] = []
         self.finish: list[str] = []  # column mode: after the row loop, each accumulator tile reduced to (BLOCK,)
+        self.rows = mode in ("row", "rowcol")  # whole rows: per-row values are scalars
         self.names: dict[tuple[fx.Node, Frame], str] = {}
         self.masks: dict[Frame, str] = {self.full: "mask"}
         self.scalar: set[fx.Node] = set()  # row mode: per-row values (reductions and what only they feed)
@@ -280,7 +296,7 @@ class _Emitter:
         cast = "" if _dtype(n) == torch.bool else ".to(tl.float32)"
         lead = [f"i{d} * s{i}_{d}" for d in range(R - 1)]
         shp = _shape(n)
-        if self.mode == "row" and (not shp or shp[-1] == 1) and S[-1] != 1:
+        if self.rows and (not shp or shp[-1] == 1) and S[-1] != 1:
             # a per-row input (…, 1): one scalar per row, so values computed from it stay per-row
             self.line(f"{var} = tl.load(in{i} + ({' + '.join(lead) or '0'})){cast}")
             self.scalar.add(n)
@@ -320,11 +336,18 @@ class _Emitter:
         is_max = n.target is aten.amax.default
         neutral = "float('-inf')" if is_max else "0.0"
         masked = f"tl.where(mask, {src}, {neutral})"
-        if self.mode == "row":
+        if self.rows and not (self.mode == "rowcol" and is_column_reduction(n)):
             self.line(f"{var} = tl.{'max' if is_max else 'sum'}({masked}, axis=0)")
             if n.target is aten.mean.dim:
                 self.line(f"{var} = {var} / {self.S[-1]}")
             self.scalar.add(n)
+            return var
+        if self.mode == "rowcol":
+            # a column reduction of whole rows: add each row into a (BLOCK,) fp32 accumulator; the
+            # launcher's second stage combines the chunks (and divides a mean)
+            init = "tl.full([BLOCK], float('-inf'), tl.float32)" if is_max else "tl.zeros([BLOCK], dtype=tl.float32)"
+            self.acc.append(f"{var} = {init}")
+            self.line(f"{var} = tl.maximum({var}, {masked})" if is_max else f"{var} += {masked}")
             return var
         # column: accumulate this chunk's tiles elementwise in a [BLOCK_M, BLOCK] fp32 tile and reduce
         # across its rows once after the loop (a cross-warp reduction per tile would serialise the
@@ -343,27 +366,29 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
         raise CodegenError("scalar groups are left to ATen")
     mode = _mode(group)
     _check_outputs(group, mode)
-    if mode == "row" and S[-1] > MAX_ROW:
+    if mode in ("row", "rowcol") and S[-1] > MAX_ROW:
         raise CodegenError(f"row of {S[-1]} elements exceeds {MAX_ROW}")
     R = len(S)
     ins = [f"in{i}" for i in range(len(group.inputs))]
     outs = [f"out{i}" for i in range(len(group.outputs))]
     strides = [f"s{i}_{d}" for i in range(len(ins)) for d in range(R)]
-    consts = "CHUNK, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr" if mode == "column" else "BLOCK: tl.constexpr"
+    consts = {"column": "CHUNK, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr", "rowcol": "CHUNK, BLOCK: tl.constexpr"}.get(
+        mode, "BLOCK: tl.constexpr")
     L = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
          f"def {name}({', '.join(ins + outs + strides)}, NUMEL, {consts}):"]
     em = _Emitter(group, mode)
-    out_off = {"pointwise": "offs", "row": f"row * {S[-1]} + cols", "column": f"row * {S[-1]} + cols"}[mode]
+    out_off = "offs" if mode == "pointwise" else f"row * {S[-1]} + cols"
     for j, o in enumerate(group.outputs):
         red = _reduced(o, mode)
         value = em.val(o if red is None else red, em.full)  # a cast of a reduction: the combine casts
         dt = _TL_DTYPE[_dtype(o)]
         if red is not None:
-            em.epilogue.append(f"tl.store(out{j} + tl.program_id(1).to(tl.int64) * {S[-1]} + ccols, {value}, mask=cmask)")
+            em.epilogue.append(f"tl.store(out{j} + pid * {S[-1]} + cols, {value}, mask=mask)" if mode == "rowcol" else
+                               f"tl.store(out{j} + tl.program_id(1).to(tl.int64) * {S[-1]} + ccols, {value}, mask=cmask)")
             continue
-        if mode == "row" and (o in em.scalar) != (_shape(o) != S):
+        if em.rows and (o in em.scalar) != (_shape(o) != S):
             raise CodegenError(f"output {o.name}: per-row value and shape {_shape(o)} disagree")
-        if o in em.scalar and mode == "row":
+        if o in em.scalar and em.rows:
             em.line(f"tl.store(out{j} + row, ({value}).to({dt}))")
         else:
             em.line(f"tl.store(out{j} + ({out_off}), ({value}).to({dt}), mask=mask)")
@@ -433,7 +458,7 @@ class FusedKernel:
             if len(self._plans) < _MAX_PLANS:
                 self._plans[key] = plan
         ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else inputs
-        if self.mode == "column":
+        if self.mode in ("column", "rowcol"):
             return self._columns(ins, plan)
         dev = inputs[0].device
         outs = [torch.empty(s, dtype=dt, device=dev) for s, dt in self.out_specs]
@@ -466,18 +491,27 @@ class FusedKernel:
             chunk = triton_cdiv(tiles, split) * block_m
             split = triton_cdiv(M, chunk)
             return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, 4, numel, block_m, chunk, split)
-        if self.mode == "row":
+        if self.mode in ("row", "rowcol"):
             block = triton_next_pow2(S[-1])
             # wide rows: more warps, so each thread holds a few dozen values and nothing spills
             warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-            return _LaunchPlan(strides, scalar, (max(1, numel // S[-1]),), block, warps, numel)
+            M = max(1, numel // S[-1])
+            if self.mode == "row":
+                return _LaunchPlan(strides, scalar, (M,), block, warps, numel)
+            # rowcol: enough chunks of rows to fill the SMs, each a partial of one row's width to
+            # combine (GPU: 4 per SM; CPU interpreter: two programs, each step one numpy op)
+            target = 4 * _sm_count(dev) if dev.type == "cuda" else 2
+            chunk = triton_cdiv(M, min(M, target))
+            split = triton_cdiv(M, chunk)
+            return _LaunchPlan(strides, scalar, (split,), block, warps, numel, 0, chunk, split)
         # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
         # edge and a masked tail stay tested), each one vectorised numpy op
         block = 1024 if dev.type == "cuda" else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
         return _LaunchPlan(strides, scalar, (triton_cdiv(numel, block),), block, 4, numel)
 
     def _columns(self, ins: Sequence[torch.Tensor], plan: _LaunchPlan) -> tuple[torch.Tensor, ...]:
-        """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here."""
+        """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here;
+        rowcol mode: a grid of row chunks, also storing its row outputs as it goes."""
         dev, N, split = ins[0].device, self.shape[-1], plan.split
         M = plan.numel // N
         outs: list[torch.Tensor | None] = [torch.empty(s, dtype=dt, device=dev) if c is None else None
@@ -489,7 +523,10 @@ class FusedKernel:
             parts.append(buf)
             for i, j in enumerate(js):
                 outs[j] = buf[i]
-        self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m)
+        if self.mode == "rowcol":
+            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, num_warps=plan.warps)
+        else:
+            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m)
         for buf, (how, dt, js) in zip(parts, self._combines, strict=True):
             # second stage: one small launch per buffer sums the chunks in a fixed order, scales and casts
             got = combine_partials(buf, how, M, dt)
@@ -512,7 +549,7 @@ class _LaunchPlan:
     block: int
     warps: int
     numel: int
-    block_m: int = 0  # column mode: rows per tile, rows per chunk, chunks
+    block_m: int = 0  # column mode: rows per tile; column and rowcol: rows per chunk, chunks
     chunk: int = 0
     split: int = 1
 

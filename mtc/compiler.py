@@ -20,11 +20,12 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
-    move views          broadcasts sunk below pointwise ops, slices hoisted above them, a column
-                        sum read through the reshape above it (graphs/views.py): no view splits
-                        two fusible ops into two kernels
-    recompute joint     cheap fp32 values a forward group stores only for backward groups are
-                        recomputed there instead (graphs/recompute.py)
+    move views          aliases read through, broadcasts sunk below pointwise ops, slices hoisted
+                        above them, a column sum read through the reshape above it
+                        (graphs/views.py): no view splits two fusible ops into two kernels
+    recompute joint     cheap values a forward group stores only for backward groups are
+                        recomputed there instead (half-precision ones rounded as the store
+                        rounded them: graphs/recompute.py)
     copy broadcast      a value smaller than its group's iteration shape (a norm's weight in
       outputs           fp32) that other kernels read is copied into them: a generated kernel
                         writes only full-shape outputs, and the group stayed on ATen

@@ -59,14 +59,36 @@ def test_recompute_stores_fewer_bytes_and_keeps_values(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same fp32 ops in the same order
 
 
-def test_half_precision_values_are_not_recomputed():
-    # a stored bf16 value is rounded; recomputing it in fp32 would change the result
-    _, g = _joint("tiny")
-    for n in g.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
-            n.meta["val"] = v.to(torch.bfloat16)
-    assert recompute_cheap(g, FUSIBLE) == 0
+def _bf16_value_read_twice(x, w, W):
+    """A bf16 value computed by bf16 ops (no explicit cast: rounded where its kernel stores it),
+    read again after an anchor by a kernel that also reads ``x``: the second kernel can rebuild it."""
+    h = x * x + x * 1.7
+    z = ((h * w).view(-1, x.shape[-1]) @ W).view(x.shape)
+    return z * h + x
+
+
+def test_half_precision_values_are_rebuilt_with_their_rounding(tmp_path):
+    """A stored bf16 value is rounded at the store: its copy in the consumer ends in an explicit
+    cast, so the generated kernels compute bit for bit what they computed with the value stored,
+    and the bytes between kernels drop."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.compiler import _fuse
+
+    torch.manual_seed(0)
+    x, w, W = torch.randn(2, 8, 16).bfloat16(), torch.randn(16).bfloat16(), torch.randn(16, 16).bfloat16()
+    g = make_fx(_bf16_value_read_twice, tracing_mode="fake")(x, w, W).graph
+    stored = copy.deepcopy(g)
+    _, bytes0 = stored_between_groups(g, FUSIBLE)
+    assert recompute_cheap(g, FUSIBLE) >= 1
+    _, bytes1 = stored_between_groups(g, FUSIBLE)
+    assert bytes1 < bytes0, (bytes0, bytes1)
+    copies = [n for n in g.nodes if n.meta.get(RECOMPUTE)]
+    last = max(copies, key=list(g.nodes).index)
+    assert last.target is torch.ops.aten._to_copy.default and last.kwargs["dtype"] == torch.bfloat16
+    got = instantiate(_fuse(g, tmp_path / "rebuilt")[0], "cpu")(x, w, W)
+    want = instantiate(_fuse(stored, tmp_path / "stored")[0], "cpu")(x, w, W)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _broadcast_outputs(g) -> list[str]:

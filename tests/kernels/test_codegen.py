@@ -314,3 +314,71 @@ def test_an_op_reading_a_cast_column_sum_stays_out_of_the_column_kernel(tmp_path
     for gp, k in zip(groups, kerns, strict=True):
         for o, got in zip(gp.outputs, k(*[vals[i] for i in gp.inputs]), strict=True):
             torch.testing.assert_close(got.float(), vals[o].float(), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 19), (7, 19), (5 * 29, 37), (3, 1031)])
+def test_norm_backward_is_one_row_and_column_kernel(rows, n, tmp_path):
+    # an RMSNorm's backward: the input gradient needs a sum over each row, the weight gradient a
+    # sum over every row of values computed from the same row; one kernel reads the row once
+    # (ragged chunks of rows: 1 row, rows not a multiple of the chunk, a row wider than 1024)
+    def f(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        xhat = x * rstd
+        gw = (g * xhat).sum([0, 1])
+        gxhat = g * w
+        dx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+        return dx, gw
+
+    g, x, w = torch.randn(1, rows, n), torch.randn(1, rows, n), torch.randn(n)
+    assert _check_groups(f, g, x, w, tmp_path=tmp_path) == ["rowcol"]
+
+
+def test_row_and_column_kernel_combines_means_maxes_and_casts(tmp_path, monkeypatch):
+    # column mean, amax and a bf16-cast sum beside per-row outputs (a row sum and a full row):
+    # the second stage combines the chunks of each kind, and casts
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.kernels import codegen
+
+    def f(x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = x.float() * b
+        s = h.sum(-1, keepdim=True)
+        y = h - s
+        return s, y, y.mean([0, 1]), y.amax([0, 1]), (y * h).sum([0, 1]).to(torch.bfloat16)
+
+    x, b = torch.randn(2, 9, 23).to(torch.bfloat16), torch.randn(23)
+    gr = make_fx(f, decomposition_table=core_aten_decompositions())(x, b)
+    (group,) = partition(gr.graph, FUSIBLE).groups
+    kern = compile_group(group, tmp_path)
+    assert kern.mode == "rowcol" and kern.combine == [None, None, "mean", "amax", "sum"]
+    combines = []
+    real = codegen.combine_partials
+    monkeypatch.setattr(codegen, "combine_partials", lambda p, *a: combines.append(a[0]) or real(p, *a))
+    vals = _record(gr, x, b)
+    for o, got in zip(group.outputs, kern(*[vals[i] for i in group.inputs]), strict=True):
+        assert got.shape == vals[o].shape and got.dtype == vals[o].dtype
+        torch.testing.assert_close(got.float(), vals[o].float(), rtol=8e-3, atol=1e-5)
+    assert sorted(combines) == ["amax", "mean", "sum"]
+
+
+def test_rows_wider_than_a_row_kernel_keep_row_and_column_kernels_apart():
+    # a row of more than MAX_ROW columns cannot be held whole: the row reduction and the column
+    # reduction stay in kernels of their own, as before (the row one then fails to generate and
+    # runs on ATen; the column one is generated)
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.kernels.codegen import MAX_ROW
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * x.sum(-1, keepdim=True)
+        return y, y.sum(0)
+
+    for n, want in ((MAX_ROW, [("rowcol",)]), (MAX_ROW + 1, None)):
+        gr = make_fx(f, decomposition_table=core_aten_decompositions())(torch.empty(2, n, device="meta"))
+        groups = partition(gr.graph, FUSIBLE).groups
+        from mtc.graphs.partition import is_row_and_column
+
+        kinds = [is_row_and_column(g.nodes, FUSIBLE.reductions) for g in groups]
+        assert kinds == ([True] if want else [False, False])
