@@ -2,7 +2,10 @@
 
 The same run twice per round, `--save-activations all` and `off`, in interleaved rounds (the order
 alternates), everything else equal: step seconds after the warm-up steps, their median per
-setting over all rounds, and the ratio recompute / save. On the CPU it runs unfused in fp32 (the
+setting over all rounds, and the ratio recompute / save. Fused runs all open one plan compiled
+first (as `mtc compile` writes it), so both settings launch the same kernels: runs that each
+compiled for themselves would time the matmul-fusion and attention choices anew and might pick
+others. On the CPU it runs unfused in fp32 (the
 blocks keep their autograd graphs); on CUDA fused in bf16 (the blocks keep their matmul and
 attention outputs: graphs/split.py), where bench_train's P3 (`auto` against `auto-recompute`) is
 the A/B at the issue's shape.
@@ -24,7 +27,19 @@ import numpy as np
 from common import write_record
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import write_token_file
-from mtc.train import train
+from mtc.train import open_run, train
+
+
+def _plan(cfg: TrainConfig, where: Path) -> Path:
+    """A plan directory for fused ``cfg`` (the program and its compiled templates), compiled once."""
+    from mtc.api import compile as compile_plan
+
+    run = open_run(cfg, None)
+    try:
+        compile_plan(run.program, where, matmul_fusion=cfg.matmul_fusion)
+    finally:
+        run.store.close()
+    return where
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,12 +52,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     over = dict(dim=args.dim, ffn_dim=args.ffn, n_heads=args.heads, n_kv_heads=args.kv_heads, n_layers=args.layers, vocab_size=256)
     times: dict[str, list[float]] = {"all": [], "off": []}
     rounds = []
+    plan = None
     for r in range(args.rounds):
         for save in ("off", "all") if r % 2 == 0 else ("all", "off"):
             cfg = TrainConfig(model="tiny", model_overrides=over, steps=args.warmup + args.steps, micro_batch_size=args.micro_batch,
                               seq_len=args.seq, grad_accum=args.accum, device=args.device, kernels="fused" if cuda else "unfused",
                               durability="none", save_activations=save, optim=OptimConfig(lr=1e-3))
-            res = train(cfg, None, data)
+            if cuda and plan is None:
+                plan = _plan(cfg, Path(tempfile.mkdtemp(prefix="mtc-bench-saves-plan-")))
+            res = train(cfg, None, data, run=open_run(cfg, None, plan=plan) if plan is not None else None)
             res.store.close()
             steps = [rec.seconds for rec in res.records][args.warmup:]
             times[save].extend(steps)

@@ -289,7 +289,7 @@ def trade_prefetch_for_saves(cfg: TrainConfig, program: Program | None) -> tuple
 
 
 def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placement: list[str], gpu_update: set[int],
-               prefetch: int = 0, *, micro_batches: int | None = None) -> list[int]:
+               prefetch: int = 0, *, micro_batches: int | None = None, gpu_free: int | None = None) -> list[int]:
     """The blocks that keep their forward's saved values on the device until their backward
     visit (`cfg.save_activations`, chosen by `mtc.runtime.placement.choose_saves` from each
     compiled block's exact saved bytes): 'auto' fills, on CUDA, the GPU memory the placement, the
@@ -297,7 +297,9 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
     (``micro_batches``: this rank's, default ``cfg.grad_accum``); none on the CPU or with a fixed
     ``activation_budget_gb``. Unfused blocks keep their autograd graphs (`mtc.runtime.runners`),
     whose size no compiled template states: only an explicit choice keeps them. An explicit
-    choice that some compiled block cannot take (no split graphs) raises ConfigError."""
+    choice that some compiled block cannot take (no split graphs) raises ConfigError. ``gpu_free``:
+    the device's free memory before the run allocated its state (the placement's state is
+    subtracted here; read after `StateTiers`, it would be subtracted twice), default read now."""
     spec = cfg.save_activations.strip()
     blocks = [c.index for c in program.layers if program.templates[c.template].kind == "block"]
     if compiled is None:  # unfused
@@ -316,7 +318,7 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
     if spec == "auto" and split and cfg.device.startswith("cuda") and cfg.activation_budget_gb is None:
         cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
-        left = _gpu_left(cfg, program, placement, cbytes) - pl.streamed_gpu_bytes(
+        left = _gpu_left(cfg, program, placement, cbytes, free=gpu_free) - pl.streamed_gpu_bytes(
             gpu_update, numels, cbytes, prefetch=prefetch, grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
     tids = [program.layers[i].template for i in split]
     try:
@@ -327,15 +329,17 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
         raise ConfigError(str(e)) from None
 
 
-def _gpu_left(cfg: TrainConfig, program: Program, placement: list[str], cbytes: int) -> int:
-    """The GPU memory left for GPU-side updates' buffers beside the placement's state and the workspace."""
+def _gpu_left(cfg: TrainConfig, program: Program, placement: list[str], cbytes: int, *, free: int | None = None) -> int:
+    """The GPU memory left for GPU-side updates' buffers beside the placement's state and the
+    workspace, of ``free`` bytes (default: what the device has free now, none of it allocated yet)."""
     numels = [program.layer_numel(i) for i in range(program.n_layers)]
     left = pl.gpu_state_bytes(placement, numels, cbytes)
     if cfg.gpu_budget_gb is not None:
         return int(cfg.gpu_budget_gb * 2**30) - left
     # resident layers' CUDA graphs take their share beside it
     extra = _graph_gpu_extra(cfg, program, cbytes)
-    return _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes) - left - sum(extra[i] for i, t in enumerate(placement) if t == "gpu")
+    free = _gpu_free(cfg) if free is None else free
+    return free - _gpu_workspace(cfg, program, cbytes) - left - sum(extra[i] for i, t in enumerate(placement) if t == "gpu")
 
 
 def _gpu_update_rates(cfg: TrainConfig) -> UpdateRates:
@@ -646,6 +650,7 @@ def train(
                                      disk_compute=dc, device_is_cuda=device.type == "cuda",
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         prefetch = 0 if world.distributed else plan_prefetch(pcfg, program, placement, gpu_update)
+        gpu_free = _gpu_free(cfg) if device.type == "cuda" else None  # before the state below takes its share
         t_state = time.perf_counter()
         tiers = StateTiers(program, placement, device, cdtype, streamed=gpu_update, disk_compute=dc,
                            spill_grads=spill, rank=world.rank, world_size=world.world_size,
@@ -710,7 +715,7 @@ def train(
             runners = replay_graphs(runners, program.templates, compiled, device, mode=cfg.cuda_graphs,
                                     log=notify)
         saves = plan_saves(cfg, program, compiled, placement, gpu_update, prefetch,
-                           micro_batches=cfg.grad_accum // world.world_size)
+                           micro_batches=cfg.grad_accum // world.world_size, gpu_free=gpu_free)
         kept = 0 if compiled is None else sum(compiled[program.layers[i].template].saved_bytes() for i in saves) * (
             cfg.grad_accum // world.world_size)
         if notify is not None and (saves or cfg.save_activations != "auto"):

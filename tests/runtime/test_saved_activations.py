@@ -157,7 +157,7 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
     blocks = [1, 2, 3, 4]
 
     def saves(spec: str, left: int = 0, **kw: Any) -> list[int]:
-        monkeypatch.setattr(tr, "_gpu_left", lambda *a: left)
+        monkeypatch.setattr(tr, "_gpu_left", lambda *a, **k: left)
         cfg = small_config(model_overrides={"n_layers": 4}, save_activations=spec, **kw)
         return plan_saves(cfg, prog, compiled, ["ram"] * prog.n_layers, set())
 
@@ -178,6 +178,34 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
     assert saves("auto", 10 * margin, device="cuda") == []
     with pytest.raises(ConfigError, match="not split: no reason"):
         saves("all")
+
+
+def test_plan_saves_counts_the_state_once(tokens, monkeypatch):
+    # mtc.train reads the device's free memory before its state is allocated and hands it to
+    # plan_saves, which subtracts the placement's state itself: read after the allocation, the
+    # resident state was subtracted twice and fewer blocks kept their activations than planned
+    import importlib
+
+    from mtc.runtime import placement as pl
+    from mtc.train import open_run
+
+    tr = importlib.import_module("mtc.train")
+    run = open_run(small_config(model_overrides={"n_layers": 4}), None)
+    run.store.close()
+    prog = run.program
+    block = prog.layers[1].template
+    cfg = small_config(model_overrides={"n_layers": 4}, save_activations="auto", device="cuda", cuda_graphs="off")
+    placement = ["gpu"] * prog.n_layers
+    numels = [prog.layer_numel(i) for i in range(prog.n_layers)]
+    state = pl.gpu_state_bytes(placement, numels, getattr(torch, cfg.resolved_compute_dtype).itemsize)
+    per_block = state // 4  # each block's values (2 micro-batches): all four take as much as the state
+    compiled = {tid: _Compiled(tid, per_block // 2 if tid == block else 0) for tid in prog.templates}
+    monkeypatch.setattr(tr, "_gpu_workspace", lambda *a: 0)
+    monkeypatch.setattr(tr, "_graph_gpu_extra", lambda *a: [0] * prog.n_layers)
+    free = state + SAVE_MARGIN_BYTES + 4 * per_block  # room for every block beside the state
+    monkeypatch.setattr(tr, "_gpu_free", lambda cfg: free - state)  # what the device says after the state
+    assert plan_saves(cfg, prog, compiled, placement, set(), gpu_free=free) == [1, 2, 3, 4]
+    assert plan_saves(cfg, prog, compiled, placement, set()) == []  # the free memory read now: state counted twice
 
 
 def test_replayed_backward_from_saved_values_matches_eager(tokens, tmp_path):
