@@ -23,7 +23,7 @@ from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, saved_b
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
-from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, resident_graph_bytes
+from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, mixed_saves_bytes, resident_graph_bytes
 
 __all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "saved_gpu_bytes", "saves_for", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
            "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "prefetch_for",
@@ -349,7 +349,7 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
                                    micro_batches=cfg.grad_accum, gpu_bytes=None, replay_copy=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, kept))
+        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, kept, placement))
     disk_free, where = None, ""
     if store_dir is not None and (new_run or seeded_written is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -490,9 +490,9 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
     cuda = profile.accelerator == "cuda"
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda, host_available=profile.host_available_bytes,
                  gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
-    saves = saves_for(cfg, shape, profile, mem)
+    saves = saves_for(cfg, shape, profile, mem, placement)
     if saves:
-        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves))
+        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves, placement))
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
     st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
@@ -500,13 +500,26 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch, saves)
 
 
-def saved_gpu_bytes(cfg: TrainConfig, shape: ModelShape, saves: list[int]) -> int:
+def saved_gpu_bytes(cfg: TrainConfig, shape: ModelShape, saves: list[int], placement: list[str]) -> int:
     """GPU memory the blocks ``saves`` keep between their visits, every micro-batch of the step
-    (the estimate from the shapes: `mtc.costmodel.saved_bytes`)."""
-    return cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves)
+    (the estimate from the shapes: `mtc.costmodel.saved_bytes`), and the second graph per ring
+    slot when some streamed blocks save and others recompute (`_mixed_saves`)."""
+    kept = cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves)
+    streamed = [i for i in range(1, shape.n_layers - 1) if placement[i] != "gpu"]
+    if set(saves) & set(streamed) and set(streamed) - set(saves):
+        kept += sum(_mixed_saves(cfg, shape, placement).values())
+    return kept
 
 
-def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory) -> list[int]:
+def _mixed_saves(cfg: TrainConfig, shape: ModelShape, placement: list[str]) -> dict[str, int]:
+    """`mtc.runtime.placement.choose_saves`'s ``mixed``: what the blocks' template adds when some
+    of its streamed blocks save and others recompute (`mixed_saves_bytes`; replayed plans only)."""
+    layers = _graph_layers(cfg, shape)
+    streamed = [i for i in range(1, shape.n_layers - 1) if layers[i] is not None and placement[i] != "gpu"]
+    return {"block": mixed_saves_bytes(layers[streamed[0]])} if streamed else {}
+
+
+def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory, placement: list[str]) -> list[int]:
     """The blocks that keep their activations between visits, as `mtc.train.plan_saves` chooses
     them (`mtc.runtime.placement.choose_saves`), from the shapes' estimate of what each keeps
     (`mtc.costmodel.saved_bytes`: a compiled block's; an unfused block keeps more, its autograd
@@ -524,7 +537,7 @@ def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem:
     try:
         return pl.choose_saves(cfg.save_activations, blocks, [saved_bytes(shape.costs[i], shape.compute_bytes) for i in blocks],
                                ["block"] * len(blocks), micro_batches=cfg.grad_accum, gpu_bytes=left,
-                               replay_copy=cfg.cuda_graphs != "off")
+                               replay_copy=cfg.cuda_graphs != "off", mixed=_mixed_saves(cfg, shape, placement))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

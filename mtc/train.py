@@ -44,7 +44,7 @@ from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
-from mtc.runtime.graph_replay import graph_report, replay_graphs
+from mtc.runtime.graph_replay import graph_report, mixed_saves_bytes, replay_graphs
 from mtc.runtime.optimizer import StepStats, StreamingAdamW
 from mtc.runtime.pinned import pinning_report
 from mtc.runtime.runners import CompiledRunner, LayerRunner
@@ -315,16 +315,22 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
         raise ConfigError(f"--save-activations {spec}: {len(blocks) - len(split)} of {len(blocks)} blocks cannot keep their "
                           f"activations ({why}); use --save-activations auto or off")
     left = None
+    tids = [program.layers[i].template for i in split]
+    mixed: dict[str, int] = {}  # a template whose streamed layers may replay a joint and a backward graph per slot
     if spec == "auto" and split and cfg.device.startswith("cuda") and cfg.activation_budget_gb is None:
         cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         left = _gpu_left(cfg, program, placement, cbytes, free=gpu_free) - pl.streamed_gpu_bytes(
             gpu_update, numels, cbytes, prefetch=prefetch, grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
-    tids = [program.layers[i].template for i in split]
+        if cfg.cuda_graphs != "off":
+            from mtc.costmodel import shape_from_program
+
+            buffers = shape_from_program(program, cfg.model, cbytes).graph_buffers
+            mixed = {t: mixed_saves_bytes(buffers[i]) for i, t in zip(split, tids, strict=True) if placement[i] != "gpu"}
     try:
         return pl.choose_saves(spec, split, [compiled[t].saved_bytes() for t in tids], tids,
                                micro_batches=cfg.grad_accum if micro_batches is None else micro_batches,
-                               gpu_bytes=left, replay_copy=cfg.cuda_graphs != "off")
+                               gpu_bytes=left, replay_copy=cfg.cuda_graphs != "off", mixed=mixed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

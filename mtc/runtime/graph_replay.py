@@ -77,7 +77,8 @@ from mtc.runtime.runners import LayerRunner
 
 __all__ = [
     "MIN_LAUNCHES_SAVED", "REPLAY_MARGIN", "SYNCING_OPS", "Capture", "CudaGraphCapture", "EmulatedCapture", "GraphBuffers", "GraphRunner", "ReplayStats",
-    "capture_blocker", "graph_memory_bytes", "graph_report", "launches_per_replay", "replay_graphs", "resident_graph_bytes",
+    "capture_blocker", "graph_memory_bytes", "graph_report", "launches_per_replay", "mixed_saves_bytes", "replay_graphs",
+    "resident_graph_bytes",
     "template_graph_buffers",
 ]
 
@@ -501,6 +502,18 @@ class GraphBuffers:
     template: str  # the template's id
     copied: int  # one set of input buffers (activations, aux, batch, incoming gradients): all the template's graphs share it
     kept: int  # the outputs one weight address set's forward and joint graphs keep (parameter gradients included)
+    grads: int = 0  # of ``kept``: the gradients the joint graph returns (a backward from saved values returns them too)
+    backward_copied: int = 0  # a backward graph's own input buffers: the activations and incoming gradients it copies
+
+
+def mixed_saves_bytes(b: GraphBuffers, *, slots: int = 2) -> int:
+    """GPU memory a template's replayed graphs add when some of its streamed layers keep their
+    activations and others recompute them: each of the ``slots`` weight-ring slots then has a
+    backward graph (from saved values) beside its joint graph, keeping gradients of its own, and
+    the backward copies its activations and incoming gradients into buffers of its own (its saved
+    inputs' buffers are counted with the saved values: `mtc.runtime.placement.choose_saves`).
+    Streamed layers that all save, or all recompute, replay one of the two graphs per slot."""
+    return slots * b.grads + b.backward_copied
 
 
 def _spec_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -524,7 +537,9 @@ def template_graph_buffers(template: Template, diff: Sequence[int], grad_outs: S
     # forward: copies the inputs, keeps the outputs; joint: copies them and the incoming
     # gradients, keeps the gradients and, where it returns them (a head), the recomputed outputs
     joint_outs = sum(outs) if joint_keeps_outputs(template) else 0
-    return GraphBuffers(template.id, copied=2 * copied + sum(outs[j] for j in grad_outs), kept=sum(outs) + joint_outs + grads)
+    incoming = sum(outs[j] for j in grad_outs)
+    return GraphBuffers(template.id, copied=2 * copied + incoming, kept=sum(outs) + joint_outs + grads, grads=grads,
+                        backward_copied=copied + incoming)
 
 
 def graph_memory_bytes(layers: Sequence[GraphBuffers | None], placement: Sequence[str] | None = None, *, slots: int = 2) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
@@ -206,14 +206,18 @@ def deferred_layers(gpu_update: set[int] | frozenset[int], prefetch: int) -> set
 
 
 def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], templates: Sequence[str], *,
-                 micro_batches: int, gpu_bytes: int | None, replay_copy: bool) -> list[int]:
+                 micro_batches: int, gpu_bytes: int | None, replay_copy: bool,
+                 mixed: Mapping[str, int] | None = None) -> list[int]:
     """The blocks that keep their activations between visits (`TrainConfig.save_activations`):
     ``spec`` 'off' none, 'all' every one of ``blocks``, N the last N; 'auto' (``gpu_bytes`` None:
     no GPU, or a fixed activation budget: none) the last blocks whose values fit in ``gpu_bytes``
     less `SAVE_MARGIN_BYTES`: ``saved_bytes[i]`` per micro-batch of block ``blocks[i]`` for every
     one of the step's ``micro_batches``, plus (``replay_copy``: the backward replays as a CUDA
     graph) one set per template (``templates[i]``), its input buffers. Later blocks first: their
-    values are held the shortest. An N beyond the blocks raises ValueError."""
+    values are held the shortest. When not every block fits, ``mixed[t]`` more is charged with
+    template t's first chosen block: its streamed layers then replay both a joint graph and a
+    backward graph per ring slot (`mtc.runtime.graph_replay.mixed_saves_bytes`). An N beyond the
+    blocks raises ValueError."""
     spec = spec.strip()
     if spec == "off":
         return []
@@ -226,17 +230,22 @@ def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], t
         return list(blocks[len(blocks) - n:])
     if gpu_bytes is None:
         return []
-    left = gpu_bytes - SAVE_MARGIN_BYTES
-    chosen: list[int] = []
-    copies: set[str] = set()  # a replayed backward copies its saved inputs into one buffer set per template
-    for b, nbytes, tid in reversed(list(zip(blocks, saved_bytes, templates, strict=True))):
-        need = micro_batches * nbytes + (nbytes if replay_copy and tid not in copies else 0)
-        if need > left:
-            break
-        left -= need
-        copies.add(tid)
-        chosen.append(b)
-    return sorted(chosen)
+
+    def fill(once: Mapping[str, int]) -> list[int]:
+        left = gpu_bytes - SAVE_MARGIN_BYTES
+        chosen: list[int] = []
+        copies: set[str] = set()  # a replayed backward copies its saved inputs into one buffer set per template
+        for b, nbytes, tid in reversed(list(zip(blocks, saved_bytes, templates, strict=True))):
+            need = micro_batches * nbytes + ((nbytes if replay_copy else 0) + once.get(tid, 0) if tid not in copies else 0)
+            if need > left:
+                break
+            left -= need
+            copies.add(tid)
+            chosen.append(b)
+        return sorted(chosen)
+
+    every = fill({})
+    return every if len(every) == len(blocks) or not mixed else fill(mixed)
 
 
 def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,

@@ -156,8 +156,11 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
     compiled = {tid: _Compiled(tid, 100 << 20 if tid == block else 0) for tid in prog.templates}
     blocks = [1, 2, 3, 4]
 
+    mixed = 0
+
     def saves(spec: str, left: int = 0, **kw: Any) -> list[int]:
         monkeypatch.setattr(tr, "_gpu_left", lambda *a, **k: left)
+        monkeypatch.setattr(tr, "mixed_saves_bytes", lambda b: mixed)
         cfg = small_config(model_overrides={"n_layers": 4}, save_activations=spec, **kw)
         return plan_saves(cfg, prog, compiled, ["ram"] * prog.n_layers, set())
 
@@ -172,6 +175,14 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
     assert saves("auto", margin + 500 * 2**20, device="cuda", cuda_graphs="off") == [3, 4]  # 400 MiB for two
     assert saves("auto", margin + 800 * 2**20, device="cuda", cuda_graphs="off") == blocks
     assert saves("auto", 10 * margin, device="cuda", activation_budget_gb=1.0) == []  # a fixed activation budget
+    # streamed blocks some of which save and some recompute replay both a joint and a backward
+    # graph per ring slot: that is charged with the template's first saving block, unless all fit
+    mixed = 64 * 2**20
+    assert saves("auto", margin + 300 * 2**20 + mixed - 1, device="cuda") == []
+    assert saves("auto", margin + 300 * 2**20 + mixed, device="cuda") == [4]
+    assert saves("auto", margin + 900 * 2**20, device="cuda") == blocks  # all four: no joint graph replays
+    assert saves("auto", margin + 900 * 2**20 - 1, device="cuda") == [2, 3, 4]  # 300 + 64 + 200 + 200 of 899
+    mixed = 0
     with pytest.raises(ConfigError, match="at most 4"):
         saves("5")
     compiled[block].save_graph, compiled[block].split_note = None, "not split: no reason"
@@ -233,6 +244,36 @@ def test_replayed_backward_from_saved_values_matches_eager(tokens, tmp_path):
     assert block.stats["backward"].replays == 3 * 2 * cfg.grad_accum and block.stats["joint"].replays == 0
     assert block.stats["save"].skipped and block.stats["save"].captured == 0
     assert any("block" in line and "save: not replayed" in line for line in graph_report(wrapped))
+
+
+def test_streamed_blocks_that_save_beside_ones_that_recompute_take_what_the_plan_counts(tokens, tmp_path):
+    # block 2 saves, block 1 recomputes, both streamed: each ring slot replays a joint graph and a
+    # backward graph, and the backward copies its inputs into buffers of its own. What the graphs
+    # allocate for it is what `mixed_saves_bytes` charges, plus one set of the saved values (the
+    # copy `choose_saves` counts with them)
+    from mtc.costmodel import shape_from_program
+    from mtc.runtime.graph_replay import EmulatedCapture, GraphRunner, mixed_saves_bytes
+    from mtc.train import open_run
+
+    cfg = small_config(kernels="fused", seq_len=8, durability="none", placement="ram")
+    run = open_run(cfg, None)
+    prog = run.program
+    run.store.close()
+    wrapped: dict = {}
+
+    def wrap(rs):
+        wrapped.update({tid: GraphRunner(r, prog.templates[tid], EmulatedCapture()) for tid, r in rs.items()})
+        return wrapped
+
+    hb = hand_built_engine(cfg, tmp_path / "k", saves=(2,), wrap=wrap)
+    assert hb.placement[1:3] == ["ram", "ram"]
+    saved_bytes = hb.compiled[prog.layers[2].template].saved_bytes()
+    _run(hb, cfg, tokens, 3)
+    block = next(r for r in wrapped.values() if r.template.kind == "block")
+    assert block.stats["joint"].captured == block.stats["backward"].captured == 2  # a graph of each per ring slot
+    st = block.stats["backward"]
+    buffers = shape_from_program(prog, cfg.model, 4).graph_buffers[2]
+    assert st.static_bytes + st.kept_bytes == mixed_saves_bytes(buffers) + saved_bytes
 
 
 def test_an_unfused_saved_graph_reads_the_backward_visits_weights():
