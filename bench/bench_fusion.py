@@ -5,7 +5,9 @@ do), mtc's compiled joint graph (generated kernels, flash attention, fused linea
 recompute + backward in one call), on CUDA also mtc fused with torch's SDPA kernels instead of
 mtc's flash attention, mtc fused replayed as a CUDA graph (one launch per call), mtc fused with
 matmul prologue/epilogue fusion forced on and off (the plain fused variant takes it per shape where
-it timed faster), and torch.compile of the same template. Every mtc variant's joint graph returns
+it timed faster), and torch.compile of the same template. A block is also timed with each norm's
+backward as a row and a column kernel (`mtc_fused_no_rowcol`, not judged) beside the one
+``rowcol`` kernel plans run. Every mtc variant's joint graph returns
 the block's output, as forward + backward does; a block also gets `mtc_fused_backward`, the joint
 graph a training step's backward visit runs (the output, already held as the next layer's input,
 is not recomputed: no last matmul), and `mtc_fused_saved_backward`, the backward visit of a block
@@ -214,20 +216,22 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     attn_modes = ["flash", "aten"] if part == "block" and device.type == "cuda" else ["flash"]
     # matmul prologue/epilogue fusion (kernels/matmul_fusion.py): 'auto' (mtc_fused) takes it where
     # it timed faster per shape; forced on and off beside it show what each side costs
-    configs = [(mode, "auto", True) for mode in attn_modes] + [("flash", "on", True), ("flash", "off", True)]
+    configs = [(mode, "auto", True, True) for mode in attn_modes] + [("flash", "on", True, True), ("flash", "off", True, True)]
     if part == "block":  # the joint graph a training step's backward visit runs: the block's output is not recomputed
-        configs.append(("flash", "auto", False))
+        configs.append(("flash", "auto", False, True))
+        # a norm's backward in one rowcol kernel (plans always) against a row and a column kernel
+        configs.append(("flash", "auto", True, False))
     want = unfused()
     rels = {}
     mm_fused = {}
     saved_info = None  # a block's backward from saved values: its launches and what it keeps
-    for mode, mm, outputs in configs:
+    for mode, mm, outputs, rowcol in configs:
         t0 = time.perf_counter()
         cache = Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-"))
         # forward + backward, as the other variants compute: the joint graph returns the output too
         # (a training step's backward visit does not recompute it: `mtc_fused_backward`, not judged)
-        ct = compile_template(t, cache, attention=mode, matmul_fusion=mm, joint_outputs=outputs)
-        if mm == "auto" and outputs:
+        ct = compile_template(t, cache, attention=mode, matmul_fusion=mm, joint_outputs=outputs, row_and_column=rowcol)
+        if mm == "auto" and outputs and rowcol:
             compiled_t[mode] = (ct, time.perf_counter() - t0)
         joint = ct.module("joint", device)
 
@@ -239,6 +243,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         got = fused()[1:]
         vname = ("mtc_fused" if mode == "flash" else "mtc_fused_sdpa") + ("" if mm == "auto" else f"_mm_{mm}")
         vname = vname if outputs else "mtc_fused_backward"
+        vname = vname if rowcol else "mtc_fused_no_rowcol"
         mm_fused[vname] = {"forward": ct.forward_report.hand_tuned.get("fused_mm", 0),
                            "joint": ct.backward_report.hand_tuned.get("fused_mm", 0),
                            "joint_pre": ct.backward_report.hand_tuned.get("fused_mm_pre", 0),

@@ -65,7 +65,7 @@ import torch
 from torch import fx
 
 from mtc.graphs.lower import Rewrite, forward_graph, joint_graph
-from mtc.graphs.partition import VIEWS, FusionGroup, Partition, classify, partition
+from mtc.graphs.partition import VIEWS, FusibleOps, FusionGroup, Partition, classify, partition
 from mtc.graphs.program import Program, Template, devices_to_marker, instantiate, joint_keeps_outputs
 from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependence
 from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
@@ -158,10 +158,11 @@ def cache_key() -> str:
     return f"torch{torch.__version__}-triton{triton.__version__}-{_capability()}".replace("+", "_")
 
 
-def _fuse(graph: fx.Graph, cache_dir: Path, unfused_ops: int | None = None) -> tuple[fx.Graph, GraphReport]:
+def _fuse(graph: fx.Graph, cache_dir: Path, unfused_ops: int | None = None, fusible: FusibleOps = FUSIBLE,
+          ) -> tuple[fx.Graph, GraphReport]:
     """Generate and splice a kernel per fusion group; ``unfused_ops``: the ATen op count of the
     graph without hand-tuned swaps (the report compares against what unfused execution runs)."""
-    p: Partition = partition(graph, FUSIBLE)
+    p: Partition = partition(graph, fusible)
     kernels: dict[int, FusedKernel] = {}
     skipped: Counter[str] = Counter()
     for i, group in enumerate(p.groups):
@@ -273,6 +274,7 @@ class Work:
     backward: fx.Graph | None = None
     saved: list[tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
     split_note: str = ""
+    fusible: FusibleOps = FUSIBLE  # what partitioning may put in one kernel (codegen's list)
 
     def graphs(self) -> list[fx.Graph]:
         """Every graph this template has at this point of the pipeline."""
@@ -364,7 +366,7 @@ def _fuse_matmul_edges(w: Work) -> None:
 
 def _move_views(w: Work) -> None:
     for g in w.graphs():
-        move_views(g, FUSIBLE)
+        move_views(g, w.fusible)
 
 
 def _recompute_joint(w: Work) -> None:
@@ -373,25 +375,25 @@ def _recompute_joint(w: Work) -> None:
     # value behind: alternate until neither finds anything
     for g in w.joints():
         for _ in range(4):
-            if not recompute_cheap(g, FUSIBLE) + copy_broadcast_outputs(g, FUSIBLE):
+            if not recompute_cheap(g, w.fusible) + copy_broadcast_outputs(g, w.fusible):
                 break
 
 
 def _copy_broadcast_outputs(w: Work) -> None:
     for g in w.graphs():
-        copy_broadcast_outputs(g, FUSIBLE)
+        copy_broadcast_outputs(g, w.fusible)
 
 
 def _fuse_forward(w: Work) -> None:
-    w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0])
+    w.forward, w.reports["forward"] = _fuse(w.forward, w.cache, w.unfused_ops[0], w.fusible)
     if w.save is not None:
-        w.save, w.reports["save"] = _fuse(w.save, w.cache)
+        w.save, w.reports["save"] = _fuse(w.save, w.cache, fusible=w.fusible)
 
 
 def _fuse_joint(w: Work) -> None:
-    w.joint, w.reports["backward"] = _fuse(w.joint, w.cache, w.unfused_ops[1])
+    w.joint, w.reports["backward"] = _fuse(w.joint, w.cache, w.unfused_ops[1], w.fusible)
     if w.backward is not None:
-        w.backward, w.reports["backward_saved"] = _fuse(w.backward, w.cache)
+        w.backward, w.reports["backward_saved"] = _fuse(w.backward, w.cache, fusible=w.fusible)
 
 
 PASSES: list[Pass] = [
@@ -413,7 +415,7 @@ PASSES: list[Pass] = [
 
 def compile_template(
     t: Template, cache_dir: str | Path, *, attention: str = "flash", grad_aux: tuple[bool, ...] | list[bool] = (),
-    matmul_fusion: str = "auto", joint_outputs: bool | None = None, split: bool = True,
+    matmul_fusion: str = "auto", joint_outputs: bool | None = None, split: bool = True, row_and_column: bool = True,
 ) -> CompiledTemplate:
     """Run `PASSES` over one template (kernels cached under ``cache_dir``).
 
@@ -427,6 +429,8 @@ def compile_template(
     then skips its last matmul); True for a forward + backward comparison with other backends.
     ``split``: a block also gets the graphs that keep values between its visits (``save`` and
     ``backward``: graphs/split.py), which the executor runs where `mtc.train` plans to.
+    ``row_and_column``: False keeps row and column reductions in kernels of their own (no
+    ``rowcol`` kernels: bench_fusion's A/B; plans always take them).
     """
     if attention not in ("flash", "aten"):
         raise ValueError(f"attention must be 'flash' or 'aten', got {attention!r}")
@@ -435,7 +439,8 @@ def compile_template(
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     w = Work(t, cache, attention, tuple(grad_aux), matmul_fusion=matmul_fusion, device=device,
              choices=Choices(cache, stamp=toolchain_key()),
-             joint_outputs=joint_keeps_outputs(t) if joint_outputs is None else joint_outputs, split=split)
+             joint_outputs=joint_keeps_outputs(t) if joint_outputs is None else joint_outputs, split=split,
+             fusible=FUSIBLE if row_and_column else dataclasses.replace(FUSIBLE, row_and_column=0))
     for p in PASSES:
         p.run(w)
     tuning = {"attention": w.attention_choices.to_json(),
