@@ -490,7 +490,7 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
     cuda = profile.accelerator == "cuda"
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda, host_available=profile.host_available_bytes,
                  gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
-    saves = saves_for(cfg, shape, profile, mem, placement)
+    saves = saves_for(cfg, shape, profile, mem, placement, prefetch)
     if saves:
         mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves, placement))
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
@@ -519,12 +519,14 @@ def _mixed_saves(cfg: TrainConfig, shape: ModelShape, placement: list[str]) -> d
     return {"block": mixed_saves_bytes(layers[streamed[0]])} if streamed else {}
 
 
-def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory, placement: list[str]) -> list[int]:
+def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem: Memory, placement: list[str],
+              prefetch: int = 0) -> list[int]:
     """The blocks that keep their activations between visits, as `mtc.train.plan_saves` chooses
     them (`mtc.runtime.placement.choose_saves`), from the shapes' estimate of what each keeps
     (`mtc.costmodel.saved_bytes`: a compiled block's; an unfused block keeps more, its autograd
-    graph) and the GPU memory ``mem`` leaves; auto keeps none unfused, on the CPU, or with a fixed
-    activation budget. Blocks: the layers between the embed stage and the head."""
+    graph) and the GPU memory ``mem`` leaves (less the margin an automatic update prefetch of
+    ``prefetch`` layers keeps: `mtc.runtime.placement.prefetch_margin`); auto keeps none unfused,
+    on the CPU, or with a fixed activation budget. Blocks: the layers between the embed stage and the head."""
     cuda = profile.accelerator == "cuda"
     if not (cfg.kernels == "fused" or (cfg.kernels == "auto" and cuda)) and cfg.save_activations.strip() == "auto":
         return []  # (unfused blocks keep their autograd graphs only when told: their size is not estimated)
@@ -533,7 +535,7 @@ def saves_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, mem:
     if cuda and cfg.activation_budget_gb is None and cfg.gpu_budget_gb is not None:
         left = int(cfg.gpu_budget_gb * GiB) - mem.gpu_state
     elif cuda and cfg.activation_budget_gb is None:
-        left = profile.gpu_memory_bytes - mem.gpu_peak
+        left = profile.gpu_memory_bytes - mem.gpu_peak - pl.prefetch_margin(cfg.update_prefetch, prefetch)
     try:
         return pl.choose_saves(cfg.save_activations, blocks, [saved_bytes(shape.costs[i], shape.compute_bytes) for i in blocks],
                                ["block"] * len(blocks), micro_batches=cfg.grad_accum, gpu_bytes=left,

@@ -322,6 +322,7 @@ def plan_saves(cfg: TrainConfig, program: Program, compiled: dict | None, placem
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         left = _gpu_left(cfg, program, placement, cbytes, free=gpu_free) - pl.streamed_gpu_bytes(
             gpu_update, numels, cbytes, prefetch=prefetch, grads_on_device=pl.streamed_grads_on_device(cfg.activation_budget_gb))
+        left -= pl.prefetch_margin(cfg.update_prefetch, prefetch)
         if cfg.cuda_graphs != "off":
             from mtc.costmodel import shape_from_program
 

@@ -131,6 +131,7 @@ class StreamingAdamW:
         self.prefetch = min(max(0, prefetch), len(self.gpu_update)) if dp is None else 0
         self._prefetched: dict[int, tuple[int, Transfer]] = {}  # scratch set -> (layer, its state's copy in)
         self._prefetch_due = False
+        self._prefetching: Future[None] | None = None  # the step's state loads (read by the update: their errors surface)
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
@@ -179,7 +180,7 @@ class StreamingAdamW:
         if self._prefetch_due:  # the backward has begun: every update of the last step is done (the forward waited for them)
             self._prefetch_due = False
             first = sorted(self.gpu_update)[: self.prefetch]
-            self._gpu.submit(self._prefetch_states, first)
+            self._prefetching = self._gpu.submit(self._prefetch_states, first)
         if self.dp is not None:
             self.dp.grad_final(layer)
 
@@ -381,6 +382,9 @@ class StreamingAdamW:
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
+            if self._prefetching is not None:  # done (the same thread ran it first): raise what it raised
+                done, self._prefetching = self._prefetching, None
+                done.result()
             sets = len(self._scratch)
             loaded, self._prefetched = self._prefetched, {}
             for j, (i, fut, hp, deps) in enumerate(jobs):

@@ -54,6 +54,7 @@ __all__ = [
     "host_bytes_needed",
     "host_bytes_per_param",
     "pipeline_host_bytes",
+    "prefetch_margin",
     "resolve_disk_compute",
     "resolve_gpu_update",
     "resolve_placement",
@@ -144,7 +145,7 @@ def choose_gpu_update(placement: list[str], numels: list[int], cpu_params_per_s:
         if not phi:
             break
         psi = sum(numels[i] for i in deferred_layers(chosen, ahead)) / total_gpu
-        # the weights go back first: the compute copy, or in fp32 the master itself (4 B either way)
+        # the weights go back first: the compute copy (``compute_bytes`` per parameter; in fp32 the master itself)
         t_in, t_out = 12 * (1 - phi), out * (1 - psi) + compute_bytes * psi
         t_gpu = t_in / pcie_bytes_per_s + max(0.0, t_out - t_in) / one_way_bytes_per_s
         chosen = _balanced(ram, numels, total, t_cpu, t_gpu, compute_bytes, grads_on_device, gpu_bytes)
@@ -246,6 +247,13 @@ def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], t
 
     every = fill({})
     return every if len(every) == len(blocks) or not mixed else fill(mixed)
+
+
+def prefetch_margin(spec: int | None, prefetch: int) -> int:
+    """GPU memory an automatic update prefetch (``spec`` None) of ``prefetch`` layers meant to leave
+    free beside its estimate (`PREFETCH_MARGIN_BYTES`): what the saved activations chosen after it
+    leave free too, beyond their own margin (none when the prefetch was named or took no layer)."""
+    return PREFETCH_MARGIN_BYTES if spec is None and prefetch > 0 else 0
 
 
 def choose_prefetch(spec: int | None, gpu_update: set[int] | frozenset[int], numels: list[int], compute_bytes: int, *,

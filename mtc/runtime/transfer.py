@@ -156,8 +156,8 @@ class CopyEngine:
                         d.copy_(s, non_blocking=True)
                 ev = torch.cuda.Event(blocking=True)  # host threads wait on it: sleep, not spin a core
                 ev.record(stream)
-            if self.serialize:
-                torch.cuda.synchronize(self.device)
+            if self.serialize:  # this copy only: a device-wide sync from this thread would break another's graph capture
+                ev.synchronize()
             return Transfer(event=ev, nbytes=nbytes)
         step = self.timeline.step
 

@@ -86,6 +86,19 @@ def test_overlapped_schedule_is_bit_identical_to_serialised(tokens, prefetch):
         b.store.close()
 
 
+def test_a_failed_state_prefetch_surfaces_instead_of_vanishing(tokens, monkeypatch):
+    # the prefetch of GPU-updated layers' state runs on the optimizer's GPU thread; its error used
+    # to be dropped with its future (the update then loaded the state itself): now the step fails
+    from mtc.runtime.optimizer import StreamingAdamW
+
+    def broken(self, layers):
+        raise RuntimeError("prefetch copy failed")
+
+    monkeypatch.setattr(StreamingAdamW, "_prefetch_states", broken)
+    with pytest.raises(Exception, match="prefetch copy failed"):
+        train(small_config(steps=2, gpu_update="1-2", update_prefetch=1), None, tokens)
+
+
 def test_commit_every_commits_on_schedule_and_at_the_end(tokens, tmp_path):
     res = train(small_config(steps=7, commit_every=3), tmp_path / "s", tokens)
     try:

@@ -158,11 +158,11 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
 
     mixed = 0
 
-    def saves(spec: str, left: int = 0, **kw: Any) -> list[int]:
+    def saves(spec: str, left: int = 0, prefetch: int = 0, **kw: Any) -> list[int]:
         monkeypatch.setattr(tr, "_gpu_left", lambda *a, **k: left)
         monkeypatch.setattr(tr, "mixed_saves_bytes", lambda b: mixed)
         cfg = small_config(model_overrides={"n_layers": 4}, save_activations=spec, **kw)
-        return plan_saves(cfg, prog, compiled, ["ram"] * prog.n_layers, set())
+        return plan_saves(cfg, prog, compiled, ["ram"] * prog.n_layers, set(), prefetch)
 
     assert saves("off") == [] and saves("all") == blocks and saves("3") == [2, 3, 4] and saves("0") == []
     assert saves("auto") == []  # on the CPU: nothing is kept
@@ -175,6 +175,12 @@ def test_plan_saves_takes_the_last_blocks_that_fit(tokens, monkeypatch):
     assert saves("auto", margin + 500 * 2**20, device="cuda", cuda_graphs="off") == [3, 4]  # 400 MiB for two
     assert saves("auto", margin + 800 * 2**20, device="cuda", cuda_graphs="off") == blocks
     assert saves("auto", 10 * margin, device="cuda", activation_budget_gb=1.0) == []  # a fixed activation budget
+    # an automatic update prefetch leaves its own margin free: the saves chosen after it keep it
+    from mtc.runtime.placement import PREFETCH_MARGIN_BYTES
+
+    assert saves("auto", margin + 300 * 2**20, prefetch=2, device="cuda") == []
+    assert saves("auto", margin + PREFETCH_MARGIN_BYTES + 300 * 2**20, prefetch=2, device="cuda") == [4]
+    assert saves("auto", margin + 300 * 2**20, prefetch=2, device="cuda", update_prefetch=2) == [4]  # named: no margin
     # streamed blocks some of which save and some recompute replay both a joint and a backward
     # graph per ring slot: that is charged with the template's first saving block, unless all fit
     mixed = 64 * 2**20
