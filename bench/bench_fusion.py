@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,10 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     rels = {}
     mm_fused = {}
     saved_info = None  # a block's backward from saved values: its launches and what it keeps
-    for mode, mm, outputs, rowcol in configs:
+
+    def add(mode: str, mm: str, outputs: bool, rowcol: bool) -> None:
+        """Compile one configuration, check its gradients against unfused, add its variant(s)."""
+        nonlocal saved_info
         t0 = time.perf_counter()
         cache = Path(tempfile.mkdtemp(prefix="mtc-bench-kernels-"))
         # forward + backward, as the other variants compute: the joint graph returns the output too
@@ -276,6 +280,16 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
             saved_info = {"launches": {"save": launches(ct.save_graph), "backward": launches(ct.backward_graph),
                                        "joint_without_output": launches(ct.joint_graph)},
                           "saved_bytes_per_call": ct.saved_bytes()}
+
+    variant_errors: dict[str, str] = {}  # a configuration beside the judged one that failed: the rest still run
+    for cfg in configs:
+        try:
+            add(*cfg)
+        except Exception as e:  # noqa: BLE001
+            if cfg == ("flash", "auto", True, True):
+                raise  # mtc_fused itself: the record has nothing to judge without it
+            variant_errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{arch}/{part}: configuration {cfg} failed ({variant_errors[str(cfg)]}); the others go on", flush=True)
     graph_runner = None
     if device.type == "cuda":  # the same joint graph replayed as a CUDA graph (mtc.runtime.graph_replay)
         from launch_count import graph_variant
@@ -284,7 +298,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         got = variants["mtc_fused_graph"]()[1:]  # the first call captures
         rels["mtc_fused_graph"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
                                       for a, b in zip(got, want, strict=True))
-    del want
+    want = None  # (frees the reference gradients before the timing)
     if use_compile:
         cgm = torch.compile(gm)
 
@@ -310,6 +324,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
                  # 'auto', each site's check and timing
                  "matmul_fusion": mm_fused,
                  "saved_activations": saved_info,
+                 "variant_errors": variant_errors,
                  "results": {}}
     sampler = ClockSampler(nvml_index(device.index or 0)).start() if device.type == "cuda" else None
     try:
@@ -422,11 +437,16 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
         def write(rec: dict, written: list[Path] = written) -> None:  # after each variant: a killed run keeps its record
             written[:] = [write_record(name, rec, written[0] if written else None)]
 
-        rec = model_stack.run_model(shape, device, seqs=a.model_seqs or (4 if a.smoke else 16),
-                                    micro_batch=a.model_micro_batch or (2 if a.smoke else 8),
-                                    seq_len=a.model_seq_len or (16 if a.smoke else 1024),
-                                    warmup=warmup, reps=reps, variants=variants, deadline=deadline, on_variant=write,
-                                    profile=a.profile)
+        try:
+            rec = model_stack.run_model(shape, device, seqs=a.model_seqs or (4 if a.smoke else 16),
+                                        micro_batch=a.model_micro_batch or (2 if a.smoke else 8),
+                                        seq_len=a.model_seq_len or (16 if a.smoke else 1024),
+                                        warmup=warmup, reps=reps, variants=variants, deadline=deadline, on_variant=write,
+                                        profile=a.profile)
+        except Exception:  # noqa: BLE001  (the variants that finished are in the record `write` keeps)
+            traceback.print_exc()
+            print(f"model/{shape}: FAILED; finished variants: {written[0] if written else 'none'}", flush=True)
+            continue
         r = rec["results"]
         line = f"model/{shape:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
         if "fused_speedup_vs_unfused" in rec:
@@ -441,7 +461,8 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
         print(line)
         profs = {v: x["profile"] for v, x in r.items() if "profile" in x}
         if profs:  # as for a block: the matmuls and attention no variant can skip
-            rec["compute_floor"] = compute_floor(profs, {v: x["median_ms"] for v, x in r.items()})
+            # (variants a time limit skipped have no time)
+            rec["compute_floor"] = compute_floor(profs, {v: x["median_ms"] for v, x in r.items() if "median_ms" in x})
             print(f"model/{shape:5s} {_floor_text(rec['compute_floor'])}")
         for v, x in r.items():
             extra = [f"plan compile {x['plan_compile_s']:.1f} s"] if "plan_compile_s" in x else []
@@ -498,7 +519,16 @@ def main() -> None:
     if jobs:
         print(f"{'arch':12s} {'variant':15s} {'median ms':>10s} {'TFLOP/s':>8s} {'peak MiB':>9s}")
     for arch, part in jobs:
-        rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile, a.trace)
+        try:
+            rec = run(arch, part, a.smoke, device, seq, warmup, reps, not a.no_torch_compile, a.profile, a.trace)
+        except Exception as e:  # noqa: BLE001  (one part's failure is recorded; the other parts still run)
+            traceback.print_exc()
+            err = {"arch": arch, "part": part, "smoke": a.smoke, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            print(f"{arch}/{part}: FAILED ({err['error']}); record: "
+                  f"{write_record('bench_fusion' + ('-smoke' if a.smoke else ''), err)}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         arch = f"{arch}/{part}"
         for v, r in rec["results"].items():
             peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r["peak_bytes"] is not None else "      n/a"

@@ -13,8 +13,9 @@
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes;
 #                  P1-16 runs stateless and auto (P1_AB=1 adds stateless-noprefetch between them:
 #                  update_prefetch's A/B, ~80 s more; the H100 measured that side at 2.10 s/step);
-#                  it starts only with TRAIN_MIN_S, default 240 s, left, and stops starting settings
-#                  at its own limit, keeping the ones it finished)
+#                  it starts only with TRAIN_MIN_S, default 150 s, left, and stops starting settings
+#                  at its own limit, keeping the ones it finished; P3 runs mtc auto and the
+#                  torch.compile baselines first, so a short budget still gives the ratio)
 #                  (train, dp and disk parts first run `mtc calibrate` once per machine: its profile
 #                  picks the GPU-updated layers and predicts the step; a copy lands in $OUT/machine.json)
 #   dp             bench_train --world-size 1: the plain run vs torchrun at one rank (issue 13's 2 %
@@ -28,17 +29,18 @@
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
 #   call 1, timeout_s 600:  bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P1-16, model/1.5b, train/P3;
+#       (the default list, in order of what is pending: tests, train/P1-16, train/P3, model/1.5b;
 #       a part that no longer fits is skipped and says so)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then fusion gpt2/head qwen2/head
-#       llama/head train/P1-48 (the heads: one product up to 2 GiB of logits, a per-lane CE row kernel)
+#       llama/head train/P1-48 (the heads: one product up to 2 GiB of logits, a per-lane CE row kernel;
+#       P1-48 last: its goal was met on 2026-11-26, and ~150 s of fusion and ~90 s of heads come first)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
 #   more, and model/ two variants after torch.compile, mtc_fused_saved and mtc_fused_saved_graph)
-#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 model/1.5b train/P3
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P3 model/1.5b
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,33 +53,39 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 log="$out/gpu_session.log"
 since=$(mktemp)  # records newer than this file are this call's
-# after every part: a call cut off by the device's time limit still returns what finished
+# after every part, and on the way out (the device's time limit sends TERM first): a call cut off
+# still returns what finished, a killed part's records written so far included
 pack() {
   local files
   files=$(cd bench/results && find . -maxdepth 1 -name '*.json' -newer "$since" -printf '%f\n' | sort)
   [ -n "$files" ] && tar -czf "$out/records.tgz" -C bench/results $files
   return 0
 }
+trap pack EXIT
+trap 'pack; exit 143' TERM
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
 # default: what is pending, most important first: the gpu tests (the prefetched GPU-side update's
-# race test is new), P1-16 stateless (update_prefetch: the plan predicts 1.27 s on the built-in H100
-# profile, against 2.10 s measured at 13 GPU-updated layers without it) and auto, the whole 1.5B
-# stack fused vs torch.compile (never measured: its bf16 crash is fixed), P3 at equal micro-batch
-# (0.86x of torch.compile at 4 x 4 against 1 x 16); see the header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 model/1.5b train/P3)
+# race test, saved activations, the rowcol kernel are new), P1-16 stateless (update_prefetch: the
+# plan predicts 1.27 s on the built-in H100 profile, against 2.10 s measured at 13 GPU-updated
+# layers without it) and auto, P3 at equal micro-batch with its blocks keeping their activations
+# (issue 8's goal; 0.86x of torch.compile before), then the whole 1.5B stack fused vs torch.compile
+# (no goal); see the header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P3 model/1.5b)
 budget=${BENCH_BUDGET_S:-530}
 profile="$HOME/.cache/mtc/machine.json"
+train_min=${TRAIN_MIN_S:-150}
 for p in "${parts[@]}"; do
   left=$(( budget - ($(date +%s) - start) ))
   case "$p" in
     train/*|dp|disk*)
       # the box measured once (~20 s): GPU-updated layers chosen on its rates rather than the
       # defaults, `pred s` from its own profile; the profile comes back for planning on the CPU
-      if [ ! -f "$profile" ]; then
-        timeout 120 python3 -m mtc calibrate 2>&1 | tail -12 | tee -a "$log"
+      # (only for a part that will run: with less than its minimum left it is skipped below)
+      if [ ! -f "$profile" ] && [ "$left" -ge "$train_min" ]; then
+        timeout -k 5 $(( left < 120 ? left : 120 )) python3 -m mtc calibrate 2>&1 | tail -12 | tee -a "$log"
         [ -f "$profile" ] && cp "$profile" "$out/machine.json"
         left=$(( budget - ($(date +%s) - start) ))
       fi ;;
@@ -89,18 +97,18 @@ for p in "${parts[@]}"; do
       cap=${TESTS_S:-200}  # 56 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
       # the whole output in its own file: a line per test as it ends (-v: a run cut at the cap still
       # says which passed and failed), then every failure's traceback; its tail in the log and the reply
-      timeout $(( left < cap ? left : cap )) python3 -m pytest -v -m gpu -n 6 -p no:benchmark --durations=8 -rfE tests \
+      timeout -k 10 $(( left < cap ? left : cap )) python3 -m pytest -v -m gpu -n 6 -p no:benchmark --durations=8 -rfE tests \
         > "$out/gpu_tests.log" 2>&1
       echo "gpu tests: pytest exit $? (124: cut at TESTS_S)" | tee -a "$log"
       tail -40 "$out/gpu_tests.log" | tee -a "$log" ;;
     disk|disk/*)
-      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      if [ "$left" -lt "$train_min" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       shape=${p#disk}; shape=${shape#/}
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
-      timeout "$left" python3 bench/bench_disk_tier.py ${shape:+--shape "$shape"} --time-limit-s "$limit" ${DISK_ARGS:-} 2>&1 \
+      timeout -k 10 "$left" python3 bench/bench_disk_tier.py ${shape:+--shape "$shape"} --time-limit-s "$limit" ${DISK_ARGS:-} 2>&1 \
         | tee -a "$log" ;;
     train/*)
-      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      if [ "$left" -lt "$train_min" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       # one plans directory for every train part of the call: a shape's plan compiles once (P1-48 loads P1-16's)
@@ -112,28 +120,28 @@ for p in "${parts[@]}"; do
       # GPU, auto-recompute recomputes them) first, then stateless; its baselines add torch.compile
       # without checkpointing (about 40 s more than before)
       [ "$p" = train/P3 ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings auto,auto-recompute,stateless)
-      timeout "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" --plans /tmp/mtc-bench-plans \
+      timeout -k 10 "$left" python3 bench/bench_train.py --only "${p#train/}" --time-limit-s "$limit" --plans /tmp/mtc-bench-plans \
         "${ab[@]}" ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     dp)
-      if [ "$left" -lt "${TRAIN_MIN_S:-240}" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
+      if [ "$left" -lt "$train_min" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
-      timeout "$left" python3 bench/bench_train.py --world-size 1 --repeats "${DP_REPEATS:-3}" --time-limit-s "$limit" \
+      timeout -k 10 "$left" python3 bench/bench_train.py --world-size 1 --repeats "${DP_REPEATS:-3}" --time-limit-s "$limit" \
         ${TRAIN_ARGS:-} 2>&1 | tee -a "$log" ;;
     model/*)
       if [ "$left" -lt 180 ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi
       # --profile: each variant's kernels over one more step (where P3's 0.86x of torch.compile goes)
-      timeout "$left" python3 bench/bench_fusion.py --arch llama --part model --shape "${p#model/}" \
+      timeout -k 10 "$left" python3 bench/bench_fusion.py --arch llama --part model --shape "${p#model/}" \
         --time-limit-s $(( left - 150 )) --profile ${BENCH_ARGS:-} 2>&1 \
         | tee -a "$log" ;;
     fusion)
       if [ "$left" -lt 120 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       # --profile: each variant's top kernels (torch.compile's too) go into the records: the gap to
       # torch.compile (2-4 % on the first H100 run) is read off them
-      timeout "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block --profile ${BENCH_ARGS:-} 2>&1 \
+      timeout -k 10 "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block --profile ${BENCH_ARGS:-} 2>&1 \
         | tee -a "$log" ;;
     *)
       if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
-      timeout "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" --profile ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
+      timeout -k 10 "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" --profile ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;
   esac
   pack
 done

@@ -238,26 +238,42 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
             rec["results"][v] = {"skipped": "time limit (--time-limit-s) reached before it started"}
             log(f"model/{shape:5s} {v:16s} skipped: time limit")
             continue
-        runners, info = _runners(v, program, device, cache)
-        timeline = Timeline(keep_steps=2)
-        engine = CopyEngine(device, timeline)
-        saves = [c.index for c in program.iter_blocks()] if v in SAVING_VARIANTS else ()
-        ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners, saves=saves)
         try:
-            got = _time_steps(ex, batches, device, warmup, reps)
-            if profile and device.type == "cuda":
-                from launch_count import kernel_table
+            runners, info = _runners(v, program, device, cache)
+            timeline = Timeline(keep_steps=2)
+            engine = CopyEngine(device, timeline)
+            saves = [c.index for c in program.iter_blocks()] if v in SAVING_VARIANTS else ()
+            try:
+                ex = StreamingExecutor(program, tiers, device=device, engine=engine, timeline=timeline, runners=runners,
+                                       saves=saves)
+            except Exception:
+                engine.close()
+                raise
+            try:
+                got = _time_steps(ex, batches, device, warmup, reps)
+                if profile and device.type == "cuda":
+                    from launch_count import kernel_table
 
-                more = iter(range(warmup + reps, warmup + reps + 2))  # the steps kernel_table runs: warm, then profiled
+                    more = iter(range(warmup + reps, warmup + reps + 2))  # the steps kernel_table runs: warm, then profiled
 
-                def step(ex: StreamingExecutor = ex) -> None:  # bound now: the loop deletes `ex` after the variant
-                    ex.timeline.begin_step(next(more))
-                    ex.run_step(batches, _Norms())
+                    def step(ex: StreamingExecutor = ex) -> None:  # bound now: the loop deletes `ex` after the variant
+                        ex.timeline.begin_step(next(more))
+                        ex.run_step(batches, _Norms())
 
-                got["profile"] = kernel_table(step)
-        finally:
-            ex.close()
-            engine.close()
+                    got["profile"] = kernel_table(step)
+            finally:
+                ex.close()
+                engine.close()
+        except Exception as e:  # noqa: BLE001  (this variant's failure is recorded; the others still run)
+            rec["results"][v] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(f"model/{shape:5s} {v:16s} FAILED: {rec['results'][v]['error']}")
+            if on_variant is not None:
+                on_variant(rec)
+            runners = ex = got = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         med = statistics.median(got["times_s"])
         r: dict[str, Any] = {"median_ms": med * 1e3, "model_tflops": flops / med / 1e12,
                              "model_tflops_6n": 6 * program.n_params() * tokens / med / 1e12, "tokens_per_s": tokens / med,
