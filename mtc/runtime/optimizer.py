@@ -47,7 +47,7 @@ from mtc.config import OptimConfig
 from mtc.graphs.program import Program
 from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import TUNE_MIN_NUMEL, HostStrategy, adamw_flat_, host_pool, tune_strategy
-from mtc.runtime.placement import scratch_sets
+from mtc.runtime.placement import scratch_set, scratch_sets
 from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
@@ -386,6 +386,7 @@ class StreamingAdamW:
                 done, self._prefetching = self._prefetching, None
                 done.result()
             sets = len(self._scratch)
+            reused = {scratch_set(j, len(jobs), sets) for j in range(sets, len(jobs))}
             loaded, self._prefetched = self._prefetched, {}
             for j, (i, fut, hp, deps) in enumerate(jobs):
                 s = self.tiers[i]
@@ -393,7 +394,7 @@ class StreamingAdamW:
                 n = hm.numel()
                 _wait_all(self.timeline, i, deps, tstep)
                 with self.timeline.span("update_streamed", i, step=tstep):
-                    k = j % sets
+                    k = scratch_set(j, len(jobs), sets)
                     p, m, v, c, *g = (t[:n] for t in self._scratch[k])
                     cast = hc is not hm
                     ahead = loaded.get(k) if views is None and j < sets else None
@@ -421,7 +422,7 @@ class StreamingAdamW:
                     state = ([(hm, p)] if cast else []) + [(hmo, m), (hv, v)]
                     back_fut = s.state_back if views is None else None
                     # (the rule `mtc.runtime.placement.deferred_layers` plans with)
-                    if ahead_tr is not None and j + sets >= len(jobs) and back_fut is not None:
+                    if ahead_tr is not None and k not in reused and back_fut is not None:
                         tr_out = self.engine.d2h(weights, after=after, layer=i, stage="opt_d2h_weights", lane="opt")
                         deferred.append((i, state, after, k))
                     else:

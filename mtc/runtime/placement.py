@@ -58,6 +58,7 @@ __all__ = [
     "resolve_disk_compute",
     "resolve_gpu_update",
     "resolve_placement",
+    "scratch_set",
     "streamed_gpu_bytes",
     "streamed_grads_on_device",
 ]
@@ -197,13 +198,28 @@ def scratch_sets(prefetch: int) -> int:
     return max(2, prefetch)
 
 
+def scratch_set(j: int, jobs: int, sets: int) -> int:
+    """The scratch set the ``j``-th of a step's ``jobs`` GPU-side updates (forward order) runs in:
+    the first ``sets`` take one each; the rest cycle through the last ``r`` of them (r: as many as
+    there are more jobs than sets, at most all). With many jobs that is the plain cycle (double
+    buffering); with a few more jobs than sets (a prefetch nearly as long as the GPU-updated
+    layers), the sets of the first layers in forward order stay untouched, so those layers, which
+    the next forward fetches first, send their weights back ahead of the rest of their state
+    (`deferred_layers`), and the layer whose set is reused is one the next forward reaches late."""
+    if j < sets:
+        return j
+    r = min(sets, jobs - sets)
+    return sets - r + (j - sets) % r
+
+
 def deferred_layers(gpu_update: set[int] | frozenset[int], prefetch: int) -> set[int]:
     """The GPU-updated layers that send their new weights back before the rest of their state:
     loaded ahead (the first ``prefetch`` in forward order) into a set no later layer of the step
-    reuses (`StreamingAdamW._update_streamed`)."""
+    reuses (`scratch_set`; `StreamingAdamW._update_streamed`)."""
     order = sorted(gpu_update)
     sets = scratch_sets(prefetch)
-    return {i for j, i in enumerate(order) if j < prefetch and j + sets >= len(order)}
+    reused = {scratch_set(j, len(order), sets) for j in range(sets, len(order))}
+    return {i for j, i in enumerate(order) if j < prefetch and j not in reused}
 
 
 def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], templates: Sequence[str], *,

@@ -117,6 +117,37 @@ def test_gpu_updated_layers_load_their_state_during_the_backward(tokens):
         res.store.close()
 
 
+def test_one_layer_more_than_sets_reuses_the_last_set_and_the_first_layers_still_defer(tokens):
+    """Five GPU-updated layers, four loaded ahead into sets of their own: the fifth (the head, the
+    last the next forward fetches) reuses the fourth's set, so layers 0-2, the first the next
+    forward fetches, send their weights back ahead of their state (the embed's used to wait behind
+    its whole state: the first set was the one reused)."""
+    from mtc.runtime.placement import deferred_layers, scratch_set
+
+    assert [scratch_set(j, 5, 4) for j in range(5)] == [0, 1, 2, 3, 3]
+    assert [scratch_set(j, 13, 2) for j in range(6)] == [0, 1, 0, 1, 0, 1]  # many jobs: the plain cycle
+    assert deferred_layers({0, 1, 2, 3, 4}, 4) == {0, 1, 2}
+    assert deferred_layers(set(range(18)), 17) == set(range(16))
+    cfg = small_config(steps=3, model_overrides={"n_layers": 3}, placement="stateless", gpu_update="all", update_prefetch=4,
+                       durability="none", compute_dtype="float32")
+    res = train(cfg, None, tokens)
+    try:
+        tl = res.timeline
+        weights, state = tl.spans("opt_d2h_weights"), tl.spans("opt_d2h")
+        assert sorted({s.layer for s in weights}) == [0, 1, 2]
+        assert sorted({s.layer for s in state}) == [0, 1, 2, 3, 4]
+
+        def kth(spans, layer, k):
+            return sorted((s for s in spans if s.layer == layer), key=lambda s: s.start)[k]
+
+        for k in range(3):  # each update: the deferred layers' weights go back before their own state
+            w = [kth(weights, layer, k) for layer in (0, 1, 2)]
+            st = [kth(state, layer, k) for layer in (0, 1, 2)]
+            assert min(s.start for s in st) >= max(x.end for x in w)
+    finally:
+        res.store.close()
+
+
 def test_loaded_layers_send_their_weights_back_before_the_rest_of_their_state(tokens):
     """Every GPU-updated layer loaded ahead into a set of its own (update_prefetch 4 of 4): after
     the norm each sends back its new weights first (what the next forward waits for), and the
