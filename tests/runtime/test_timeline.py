@@ -128,46 +128,46 @@ def test_one_layer_more_than_sets_reuses_the_last_set_and_the_first_layers_still
     assert [scratch_set(j, 13, 2) for j in range(6)] == [0, 1, 0, 1, 0, 1]  # many jobs: the plain cycle
     assert deferred_layers({0, 1, 2, 3, 4}, 4) == {0, 1, 2}
     assert deferred_layers(set(range(18)), 17) == set(range(16))
-    cfg = small_config(steps=3, model_overrides={"n_layers": 3}, placement="stateless", gpu_update="all", update_prefetch=4,
-                       durability="none", compute_dtype="float32")
-    res = train(cfg, None, tokens)
+    res, weights, state = _copies_back(tokens, steps=3, model_overrides={"n_layers": 3}, gpu_update="all", update_prefetch=4)
     try:
-        tl = res.timeline
-        weights, state = tl.spans("opt_d2h_weights"), tl.spans("opt_d2h")
         assert sorted({s.layer for s in weights}) == [0, 1, 2]
         assert sorted({s.layer for s in state}) == [0, 1, 2, 3, 4]
-
-        def kth(spans, layer, k):
-            return sorted((s for s in spans if s.layer == layer), key=lambda s: s.start)[k]
-
         for k in range(3):  # each update: the deferred layers' weights go back before their own state
-            w = [kth(weights, layer, k) for layer in (0, 1, 2)]
-            st = [kth(state, layer, k) for layer in (0, 1, 2)]
+            w = [_kth(weights, layer, k) for layer in (0, 1, 2)]
+            st = [_kth(state, layer, k) for layer in (0, 1, 2)]
             assert min(s.start for s in st) >= max(x.end for x in w)
     finally:
         res.store.close()
+
+
+def _copies_back(tokens, **kw):
+    """A stateless fp32 run with GPU-side updates: (result, its weights-back spans, its state-back spans)."""
+    res = train(small_config(placement="stateless", durability="none", compute_dtype="float32", **kw), None, tokens)
+    return res, res.timeline.spans("opt_d2h_weights"), res.timeline.spans("opt_d2h")
+
+
+def _kth(spans, layer: int, k: int):
+    """The k-th span of ``layer`` by start time."""
+    return sorted((s for s in spans if s.layer == layer), key=lambda s: s.start)[k]
 
 
 def test_loaded_layers_send_their_weights_back_before_the_rest_of_their_state(tokens):
     """Every GPU-updated layer loaded ahead into a set of its own (update_prefetch 4 of 4): after
     the norm each sends back its new weights first (what the next forward waits for), and the
     master, m and v of all of them follow behind every layer's weights."""
-    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=4,
-                       durability="none", compute_dtype="float32")
-    res = train(cfg, None, tokens)
+    res, weights, state = _copies_back(tokens, steps=4, model_overrides={"n_layers": 4}, gpu_update="1-4", update_prefetch=4)
     try:
         tl = res.timeline
-        weights, state = tl.spans("opt_d2h_weights"), tl.spans("opt_d2h")
         assert sorted({s.layer for s in weights}) == sorted({s.layer for s in state}) == [1, 2, 3, 4]
         assert len(weights) == len(state) == 16  # four steps
         for k in range(4):  # the k-th update of each layer: all weights, then all state
-            w_k = [sorted((s for s in weights if s.layer == layer), key=lambda s: s.start)[k] for layer in (1, 2, 3, 4)]
-            s_k = [sorted((s for s in state if s.layer == layer), key=lambda s: s.start)[k] for layer in (1, 2, 3, 4)]
+            w_k = [_kth(weights, layer, k) for layer in (1, 2, 3, 4)]
+            s_k = [_kth(state, layer, k) for layer in (1, 2, 3, 4)]
             assert min(s.start for s in s_k) >= max(w.end for w in w_k)
         # a layer's next forward computes with its new weights: after they are back
         for step in range(3):
             for layer in (1, 2, 3, 4):
-                back = sorted((s for s in weights if s.layer == layer), key=lambda s: s.start)[step]
+                back = _kth(weights, layer, step)
                 fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
                 assert fwd.start >= back.end
     finally:
