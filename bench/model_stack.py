@@ -261,6 +261,7 @@ def run_model(shape: str, device: torch.device, *, seqs: int, micro_batch: int, 
                         ex.run_step(batches, _Norms())
 
                     got["profile"] = kernel_table(step)
+                    del step  # it holds the executor (and its graphs' pool) past this variant otherwise
             finally:
                 ex.close()
                 engine.close()
