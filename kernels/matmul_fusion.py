@@ -266,6 +266,8 @@ def find_sites(graph: fx.Graph) -> list[Site]:
         p = match_norm(xn)
         if p is None or not (_val(p.x).is_contiguous() and vx.is_contiguous()):
             continue
+        if _val(p.x).dtype != vx.dtype:  # the kernel reads x as the operand: a dtype of its own (an fp32 residual) cannot
+            continue
         for s, side in group:
             s.prologue, s.prologue_on = p, side
     return sites
@@ -385,8 +387,14 @@ class Choices:
             except Exception as e:  # noqa: BLE001  (a kernel that cannot launch here just loses)
                 warnings.warn(f"fused matmul cannot run at {key} ({type(e).__name__}: {str(e)[:160]}); "
                               f"mtc keeps cuBLAS there", stacklevel=2)
-            tu = self.bench(unfused)
-            self.known[key] = {"fused_ms": tf, "unfused_ms": tu, "rel_err": err, "fused": tf is not None and tf < tu}
+            try:
+                tu: float | None = self.bench(unfused)
+            except Exception as e:  # noqa: BLE001  (cuBLAS's own run failed here: keep the graph as it is)
+                warnings.warn(f"the unfused matmul at {key} failed to time ({type(e).__name__}: {str(e)[:160]}); "
+                              f"mtc keeps cuBLAS there", stacklevel=2)
+                tu = None
+            self.known[key] = {"fused_ms": tf, "unfused_ms": tu, "rel_err": err,
+                               "fused": tf is not None and tu is not None and tf < tu}
             self.seconds += time.perf_counter() - t0
             self._save()
         return bool(self.known[key]["fused"])
