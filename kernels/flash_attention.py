@@ -546,6 +546,12 @@ def _flash_attn_fwd(
             CAUSAL=bool(causal), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), **cfg,
         )
 
+    def timed(cfg: dict) -> None:  # what a call with ``cfg`` runs: cuDNN's outputs as they are (no copy into ours)
+        if cfg.get("BACKEND") == "cudnn":
+            cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
+        else:
+            launch(cfg)
+
     if cfg is None:
         extra: list[dict] = []
         if _cudnn_candidate(q):
@@ -559,7 +565,7 @@ def _flash_attn_fwd(
                         extra.append(cand)
                 except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
                     cudnn_attention.warn_unavailable(_cudnn_what("forward", cand), e)
-        cfg = _config(q, "fwd", key, launch, tuple(extra))
+        cfg = _config(q, "fwd", key, timed, tuple(extra))
         if cfg.get("BACKEND") == "cudnn":
             return cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
     launch(cfg)
@@ -626,6 +632,12 @@ def _flash_attn_bwd(
         launch_dkdv(_config(q, "dkdv", key, launch_dkdv))
         launch_dq(_config(q, "dq", key, launch_dq))
 
+    def timed(backend: str) -> None:  # what a call with ``backend`` runs: cuDNN's gradients as they are (no copies)
+        if backend.startswith("cudnn"):
+            cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, grouped=backend == "cudnn_gqa")
+        else:
+            run(backend)
+
     if backend is None:
         # first call for this shape: tune the Triton tiles, then let each cuDNN way compete if it agrees
         run("triton")
@@ -638,7 +650,7 @@ def _flash_attn_bwd(
                     backends.append(cand)
             except Exception as e:  # noqa: BLE001  (this torch / cuDNN cannot take the problem: keep Triton)
                 cudnn_attention.warn_unavailable(_cudnn_what("backward", cand), e)
-        backend = _TUNER.choose(bkey, backends, run)
+        backend = _TUNER.choose(bkey, backends, timed)
         if backend.startswith("cudnn"):
             return cudnn_attention.backward(do, q, k, v, o, lse, causal, scale, grouped=backend == "cudnn_gqa")
     run(backend)

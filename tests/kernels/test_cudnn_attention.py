@@ -143,6 +143,35 @@ def test_cudnn_outputs_are_returned_not_copied(cudnn_stand_in):
     assert [g.data_ptr() for g in grads] == [t.data_ptr() for t in (dq, dk, dv)]
 
 
+def test_cudnn_candidates_are_timed_as_they_run_without_copies(cudnn_stand_in, monkeypatch):
+    # a call that chose cuDNN returns its buffers as they are: timing it with a copy into mtc's own
+    # buffers (o, lse; dq, dk, dv) charged it for work its calls never do
+    returned = cudnn_stand_in(_ref_fwd, _ref_bwd)
+    timing = [False]
+    copied: list[int] = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, *a, **kw):
+        if timing[0] and any(src is t for out in returned for t in out):
+            copied.append(1)
+        return real_copy(self, src, *a, **kw)
+
+    bench = fa._TUNER.bench
+
+    def timed(fn):
+        timing[0] = True
+        try:
+            return bench(fn)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    monkeypatch.setattr(fa._TUNER, "bench", timed)
+    choices = _run(H=4, H_KV=2)
+    assert any(k.startswith("bwd_backend/") and v == "cudnn_gqa" for k, v in choices.items()), choices
+    assert returned and not copied
+
+
 def test_disagreeing_cudnn_is_never_a_candidate(cudnn_stand_in):
     cudnn_stand_in(_ref_fwd, _wrong_bwd)
     with pytest.warns(UserWarning, match="backward disagrees"):
