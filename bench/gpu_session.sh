@@ -33,9 +33,11 @@
 #       a part that no longer fits is skipped and says so)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
-#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped, then fusion gpt2/head qwen2/head
-#       llama/head train/P1-48 (the heads: one product up to 2 GiB of logits, a per-lane CE row kernel;
-#       P1-48 last: its goal was met on 2026-11-26, and ~150 s of fusion and ~90 s of heads come first)
+#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of tests, train/P1-16 and
+#       train/P3, then fusion gpt2/head qwen2/head llama/head (issue 9's goals; the heads: one product
+#       up to 2 GiB of logits, a per-lane CE row kernel), then model/1.5b if call 1 skipped it (no
+#       goal), then train/P1-48 (its goal was met on 2026-11-26; ~150 s of fusion and ~90 s of heads
+#       come first, so it runs only on a long call)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
