@@ -298,7 +298,6 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         got = variants["mtc_fused_graph"]()[1:]  # the first call captures
         rels["mtc_fused_graph"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
                                       for a, b in zip(got, want, strict=True))
-    want = None  # (frees the reference gradients before the timing)
     if use_compile:
         cgm = torch.compile(gm)
 
@@ -310,8 +309,13 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         from torch._inductor import metrics as inductor_metrics
 
         inductor_metrics.reset()
-        compiled()  # compile now: count the kernels Inductor generates (cuBLAS / extern calls not included)
+        got = compiled()  # compile now: count the kernels Inductor generates (cuBLAS / extern calls not included)
         compile_kernels = inductor_metrics.generated_kernel_count
+        # checked like mtc's variants: cuDNN attention, which both may call in this one process, caches
+        # its graphs per thread, and a cache that mixed the two sides' layouts would show here
+        rels["torch_compile"] = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+                                    for a, b in zip(got, want, strict=True))
+    want = got = None  # (frees the reference gradients before the timing)
     flops = layer_flops(t, seq, attention=part == "block")
     ct, compile_s = compiled_t["flash"]
     rec: dict = {"arch": arch, "part": part, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
