@@ -140,7 +140,8 @@ def _needed(roots: list[fx.Node]) -> set[fx.Node]:
 
 def _placeholder(g: fx.Graph, name: str, like: fx.Node) -> fx.Node:
     p = g.placeholder(name)
-    p.meta.update({k: v for k, v in like.meta.items() if k == "val"})
+    if "val" in like.meta:
+        p.meta["val"] = like.meta["val"]
     return p
 
 

@@ -329,7 +329,7 @@ def _split_saves(w: Work) -> None:
     full, w.joint_full = w.joint_full, None
     try:
         sp = split_joint(full, len(w.template.inputs), 1 + w.template.n_aux_out,
-                         lambda n: classify(n, FUSIBLE) in ("view", "fusible"))
+                         lambda n: classify(n, w.fusible) in ("view", "fusible"))
     except SplitError as e:
         w.split_note = f"not split: {e}"
         return

@@ -73,9 +73,8 @@ DEFAULT_PCIE_ONE_WAY_BYTES_S = 55e9  # one direction alone (DESIGN.md: 55 GB/s e
 # own 2 GiB of slack): the sets only speed a step up, a step that runs out of memory is lost, and
 # the fullest run measured (P1-16 auto on the H100) peaked 2.4 GiB under what its plan allowed
 PREFETCH_MARGIN_BYTES = 4 * 2**30
-# GPU memory `choose_saves` leaves free beside its estimate: allocator rounding and fragmentation,
-# and a streamed template's second set of replayed graphs (a saving block's backward beside a
-# recomputing block's joint, each keeping a layer's parameter gradients per ring slot)
+# GPU memory `choose_saves` leaves free beside its estimate: allocator rounding and fragmentation
+# (a streamed template's second set of replayed graphs is counted, not left to it: ``mixed``)
 SAVE_MARGIN_BYTES = 2 * 2**30
 
 
