@@ -26,11 +26,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mtc.errors import ConfigError
 
 __all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "load_machine"]
+
+T = TypeVar("T")
 
 DEFAULT_PROFILE_PATH = Path.home() / ".cache" / "mtc" / "machine.json"
 GiB = 2**30
@@ -60,7 +62,7 @@ class MachineProfile:
     disk_read_warm_gbps: float  # from the page cache
     store_write_gbps: float
     store_read_gbps: float
-    store_read_warm_gbps: float
+    store_read_warm_gbps: float  # read again at once (the store reads with O_DIRECT: about the cold rate; not in the cost model)
     # CPU AdamW (mtc.runtime.host_adamw.adamw_flat_ on a pool of `cores` threads), G params/s
     adamw_gparams_s: dict[str, float]  # by impl: "exact", "fused"
     adamw_impl: str  # the one the engine runs on this machine: fused on CUDA, exact on the CPU
@@ -98,10 +100,16 @@ class MachineProfile:
     # executor's own work: arguments, views, accumulation, hand-offs between its threads), fitted
     # to a tiny model trained through the engine (0: not measured)
     visit_overhead_us: float = 0.0
-    # writing through the store while reads from the page cache run beside it, as the disk tier's
-    # write-behind always has the read-ahead beside it (both copy and checksum on the same cores:
-    # 40 % slower than alone on the 2-core VM); 0: not measured (store_write_gbps)
+    # writing through the store while reads of other arrays run beside it, as the disk tier's
+    # write-behind has the read-ahead beside it (about half the rate alone on the 2-core VM); the
+    # stage watch's threshold for disk layers' writes (the cost model uses store_both_gbps);
+    # 0: not measured (store_write_gbps)
     store_write_busy_gbps: float = 0.0
+    # the store's reads and writes at once (the bytes of both over the time), as the disk tier's
+    # read-ahead and write-behind overlap: the cost model shares the disk at this rate; 0: not
+    # measured (reads and writes take turns). On the 2-core VM 1.02-1.08 GB/s where a write alone
+    # ran ~1.05 and a read ~0.8 (2026-11-27)
+    store_both_gbps: float = 0.0
     identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
     calibrate_s: float = 0.0  # how long `calibrate` took
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
@@ -453,11 +461,11 @@ def _disk_rates(root: Path, mb: int, repeats: int) -> tuple[float, float, float]
     return max(r["write_GBps"] for r in raws), max(r["read_GBps"] for r in raws), n_blocks * block / warm / 1e9
 
 
-def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float, float]:
+def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int) -> tuple[float, float, float, float, float]:
     """The engine's disk path, as a disk layer's update uses it: master, m and v (three arrays of
     ``mb`` / 3 MiB) written at once (CRC32C, fsync), and read one after the other into buffers,
-    cold and warm, GB/s; and the write again while warm reads of other arrays run beside it (the
-    disk tier's read-ahead beside its write-behind)."""
+    cold and warm, GB/s; the write again while reads of other arrays run beside it (the disk
+    tier's read-ahead beside its write-behind), and the bytes of both together over that time."""
     from mtc.store import TensorStore
 
     n = mb * 2**20 // 4 // 3
@@ -490,31 +498,45 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
 
             cold = _best_time(read, repeats, before=evict)
             warm = _best_time(read, repeats)
-            busy = _while_running(lambda: _mean_time(write, BUSY_WRITES), lambda: [st.read_into(f"{name}-other", t) for name, t in
-                                                                                   zip(names, out, strict=True)])
+            reads = [0]  # arrays the reader finished: one array (mb / 3 MiB) is the count's grain
+
+            def read_others() -> None:
+                for name, t in zip(names, out, strict=True):
+                    st.read_into(f"{name}-other", t)
+                    reads[0] += 1
+
+            def busy_writes() -> tuple[float, int]:  # the writes' mean, and the reads done meanwhile
+                write()  # the warm-up, with the reader already running
+                r0 = reads[0]
+                return _mean_time(write, BUSY_WRITES, warm_up=False), reads[0] - r0
+
+            busy, read_during = _while_running(busy_writes, read_others)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     nbytes = 3 * 4 * n
-    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9, nbytes / busy / 1e9
+    both = (BUSY_WRITES * nbytes + read_during * 4 * n) / (BUSY_WRITES * busy)
+    return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9, nbytes / busy / 1e9, both / 1e9
 
 
 BUSY_WRITES = 8  # writes averaged under load: the best of 3 read 0.62-0.83 GB/s in 5 calibrations on the VM, the mean of 8 0.79-0.86
 
 
-def _mean_time(fn: Callable[[], object], n: int) -> float:
-    """Mean seconds of ``fn`` over ``n`` back-to-back calls after one warm-up.
+def _mean_time(fn: Callable[[], object], n: int, *, warm_up: bool = True) -> float:
+    """Mean seconds of ``fn`` over ``n`` back-to-back calls, after one warm-up call unless the
+    caller made its own.
 
     The mean, not the best, where the load is part of what is measured (a write beside reads):
     the best of a few catches the gaps in the other thread's work, and which gaps it catches
     varies from one calibration to the next."""
-    fn()
+    if warm_up:
+        fn()
     t = time.perf_counter()
     for _ in range(n):
         fn()
     return (time.perf_counter() - t) / n
 
 
-def _while_running(measure: Callable[[], float], load: Callable[[], object]) -> float:
+def _while_running(measure: Callable[[], T], load: Callable[[], object]) -> T:
     """``measure()`` while another thread runs ``load`` over and over."""
     stop = threading.Event()
 
@@ -801,7 +823,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     total, avail = _meminfo()
     h2d, d2h, both = _copy_rates(torch, cuda, copy_mb, repeats)
     dw, dr, drw = _disk_rates(root, disk_mb, repeats)
-    sw, sr, srw, swb = _store_rates(torch, root, disk_mb, repeats, io_threads)
+    sw, sr, srw, swb, sboth = _store_rates(torch, root, disk_mb, repeats, io_threads)
     adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
     s = matmul_size
     # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
@@ -825,7 +847,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         host_memory_bytes=total, host_available_bytes=avail, disk_free_bytes=shutil.disk_usage(root).free,
         disk_dir=str(root.absolute()), h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both, pcie_is_memcpy=not cuda,
         disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
-        store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb,
+        store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb, store_both_gbps=sboth,
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
         adamw_with_copies=CUDA_ADAMW_WITH_COPIES if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,

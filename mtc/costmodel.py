@@ -33,7 +33,8 @@ gradient's reduction after the layer's backward visit (NCCL: before the shard's 
 gloo: after the whole gradient's), the updated compute copy's all-gather between the layer's
 update and its next forward fetch.
 
-Every task runs on a resource: the GPU, each copy direction, the disk, or (on a CPU machine, where
+Every task runs on a resource: the GPU, each copy direction, the disk (whose reads and writes
+overlap up to the rate `mtc calibrate` measured for both at once), or (on a CPU machine, where
 "GPU compute", the optimizer and the copies all run on the same cores) the CPU, whose cores are
 shared among the tasks running at once in proportion to the threads each uses (processor
 sharing). On CUDA the step is also at least the PCIe bytes over the both-ways copy rate.
@@ -532,7 +533,6 @@ class StepTime:
     gpu_optimizer_s: float  # resident-state updates on the device
     disk_read_s: float  # disk layers' state, read (and, read per visit, their weights)
     disk_write_s: float  # disk layers' state written back, plus every-step commits' write-behind
-    disk_read_warm: bool  # the disk-tier state fits the page cache: reads come from memory
     cpu_work_s: float  # CPU machines: thread-seconds of all work over the cores this process gets
     commits: Commits
     disk_bytes_written: int  # per step, commits averaged in
@@ -550,8 +550,8 @@ class StepTime:
 
     @property
     def disk_s(self) -> float:
-        """Disk busy time per step (reads from the page cache are not disk time)."""
-        return (0.0 if self.disk_read_warm else self.disk_read_s) + self.disk_write_s
+        """Disk busy time per step: the disk I/O stage (reads and writes, at the rate they share)."""
+        return self.stage_s.get("disk I/O", self.disk_read_s + self.disk_write_s)
 
 
 def adamw_rate(profile: MachineProfile, threads: int, *, zero_grad: bool = False, impl: str = "auto") -> float:
@@ -578,7 +578,7 @@ def _memory_seconds(profile: MachineProfile, nbytes: float, largest: float) -> f
 
 
 def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], profile: MachineProfile,
-              host_need: int = 0, *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram",
+              *, dist: RankDist | None = None, grad_spill: bool = False, disk_compute: str = "ram",
               prefetch: int = 0, saves: Collection[int] = ()) -> StepTime:
     """Predict the steady-state step time of ``cfg`` on ``profile`` (see the module docstring).
     ``prefetch``: the first that many GPU-updated layers load master, m and v during the
@@ -635,12 +635,15 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     cpu_rate = adamw_rate(profile, cfg.optim_threads, impl=cfg.host_adamw) * (profile.adamw_with_copies if cuda else 1.0)
     gpu_rate = (profile.gpu_adamw_gparams_s or 1e3) * gb
     n_disk = sum(sn[i] for i in range(L) if placement[i] == "disk")
-    on_disk = (12 if cfg.durability == "none" else 24) * n_disk  # two generations, or one updated in place
-    warm = on_disk <= 0.8 * (profile.host_available_bytes - host_need)  # they stay in the page cache
-    read_bw = (profile.store_read_warm_gbps if warm else profile.store_read_gbps) * gb
+    # the store reads and writes around the page cache (store/fastio.py: O_DIRECT, or pages
+    # dropped after): every read of the disk tier reaches the disk, however much RAM is free
+    read_bw, write_bw = profile.store_read_gbps * gb, profile.store_write_gbps * gb
     V = [4 * n[i] / read_bw if per_visit[i] else 0.0 for i in range(L)]  # one visit's read of the weights
-    write_bw = profile.store_write_gbps * gb
-    busy_bw = profile.store_write_busy * gb  # a disk layer's write-behind has the read-ahead beside it
+    # reads (the read-ahead) and writes (the write-behind) overlap: the disk serves both at once
+    # up to the calibrated rate of the two together, each of them alone at its own rate. A task's
+    # demand is the share of that joint rate it takes alone; unmeasured, they take turns (demand 1)
+    both_bw = max(profile.store_both_gbps * gb, read_bw, write_bw) if profile.store_both_gbps else 0.0
+    dem_read, dem_write = (read_bw / both_bw, write_bw / both_bw) if both_bw else (1.0, 1.0)
     # rows of an embedding table the step's tokens do not touch have zero gradients and moments,
     # on which the host AdamW runs at another speed (measured)
     tokens = mb * shape.tokens_per_micro_batch
@@ -652,7 +655,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # a disk layer's master, m and v each step; a spilled gradient goes out and comes back too
     per_disk = 12 + (4 if grad_spill else 0)
     io_r = [per_disk * sn[i] / read_bw if placement[i] == "disk" else 0.0 for i in range(L)]
-    io_w = [per_disk * sn[i] / busy_bw if placement[i] == "disk" else 0.0 for i in range(L)]
+    io_w = [per_disk * sn[i] / write_bw if placement[i] == "disk" else 0.0 for i in range(L)]
     durable = cfg.durability != "none"
     behind = [4 * len(state_kinds(t, cfg.durability)) * sn[i] if durable and t != "disk" else 0 for i, t in enumerate(placement)]
     # collectives per layer (0 for one rank): the gradient's reduction after its backward visit,
@@ -713,21 +716,21 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 elif placement[i] == "disk":
                     ring = set_free[-DISK_SLOTS] if len(set_free) >= DISK_SLOTS else None
                     # a spilled gradient is read back with the state: after the backward wrote it
-                    rd = sim.add(io_r[i], "cpu" if warm else "disk", (read_from, ring, disk_write[i], grad[i] if grad_spill else None))
+                    rd = sim.add(io_r[i], "disk", (read_from, ring, disk_write[i], grad[i] if grad_spill else None), dem_read)
                     cpu_chain = ad = sim.add(adam[i], "cpu", (rd, cpu_chain, *deps), dem_opt)
-                    disk_write[i] = wr = sim.add(io_w[i], "disk", (ad,))
+                    disk_write[i] = wr = sim.add(io_w[i], "disk", (ad,), dem_write)
                     set_free.extend([wr if chunks[i] <= DISK_SLOTS else ad] * chunks[i])
                     # a forward fetch waits for the update; reading its weights from the store, for the write too
                     upd[i] = wr if per_visit[i] else ad
                 else:
                     cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
                 if wb[i] and i not in late:
-                    writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev))
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev), dem_write)
                 gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
             for i in sorted(late):  # behind every layer's weights on the copy stream
                 str_out = back[i] = sim.add((all_back - w_back) * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (str_out,))
                 if wb[i]:  # a commit writes the state once it is back
-                    writer = write[i] = sim.add(wb[i], "disk", (writer, back[i]))
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, back[i]), dem_write)
         back_prev = back
         comp, issue, arrived = dev, sync, sync
         ends: list[int] = []
@@ -739,7 +742,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 arrived = issue
             else:
                 if V[i]:  # into the staging buffer (the slot on the CPU) at the store's highest priority
-                    issue = sim.add(V[i], "cpu" if warm else "disk", (issue,))
+                    issue = sim.add(V[i], "disk", (issue,), dem_read)
                 h2d_last = arrived = sim.add(W[i], on["h2d"], (issue, ends[k - 2] if k >= 2 else sync, h2d_last))
             comp = sim.add(F[i] if phase == "fwd" else B[i], on["compute"], (comp, arrived), dem_compute)
             ends.append(comp)
@@ -768,7 +771,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                                         n_total=sum(n)) if dist else 0.0
     visit_r = sum(V[: L - 1]) * 2 + V[L - 1]
     disk_r, disk_w = sum(io_r) + visit_r, sum(io_w) + sum(wb)
-    disk_busy = (0.0 if warm else disk_r) + disk_w  # one disk: the schedule's last steps may not have settled to it yet
+    # one disk: the schedule's last steps may not have settled to it yet
+    disk_busy = max(disk_r, disk_w, (disk_r * read_bw + disk_w * write_bw) / both_bw) if both_bw else disk_r + disk_w
     base = max(schedule, pcie, host_mem, disk_busy)
     vol = sum(behind)
     commit_s = vol / write_bw if vol else 0.0
@@ -782,7 +786,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     fwd_s, bwd_s = sum(F[: L - 1]), sum(B)
     cpu_work = 0.0
     if not cuda:
-        copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb) + (sum(io_r) + visit_r if warm else 0.0)
+        copies = (h2d_b + d2h_b) / (profile.h2d_gbps * gb)
         cpu_work = ((fwd_s + bwd_s) * dem_compute + sum(adam) * dem_opt + copies) / cores
     hw = sum(mb * (x.matmul_flops + x.attention_flops) for x in shape.costs)
     hw = 4 * hw - mb * (shape.costs[-1].matmul_flops + shape.costs[-1].attention_flops)  # fwd + recompute + 2x bwd; head 3x
@@ -807,7 +811,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         h2d_weights_s=sum(W[: L - 1]) * 2 + W[L - 1], d2h_grads_s=sum(G),
         streamed_s=max(streamed_in * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
         pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
-        disk_read_s=disk_r, disk_write_s=disk_w, disk_read_warm=warm, cpu_work_s=cpu_work, commits=commits,
+        disk_read_s=disk_r, disk_write_s=disk_w, cpu_work_s=cpu_work, commits=commits,
         disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),
         # the shared-cores total is a bound, not a stage: the bottleneck is the busiest stage
         bottleneck=max((k for k in stages if not k.startswith("CPU cores")), key=lambda k: stages[k]), stage_s=stages,

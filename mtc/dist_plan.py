@@ -252,6 +252,7 @@ def rank_profile(profile: MachineProfile, lay: Layout) -> MachineProfile:
         profile, cores=cores, host_available_bytes=profile.host_available_bytes // r, **pcie,
         store_write_gbps=profile.store_write_gbps / d, store_read_gbps=profile.store_read_gbps / d,
         store_read_warm_gbps=profile.store_read_warm_gbps / d, store_write_busy_gbps=profile.store_write_busy_gbps / d,
+        store_both_gbps=profile.store_both_gbps / d,
         disk_write_gbps=profile.disk_write_gbps / d, disk_read_gbps=profile.disk_read_gbps / d,
         adamw_gparams_s=adamw, adamw_one_thread_gparams_s=min(profile.adamw_one_thread_gparams_s, adamw[profile.adamw_impl]),
         compute_threads=min(threads, cores) if threads else 0,
@@ -538,7 +539,7 @@ def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *
     checks = rank_checks(rcfg, mem, placement, lay, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                          gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}", engine=eng)
     dist, assumed = _dist_for(shape, lay, profile, eng)
-    st = step_time(rcfg, shape, placement, gpu_update, rprof, host_need=mem.host, dist=dist, saves=saves)
+    st = step_time(rcfg, shape, placement, gpu_update, rprof, dist=dist, saves=saves)
     return DistPlan(cfg, rcfg, profile, rprof, lay, dist, shape, placement, gpu_update, mem, checks, st, assumed, eng)
 
 

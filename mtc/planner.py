@@ -495,7 +495,7 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
         mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves, placement))
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
-    st = step_time(cfg, shape, placement, gpu_update, profile, host_need=mem.host, grad_spill=mem.grad_spill,
+    st = step_time(cfg, shape, placement, gpu_update, profile, grad_spill=mem.grad_spill,
                    disk_compute=mem.disk_compute, prefetch=prefetch, saves=saves)
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch, saves)
 

@@ -53,7 +53,7 @@ def test_world_size_one_is_the_single_process_plan(shape, capsys):
     # the cost model's rank path at one rank (shards = layers, no collective time) times the same step
     p = make_plan(dataclasses.replace(CFG, placement="ram", gpu_update="none"), prof, shape=shape)
     d = RankDist(1, 1, shape.numels, True, Link("x", 100.0, 10.0), 0.0)
-    st = step_time(p.cfg, shape, p.placement, p.gpu_update, prof, host_need=p.memory.host, dist=d, saves=p.saves)
+    st = step_time(p.cfg, shape, p.placement, p.gpu_update, prof, dist=d, saves=p.saves)
     assert st.step_s == p.step.step_s and st.stages() == {**p.step.stages(), "collectives": 0.0}
     args = ["plan", "tiny", "--machine", "h100-box", "--seq-len", "16", "--micro-batch-size", "2", "--no-extrapolate"]
     assert main(args) == 0
