@@ -144,8 +144,8 @@ def local_update_rates(cfg: TrainConfig, path: str | Path | None = None) -> Upda
 
 def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, *, disk_tier: bool = False) -> tuple[list[str], set[int]]:
     """Each layer's tier and the GPU-updated `ram` layers, as `mtc.train.plan_placement` chooses
-    them, on ``profile``'s memory: the GPU first, then RAM up to the budget (less the disk
-    pipeline's fixed buffers), the rest on disk. ``disk_tier`` is kept for callers; the engine
+    them, on ``profile``'s memory: the GPU first, then RAM up to the budget (with the
+    pipeline's buffers of that placement), the rest on disk. ``disk_tier`` is kept for callers; the engine
     uses the RAM budget on every device now."""
     del disk_tier
     numels = list(shape.numels)
@@ -156,9 +156,9 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
             0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
         ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
         dc = disk_compute_for(cfg, shape, int(ram), cuda)
-        ram -= pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
                                  grads_on_device=cuda,
+                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda),
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=graph_gpu_extra(cfg, shape) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)

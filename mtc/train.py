@@ -237,12 +237,12 @@ def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | No
         gpu = 0
         if cuda:
             gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
-        # the RAM budget holds the state tiers; the disk pipeline's fixed buffers come off it first
+        # the RAM budget holds the state tiers and the pipeline's buffers of each candidate placement
         budget = _ram_budget(cfg)
         dc = disk_compute if disk_compute is not None else run_disk_compute(cfg, program, ram_bytes=budget)
-        ram = budget - pl.pipeline_host_bytes(["disk"] * len(numels), numels, disk_compute=dc, device_is_cuda=cuda)
-        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
+        auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(budget), disk_compute=dc,
                                  grads_on_device=cuda,
+                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda),
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mtc.config import parse_layer_set, parse_placement
 from mtc.errors import ConfigError
@@ -419,34 +419,46 @@ def available_host_bytes() -> int:
 
 
 def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram_bytes: int, disk_compute: str = "ram",
-                   grads_on_device: bool = False, gpu_extra: list[int] | None = None) -> list[str]:
+                   grads_on_device: bool = False, gpu_extra: list[int] | None = None,
+                   pipeline: Callable[[list[str]], int] | None = None) -> list[str]:
     """Fill the GPU first (fastest: no PCIe for state, updates in HBM), then RAM, then disk.
 
     Every layer starts on disk, with its disk cost charged to the budgets; then, in forward order,
     a layer moves to the GPU if the GPU budget holds it, else to RAM if the RAM budget holds the
-    difference. Layers go up from the last backward-visited end (the embed stage and the first
-    blocks are updated first in the next forward, so resident updates there shorten the critical
-    path). When even all-disk does not fit ``ram_bytes`` the result is all-disk (the fit check says so).
-    ``gpu_extra``: per layer, GPU bytes it costs on the GPU besides its state (the CUDA graphs that
-    read its resident weights: `mtc.planner.graph_gpu_extra`).
+    placement with it there. Layers go up from the last backward-visited end (the embed stage and
+    the first blocks are updated first in the next forward, so resident updates there shorten the
+    critical path). When even all-disk does not fit ``ram_bytes`` the result is all-disk (the fit
+    check says so). ``gpu_extra``: per layer, GPU bytes it costs on the GPU besides its state (the
+    CUDA graphs that read its resident weights: `mtc.planner.graph_gpu_extra`). ``pipeline``: the
+    host bytes of the bounded pipeline for a placement (`pipeline_host_bytes`), charged to
+    ``ram_bytes`` for each candidate: it changes with the placement (on the CPU device the first
+    `ram` layer opens gradient slabs of the largest one: 3 x 4 B/param, which a budget less the
+    all-disk pipeline missed, and `mtc train` then refused the placement it had chosen).
     """
     def disk_host(n: int) -> int:
         return host_bytes_per_param("disk", compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
 
+    ram_host = host_bytes_per_param("ram", compute_bytes)
+
+    def host(p: list[str]) -> int:
+        state = sum(ram_host * n if t == "ram" else disk_host(n) if t == "disk" else 0 for t, n in zip(p, numels, strict=True))
+        return state + (pipeline(p) if pipeline is not None else 0)
+
     disk_gpu = _FP32 if grads_on_device else 0
     placement = ["disk"] * len(numels)
     g_left = gpu_bytes - sum(disk_gpu * n for n in numels)
-    r_left = ram_bytes - sum(disk_host(n) for n in numels)
     for i, n in enumerate(numels):
         up_gpu = (16 + _c(compute_bytes) - disk_gpu) * n + (gpu_extra[i] if gpu_extra is not None else 0)
-        up_ram = host_bytes_per_param("ram", compute_bytes) * n - disk_host(n)
         if g_left >= 0 and up_gpu <= g_left:
             placement[i], g_left = "gpu", g_left - up_gpu
-            r_left += disk_host(n)
-        elif r_left >= 0 and up_ram <= r_left:
+            continue
+        placement[i] = "ram"
+        if host(placement) <= ram_bytes:
             # a ram layer's gradient goes to the host through the shared slab ring: the GPU gets
             # back the 4 B/param its disk placement had reserved there
-            placement[i], r_left, g_left = "ram", r_left - up_ram, g_left + disk_gpu * n
+            g_left += disk_gpu * n
+        else:
+            placement[i] = "disk"
     return placement
 
 

@@ -124,3 +124,20 @@ def test_a_layer_placed_in_ram_gives_back_its_gpu_gradient_reservation():
     # to RAM, returning 400; layer 2 then fits (140)
     placement = pl.auto_placement([10, 100, 10], 2, gpu_bytes=4 * 120 + 140, ram_bytes=10**9, grads_on_device=True)
     assert placement == ["gpu", "ram", "gpu"]
+
+
+def test_auto_placement_charges_each_candidate_its_own_pipeline():
+    """The pipeline's host bytes change with the placement (on the CPU device the first `ram` layer
+    opens gradient slabs sized by the largest): each candidate is charged its own, not the
+    all-disk pipeline's."""
+    numels = [10, 10, 10]  # fp32: ram 16 B/param, disk 4 (the gradient; weights read from the store)
+
+    def pipeline(p: list[str]) -> int:
+        return 100 if "ram" in p else 0  # slabs appear with the first ram layer
+
+    all_disk = 4 * 30
+    one_ram = all_disk + 12 * 10 + 100
+    assert pl.auto_placement(numels, 4, gpu_bytes=0, ram_bytes=one_ram, disk_compute="store", pipeline=pipeline) == ["ram", "disk", "disk"]
+    assert pl.auto_placement(numels, 4, gpu_bytes=0, ram_bytes=one_ram - 1, disk_compute="store", pipeline=pipeline) == ["disk"] * 3
+    # without it the slabs were missed, and the placement did not fit the budget it was made for
+    assert pl.auto_placement(numels, 4, gpu_bytes=0, ram_bytes=one_ram - 1, disk_compute="store") == ["ram", "disk", "disk"]
