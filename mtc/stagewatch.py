@@ -36,7 +36,7 @@ class StageWatch:
 
     def after_step(self, timeline: Timeline, step: int, steps_done: int) -> str | None:
         """Record step ``step`` (its spans are complete once its updates and writes are); return a
-        warning the first time the disk writes slower than planned."""
+        warning the first time the disk writes slower than calibrated."""
         if steps_done <= self.skip_steps:
             return None
         for name, stages in _STAGES.items():
@@ -45,25 +45,33 @@ class StageWatch:
         took = self.seen["disk writes"][-1]
         if wrote and took > 0:
             self.write_rates.append(wrote / took)
-        # disk layers write beside their read-ahead: the plan assumed the slower rate for them
-        planned = (self.plan.profile.store_write_busy if "disk" in self.plan.placement else self.plan.profile.store_write_gbps) * 1e9
+        planned = self._write_rate()
         if self.warned or len(self.write_rates) < 2 or not planned:
             return None
         rate = statistics.median(self.write_rates)
         if rate >= SLOW * planned:
             return None
         self.warned = True
-        return (f"the disk writes at {rate / 1e9:.2f} GB/s, the plan assumed {planned / 1e9:.2f} GB/s "
+        return (f"the disk writes at {rate / 1e9:.2f} GB/s, calibrated {planned / 1e9:.2f} GB/s "
                 f"(machine profile {self.plan.profile.name!r}): each step writes {wrote / 2**20:,.0f} MiB, so steps take "
                 f"longer than the planned {self.plan.step.step_s * 1e3:,.0f} ms; re-run `mtc calibrate --dir <store's disk>` if "
                 "the disk changed, or check what else is using it")
+
+    def _write_rate(self) -> float:
+        """Bytes/s the profile measured for the store's writes as this run makes them: disk layers
+        write beside their read-ahead, so at the rate calibrate measured with reads beside it (the
+        cost model instead shares the disk at the joint rate: a write's span, timed here, is what
+        that figure describes)."""
+        prof = self.plan.profile
+        return (prof.store_write_busy if "disk" in self.plan.placement else prof.store_write_gbps) * 1e9
 
     def summary(self) -> list[str]:
         """Measured (median over the recorded steps) vs predicted busy time per stage."""
         st = self.plan.step.stages()
         pred = {"compute": st.get("GPU compute", st.get("compute (CPU)", 0.0)), "optimizer": st.get("CPU optimizer", 0.0),
                 "copies": st.get("PCIe", st.get("host copies (memcpy)", 0.0)),
-                "disk writes": self.plan.step.disk_write_s}
+                "disk writes": self.plan.step.disk_write_s * self.plan.profile.store_write_gbps * 1e9 / self._write_rate()
+                if self._write_rate() else 0.0}
         out = []
         for name, vals in self.seen.items():
             if vals:
