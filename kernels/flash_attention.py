@@ -375,10 +375,14 @@ def _attn_bwd_dq_kernel(
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the first one the default.
 # Query-block kernels ("fwd", "dq") need BLOCK_M % BLOCK_N == 0 and "dkdv" BLOCK_N % BLOCK_M == 0,
 # so the causal diagonal covers whole blocks. The first CUDA entries were picked by compiling for
-# sm_90 (Triton 3.9): at D = 128 no or few bytes of register spill and at most 160 KB of shared
-# memory; larger half tiles spill in dkdv, larger fp32 tiles spill everywhere. On CUDA the first
-# launch per shape times every candidate (kernels/tuning.py) and keeps the fastest; a compiled
-# plan makes those first launches at compile time and stores the choices (kernels/attention_tuning.py).
+# sm_90 (Triton 3.9): at D = 128 no or few bytes of register spill (fwd 0, dkdv 28 B) and at most
+# 160 KB of shared memory; larger half tiles spill in dkdv, larger fp32 tiles spill everywhere.
+# The others are candidates, not promises: Triton 3.9 spills 76-572 B in fwd (128, 32) and dkdv
+# (64, 128) and (32, 64) at D = 128 (a CPU compile of every kernel of bench_fusion's real parts,
+# 2026-11-27), yet the H100 and H200 runs (Triton 3.6) chose dkdv (32, 64, 4, 3) as fastest. On
+# CUDA the first launch per shape times every candidate (kernels/tuning.py) and keeps the fastest; a
+# compiled plan makes those first launches at compile time and stores the choices
+# (kernels/attention_tuning.py).
 _TILES = {
     "cuda_half": {
         "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)],

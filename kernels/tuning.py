@@ -1,8 +1,8 @@
 """Pick a kernel's launch configuration by timing a few candidates once per problem key.
 
-Hand-tuned kernels (flash attention) ship a short list of tile configurations that compile
-without heavy register spills on the target GPU; which one is fastest depends on the shapes and
-the device. The first launch for a key times every candidate (a candidate that fails to compile
+Hand-tuned kernels (flash attention) ship a short list of tile configurations, the default one
+free of heavy register spills on the target GPU; which one is fastest depends on the shapes, the
+device and the Triton version (a tile that spills under one may win under another). The first launch for a key times every candidate (a candidate that fails to compile
 or launch is skipped) and remembers the fastest; later launches reuse it. Unlike
 ``triton.autotune`` this is plain Python around the launch, so the CPU tests run the same code
 path in Triton's interpreter with a substituted clock.
