@@ -509,20 +509,3 @@ def test_auto_placement_passes_the_fit_check_it_was_chosen_for():
     cpu = dataclasses.replace(builtin("h100-box"), name="cpu", accelerator="cpu", gpu_memory_bytes=0)
     assert make_plan(cfg, cpu).placement == placement  # `mtc plan` places as `mtc train` does
 
-
-def test_reads_at_once_share_the_read_rate_inside_the_joint_rate():
-    """Two reads at once on a disk whose joint rate is the sum of read and write take twice one
-    read's time (each direction keeps its own rate); a read beside a write takes one (the joint
-    rate holds both); the fluid simulation gives a task on several resources its slowest share."""
-    from mtc.costmodel import _FluidSim
-
-    def finish(kinds: list[str]) -> float:
-        sim = _FluidSim({"disk": 1.0})
-        for k in kinds:  # 1 s alone each; demand 0.5 of the joint rate
-            sim.add(1.0, "disk", (), 0.5, ((f"disk_{k}", 1.0),))
-        return max(sim.run())
-
-    assert finish(["read"]) == pytest.approx(1.0)
-    assert finish(["read", "write"]) == pytest.approx(1.0)
-    assert finish(["read", "read"]) == pytest.approx(2.0)
-    assert finish(["read", "read", "write"]) == pytest.approx(2.0)
