@@ -156,8 +156,8 @@ class MachineProfile:
         bad = sorted(set(d) - names)
         if bad:
             raise ConfigError(f"machine profile has unknown field(s) {', '.join(bad)}; re-run `mtc calibrate`")
-        if "store_both_gbps" not in d and "assumed" in d:  # written before the joint rate was measured
-            d = {**d, "assumed": [*d["assumed"], TAKE_TURNS]}
+        if "store_both_gbps" not in d:  # written before the joint rate was measured
+            d = {**d, "assumed": [*d.get("assumed", []), TAKE_TURNS]}
         try:
             return cls(**d)
         except TypeError as e:

@@ -548,11 +548,6 @@ class StepTime:
         """Forward + backward (with recompute) over the group."""
         return self.fwd_s + self.bwd_s
 
-    @property
-    def disk_s(self) -> float:
-        """Disk busy time per step: the disk I/O stage (reads and writes, at the rate they share)."""
-        return self.stage_s.get("disk I/O", self.disk_read_s + self.disk_write_s)
-
 
 def adamw_rate(profile: MachineProfile, threads: int, *, zero_grad: bool = False, impl: str = "auto") -> float:
     """CPU AdamW params/s with ``threads`` pool threads (0: all cores); ``impl`` the run's

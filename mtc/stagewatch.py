@@ -68,10 +68,10 @@ class StageWatch:
     def summary(self) -> list[str]:
         """Measured (median over the recorded steps) vs predicted busy time per stage."""
         st = self.plan.step.stages()
+        rate = self._write_rate()  # the plan's writes timed at it, as the spans measure them
         pred = {"compute": st.get("GPU compute", st.get("compute (CPU)", 0.0)), "optimizer": st.get("CPU optimizer", 0.0),
                 "copies": st.get("PCIe", st.get("host copies (memcpy)", 0.0)),
-                "disk writes": self.plan.step.disk_write_s * self.plan.profile.store_write_gbps * 1e9 / self._write_rate()
-                if self._write_rate() else 0.0}
+                "disk writes": self.plan.step.disk_write_s * self.plan.profile.store_write_gbps * 1e9 / rate if rate else 0.0}
         out = []
         for name, vals in self.seen.items():
             if vals:

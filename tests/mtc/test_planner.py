@@ -509,3 +509,15 @@ def test_auto_placement_passes_the_fit_check_it_was_chosen_for():
     cpu = dataclasses.replace(builtin("h100-box"), name="cpu", accelerator="cpu", gpu_memory_bytes=0)
     assert make_plan(cfg, cpu).placement == placement  # `mtc plan` places as `mtc train` does
 
+
+def test_a_profile_without_the_joint_disk_rate_says_reads_and_writes_take_turns(tmp_path):
+    """A profile written before calibrate measured the store's joint rate loads with that rate at 0
+    and says so in its assumptions (which `mtc plan` prints); one that has it says nothing of it."""
+    from mtc.calibrate import TAKE_TURNS
+
+    measured = dataclasses.replace(builtin("h100-box"), store_both_gbps=2.0, assumed=[])
+    d = measured.to_dict()
+    assert MachineProfile.from_dict(d).assumed == []
+    old = {k: v for k, v in d.items() if k not in ("store_both_gbps", "assumed")}
+    back = MachineProfile.from_dict(old)
+    assert back.store_both_gbps == 0.0 and back.assumed == [TAKE_TURNS]
