@@ -20,14 +20,9 @@ import torch
 from torch import fx
 
 from mtc.kernels import flash_attention as fa
-from mtc.kernels.tuning import Decisions
+from mtc.kernels.tuning import Decisions, tuning_input
 
 __all__ = ["tune_attention"]
-
-
-def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Random values with ``v``'s shape, strides and dtype (a transposed view stays transposed)."""
-    return torch.empty_strided(tuple(v.shape), v.stride(), dtype=v.dtype, device=device).normal_()
 
 
 def _meta(a: object) -> torch.Tensor:
@@ -62,10 +57,10 @@ def tune_attention(graphs: list[fx.Graph], device: torch.device) -> Decisions:
             qm = qkv[0]
             if not fa.has_choices(torch.empty((0, qm.shape[-1]), dtype=qm.dtype, device=device)):
                 continue
-            q, k, v = (_random(t, device) for t in qkv)
+            q, k, v = (tuning_input(t, device) for t in qkv)
             out, lse = fwd_op(q, k, v, causal, scale)
             if gv is not None:
-                bwd_op(_random(gv, device), q, k, v, out, lse, causal, scale)
+                bwd_op(tuning_input(gv, device), q, k, v, out, lse, causal, scale)
             del q, k, v, out, lse
             ran = True
     if ran and device.type == "cuda":

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from mtc.graphs.partition import classify
 from mtc.kernels.codegen import FUSIBLE
-from mtc.kernels.tuning import cuda_bench_ms
+from mtc.kernels.tuning import cuda_bench_ms, tuning_input
 from torch import fx
 
 __all__ = ["MODES", "Choices", "Site", "find_sites", "fuse_matmuls"]
@@ -273,13 +273,6 @@ def find_sites(graph: fx.Graph) -> list[Site]:
     return sites
 
 
-def _random(v: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Random values laid out as the graph's value is (a weight's transpose stays transposed: the
-    kernels' speed depends on it)."""
-    t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
-    return t.normal_() if v.dtype.is_floating_point else t.zero_()
-
-
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
@@ -295,26 +288,26 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], Outputs],
     import torch.nn.functional as F
     from mtc.kernels.fused_matmul import fused_mm, fused_mm_pre, fused_mm_pre_ref, fused_mm_ref
 
-    a2 = _random(_val(site.a), device)
-    b = _random(_val(site.b), device)
+    a2 = tuning_input(_val(site.a), device)
+    b = tuning_input(_val(site.b), device)
     kw: dict[str, torch.Tensor | None] = {"bias": None, "residual": None}
     if site.bias is not None:
-        kw["bias"] = _random(_val(site.bias), device)
+        kw["bias"] = tuning_input(_val(site.bias), device)
     if site.residual is not None:
-        kw["residual"] = _random(_val(site.residual), device).reshape(a2.shape[0], b.shape[1])
+        kw["residual"] = tuning_input(_val(site.residual), device).reshape(a2.shape[0], b.shape[1])
     p = site.prologue
     on_b = p is not None and site.prologue_on == "b"
     if p is not None:
         if on_b:
-            b = _random(_val(p.x), device).reshape(b.shape)
+            b = tuning_input(_val(p.x), device).reshape(b.shape)
         else:
-            a2 = _random(_val(p.x), device).reshape(a2.shape)
-        kw["rstd"] = torch.rand(_val(p.rstd).shape, device=device, dtype=_val(p.rstd).dtype) + 0.5
+            a2 = tuning_input(_val(p.x), device).reshape(a2.shape)
+        kw["rstd"] = tuning_input(_val(p.rstd), device).abs_() + 0.5  # a positive scale, as an rstd is
         if p.mean is not None:
-            kw["mean"] = _random(_val(p.mean), device)
+            kw["mean"] = tuning_input(_val(p.mean), device)
         for name, node in (("norm_w", p.w), ("norm_b", p.b)):
             if node is not None:
-                kw[name] = _random(_val(node), device)
+                kw[name] = tuning_input(_val(node), device)
     round_norm = bool(p and p.round_norm)
 
     kernel, ref = (fused_mm_pre, fused_mm_pre_ref) if site.pre is not None else (fused_mm, fused_mm_ref)

@@ -22,7 +22,28 @@ from typing import Any
 
 from mtc.errors import KernelInputError, PlanError
 
-__all__ = ["Decisions", "Tuner", "cuda_bench_ms", "key_name"]
+__all__ = ["Decisions", "Tuner", "cuda_bench_ms", "key_name", "tuning_input"]
+
+_TUNING_SEED = 0x6D7463  # "mtc": a process's tuning inputs do not depend on the user's seed
+_generators: dict[Any, Any] = {}  # device -> the tuning inputs' own generator
+
+
+def tuning_input(v: Any, device: Any) -> Any:
+    """A tensor to time a kernel on, laid out as ``v`` (a meta value) is: same shape, strides (a
+    transposed view stays transposed: a kernel's speed depends on it) and dtype; floating values
+    standard normal, others zero. The values come from a generator of their own, so compiling a
+    plan in the middle of a run neither advances the user's random stream (dropout, sampling) nor
+    depends on where it stood."""
+    import torch
+
+    t = torch.empty_strided(tuple(v.shape), v.stride(), dtype=v.dtype, device=device)
+    if not v.dtype.is_floating_point:
+        return t.zero_()
+    gen = _generators.get(t.device)
+    if gen is None:
+        gen = _generators[t.device] = torch.Generator(device=t.device)
+        gen.manual_seed(_TUNING_SEED)
+    return t.normal_(generator=gen)
 
 
 def cuda_bench_ms(fn: Callable[[], None]) -> float:

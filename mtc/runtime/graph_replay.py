@@ -135,6 +135,23 @@ def _median(xs: Sequence[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
+def release_generator_after_failed_capture(device: torch.device) -> None:
+    """Take the device's default CUDA generator out of capture mode after a capture that failed.
+
+    torch.cuda.graph registers that generator when a capture begins (its state enters capture
+    mode) and releases it only when capture_end succeeds. An invalidated capture's capture_end
+    raises first, so the state stays in capture mode and every later random op of the process
+    (the attention tuner's random inputs, dropout) fails with "Offset increment outside graph
+    capture encountered unexpectedly" (seen on the H200, 2026-11-27: two gpu tests that ran in the
+    same worker after the failed-capture test). The generator gets a fresh state with the same seed
+    and offset, so the random stream goes on where it was."""
+    index = torch.device(device).index
+    gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+    fresh = torch.Generator(device=gen.device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
 class CudaGraphCapture:
     """torch.cuda.CUDAGraph capture on one side stream, every graph in one shared memory pool;
     ``compare``: also time the replay against the eager call (the warm-up's eager calls after the
@@ -184,6 +201,7 @@ class CudaGraphCapture:
             # hide the capture's own, which is what the fallback reports
             with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
+            release_generator_after_failed_capture(self.device)
             raise
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,

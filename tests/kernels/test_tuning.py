@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from mtc.kernels.tuning import Decisions, Tuner
+import torch
+from mtc.kernels.tuning import Decisions, Tuner, tuning_input
 
 from mtc.errors import KernelInputError, PlanError
 
@@ -78,3 +79,16 @@ def test_a_recorded_choice_that_is_no_candidate_is_timed_again():
 def test_malformed_decisions_are_a_plan_error(doc):
     with pytest.raises(PlanError, match="recompile the plan"):
         Decisions.from_json(doc)
+
+
+def test_tuning_inputs_keep_the_layout_and_leave_the_users_random_stream_alone():
+    # a plan compiled mid-run must not shift the run's dropout or sampling
+    meta = torch.empty(6, 4, device="meta").t()  # a transposed weight: its strides matter for timing
+    torch.manual_seed(1)
+    want = torch.rand(5)
+    torch.manual_seed(1)
+    x = tuning_input(meta, torch.device("cpu"))
+    ids = tuning_input(torch.empty(3, dtype=torch.long, device="meta"), torch.device("cpu"))
+    assert torch.equal(torch.rand(5), want)
+    assert x.shape == (4, 6) and x.stride() == meta.stride() and x.std() > 0.3
+    assert ids.dtype == torch.long and not ids.any()
