@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device run (under 10 minutes on an H100): install mtc
 # offline, then each part named, most important first, each in its own process under what is left
-# of the time budget (BENCH_BUDGET_S, default 530 s) so one slow part cannot eat the rest:
+# of the time budget (BENCH_BUDGET_S, default 550 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling; at most
 #                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head, profiled (each variant's kernels over one
@@ -24,25 +24,28 @@
 #                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
 # ".whl". Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
-# (or bench/results/ without it).
+# (or bench/results/ without it): four files. Add nothing else to $OUT in the same call: the device
+# tool brings back at most 8 files, and with more it brings back none (2026-11-27: a trailing
+# `cp bench/results/*.json $OUT/` lost a whole call's records; the next call's fresh copy of the
+# tree no longer had them either).
 #
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
 #   call 1, timeout_s 600:  bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P1-16, train/P3, model/1.5b;
-#       a part that no longer fits is skipped and says so)
+#       (the default list, in order of what is pending: tests, train/P3, train/P1-16, fusion;
+#       a part that no longer fits is skipped and says so; on the H200, 2026-11-27, exactly this
+#       list took 510 s with BENCH_BUDGET_S=555)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
-#       less 30, BENCH_BUDGET_S = the timeout less 60 (install, and the last part's records):
-#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of tests, train/P1-16 and
-#       train/P3, then fusion gpt2/head qwen2/head llama/head (issue 9's goals; the heads: one product
-#       up to 2 GiB of logits, a per-lane CE row kernel), then model/1.5b if call 1 skipped it (no
-#       goal), then train/P1-48 (its goal was met on 2026-11-26; ~150 s of fusion and ~90 s of heads
-#       come first, so it runs only on a long call)
+#       less 30, BENCH_BUDGET_S = the timeout less 40 (install, and the last part's records):
+#       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of the defaults, then
+#       model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
+#       (gpt2/head qwen2/head llama/head) met their goal on the H200 on 2026-11-27 (92b2eda), ~50 s each
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
-#   more, and model/ two variants after torch.compile, mtc_fused_saved and mtc_fused_saved_graph)
-#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 train/P3 model/1.5b
+#   more, and model/ two variants after torch.compile, mtc_fused_saved and mtc_fused_saved_graph;
+#   the H200 on 2026-11-27: gpu tests 57 s at 6 workers)
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P3 train/P1-16 fusion
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,14 +72,14 @@ trap 'pack; exit 143' TERM
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending, most important first: the gpu tests (the prefetched GPU-side update's
-# race test, saved activations, the rowcol kernel are new), P1-16 stateless (update_prefetch: the
-# plan predicts 1.27 s on the built-in H100 profile, against 2.10 s measured at 13 GPU-updated
-# layers without it) and auto, P3 at equal micro-batch with its blocks keeping their activations
-# (issue 8's goal; 0.86x of torch.compile before), then the whole 1.5B stack fused vs torch.compile
-# (no goal); see the header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P3 model/1.5b)
-budget=${BENCH_BUDGET_S:-530}
+# default: what is pending, most important first: the gpu tests (the generator's release after a
+# failed capture, the combine's new tiles), P3 at equal micro-batch with its blocks keeping their
+# activations (issue 8's goal; 0.86x of torch.compile before; its 2026-11-27 figures were lost),
+# P1-16 stateless with the update prefetch and auto (goal 230 TFLOP/s; lost likewise), then the
+# three blocks (issue 9: Llama 1.24x unfused / 1.04x torch.compile on the H200 before the combine's
+# new tiles, goal 1.25x / 1.05x; GPT-2 1.04x unfused, goal 1.2x); see the header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P3 train/P1-16 fusion)
+budget=${BENCH_BUDGET_S:-550}
 profile="$HOME/.cache/mtc/machine.json"
 train_min=${TRAIN_MIN_S:-150}
 for p in "${parts[@]}"; do

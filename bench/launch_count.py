@@ -38,7 +38,28 @@ def kernel_table(fn: Callable[[], Any], top: int = 80) -> dict:
         if us > 0:
             rows.append({"kernel": e.key[:120], "calls": e.count, "ms": us / 1e3})
     rows.sort(key=lambda r: -r["ms"])
-    return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top]}
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"gpu_ms_total": sum(r["ms"] for r in rows), "top": rows[:top], "timeline": idle_gaps(spans)}
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], top: int = 6) -> dict:
+    """Where the GPU idles inside one call: from (name, start_us, end_us) of its device activities
+    (kernels, copies, memsets; overlapping ones merge), the span from the first start to the last
+    end, the time nothing ran in it, and the ``top`` longest gaps with the activities on either
+    side (a gap after a graph's copies is the replay's launch; one before a cuDNN kernel, its host
+    work). Time outside the span (the host's launch and sync) is the median's wall less the span."""
+    if not spans:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    spans = sorted(spans, key=lambda s: s[1])
+    gaps, end, last = [], spans[0][2], spans[0][0]
+    for name, a, b in spans[1:]:
+        if a > end:
+            gaps.append({"ms": (a - end) / 1e3, "after": last[:80], "before": name[:80]})
+        if b >= end:
+            end, last = b, name
+    gaps.sort(key=lambda g: -g["ms"])
+    return {"span_ms": (end - spans[0][1]) / 1e3, "idle_ms": sum(g["ms"] for g in gaps), "gaps": gaps[:top]}
 
 
 def kernel_diff(base: dict, other: dict, top: int = 12) -> dict:
@@ -98,6 +119,11 @@ def print_kernel_table(variant: str, table: dict, median_ms: float, top: int = 2
     print(f"  {variant}: GPU busy {table['gpu_ms_total']:.2f} ms of {median_ms:.2f} ms; top kernels:")
     for r in table["top"][:top]:
         print(f"    {r['ms']:9.3f} ms  x{r['calls']:<5d} {r['kernel'][:100]}")
+    tl = table.get("timeline")
+    if tl and tl["span_ms"] > 0:
+        print(f"    timeline: span {tl['span_ms']:.3f} ms, idle inside it {tl['idle_ms']:.3f} ms; longest gaps:")
+        for g in tl["gaps"]:
+            print(f"      {g['ms']:7.3f} ms  after {g['after'][:50]}  before {g['before'][:50]}")
 
 
 def profiled_kernels(fn: Callable[[], Any]) -> int:

@@ -471,3 +471,17 @@ def test_bench_fusion_keeps_going_when_a_side_configuration_fails(monkeypatch, c
     assert "no rowcol today" in rec["variant_errors"][str(("flash", "auto", True, False))]
     assert "mtc_fused_no_rowcol" not in rec["results"]
     assert {"unfused", "mtc_fused", "mtc_fused_backward", "mtc_fused_saved_backward"} <= set(rec["results"])
+
+
+def test_idle_gaps_merge_overlaps_and_name_the_neighbours():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from launch_count import idle_gaps
+
+    # a copy, a kernel overlapping it, a 30 us gap, a long kernel that a short one runs inside, a 5 us gap
+    tl = idle_gaps([("k2", 15.0, 40.0), ("copy", 0.0, 20.0), ("k3", 70.0, 200.0), ("k4", 80.0, 90.0), ("k5", 205.0, 210.0)])
+    assert tl["span_ms"] == pytest.approx(0.21)
+    assert tl["idle_ms"] == pytest.approx(0.035)
+    assert tl["gaps"][0] == {"ms": pytest.approx(0.03), "after": "k2", "before": "k3"}
+    assert tl["gaps"][1]["after"] == "k3" and tl["gaps"][1]["ms"] == pytest.approx(0.005)
+    assert idle_gaps([]) == {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
