@@ -45,11 +45,36 @@ from typing import Any
 import torch
 from mtc.graphs.partition import CAT, Frame, FusibleOps, FusionGroup, arg_frames, column_cast, is_column_reduction
 from mtc.kernels.column_reduce import combine_partials
+from mtc.kernels.tuning import Decisions, Tuner
 from torch import fx
 
 from mtc.errors import KernelInputError
 
-__all__ = ["FUSIBLE", "MAX_ROW", "CodegenError", "FusedKernel", "compile_group", "generate_source", "load_kernel"]
+__all__ = ["FUSIBLE", "MAX_ROW", "TUNED_MODES", "CodegenError", "FusedKernel", "compile_group", "generate_source",
+           "generated_tuning", "generated_tuning_seconds", "load_kernel", "seed_generated_tuning"]
+
+# Column and rowcol kernels read at 2.0-2.9 TB/s of the H200's ~4.8 where row and pointwise ones
+# reach 3.8-4.4 (bench_fusion, GPT-2 block, 2026-11-27): their launch configuration (tile, warps,
+# programs per SM) is timed per kernel and shape when a plan compiles on CUDA (`FusedKernel.tune`,
+# the compiler's "tune generated kernels" pass), the default among the candidates, so a choice is
+# never slower than the default as timed; a compiled plan stores the choices and seeds them back.
+TUNED_MODES = ("column", "rowcol")
+_TUNER = Tuner("generated kernels")
+
+
+def seed_generated_tuning(decisions: Decisions) -> None:
+    """Take a compiled plan's launch choices for generated kernels as known (nothing is timed again)."""
+    _TUNER.seed(decisions)
+
+
+def generated_tuning() -> Any:
+    """A context collecting the launch choices generated kernels use inside it (`Tuner.recording`)."""
+    return _TUNER.recording()
+
+
+def generated_tuning_seconds() -> float:
+    """Seconds this process has spent timing generated kernels' launch configurations."""
+    return _TUNER.seconds
 
 aten = torch.ops.aten
 MAX_ROW = 16384  # widest row a row kernel holds in one block
@@ -465,8 +490,9 @@ class FusedKernel:
         self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, BLOCK=plan.block, num_warps=plan.warps)
         return tuple(outs)
 
-    def _plan(self, inputs: tuple[torch.Tensor, ...]) -> _LaunchPlan:
-        """Check ``inputs`` against the kernel's shapes and work out their strides and the launch."""
+    def _plan(self, inputs: tuple[torch.Tensor, ...], config: dict[str, int] | None = None) -> _LaunchPlan:
+        """Check ``inputs`` against the kernel's shapes and work out their strides and the launch
+        (column and rowcol kernels: with ``config``, else the tuner's choice or the default)."""
         S = self.shape
         if len(inputs) != len(self.in_shapes):
             raise KernelInputError(f"{self.__name__}: expected {len(self.in_shapes)} inputs, got {len(inputs)}")
@@ -478,36 +504,82 @@ class FusedKernel:
             flat += _strides(x, S)
         strides, scalar = tuple(flat), any(x.dim() == 0 for x in inputs)
         numel = math.prod(S)
+        cuda = dev.type == "cuda"
+        if self.mode in TUNED_MODES and config is None:
+            cands = self.candidates(cuda)
+            # a choice recorded on another device type is not among these candidates: the default
+            config = _TUNER.recall(self._tuning_key(strides), cands) or cands[0]
+        # the CPU interpreter counts as one SM (its programs: `per_sm`, each step one numpy op)
+        sms = _sm_count(dev) if cuda else 1
         if self.mode == "column":
             N, M = S[-1], numel // S[-1]
-            cuda = dev.type == "cuda"
-            # GPU: 128-column, 32-row tiles and enough chunks to fill the SMs; CPU interpreter: wide
-            # tiles and few programs (each step is one vectorised numpy op)
-            block = min(triton_next_pow2(N), 128 if cuda else 1024)
-            block_m = min(triton_next_pow2(M), 32 if cuda else 64)
-            target = 4 * _sm_count(dev) if cuda else 2
+            block, block_m = min(triton_next_pow2(N), config["block"]), min(triton_next_pow2(M), config["block_m"])
             tiles = triton_cdiv(M, block_m)
-            split = max(1, min(tiles, target // triton_cdiv(N, block)))
+            split = max(1, min(tiles, config["per_sm"] * sms // triton_cdiv(N, block)))
             chunk = triton_cdiv(tiles, split) * block_m
             split = triton_cdiv(M, chunk)
-            return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, 4, numel, block_m, chunk, split)
+            return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, config["warps"], numel, block_m, chunk,
+                               split)
         if self.mode in ("row", "rowcol"):
             block = triton_next_pow2(S[-1])
-            # wide rows: more warps, so each thread holds a few dozen values and nothing spills
-            warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
             M = max(1, numel // S[-1])
             if self.mode == "row":
-                return _LaunchPlan(strides, scalar, (M,), block, warps, numel)
-            # rowcol: enough chunks of rows to fill the SMs, each a partial of one row's width to
-            # combine (GPU: 4 per SM; CPU interpreter: two programs, each step one numpy op)
-            target = 4 * _sm_count(dev) if dev.type == "cuda" else 2
-            chunk = triton_cdiv(M, min(M, target))
+                return _LaunchPlan(strides, scalar, (M,), block, _row_warps(block), numel)
+            # rowcol: chunks of rows, each a partial of one row's width to combine
+            chunk = triton_cdiv(M, min(M, config["per_sm"] * sms))
             split = triton_cdiv(M, chunk)
-            return _LaunchPlan(strides, scalar, (split,), block, warps, numel, 0, chunk, split)
+            return _LaunchPlan(strides, scalar, (split,), block, config["warps"], numel, 0, chunk, split)
         # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
         # edge and a masked tail stay tested), each one vectorised numpy op
-        block = 1024 if dev.type == "cuda" else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
+        block = 1024 if cuda else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
         return _LaunchPlan(strides, scalar, (triton_cdiv(numel, block),), block, 4, numel)
+
+    def candidates(self, cuda: bool) -> list[dict[str, int]]:
+        """Launch configurations of a column or rowcol kernel, the default first (GPU: 128-column,
+        32-row tiles and 4 programs per SM, a rowcol kernel's warps by row width; CPU interpreter:
+        wide tiles, two programs), then the alternatives timed on CUDA (taller tiles and more warps
+        keep more bytes in flight; fewer or more programs per SM)."""
+        S = self.shape
+        if self.mode == "column":
+            N, M = S[-1], math.prod(S) // S[-1]
+
+            def col(block: int, block_m: int, warps: int, per_sm: int) -> dict[str, int]:
+                return {"block": min(triton_next_pow2(N), block), "block_m": min(triton_next_pow2(M), block_m),
+                        "warps": warps, "per_sm": per_sm}
+
+            if not cuda:
+                return _unique([col(1024, 64, 4, 2), col(128, 64, 8, 4), col(64, 64, 4, 4)])
+            return _unique([col(128, 32, 4, 4), col(128, 64, 8, 4), col(64, 64, 4, 4), col(128, 32, 4, 8)])
+        if self.mode == "rowcol":
+            w = _row_warps(triton_next_pow2(S[-1]))
+            other = w * 2 if w < 16 else w // 2
+            if not cuda:
+                return _unique([{"warps": w, "per_sm": 2}, {"warps": other, "per_sm": 3}])
+            return _unique([{"warps": w, "per_sm": 4}, {"warps": w, "per_sm": 2}, {"warps": w, "per_sm": 8},
+                            {"warps": other, "per_sm": 4}])
+        return [{}]
+
+    def _tuning_key(self, strides: tuple[int, ...]) -> tuple[str, str, str]:
+        # the kernel (its source hash), the shape it runs at and its inputs' layout
+        return (self.__name__, "x".join(map(str, self.shape)), hashlib.sha256(str(strides).encode()).hexdigest()[:8])
+
+    def tune(self, inputs: Sequence[torch.Tensor], *, force: bool = False) -> dict[str, int] | None:
+        """Column and rowcol kernels on CUDA (any device with ``force``: the CPU tests): time each
+        launch configuration on ``inputs`` once for their signature, and launch with the fastest
+        from then on; returns the choice (None: nothing to choose here)."""
+        if self.mode not in TUNED_MODES or (inputs[0].device.type != "cuda" and not force):
+            return None
+        cuda = inputs[0].device.type == "cuda"
+        base = self._plan(tuple(inputs), self.candidates(cuda)[0])
+
+        def launch(cfg: dict[str, int]) -> None:
+            plan = self._plan(tuple(inputs), cfg)
+            ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else list(inputs)
+            self._columns(ins, plan)
+
+        choice = _TUNER.choose(self._tuning_key(base.strides), self.candidates(cuda), launch)
+        self._plans.clear()  # the cached launch plans were worked out before the choice
+        return choice
 
     def _columns(self, ins: Sequence[torch.Tensor], plan: _LaunchPlan) -> tuple[torch.Tensor, ...]:
         """Column mode: a (column blocks, row chunks) grid writing fp32 partials, combined here;
@@ -526,7 +598,8 @@ class FusedKernel:
         if self.mode == "rowcol":
             self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, num_warps=plan.warps)
         else:
-            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m)
+            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m,
+                               num_warps=plan.warps)
         for buf, (how, dt, js) in zip(parts, self._combines, strict=True):
             # second stage: one small launch per buffer sums the chunks in a fixed order, scales and casts
             got = combine_partials(buf, how, M, dt)
@@ -556,6 +629,21 @@ class _LaunchPlan:
 
 def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _row_warps(block: int) -> int:
+    """Warps of a row or rowcol kernel by its row block: wide rows get more, so each thread holds a
+    few dozen values and nothing spills."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _unique(configs: list[dict[str, int]]) -> list[dict[str, int]]:
+    """``configs`` without repeats (a narrow shape clamps several to one), in order."""
+    out: list[dict[str, int]] = []
+    for c in configs:
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def _strides(x: torch.Tensor, S: tuple[int, ...]) -> list[int]:

@@ -32,6 +32,8 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     fuse forward        partition (with codegen's FUSIBLE list), generate a kernel per group,
     fuse joint          splice the kernels into the graph (forward: the forward and the saving
                         forward; joint: the joint and the backward from saved values)
+    tune generated      each column and rowcol kernel's launch configuration (tile, warps,
+      kernels           programs per SM), timed now on CUDA and stored with the template
 
 Each fusion group the generator can express becomes one generated Triton kernel called from the
 graph; anchors (matmuls, attention) and the ops no kernel covers stay ATen calls, and the report
@@ -40,8 +42,8 @@ report, the key it was compiled under) beside the kernel sources, and a later ca
 instead of compiling; a template whose key no longer matches (mtc version, compiler and kernel
 sources, torch, triton, device capability, input shapes and dtypes, options) is recompiled, and
 says why, one line per template. The record also holds the template's tuning choices (attention
-tiles and backends, matmul-fusion timings) under the same key: loading it seeds the attention
-tuner, so a run of a stored plan times nothing for the plan's shapes. Each compiled template
+tiles and backends, matmul-fusion timings, generated kernels' launches) under the same key:
+loading it seeds the tuners, so a run of a stored plan times nothing for the plan's shapes. Each compiled template
 carries its compile (or load) seconds and the part spent timing candidates (`plan_times`).
 """
 
@@ -73,11 +75,20 @@ from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.graphs.split import SplitError, split_joint
 from mtc.graphs.views import move_views
 from mtc.kernels.attention_tuning import tune_attention
-from mtc.kernels.codegen import FUSIBLE, CodegenError, FusedKernel, compile_group, load_kernel
+from mtc.kernels.codegen import (
+    FUSIBLE,
+    TUNED_MODES,
+    CodegenError,
+    FusedKernel,
+    compile_group,
+    generated_tuning,
+    load_kernel,
+    seed_generated_tuning,
+)
 from mtc.kernels.flash_attention import seed_tuning
 from mtc.kernels.matmul_fusion import Choices, fuse_matmuls
 from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
-from mtc.kernels.tuning import Decisions
+from mtc.kernels.tuning import Decisions, tuning_input
 
 __all__ = [
     "PASSES", "CompiledTemplate", "GraphReport", "Pass", "PlanTimes", "Work", "cache_key", "compile_program",
@@ -267,6 +278,7 @@ class Work:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # where tuning runs
     choices: Choices | None = None  # matmul-fusion timings (kernel cache, stamped with `toolchain_key`)
     attention_choices: Decisions = dataclasses.field(default_factory=Decisions)
+    generated_choices: Decisions = dataclasses.field(default_factory=Decisions)  # column/rowcol launch configurations
     tuning_s: float = 0.0
     split: bool = True  # a block also gets the split graphs (graphs/split.py)
     joint_full: fx.Graph | None = None  # a block's joint traced with its outputs, until it is split
@@ -396,6 +408,26 @@ def _fuse_joint(w: Work) -> None:
         w.backward, w.reports["backward_saved"] = _fuse(w.backward, w.cache, fusible=w.fusible)
 
 
+def _tune_generated(w: Work) -> None:
+    # after fusion, on CUDA: each column and rowcol kernel times its launch configurations once per
+    # shape on inputs laid out as the graph's values (kernels/codegen.py, `FusedKernel.tune`)
+    if w.device.type != "cuda":
+        return
+    t0 = time.perf_counter()
+    with generated_tuning() as rec:
+        for g in w.graphs():
+            for n in g.nodes:
+                k = n.target
+                if n.op != "call_function" or not isinstance(k, FusedKernel) or k.mode not in TUNED_MODES:
+                    continue
+                vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args]
+                if all(isinstance(v, torch.Tensor) for v in vals):
+                    k.tune([tuning_input(v, w.device) for v in vals])
+    torch.cuda.empty_cache()  # the tuning inputs must not stay reserved for the run that follows
+    w.generated_choices = rec
+    w.tuning_s += time.perf_counter() - t0
+
+
 PASSES: list[Pass] = [
     Pass("count ATen ops", _count_aten_ops),
     Pass("lower", _lower),
@@ -410,6 +442,7 @@ PASSES: list[Pass] = [
     Pass("copy broadcast outputs", _copy_broadcast_outputs),
     Pass("fuse forward", _fuse_forward),
     Pass("fuse joint", _fuse_joint),
+    Pass("tune generated kernels", _tune_generated),
 ]
 
 
@@ -443,7 +476,7 @@ def compile_template(
              fusible=FUSIBLE if row_and_column else dataclasses.replace(FUSIBLE, row_and_column=0))
     for p in PASSES:
         p.run(w)
-    tuning = {"attention": w.attention_choices.to_json(),
+    tuning = {"attention": w.attention_choices.to_json(), "generated": w.generated_choices.to_json(),
               "matmul_fusion": {k: w.choices.known[k] for k in sorted(w.choices.asked) if k in w.choices.known}}
     return CompiledTemplate(t.id, w.forward, w.joint, w.diff, w.reports["forward"], w.reports["backward"],
                             tuning=tuning, seconds=time.perf_counter() - t0, tuning_s=w.tuning_s,
@@ -569,6 +602,8 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
         graphs[which] = graph_from_dict(rec["nodes"], resolve)
     tuning = doc["tuning"]
     Decisions.from_json(tuning["attention"])  # malformed: PlanError, and the template is recompiled
+    if "generated" in tuning:  # records before the generated kernels' tuning have none (defaults)
+        Decisions.from_json(tuning["generated"])
     if not isinstance(tuning["matmul_fusion"], dict):
         raise TypeError(f"matmul_fusion choices must be a dict, got {type(tuning['matmul_fusion']).__name__}")
     saved = [(tuple(int(x) for x in shape), getattr(torch, dtype)) for shape, dtype in doc["saved"]]
@@ -635,6 +670,7 @@ def compile_program(
                 else:
                     ct = _load_record(doc, cache_dir / cache_key())
                     seed_tuning(Decisions.from_json(ct.tuning["attention"]))
+                    seed_generated_tuning(Decisions.from_json(ct.tuning.get("generated", Decisions().to_json())))
                     ct.seconds = time.perf_counter() - t0
                     out[tid] = ct
                     continue

@@ -12,6 +12,7 @@ import torch
 
 from mtc import compiler
 from mtc.compiler import compile_program, launches
+from mtc.kernels.tuning import tuning_input
 from mtc.models import build
 from mtc.tracer import trace
 
@@ -183,3 +184,37 @@ def test_the_compilers_docstring_lists_every_pass_in_order():
     at = [doc.find("\n    " + " ".join(p.name.split()[:2]) + " ") for p in compiler.PASSES]
     assert all(i >= 0 for i in at), [p.name for p, i in zip(compiler.PASSES, at, strict=True) if i < 0]
     assert at == sorted(at), [p.name for p in compiler.PASSES]
+
+
+@pytest.mark.gpu
+def test_generated_kernels_launch_choices_are_timed_once_and_stored_on_gpu(tmp_path):
+    # on CUDA a plan's column and rowcol kernels time their launch configurations while it
+    # compiles; the record keeps the choices and a later load seeds them: nothing is timed again
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mtc.kernels import codegen
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build("tiny", n_layers=2, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1024).to(torch.bfloat16)
+    prog = trace(model, 2, 512)
+    compiled = compile_program(prog, tmp_path, log=None)
+    block = next(ct for tid, ct in compiled.items() if prog.templates[tid].kind == "block")
+    tuned = [n.target for n in block.joint_graph.nodes
+             if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES]
+    assert tuned, "a block's backward has a norm's rowcol kernel"
+    choices = block.tuning["generated"]["choices"]
+    assert {k.split("/")[0] for k in choices} >= {k.__name__ for k in tuned}
+    assert all(c in codegen.FusedKernel.candidates(k, cuda=True) for k in tuned
+               for name, c in choices.items() if name.startswith(k.__name__ + "/"))
+    codegen._TUNER.best.clear()  # as a fresh process: only the records' seeds are known
+    codegen._TUNER.seeded.clear()
+    again = compile_program(prog, tmp_path, log=None)
+    assert all(ct.loaded for ct in again.values())
+    before = codegen.generated_tuning_seconds()
+    block = next(ct for tid, ct in again.items() if prog.templates[tid].kind == "block")
+    for n in block.joint_graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES:
+            got = n.target.tune([tuning_input(a.meta["val"], torch.device("cuda")) for a in n.args])
+            assert got in n.target.candidates(cuda=True)
+    assert codegen.generated_tuning_seconds() == before  # every choice came from the record

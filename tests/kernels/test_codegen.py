@@ -408,3 +408,57 @@ def test_rows_wider_than_a_row_kernel_keep_row_and_column_kernels_apart():
         gr = make_fx(f, decomposition_table=core_aten_decompositions())(torch.empty(2, n, device="meta"))
         groups = partition(gr.graph, FUSIBLE).groups
         assert [is_row_and_column(g.nodes, FUSIBLE.reductions) for g in groups] == kinds
+
+
+def _norm_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    xhat = x * rstd
+    gxhat = g * w
+    return rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True)), (g * xhat).sum([0, 1])
+
+
+def _bias_grad(g: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = g * torch.sigmoid(h)
+    return d, d.sum([0, 1])
+
+
+@pytest.mark.parametrize("f,mode", [(_norm_backward, "rowcol"), (_bias_grad, "column")])
+def test_every_launch_configuration_computes_the_same_and_tuning_keeps_the_fastest(f, mode, tmp_path, monkeypatch):
+    # column and rowcol kernels time their launch configurations on CUDA when a plan compiles: each
+    # candidate (the GPU's and the interpreter's) must give the kernel's results, and the choice
+    # must be what later launches use, what a compiled plan records and what seeding brings back
+    from mtc.kernels import codegen
+    from mtc.kernels.tuning import Decisions, Tuner
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = (torch.randn(1, 150, 37), torch.randn(1, 150, 37)) + ((torch.randn(37),) if mode == "rowcol" else ())
+    gr = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    (group,) = partition(gr.graph, FUSIBLE).groups
+    kern = compile_group(group, tmp_path)
+    assert kern.mode == mode
+    vals = _record(gr, *args)
+    ins = [vals[i] for i in group.inputs]
+    gpu, cpu = kern.candidates(cuda=True), kern.candidates(cuda=False)
+    assert len(gpu) >= 3 and len(cpu) >= 2 and gpu[0] != cpu[0]
+    for cfg in gpu + cpu:
+        plan = kern._plan(tuple(ins), cfg)
+        for o, got in zip(group.outputs, kern._columns(ins, plan), strict=True):
+            torch.testing.assert_close(got, vals[o], rtol=1e-5, atol=1e-5, msg=lambda m, c=cfg: f"{c}: {m}")
+    # tuning: a substituted clock makes the last CPU candidate the fastest
+    clock = [3.0, 2.0, 1.0, 0.5][len(cpu) * -1:]
+    monkeypatch.setattr(codegen, "_TUNER", Tuner("test", bench=lambda fn: (fn(), clock.pop(0))[1]))
+    with codegen.generated_tuning() as rec:
+        assert kern.tune(ins) is None  # the CPU times nothing unless forced
+        choice = kern.tune(ins, force=True)
+        assert choice == cpu[-1] and not clock
+        kern(*ins)
+    (plan,) = kern._plans.values()
+    assert plan == kern._plan(tuple(ins), cpu[-1]) != kern._plan(tuple(ins), cpu[0])
+    assert list(rec.choices.values()) == [cpu[-1]] and next(iter(rec.choices)).startswith(kern.__name__ + "/1x150x37/")
+    # a later process: the plan's record seeds the tuner, and the kernel launches with the choice untimed
+    monkeypatch.setattr(codegen, "_TUNER", Tuner("test", bench=lambda fn: pytest.fail("timed again")))
+    codegen.seed_generated_tuning(Decisions.from_json(rec.to_json()))
+    fresh = compile_group(group, tmp_path)
+    fresh(*ins)
+    assert list(fresh._plans.values()) == [plan]
