@@ -36,14 +36,20 @@ def tuning_input(v: Any, device: Any) -> Any:
     depends on where it stood."""
     import torch
 
-    t = torch.empty_strided(tuple(v.shape), v.stride(), dtype=v.dtype, device=device)
+    # the storage the strides reach, filled flat and viewed: an expanded input (stride 0 over a
+    # dimension of several) has elements that share memory, which an in-place fill refuses
+    shape, stride = tuple(v.shape), v.stride()
+    size = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+    flat = torch.empty(size, dtype=v.dtype, device=device)
     if not v.dtype.is_floating_point:
-        return t.zero_()
-    gen = _generators.get(t.device)
-    if gen is None:
-        gen = _generators[t.device] = torch.Generator(device=t.device)
-        gen.manual_seed(_TUNING_SEED)
-    return t.normal_(generator=gen)
+        flat.zero_()
+    else:
+        gen = _generators.get(flat.device)
+        if gen is None:
+            gen = _generators[flat.device] = torch.Generator(device=flat.device)
+            gen.manual_seed(_TUNING_SEED)
+        flat.normal_(generator=gen)
+    return flat.as_strided(shape, stride)
 
 
 def cuda_bench_ms(fn: Callable[[], None]) -> float:

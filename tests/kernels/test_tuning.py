@@ -92,3 +92,6 @@ def test_tuning_inputs_keep_the_layout_and_leave_the_users_random_stream_alone()
     assert torch.equal(torch.rand(5), want)
     assert x.shape == (4, 6) and x.stride() == meta.stride() and x.std() > 0.3
     assert ids.dtype == torch.long and not ids.any()
+    wide = tuning_input(torch.empty(3, 1, device="meta").expand(3, 5), torch.device("cpu"))  # an expanded value
+    assert wide.stride() == (1, 0) and torch.equal(wide[:, 0], wide[:, 4])
+    assert tuning_input(torch.empty(0, 4, device="meta"), torch.device("cpu")).shape == (0, 4)

@@ -84,7 +84,7 @@ def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert "fwd kernels" in out and "block-" in out
     # one line of totals, also in the report: compile and tuning seconds, templates compiled / loaded
     assert rep["plan"]["compiled"] == 3 and rep["plan"]["loaded"] == 0 and rep["plan"]["compile_s"] >= block["compile_s"] > 0
-    assert block["loaded"] is False and block["tuning_s"] >= 0 and set(block["tuning"]) == {"attention", "matmul_fusion"}
+    assert block["loaded"] is False and block["tuning_s"] >= 0 and set(block["tuning"]) == {"attention", "generated", "matmul_fusion"}
     assert f"compiled plan: 3 templates (3 compiled, 0 loaded) in {rep['plan']['compile_s']:.2f} s, tuning " in out
     kdir = next(p for p in (tmp_path / "plan" / "kernels").iterdir() if p.name != "compiled")
     files = {p.name: p.stat().st_mtime_ns for p in kdir.glob("*.py")}
