@@ -538,7 +538,9 @@ class FusedKernel:
         """Launch configurations of a column or rowcol kernel, the default first (GPU: 128-column,
         32-row tiles and 4 programs per SM, a rowcol kernel's warps by row width; CPU interpreter:
         wide tiles, two programs), then the alternatives timed on CUDA (taller tiles and more warps
-        keep more bytes in flight; fewer or more programs per SM)."""
+        keep more bytes in flight; fewer or more programs per SM; narrower tiles hold fewer
+        registers). All of them compile for sm_90 without spills at the real blocks' shapes
+        (Triton 3.9 on the CPU, 2026-11-27)."""
         S = self.shape
         if self.mode == "column":
             N, M = S[-1], math.prod(S) // S[-1]
@@ -549,7 +551,10 @@ class FusedKernel:
 
             if not cuda:
                 return _unique([col(1024, 64, 4, 2), col(128, 64, 8, 4), col(64, 64, 4, 4)])
-            return _unique([col(128, 32, 4, 4), col(128, 64, 8, 4), col(64, 64, 4, 4), col(128, 32, 4, 8)])
+            # (64, 32): half the registers per thread, for kernels with many inputs (GPT-2's
+            # MLP bias-and-activation gradient takes 128 registers at the default tile on sm_90)
+            return _unique([col(128, 32, 4, 4), col(128, 64, 8, 4), col(64, 64, 4, 4), col(128, 32, 4, 8),
+                            col(64, 32, 4, 4)])
         if self.mode == "rowcol":
             w = _row_warps(triton_next_pow2(S[-1]))
             other = w * 2 if w < 16 else w // 2
