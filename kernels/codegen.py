@@ -256,12 +256,14 @@ def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
         # the bounds are int64 (pid is), so the row offsets are too
         M = math.prod(S[:-1])
         L = ["pid = tl.program_id(0).to(tl.int64)", "cols = tl.arange(0, BLOCK).to(tl.int64)", f"mask = cols < {N}", "%ACC%",
-             "r_lo = pid * CHUNK", f"r_hi = tl.minimum(r_lo + CHUNK, {M})", "for row in range(r_lo, r_hi):", "    rem = row"]
+             "r_lo = pid * CHUNK", f"r_hi = tl.minimum(r_lo + CHUNK, {M})",
+             # STAGES > 1: the next rows' loads are issued (async copies) while this row computes
+             "for row in tl.range(r_lo, r_hi, num_stages=STAGES):", "    rem = row"]
     else:
         M = math.prod(S[:-1])
         L = ["pid = tl.program_id(0).to(tl.int64)", "ccols = pid * BLOCK + tl.arange(0, BLOCK)", f"cmask = ccols < {N}",
              "cols = ccols[None, :]", "%ACC%", "r_lo = tl.program_id(1) * CHUNK",
-             "for r0 in range(r_lo, r_lo + CHUNK, BLOCK_M):",
+             "for r0 in tl.range(r_lo, r_lo + CHUNK, BLOCK_M, num_stages=STAGES):",
              "    row = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]", f"    mask = (row < {M}) & cmask[None, :]",
              "    rem = row"]
     ind = "    " if mode in ("column", "rowcol") else ""
@@ -397,7 +399,8 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     ins = [f"in{i}" for i in range(len(group.inputs))]
     outs = [f"out{i}" for i in range(len(group.outputs))]
     strides = [f"s{i}_{d}" for i in range(len(ins)) for d in range(R)]
-    consts = {"column": "CHUNK, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr", "rowcol": "CHUNK, BLOCK: tl.constexpr"}.get(
+    consts = {"column": "CHUNK, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr",
+              "rowcol": "CHUNK, BLOCK: tl.constexpr, STAGES: tl.constexpr"}.get(
         mode, "BLOCK: tl.constexpr")
     L = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
          f"def {name}({', '.join(ins + outs + strides)}, NUMEL, {consts}):"]
@@ -519,7 +522,7 @@ class FusedKernel:
             chunk = triton_cdiv(tiles, split) * block_m
             split = triton_cdiv(M, chunk)
             return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, config["warps"], numel, block_m, chunk,
-                               split)
+                               split, config.get("stages", 1))
         if self.mode in ("row", "rowcol"):
             block = triton_next_pow2(S[-1])
             M = max(1, numel // S[-1])
@@ -528,7 +531,7 @@ class FusedKernel:
             # rowcol: chunks of rows, each a partial of one row's width to combine
             chunk = triton_cdiv(M, min(M, config["per_sm"] * sms))
             split = triton_cdiv(M, chunk)
-            return _LaunchPlan(strides, scalar, (split,), block, config["warps"], numel, 0, chunk, split)
+            return _LaunchPlan(strides, scalar, (split,), block, config["warps"], numel, 0, chunk, split, config.get("stages", 1))
         # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
         # edge and a masked tail stay tested), each one vectorised numpy op
         block = 1024 if cuda else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
@@ -538,30 +541,33 @@ class FusedKernel:
         """Launch configurations of a column or rowcol kernel, the default first (GPU: 128-column,
         32-row tiles and 4 programs per SM, a rowcol kernel's warps by row width; CPU interpreter:
         wide tiles, two programs), then the alternatives timed on CUDA (taller tiles and more warps
-        keep more bytes in flight; fewer or more programs per SM; narrower tiles hold fewer
-        registers). All of them compile for sm_90 without spills at the real blocks' shapes
-        (Triton 3.9 on the CPU, 2026-11-27)."""
+        keep more bytes in flight; fewer or more programs per SM (rowcol: half); narrower tiles hold fewer
+        registers; a pipelined row loop, whose next loads Triton issues as async copies while a
+        row computes, which a plain loop never does for loads no matmul reads). All of them
+        compile for sm_90 without spills at the real blocks' shapes (Triton 3.9 on the CPU,
+        2026-11-27)."""
         S = self.shape
         if self.mode == "column":
             N, M = S[-1], math.prod(S) // S[-1]
 
-            def col(block: int, block_m: int, warps: int, per_sm: int) -> dict[str, int]:
+            def col(block: int, block_m: int, warps: int, per_sm: int, stages: int = 1) -> dict[str, int]:
                 return {"block": min(triton_next_pow2(N), block), "block_m": min(triton_next_pow2(M), block_m),
-                        "warps": warps, "per_sm": per_sm}
+                        "warps": warps, "per_sm": per_sm, "stages": stages}
 
             if not cuda:
-                return _unique([col(1024, 64, 4, 2), col(128, 64, 8, 4), col(64, 64, 4, 4)])
+                return _unique([col(1024, 64, 4, 2), col(128, 64, 8, 4), col(64, 64, 4, 4, 2)])
             # (64, 32): half the registers per thread, for kernels with many inputs (GPT-2's
             # MLP bias-and-activation gradient takes 128 registers at the default tile on sm_90)
-            return _unique([col(128, 32, 4, 4), col(128, 64, 8, 4), col(64, 64, 4, 4), col(128, 32, 4, 8),
-                            col(64, 32, 4, 4)])
+            return _unique([col(128, 32, 4, 4), col(128, 64, 8, 4), col(64, 64, 4, 4), col(64, 32, 4, 4),
+                            col(128, 32, 4, 4, 2), col(128, 32, 4, 4, 3)])
         if self.mode == "rowcol":
             w = _row_warps(triton_next_pow2(S[-1]))
             other = w * 2 if w < 16 else w // 2
             if not cuda:
-                return _unique([{"warps": w, "per_sm": 2}, {"warps": other, "per_sm": 3}])
-            return _unique([{"warps": w, "per_sm": 4}, {"warps": w, "per_sm": 2}, {"warps": w, "per_sm": 8},
-                            {"warps": other, "per_sm": 4}])
+                return _unique([{"warps": w, "per_sm": 2, "stages": 1}, {"warps": other, "per_sm": 3, "stages": 2}])
+            return _unique([{"warps": w, "per_sm": 4, "stages": 1}, {"warps": w, "per_sm": 2, "stages": 1},
+                            {"warps": other, "per_sm": 4, "stages": 1}, {"warps": w, "per_sm": 4, "stages": 2},
+                            {"warps": w, "per_sm": 2, "stages": 2}])
         return [{}]
 
     def _tuning_key(self, strides: tuple[int, ...]) -> tuple[str, str, str]:
@@ -601,10 +607,11 @@ class FusedKernel:
             for i, j in enumerate(js):
                 outs[j] = buf[i]
         if self.mode == "rowcol":
-            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, num_warps=plan.warps)
+            self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, STAGES=plan.stages,
+                               num_warps=plan.warps)
         else:
             self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, plan.chunk, BLOCK=plan.block, BLOCK_M=plan.block_m,
-                               num_warps=plan.warps)
+                               STAGES=plan.stages, num_warps=plan.warps)
         for buf, (how, dt, js) in zip(parts, self._combines, strict=True):
             # second stage: one small launch per buffer sums the chunks in a fixed order, scales and casts
             got = combine_partials(buf, how, M, dt)
@@ -630,6 +637,7 @@ class _LaunchPlan:
     block_m: int = 0  # column mode: rows per tile; column and rowcol: rows per chunk, chunks
     chunk: int = 0
     split: int = 1
+    stages: int = 1  # column and rowcol: the row loop's pipeline depth (1: no prefetch)
 
 
 def _sm_count(dev: torch.device) -> int:
