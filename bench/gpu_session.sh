@@ -44,7 +44,10 @@
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
 #   more, and model/ two variants after torch.compile, mtc_fused_saved and mtc_fused_saved_graph;
-#   the H200 on 2026-11-27: gpu tests 57 s at 6 workers)
+#   the H200 on 2026-11-27: gpu tests 57 s at 6 workers; since 3af4c08 every plan compiled on
+#   CUDA times its column and rowcol kernels' launch configurations (2-4 more Triton compiles per
+#   kernel, ~0.7 s each: fusion and model/ may take a minute or two longer, their records' compile_s
+#   say how much)
 #   bash bench/gpu_session.sh [PARTS...]     default: tests train/P3 train/P1-16 fusion
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
