@@ -510,8 +510,7 @@ class FusedKernel:
         cuda = dev.type == "cuda"
         if self.mode in TUNED_MODES and config is None:
             cands = self.candidates(cuda)
-            # a choice recorded on another device type is not among these candidates: the default
-            config = _TUNER.recall(self._tuning_key(strides), cands) or cands[0]
+            config = _TUNER.recall(self._tuning_key(strides, cuda), cands) or cands[0]
         # the CPU interpreter counts as one SM (its programs: `per_sm`, each step one numpy op)
         sms = _sm_count(dev) if cuda else 1
         if self.mode == "column":
@@ -571,9 +570,11 @@ class FusedKernel:
                             {"warps": w, "per_sm": 2, "stages": 2}])
         return [{}]
 
-    def _tuning_key(self, strides: tuple[int, ...]) -> tuple[str, str, str]:
-        # the kernel (its source hash), the shape it runs at and its inputs' layout
-        return (self.__name__, "x".join(map(str, self.shape)), hashlib.sha256(str(strides).encode()).hexdigest()[:8])
+    def _tuning_key(self, strides: tuple[int, ...], cuda: bool) -> tuple[str, str, str, str]:
+        # the kernel (its source hash), the shape it runs at, its inputs' layout and the device type
+        # (a choice the CPU tests force never reaches a CUDA launch, nor the reverse)
+        return (self.__name__, "x".join(map(str, self.shape)), hashlib.sha256(str(strides).encode()).hexdigest()[:8],
+                "cuda" if cuda else "cpu")
 
     def tune(self, inputs: Sequence[torch.Tensor], *, force: bool = False) -> dict[str, int] | None:
         """Column and rowcol kernels on CUDA (any device with ``force``: the CPU tests): time each
@@ -589,7 +590,7 @@ class FusedKernel:
             ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else list(inputs)
             self._columns(ins, plan)
 
-        choice = _TUNER.choose(self._tuning_key(base.strides), self.candidates(cuda), launch)
+        choice = _TUNER.choose(self._tuning_key(base.strides, cuda), self.candidates(cuda), launch)
         self._plans.clear()  # the cached launch plans were worked out before the choice
         return choice
 

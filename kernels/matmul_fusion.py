@@ -302,7 +302,7 @@ def _site_runs(site: Site, device: torch.device) -> tuple[Callable[[], Outputs],
             b = tuning_input(_val(p.x), device).reshape(b.shape)
         else:
             a2 = tuning_input(_val(p.x), device).reshape(a2.shape)
-        kw["rstd"] = tuning_input(_val(p.rstd), device).abs_() + 0.5  # a positive scale, as an rstd is
+        kw["rstd"] = tuning_input(_val(p.rstd), device).abs() + 0.5  # a positive scale, as an rstd is
         if p.mean is not None:
             kw["mean"] = tuning_input(_val(p.mean), device)
         for name, node in (("norm_w", p.w), ("norm_b", p.b)):

@@ -42,12 +42,14 @@ def tuning_input(v: Any, device: Any) -> Any:
     size = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
     flat = torch.empty(size, dtype=v.dtype, device=device)
     if not v.dtype.is_floating_point:
-        flat.zero_()
+        return flat.zero_().as_strided(shape, stride)
+    gen = _generators.get(flat.device)
+    if gen is None:
+        gen = _generators[flat.device] = torch.Generator(device=flat.device)
+        gen.manual_seed(_TUNING_SEED)
+    if v.dtype.itemsize == 1:  # fp8 has no normal_: drawn in fp32, rounded
+        flat.copy_(torch.empty(size, device=flat.device).normal_(generator=gen))
     else:
-        gen = _generators.get(flat.device)
-        if gen is None:
-            gen = _generators[flat.device] = torch.Generator(device=flat.device)
-            gen.manual_seed(_TUNING_SEED)
         flat.normal_(generator=gen)
     return flat.as_strided(shape, stride)
 
@@ -119,7 +121,7 @@ class Tuner:
     def recall(self, key: Hashable, candidates: Sequence[Any]) -> Any | None:
         """The choice already made for ``key`` (in this process, or seeded from a plan and still
         among ``candidates``), or None when it must be timed (candidates are never None)."""
-        if key in self.best:
+        if key in self.best and self.best[key] in candidates:
             return self._decided(key, self.best[key])
         name = key_name(key)
         if name in self.seeded and self.seeded[name] in candidates:

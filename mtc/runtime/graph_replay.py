@@ -144,7 +144,8 @@ def release_generator_after_failed_capture(device: torch.device) -> None:
     (the attention tuner's random inputs, dropout) fails with "Offset increment outside graph
     capture encountered unexpectedly" (seen on the H200, 2026-11-27: two gpu tests that ran in the
     same worker after the failed-capture test). The generator gets a fresh state with the same seed
-    and offset, so the random stream goes on where it was."""
+    and offset, so the random stream goes on where it was. (Graphs captured before keep the old
+    state: one that draws random numbers could not replay; mtc's graphs draw none.)"""
     index = torch.device(device).index
     gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
     fresh = torch.Generator(device=gen.device)
@@ -201,7 +202,15 @@ class CudaGraphCapture:
             # hide the capture's own, which is what the fallback reports
             with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
-            release_generator_after_failed_capture(self.device)
+            # capture_end raised before it ended the allocator's recording into the pool (and the
+            # generator's capture mode): left so, every later capture into this pool would fail
+            # ("already recording to mempool_id") and the allocator would stop reclaiming memory
+            # freed across streams. Either cleanup failing must not replace the capture's own error.
+            idx = self.stream.device_index
+            with contextlib.suppress(Exception):
+                torch._C._cuda_endAllocateToPool(idx, self.pool)
+            with contextlib.suppress(Exception):
+                release_generator_after_failed_capture(torch.device("cuda", idx))
             raise
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,

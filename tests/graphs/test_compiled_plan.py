@@ -196,25 +196,27 @@ def test_generated_kernels_launch_choices_are_timed_once_and_stored_on_gpu(tmp_p
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = build("tiny", n_layers=2, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1024).to(torch.bfloat16)
+        model = build("tiny", n_layers=2, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1024, max_seq_len=512).to(torch.bfloat16)
     prog = trace(model, 2, 512)
     compiled = compile_program(prog, tmp_path, log=None)
-    block = next(ct for tid, ct in compiled.items() if prog.templates[tid].kind == "block")
-    tuned = [n.target for n in block.joint_graph.nodes
-             if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES]
+    tid, block = next((tid, ct) for tid, ct in compiled.items() if prog.templates[tid].kind == "block")
+    # the tuned kernels and the values they were timed on (compiled graphs keep their strides; loaded ones do not)
+    tuned = {n.target.__name__: (n.target, [a.meta["val"] for a in n.args]) for n in block.joint_graph.nodes
+             if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES}
     assert tuned, "a block's backward has a norm's rowcol kernel"
     choices = block.tuning["generated"]["choices"]
-    assert {k.split("/")[0] for k in choices} >= {k.__name__ for k in tuned}
-    assert all(c in codegen.FusedKernel.candidates(k, cuda=True) for k in tuned
-               for name, c in choices.items() if name.startswith(k.__name__ + "/"))
+    assert {k.split("/")[0] for k in choices} >= set(tuned)
+    assert all(c in k.candidates(cuda=True) for name, (k, _) in tuned.items()
+               for key, c in choices.items() if key.startswith(name + "/"))
     codegen._TUNER.best.clear()  # as a fresh process: only the records' seeds are known
     codegen._TUNER.seeded.clear()
     again = compile_program(prog, tmp_path, log=None)
     assert all(ct.loaded for ct in again.values())
     before = codegen.generated_tuning_seconds()
-    block = next(ct for tid, ct in again.items() if prog.templates[tid].kind == "block")
-    for n in block.joint_graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES:
-            got = n.target.tune([tuning_input(a.meta["val"], torch.device("cuda")) for a in n.args])
-            assert got in n.target.candidates(cuda=True)
+    loaded = {n.target.__name__: n.target for n in again[tid].joint_graph.nodes
+              if n.op == "call_function" and getattr(n.target, "mode", None) in codegen.TUNED_MODES}
+    assert set(loaded) == set(tuned)
+    for name, (_, vals) in tuned.items():
+        got = loaded[name].tune([tuning_input(v, torch.device("cuda")) for v in vals])
+        assert got in loaded[name].candidates(cuda=True)
     assert codegen.generated_tuning_seconds() == before  # every choice came from the record

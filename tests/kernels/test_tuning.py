@@ -95,3 +95,16 @@ def test_tuning_inputs_keep_the_layout_and_leave_the_users_random_stream_alone()
     wide = tuning_input(torch.empty(3, 1, device="meta").expand(3, 5), torch.device("cpu"))  # an expanded value
     assert wide.stride() == (1, 0) and torch.equal(wide[:, 0], wide[:, 4])
     assert tuning_input(torch.empty(0, 4, device="meta"), torch.device("cpu")).shape == (0, 4)
+
+
+def test_a_choice_is_recalled_only_while_it_is_among_the_candidates():
+    # a choice made for one candidate list (the CPU's launch configurations, say) is not handed to
+    # a caller offering others (a GPU's): it times its own
+    t = Tuner("t", bench=lambda fn: (fn(), 1.0)[1])
+    assert t.choose("k", [{"a": 1}, {"a": 2}], lambda c: None) == {"a": 1}
+    assert t.recall("k", [{"a": 1}, {"a": 3}]) == {"a": 1}
+    assert t.recall("k", [{"a": 3}, {"a": 4}]) is None
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is not None:  # fp8 has no normal_ of its own
+        x = tuning_input(torch.empty(4, 3, dtype=fp8, device="meta"), torch.device("cpu"))
+        assert x.dtype == fp8 and x.float().abs().sum() > 0

@@ -161,6 +161,10 @@ def test_a_failed_capture_leaves_the_current_stream_as_it_was():
     a = torch.randn(16, device=dev)
     gen.set_state(before)
     torch.testing.assert_close(torch.randn(16, device=dev), a, rtol=0, atol=0)
+    # and the allocator no longer records into the pool: the next capture into it works
+    replay, out, _ = cap.capture(lambda x: x * 3, [x])
+    replay()
+    torch.testing.assert_close(out, x * 3)
 
 
 def test_a_comparing_capture_times_replay_against_eager():
