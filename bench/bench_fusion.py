@@ -319,6 +319,9 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     flops = layer_flops(t, seq, attention=part == "block")
     ct, compile_s = compiled_t["flash"]
     rec: dict = {"arch": arch, "part": part, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
+                 # of which timing candidates (attention, matmul fusion, generated kernels' launches), and
+                 # the launch configuration each column and rowcol kernel took (CUDA only)
+                 "tuning_s": ct.tuning_s, "generated_launches": ct.tuning.get("generated", {}).get("choices", {}),
                  "max_rel_grad_diff_vs_unfused": rels, "flops_fwd_bwd": flops,
                  # launches for forward + backward: the joint graph holds both (ATen ops unfused, kernels fused)
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,
@@ -556,6 +559,8 @@ def main() -> None:
         print(f"{arch:12s} goal {_goal_text(rec['goal']['goal_at_least'])}: {rec['goal']['verdict']} "
               f"(on {rec['goal']['judged_on']}: {', '.join(f'{k} {_x(v)}' for k, v in rec['goal']['speedup'].items())})")
         print(f"{arch:12s} launches per block: {rec['launches_per_block']}")
+        print(f"{arch:12s} compile {rec['compile_s']:.1f} s (timing candidates {rec['tuning_s']:.1f} s); generated kernels' "
+              f"launches chosen: {rec['generated_launches'] or 'none timed'}")
         if "cuda_graph" in rec:
             cg = rec["cuda_graph"]
             print(f"{arch:12s} CUDA-graph replay vs eager fused {cg['speedup_vs_fused_eager']:.2f}x; warm-up {cg['warmup_s']:.2f} s, "

@@ -426,6 +426,8 @@ def test_bench_fusion_block_smoke_times_the_backward_from_saved_values(tmp_path)
     assert rec["max_rel_grad_diff_vs_unfused"]["mtc_fused_saved_backward"] < 1e-5
     info = rec["saved_activations"]
     assert info["saved_bytes_per_call"] > 0 and info["launches"]["backward"] < info["launches"]["joint_without_output"]
+    # the compile's candidate timing and the launches it chose: none on the CPU, which times nothing
+    assert 0 <= rec["tuning_s"] <= rec["compile_s"] and rec["generated_launches"] == {}
 
 
 def test_generated_kernel_bandwidth_joins_cpu_bytes_and_profiled_time(tmp_path):
