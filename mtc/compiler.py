@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -414,6 +415,7 @@ def _tune_generated(w: Work) -> None:
     if w.device.type != "cuda":
         return
     t0 = time.perf_counter()
+    untuned: list[str] = []
     with generated_tuning() as rec:
         for g in w.graphs():
             for n in g.nodes:
@@ -421,9 +423,20 @@ def _tune_generated(w: Work) -> None:
                 if n.op != "call_function" or not isinstance(k, FusedKernel) or k.mode not in TUNED_MODES:
                     continue
                 vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args]
-                if all(isinstance(v, torch.Tensor) for v in vals):
-                    k.tune([tuning_input(v, w.device) for v in vals])
+                if not all(isinstance(v, torch.Tensor) for v in vals):
+                    continue
+                try:
+                    ins = [tuning_input(v, w.device) for v in vals]
+                except torch.OutOfMemoryError:  # a GPU already holding a run's state: the default launch
+                    untuned.append(k.__name__)
+                    continue
+                k.tune(ins)
+                del ins
     torch.cuda.empty_cache()  # the tuning inputs must not stay reserved for the run that follows
+    if untuned:
+        warnings.warn(f"{len(untuned)} generated kernels of template {w.template.id} keep their default launch configuration: "
+                      f"no GPU memory for their tuning inputs ({', '.join(untuned[:4])}); compile the plan before a run "
+                      "takes the GPU (`mtc compile`) to time them", stacklevel=2)
     w.generated_choices = rec
     w.tuning_s += time.perf_counter() - t0
 

@@ -186,6 +186,30 @@ def test_the_compilers_docstring_lists_every_pass_in_order():
     assert at == sorted(at), [p.name for p in compiler.PASSES]
 
 
+def test_generated_kernels_keep_their_default_launch_without_memory_to_tune(monkeypatch, tiny_plan):
+    # compiling on a GPU that a run already fills: a kernel whose tuning inputs cannot be allocated
+    # keeps its default launch, and the compile says so instead of failing
+    from types import SimpleNamespace
+
+    from mtc.kernels import codegen
+
+    prog, _, compiled = tiny_plan
+    tid, ct = next((t, c) for t, c in compiled.items() if prog.templates[t].kind == "block")
+
+    def oom(v, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    tuned = []
+    monkeypatch.setattr(compiler, "tuning_input", oom)
+    monkeypatch.setattr(codegen.FusedKernel, "tune", lambda self, ins, **kw: tuned.append(self))
+    w = SimpleNamespace(device=torch.device("cuda"), graphs=lambda: [ct.joint_graph], template=prog.templates[tid],
+                        tuning_s=0.0, generated_choices=None)
+    with pytest.warns(UserWarning, match="keep their default launch configuration"):
+        compiler._tune_generated(w)
+    assert tuned == [] and w.generated_choices.choices == {}
+    assert any(getattr(n.target, "mode", None) in codegen.TUNED_MODES for n in ct.joint_graph.nodes)
+
+
 @pytest.mark.gpu
 def test_generated_kernels_launch_choices_are_timed_once_and_stored_on_gpu(tmp_path):
     # on CUDA a plan's column and rowcol kernels time their launch configurations while it
