@@ -321,7 +321,7 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
     rec: dict = {"arch": arch, "part": part, "smoke": smoke, "tokens": seq, "dtype": str(dtype), "compile_s": compile_s,
                  # of which timing candidates (attention, matmul fusion, generated kernels' launches), and
                  # the launch configuration each column and rowcol kernel took (CUDA only)
-                 "tuning_s": ct.tuning_s, "generated_launches": ct.tuning.get("generated", {}).get("choices", {}),
+                 "tuning_s": ct.tuning_s, "generated_launches": ct.tuning["generated"]["choices"],
                  "max_rel_grad_diff_vs_unfused": rels, "flops_fwd_bwd": flops,
                  # launches for forward + backward: the joint graph holds both (ATen ops unfused, kernels fused)
                  "kernels": {"unfused": ct.backward_report.aten_ops, "mtc_fused": ct.backward_report.kernels,

@@ -485,11 +485,14 @@ class FusedKernel:
             plan = self._plan(inputs)
             if len(self._plans) < _MAX_PLANS:
                 self._plans[key] = plan
+        return self._launch(inputs, plan)
+
+    def _launch(self, inputs: Sequence[torch.Tensor], plan: _LaunchPlan) -> tuple[torch.Tensor, ...]:
+        """Launch with ``plan`` (worked out for these inputs' signature); the outputs."""
         ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else inputs
         if self.mode in ("column", "rowcol"):
             return self._columns(ins, plan)
-        dev = inputs[0].device
-        outs = [torch.empty(s, dtype=dt, device=dev) for s, dt in self.out_specs]
+        outs = [torch.empty(s, dtype=dt, device=inputs[0].device) for s, dt in self.out_specs]
         self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, BLOCK=plan.block, num_warps=plan.warps)
         return tuple(outs)
 
@@ -521,7 +524,7 @@ class FusedKernel:
             chunk = triton_cdiv(tiles, split) * block_m
             split = triton_cdiv(M, chunk)
             return _LaunchPlan(strides, scalar, (triton_cdiv(N, block), split), block, config["warps"], numel, block_m, chunk,
-                               split, config.get("stages", 1))
+                               split, config["stages"])
         if self.mode in ("row", "rowcol"):
             block = triton_next_pow2(S[-1])
             M = max(1, numel // S[-1])
@@ -530,7 +533,7 @@ class FusedKernel:
             # rowcol: chunks of rows, each a partial of one row's width to combine
             chunk = triton_cdiv(M, min(M, config["per_sm"] * sms))
             split = triton_cdiv(M, chunk)
-            return _LaunchPlan(strides, scalar, (split,), block, config["warps"], numel, 0, chunk, split, config.get("stages", 1))
+            return _LaunchPlan(strides, scalar, (split,), block, config["warps"], numel, 0, chunk, split, config["stages"])
         # the CPU interpreter pays ~25 ms per program whatever its size: two programs (a block
         # edge and a masked tail stay tested), each one vectorised numpy op
         block = 1024 if cuda else min(1 << 16, max(256, triton_next_pow2(triton_cdiv(numel, 2))))
@@ -539,12 +542,11 @@ class FusedKernel:
     def candidates(self, cuda: bool) -> list[dict[str, int]]:
         """Launch configurations of a column or rowcol kernel, the default first (GPU: 128-column,
         32-row tiles and 4 programs per SM, a rowcol kernel's warps by row width; CPU interpreter:
-        wide tiles, two programs), then the alternatives timed on CUDA (taller tiles and more warps
-        keep more bytes in flight; fewer or more programs per SM (rowcol: half); narrower tiles hold fewer
-        registers; a pipelined row loop, whose next loads Triton issues as async copies while a
-        row computes, which a plain loop never does for loads no matmul reads). All of them
-        compile for sm_90 without spills at the real blocks' shapes (Triton 3.9 on the CPU,
-        2026-11-27)."""
+        wide tiles, two programs), then the alternatives timed on CUDA: taller tiles and more warps
+        keep more bytes in flight; half the programs per SM (rowcol); narrower tiles hold fewer
+        registers; a pipelined row loop, whose next loads Triton issues as async copies while a row
+        computes (a plain loop never does for loads no matmul reads). All of them compile for
+        sm_90 without spills at the real blocks' shapes (Triton 3.9 on the CPU, 2026-11-27)."""
         S = self.shape
         if self.mode == "column":
             N, M = S[-1], math.prod(S) // S[-1]
@@ -585,12 +587,8 @@ class FusedKernel:
         cuda = inputs[0].device.type == "cuda"
         base = self._plan(tuple(inputs), self.candidates(cuda)[0])
 
-        def launch(cfg: dict[str, int]) -> None:
-            plan = self._plan(tuple(inputs), cfg)
-            ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else list(inputs)
-            self._columns(ins, plan)
-
-        choice = _TUNER.choose(self._tuning_key(base.strides, cuda), self.candidates(cuda), launch)
+        choice = _TUNER.choose(self._tuning_key(base.strides, cuda), self.candidates(cuda),
+                               lambda cfg: self._launch(inputs, self._plan(tuple(inputs), cfg)))
         self._plans.clear()  # the cached launch plans were worked out before the choice
         return choice
 

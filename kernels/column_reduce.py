@@ -3,9 +3,9 @@
 Generated column kernels (kernels/codegen.py, ``column`` mode) split the rows of an (M, N)
 reduction into chunks; each chunk writes an fp32 partial per column into a (SPLIT, N) buffer.
 This kernel sums (or maxes) the SPLIT partials of each column in a fixed order (deterministic,
-unlike atomics; tiles of many chunks at a time, see `_tiles`), applies the mean's 1/M, and casts to the output dtype: one launch where torch
-would run three (``sum(0)``, the division, the cast), and one for all of a kernel's outputs that
-combine alike. Norm weight and bias gradients of every
+unlike atomics; tiles of many chunks at a time, see `_tiles`), applies the mean's 1/M, and casts
+to the output dtype: one launch where torch would run three (``sum(0)``, the division, the cast),
+and one for all of a kernel's outputs that combine alike. Norm weight and bias gradients of every
 layer go through it (GPT-2's LayerNorm gradients took 0.1-0.2 ms each on the H100 with the
 torch combine and a per-tile cross-warp reduction).
 """

@@ -1,9 +1,10 @@
 """Pick a kernel's launch configuration by timing a few candidates once per problem key.
 
-Hand-tuned kernels (flash attention) ship a short list of tile configurations, the default one
-free of heavy register spills on the target GPU; which one is fastest depends on the shapes, the
-device and the Triton version (a tile that spills under one may win under another). The first launch for a key times every candidate (a candidate that fails to compile
-or launch is skipped) and remembers the fastest; later launches reuse it. Unlike
+Hand-tuned kernels (flash attention) and generated column and rowcol kernels ship a short list
+of launch configurations, the default one free of heavy register spills on the target GPU; which
+one is fastest depends on the shapes, the device and the Triton version (a tile that spills under
+one may win under another). The first launch for a key times every candidate (a candidate that
+fails to compile or launch is skipped) and remembers the fastest; later launches reuse it. Unlike
 ``triton.autotune`` this is plain Python around the launch, so the CPU tests run the same code
 path in Triton's interpreter with a substituted clock.
 
@@ -119,8 +120,8 @@ class Tuner:
         return choice
 
     def recall(self, key: Hashable, candidates: Sequence[Any]) -> Any | None:
-        """The choice already made for ``key`` (in this process, or seeded from a plan and still
-        among ``candidates``), or None when it must be timed (candidates are never None)."""
+        """The choice already made for ``key`` (in this process, or seeded from a plan), if it is
+        among ``candidates``; else None, when it must be timed (candidates are never None)."""
         if key in self.best and self.best[key] in candidates:
             return self._decided(key, self.best[key])
         name = key_name(key)

@@ -43,8 +43,9 @@ instead of compiling; a template whose key no longer matches (mtc version, compi
 sources, torch, triton, device capability, input shapes and dtypes, options) is recompiled, and
 says why, one line per template. The record also holds the template's tuning choices (attention
 tiles and backends, matmul-fusion timings, generated kernels' launches) under the same key:
-loading it seeds the tuners, so a run of a stored plan times nothing for the plan's shapes. Each compiled template
-carries its compile (or load) seconds and the part spent timing candidates (`plan_times`).
+loading it seeds the tuners, so a run of a stored plan times nothing for the plan's shapes. Each
+compiled template carries its compile (or load) seconds and the part spent timing candidates
+(`plan_times`).
 """
 
 from __future__ import annotations
@@ -614,9 +615,8 @@ def _load_record(doc: dict[str, Any], cache: Path) -> CompiledTemplate:
 
         graphs[which] = graph_from_dict(rec["nodes"], resolve)
     tuning = doc["tuning"]
-    Decisions.from_json(tuning["attention"])  # malformed: PlanError, and the template is recompiled
-    if "generated" in tuning:  # records before the generated kernels' tuning have none (defaults)
-        Decisions.from_json(tuning["generated"])
+    for which in ("attention", "generated"):  # malformed or missing: the template is recompiled
+        Decisions.from_json(tuning[which])
     if not isinstance(tuning["matmul_fusion"], dict):
         raise TypeError(f"matmul_fusion choices must be a dict, got {type(tuning['matmul_fusion']).__name__}")
     saved = [(tuple(int(x) for x in shape), getattr(torch, dtype)) for shape, dtype in doc["saved"]]
@@ -683,7 +683,7 @@ def compile_program(
                 else:
                     ct = _load_record(doc, cache_dir / cache_key())
                     seed_tuning(Decisions.from_json(ct.tuning["attention"]))
-                    seed_generated_tuning(Decisions.from_json(ct.tuning.get("generated", Decisions().to_json())))
+                    seed_generated_tuning(Decisions.from_json(ct.tuning["generated"]))
                     ct.seconds = time.perf_counter() - t0
                     out[tid] = ct
                     continue

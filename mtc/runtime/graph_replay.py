@@ -135,8 +135,8 @@ def _median(xs: Sequence[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def release_generator_after_failed_capture(device: torch.device) -> None:
-    """Take the device's default CUDA generator out of capture mode after a capture that failed.
+def release_generator_after_failed_capture(index: int) -> None:
+    """Take device ``index``'s default CUDA generator out of capture mode after a capture that failed.
 
     torch.cuda.graph registers that generator when a capture begins (its state enters capture
     mode) and releases it only when capture_end succeeds. An invalidated capture's capture_end
@@ -146,8 +146,7 @@ def release_generator_after_failed_capture(device: torch.device) -> None:
     same worker after the failed-capture test). The generator gets a fresh state with the same seed
     and offset, so the random stream goes on where it was. (Graphs captured before keep the old
     state: one that draws random numbers could not replay; mtc's graphs draw none.)"""
-    index = torch.device(device).index
-    gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+    gen = torch.cuda.default_generators[index]
     fresh = torch.Generator(device=gen.device)
     fresh.set_state(gen.get_state())
     gen.graphsafe_set_state(fresh.graphsafe_get_state())
@@ -210,7 +209,7 @@ class CudaGraphCapture:
             with contextlib.suppress(Exception):
                 torch._C._cuda_endAllocateToPool(idx, self.pool)
             with contextlib.suppress(Exception):
-                release_generator_after_failed_capture(torch.device("cuda", idx))
+                release_generator_after_failed_capture(idx)
             raise
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,

@@ -446,7 +446,7 @@ def test_every_launch_configuration_computes_the_same_and_tuning_keeps_the_faste
         for o, got in zip(group.outputs, kern._columns(ins, plan), strict=True):
             torch.testing.assert_close(got, vals[o], rtol=1e-5, atol=1e-5, msg=lambda m, c=cfg: f"{c}: {m}")
     # tuning: a substituted clock makes the last CPU candidate the fastest
-    clock = [3.0, 2.0, 1.0, 0.5][len(cpu) * -1:]
+    clock = [float(t) for t in range(len(cpu), 0, -1)]
     monkeypatch.setattr(codegen, "_TUNER", Tuner("test", bench=lambda fn: (fn(), clock.pop(0))[1]))
     with codegen.generated_tuning() as rec:
         assert kern.tune(ins) is None  # the CPU times nothing unless forced
