@@ -20,8 +20,8 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
     fold CE grad scale  the backward's gradient scale goes into the fused cross-entropy
     fuse matmul edges   norm prologues / activation + residual epilogues into a Triton matmul,
                         where it times faster than cuBLAS + a separate kernel (kernels/matmul_fusion.py)
-    move views          aliases read through, broadcasts sunk below pointwise ops, slices hoisted
-                        above them, a column sum read through the reshape above it
+    move views          aliases read through, broadcasts sunk below pointwise ops, slices and
+                        transposes hoisted above them, a column sum read through the reshape above it
                         (graphs/views.py): no view splits two fusible ops into two kernels
     recompute joint     cheap values a forward group stores only for backward groups are
                         recomputed there instead (half-precision ones rounded as the store

@@ -9,7 +9,7 @@ import torch
 from mtc.graphs.lower import joint_graph
 from mtc.graphs.partition import partition
 from mtc.graphs.program import instantiate
-from mtc.graphs.views import hoist_slices, move_views, sink_expands, sum_through_reshapes
+from mtc.graphs.views import hoist_permutes, hoist_slices, move_views, sink_expands, sum_through_reshapes
 from mtc.kernels.codegen import FUSIBLE
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -118,6 +118,46 @@ def test_llama_joint_graph_has_fewer_kernels_and_the_same_values():
     want, got = before(*args, gout), instantiate(g, "cpu")(*args, gout)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _rope_grad_to_proj(g, cos, sin):
+    """RoPE's backward as a Llama block lowers it: the rotation of the (B, H, T, D) gradient in fp32,
+    then the (B, T, H * D) layout the projection's weight gradient reads (transpose, copy, view)."""
+    gf = g.float()
+    a, b = gf[..., :4], gf[..., 4:]
+    r = torch.cat([a * cos + b * sin, b * cos - a * sin], dim=-1).to(g.dtype)
+    return r.transpose(1, 2).reshape(g.shape[0], g.shape[2], -1)
+
+
+def test_a_transposed_rotation_runs_in_the_layout_its_reader_wants():
+    g, cos, sin = torch.randn(2, 3, 6, 8).bfloat16(), torch.randn(6, 4), torch.randn(6, 4)
+    graph = _graph(_rope_grad_to_proj, g, cos, sin)
+    before = instantiate(copy.deepcopy(graph), "cpu")
+    assert len(partition(graph, FUSIBLE).groups) == 3  # the cast, the rotation, then the transposed copy
+    assert hoist_permutes(graph, FUSIBLE) == 1  # the cast back to bf16 first; the rest follows in move_views
+    assert move_views(graph, FUSIBLE) >= 8  # the cat, its halves' ops, the slices; and the fp32 cast's split
+    assert len(partition(graph, FUSIBLE).groups) == 1
+    # what is left of the permutation: views of the gradient and of the (unsqueezed) tables, read in place
+    perms = [n for n in graph.nodes if n.target in (aten.permute.default, aten.transpose.int)]
+    assert perms and all(n.args[0].op == "placeholder" or n.args[0].target is aten.unsqueeze.default for n in perms), perms
+    _same(graph, before, g, cos, sin)
+
+
+def _transposed_twice(x):
+    y = torch.tanh(x) * 2.0
+    return y.transpose(-1, -2).contiguous(), y.transpose(1, 2).contiguous()
+
+
+def _kept_and_transposed(x):
+    y = torch.tanh(x) * 2.0
+    return y.transpose(1, 2).contiguous(), y + 1.0
+
+
+def test_a_transpose_of_the_last_dim_or_of_a_value_read_as_it_is_stays():
+    x = torch.randn(2, 3, 4, 5)
+    for fn in (_transposed_twice, _kept_and_transposed):
+        graph = _graph(fn, x)
+        assert hoist_permutes(graph, FUSIBLE) == 0, fn.__name__
 
 
 def _bias_grad(h, dy, w):
