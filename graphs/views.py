@@ -233,19 +233,37 @@ def _last_dim_slice(n: fx.Node) -> bool:
     return v is not None and _last_dim(v, dim) and step == 1 and not n.kwargs
 
 
+_HOISTED = "hoisted_permutation"  # meta key of the views `_permuted` makes: the dims of a permute, "lead" of a view
+
+
 def _permuted(graph: fx.Graph, x: object, dims: tuple[int, ...]) -> object:
-    """``x`` permuted by ``dims`` (inserted before the current point): a tensor node of lower rank is
-    first given leading size-1 dims (as broadcasting would); scalars and 0-dim values stay."""
+    """``x`` permuted by ``dims``: a tensor node of lower rank is first viewed with leading size-1
+    dims (as broadcasting would); scalars and 0-dim values stay. The views go right after ``x``
+    (after the graph's inputs, for an input), and later readers share them: an eager graph runs
+    each view as an ATen call, and RoPE's cos and sin tables each have four readers."""
     vx = _val(x)
-    if vx is None or vx.dim() == 0:
+    if vx is None or vx.dim() == 0 or not isinstance(x, fx.Node):
         return x
-    meta = x.meta
-    while vx.dim() < len(dims):
-        x = graph.call_function(aten.unsqueeze.default, (x, 0))
-        vx = vx.unsqueeze(0)
-        x.meta = {**meta, "val": vx}
-    p = graph.call_function(aten.permute.default, (x, list(dims)))
-    p.meta = {**meta, "val": vx.permute(dims)}
+    lead = len(dims) - vx.dim()
+    src = next((u for u in x.users if u.meta.get(_HOISTED) == "lead"), None) if lead else x
+    if src is not None:
+        made = next((u for u in src.users if u.meta.get(_HOISTED) == dims), None)
+        if made is not None:
+            return made
+    if x.op == "placeholder":
+        after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    else:
+        after = x
+    if src is None:
+        with graph.inserting_after(after):
+            src = graph.call_function(aten.view.default, (x, [1] * lead + list(vx.shape)))
+        src.meta = {**x.meta, "val": vx.view([1] * lead + list(vx.shape)), _HOISTED: "lead"}
+        after = src
+    elif src is not x:
+        after = src
+    with graph.inserting_after(after):
+        p = graph.call_function(aten.permute.default, (src, list(dims)))
+    p.meta = {**x.meta, "val": _val(src).permute(dims), _HOISTED: dims}
     return p
 
 
