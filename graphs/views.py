@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Callable
 
 import torch
 from mtc.graphs.partition import CAT, FusibleOps, classify
 from torch import fx
 
-__all__ = ["drop_aliases", "hoist_permutes", "hoist_slices", "move_views", "sink_expands", "sum_through_reshapes"]
+__all__ = ["compute_in_source_layout", "drop_aliases", "drop_contiguous_clones", "fold_permutes", "hoist_permutes", "hoist_slices",
+           "move_views", "refresh_view_meta", "sink_expands", "splits_to_slices", "sum_through_reshapes"]
 
 aten = torch.ops.aten
 
@@ -207,22 +209,29 @@ def hoist_slices(graph: fx.Graph, fusible: FusibleOps) -> int:
 _PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
 
 
-def _permutation(t: fx.Node) -> tuple[int, ...] | None:
-    """The dims of a permute (or transpose) node that moves some leading dim and keeps the last
-    dim last (a kernel then reads its inputs in runs of the last dim); None for anything else."""
+def _perm_dims(t: fx.Node) -> list[int] | None:
+    """The full dims of a permute or transpose node (None for any other node)."""
     if t.op != "call_function" or t.target not in _PERMUTES:
         return None
     v = _val(t.args[0])
-    if v is None or v.dim() < 3:
+    if v is None:
         return None
     r = v.dim()
     if t.target is aten.permute.default:
-        dims = [int(d) % r for d in t.args[1]]
-    else:
-        dims = list(range(r))
-        i, j = int(t.args[1]) % r, int(t.args[2]) % r
-        dims[i], dims[j] = dims[j], dims[i]
-    return tuple(dims) if dims[-1] == r - 1 and dims != list(range(r)) else None
+        return [int(d) % r for d in t.args[1]]
+    dims = list(range(r))
+    i, j = int(t.args[1]) % r, int(t.args[2]) % r
+    dims[i], dims[j] = dims[j], dims[i]
+    return dims
+
+
+def _permutation(t: fx.Node) -> tuple[int, ...] | None:
+    """The dims of a permute (or transpose) node that moves some leading dim and keeps the last
+    dim last (a kernel then reads its inputs in runs of the last dim); None for anything else."""
+    dims = _perm_dims(t)
+    if dims is None or len(dims) < 3:
+        return None
+    return tuple(dims) if dims[-1] == len(dims) - 1 and dims != list(range(len(dims))) else None
 
 
 def _last_dim_slice(n: fx.Node) -> bool:
@@ -311,6 +320,193 @@ def hoist_permutes(graph: fx.Graph, fusible: FusibleOps) -> int:
             u.replace_all_uses_with(new)
             graph.erase_node(u)
         graph.erase_node(a)
+        done += 1
+    return done
+
+
+def _hoistable(n: fx.Node, fusible: FusibleOps) -> bool:
+    """What `hoist_permutes` moves a permutation through."""
+    if _last_dim_slice(n):
+        return True
+    va = _val(n)
+    if n.op == "call_function" and n.target is CAT and not n.kwargs and va is not None:
+        return _last_dim(va, n.args[1] if len(n.args) > 1 else 0) and all(
+            _val(x) is not None and _val(x).dim() == va.dim() for x in n.args[0])
+    return _broadcasting(n, fusible)
+
+
+def _source_chain(x: fx.Node, fusible: FusibleOps) -> tuple[set[fx.Node], set[tuple[int, ...]]] | None:
+    """The ops between ``x`` and the permuted views it is computed from (x included), and those
+    views' permutations; None when an op on the way is one `hoist_permutes` cannot move through."""
+    chain: set[fx.Node] = set()
+    perms: set[tuple[int, ...]] = set()
+    todo = [x]
+    while todo:
+        n = todo.pop()
+        if n in chain:
+            continue
+        dims = _permutation(n)
+        if dims is not None:
+            perms.add(dims)
+            continue
+        if n.op != "call_function" or classify(n, fusible) != "fusible" and not _last_dim_slice(n):
+            continue  # an input of the chain read as it is (a graph input, an anchor's output, a broadcast table)
+        if not _hoistable(n, fusible):
+            return None
+        chain.add(n)
+        todo += [a for a in n.all_input_nodes if _val(a) is not None and _val(a).dim() == _val(n).dim()]
+    return chain, perms
+
+
+def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: Callable[[fx.Node, fx.Node], bool]) -> int:
+    """Compute each value that only layout-agnostic readers take (``any_layout(reader, value)``: the
+    reader accepts the value in any strides, e.g. attention's q and k) in the layout of the views it
+    is computed from, and hand the readers a permuted view of it. RoPE's q and k are computed from
+    the projections' (B, T, H, D) outputs seen as (B, H, T, D): the rotary kernel then writes them
+    (B, T, H, D), attention's output follows q's layout, and the transpose back to (B, T, H * D)
+    for the output projection is a view where it was a copy (`drop_contiguous_clones`). Only where
+    the whole chain of ops moves (`hoist_permutes`: each op's only readers are the next ones, one
+    permutation on every view it starts from); returns the values rewritten. Run
+    `refresh_view_meta` on the graph once the readers' values are refreshed too. Splits become
+    slices and slices of pointwise ops are hoisted first (`splits_to_slices`, `hoist_slices`: RoPE
+    splits q, or its fp32 cast, in halves), so the chains reach the views."""
+    splits_to_slices(graph)
+    while hoist_slices(graph, fusible):
+        pass
+    done = 0
+    for x in list(graph.nodes):
+        if x.op != "call_function" or not x.users or classify(x, fusible) != "fusible":
+            continue
+        if not all(any_layout(u, x) for u in x.users):
+            continue
+        found = _source_chain(x, fusible)
+        if found is None or len(found[1]) != 1:
+            continue
+        chain, ((dims),) = found[0], tuple(found[1])
+        if any(u not in chain for n in chain - {x} for u in n.users):
+            continue  # some op of the chain is read outside it: the permutation would stop there
+        inv = tuple(sorted(range(len(dims)), key=lambda d: dims[d]))
+        vx = _val(x)
+        with graph.inserting_after(x):
+            back = graph.call_function(aten.permute.default, (x, list(inv)))
+        back.meta = {**x.meta, "val": vx.permute(inv)}
+        with graph.inserting_after(back):
+            view = graph.call_function(aten.permute.default, (back, list(dims)))
+        view.meta = {**x.meta, "val": vx}
+        for u in list(x.users):
+            if u is not back:
+                u.replace_input_with(x, view)
+        done += 1
+    if done:
+        while hoist_permutes(graph, fusible):
+            pass
+        fold_permutes(graph)
+        graph.eliminate_dead_code()
+        graph.lint()
+    return done
+
+
+def splits_to_slices(graph: fx.Graph) -> int:
+    """Each last-dim ``split`` whose every user picks a piece (``getitem``) becomes one ``slice``
+    per piece (the same views, each its own node, which the rewrites here move); returns the
+    splits rewritten."""
+    done = 0
+    for sp in list(graph.nodes):
+        if sp.op != "call_function" or sp.target not in (aten.split_with_sizes.default, aten.split.Tensor):
+            continue
+        v = _val(sp.args[0])
+        found = _windows(sp, v) if v is not None else None
+        if not found:
+            continue
+        for g, (start, end) in found:
+            with graph.inserting_before(g):
+                piece = graph.call_function(aten.slice.Tensor, (sp.args[0], v.dim() - 1, start, end))
+            piece.meta = {**g.meta, "val": v[..., start:end]}
+            g.replace_all_uses_with(piece)
+            graph.erase_node(g)
+        graph.erase_node(sp)
+        done += 1
+    return done
+
+
+def fold_permutes(graph: fx.Graph) -> int:
+    """A permute of a permute becomes one permute of the source, or the source itself when the two
+    cancel; returns the nodes folded."""
+    done = 0
+    for p in list(graph.nodes):
+        outer = _perm_dims(p)
+        inner = _perm_dims(p.args[0]) if outer is not None and isinstance(p.args[0], fx.Node) else None
+        if inner is None:
+            continue
+        src = p.args[0].args[0]
+        dims = [inner[d] for d in outer]
+        if dims == list(range(len(dims))):
+            p.replace_all_uses_with(src)
+        else:
+            with graph.inserting_before(p):
+                new = graph.call_function(aten.permute.default, (src, dims))
+            new.meta = dict(p.meta)
+            p.replace_all_uses_with(new)
+        graph.erase_node(p)
+        done += 1
+    return done
+
+
+# views whose meta values `refresh_view_meta` recomputes from their source's
+_REFRESHED = frozenset({aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
+                        aten.slice.Tensor, aten.unsqueeze.default, aten.expand.default, aten.t.default, aten.alias.default,
+                        aten.squeeze.dim, aten.select.int, operator.getitem})
+
+
+def refresh_view_meta(graph: fx.Graph) -> int:
+    """Recompute each view's meta value from its source's current one, in graph order (strides
+    change when a producer's layout did); a ``getitem`` takes its item of its source's value.
+    Raises ValueError naming a view that no longer applies. Returns the values that changed."""
+    changed = 0
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _REFRESHED:
+            continue
+        src = n.args[0]
+        vs = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if vs is None:
+            continue
+        if n.target is operator.getitem:
+            if not isinstance(vs, (tuple, list)):
+                continue
+            new = vs[n.args[1]]
+        else:
+            if not isinstance(vs, torch.Tensor):
+                continue
+            args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+            try:
+                new = n.target(*args, **n.kwargs)
+            except (RuntimeError, ValueError) as e:  # torch's meta views raise either
+                raise ValueError(f"{n.name} ({n.target}) no longer applies to the layout of {src.name}: {e}") from None
+        old = n.meta.get("val")
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.stride() == new.stride()
+                and old.shape == new.shape):
+            changed += 1
+        n.meta["val"] = new
+    return changed
+
+
+def drop_contiguous_clones(graph: fx.Graph) -> int:
+    """A contiguous ``clone`` of a value already contiguous (its meta value says so) is dropped:
+    its readers read the value itself (not where the graph returns it: an output stays a distinct
+    tensor). Returns the clones dropped."""
+    done = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.clone.default:
+            continue
+        fmt = n.kwargs.get("memory_format", torch.contiguous_format)
+        src = n.args[0]
+        vs = _val(src)
+        if fmt not in (torch.contiguous_format, torch.preserve_format) or set(n.kwargs) - {"memory_format"}:
+            continue
+        if vs is None or not vs.is_contiguous() or any(u.op == "output" for u in n.users):
+            continue
+        n.replace_all_uses_with(src)
+        graph.erase_node(n)
         done += 1
     return done
 

@@ -13,7 +13,9 @@ each a candidate of its own: as they are (cuDNN maps query heads to KV heads its
 their gradients), or repeated for each query group first and the gradients summed back over the
 group (two copies of k and v each way, and two reductions, per call: ~0.6 ms of a 20 ms Llama-8B
 layer on the H200, where torch.compile's kernels had none). cuDNN's outputs are returned as they
-are when their layout is the one the ops promise, not copied into buffers of ours.
+are when their layout is the one the ops promise, not copied into buffers of ours: the output is
+laid out as ``torch.empty_like(q)`` (cuDNN allocates it in q's dim order too), the gradients as
+their inputs, and the output's gradient is handed over in the output's layout.
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ def _as_allocated(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             *, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention's output (q's shape, contiguous) and its fp32 row logsumexp (B, H, T), natural log.
+    """Attention's output (laid out as ``torch.empty_like(q)``) and its fp32 row logsumexp (B, H, T),
+    natural log.
     ``grouped``: hand cuDNN the KV heads as they are (it maps query head h to KV head h // rep
     itself); else each KV head is repeated for its query group first (two copies of k and v)."""
     rep = q.shape[1] // k.shape[1]
     kk, vv = (k, v) if grouped else (_expand(k, rep), _expand(v, rep))
     out, stats = aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, causal, False, scale=scale)[:2]
     lse = stats.reshape(q.shape[:-1])
-    return out.contiguous(), lse.contiguous()  # no copy when they are (the op promises contiguous outputs)
+    return _as_allocated(out, q), lse.contiguous()  # no copy when they are laid out as the op promises
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -72,7 +75,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
     kk, vv = (k, v) if grouped or rep == 1 else (_expand(k, rep), _expand(v, rep))
     gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
-        do.contiguous() if o.is_contiguous() else do, q, kk, vv, o,
+        _as_allocated(do, o), q, kk, vv, o,  # dO in O's layout (no copy when it is: the graphs hand it so)
         lse.unsqueeze(-1), unused, unused, None, None, None, T, T, 0.0, causal, scale=scale,
     )
     if not grouped and rep > 1:

@@ -526,14 +526,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def _flash_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs -> (o (B, Hq, T, D) in q's dtype, lse (B, Hq, T) fp32, natural log)."""
+    """Checked inputs -> (o (B, Hq, T, D) in q's dtype, lse (B, Hq, T) fp32, natural log). o is laid out
+    as ``torch.empty_like(q)`` (q's dim order, dense; cuDNN allocates its output the same way): when
+    q is a (B, T, Hq, D) buffer seen as (B, Hq, T, D), so is o, and the graph's transpose back to
+    (B, T, Hq * D) for the output projection is a view, not a copy."""
     B, H, T, D = q.shape
     key = _tuning_key(q, k, causal)
     cfg = _TUNER.recall(("fwd", _tiles(q), *key), _config_list(q, "fwd") + _cudnn_extra(q, k))
     if cfg is not None and cfg.get("BACKEND") == "cudnn" and q.numel():
         # cuDNN's own output buffers, as they are: no copy into ours
         return cudnn_attention.forward(q, k, v, causal, scale, grouped=bool(cfg.get("GQA")))
-    o = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
@@ -673,7 +676,7 @@ def _flash_attention_fwd_op(
 
 @_flash_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("mtc::flash_attention_bwd", mutates_args=())

@@ -210,9 +210,10 @@ def _flash_ok(q: fx.Node, k: fx.Node, v: fx.Node) -> bool:
 
 
 def _flash_fwd_val(q: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
-    """Meta values of the flash forward's (out, logsumexp): out like q, logsumexp (B, H, T) fp32."""
+    """Meta values of the flash forward's (out, logsumexp): out laid out as ``empty_like(q)``,
+    logsumexp (B, H, T) fp32."""
     vq = _val(q)
-    return torch.empty(vq.shape, dtype=vq.dtype, device="meta"), torch.empty(vq.shape[:-1], dtype=torch.float32, device="meta")
+    return torch.empty_like(vq, device="meta"), torch.empty(vq.shape[:-1], dtype=torch.float32, device="meta")
 
 
 def _getitem(graph: fx.Graph, node: fx.Node, i: int) -> fx.Node:
@@ -264,6 +265,43 @@ def use_flash_attention(graph: fx.Graph) -> int:
     if swapped:
         graph.lint()
     return swapped
+
+
+def _flash_ops() -> tuple[object, object]:
+    import mtc.kernels.flash_attention  # noqa: F401  (registers mtc::flash_attention_*)
+
+    return torch.ops.mtc.flash_attention_fwd.default, torch.ops.mtc.flash_attention_bwd.default
+
+
+def reads_any_layout(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` takes ``value`` in any strides: the flash-attention ops read q, k and v (and
+    the backward dO and O) through their strides, Triton's kernels and cuDNN's alike (the cuDNN
+    backward is handed dO in O's layout, `cudnn_attention.backward`)."""
+    fwd, bwd = _flash_ops()
+    if user.op != "call_function" or user.target not in (fwd, bwd):
+        return False
+    tensors = user.args[:3] if user.target is fwd else user.args[:5]
+    return all(a is not value for a in user.args[len(tensors):]) and any(a is value for a in tensors)
+
+
+def refresh_attention_meta(graph: fx.Graph) -> int:
+    """Recompute the flash-attention ops' meta values from their inputs' current ones (O laid out
+    as q, the gradients as their inputs: what the ops return), after a pass changed their layouts;
+    returns the ops whose values changed."""
+    fwd, bwd = _flash_ops()
+    changed = 0
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in (fwd, bwd):
+            continue
+        if n.target is fwd:
+            new = _flash_fwd_val(n.args[0])
+        else:
+            new = tuple(torch.empty_like(_val(a), device="meta") for a in n.args[1:4])
+        old = n.meta.get("val")
+        if old is None or any(a.stride() != b.stride() for a, b in zip(old, new, strict=True)):
+            changed += 1
+        n.meta["val"] = new
+    return changed
 
 
 def _scale_of(mul: fx.Node, src: fx.Node) -> fx.Node | None:

@@ -11,6 +11,9 @@ template's `Work` (graphs/ does the graph work, kernels/ owns the kernels and th
                         (grouped KV heads, linear + cross-entropy: kernels/swaps.py)
     mark devices        device arguments become a marker bound when the graph is instantiated
     flash attention     mtc::attention -> the Triton flash-attention kernels (optional)
+    attention layouts   RoPE's q and k computed in the projections' (B, T, H, D) layout, so
+                        attention's output comes out in it and needs no copy before the output
+                        projection (graphs/views.py compute_in_source_layout)
     split saves         a block's joint graph traced with its outputs, cut into a forward that
                         also returns its matmul and attention outputs and a backward that reads
                         them (graphs/split.py): run where the GPU has room to keep them between
@@ -50,6 +53,7 @@ compiled template carries its compile (or load) seconds and the part spent timin
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -75,7 +79,7 @@ from mtc.graphs.program import aux_param_dependence as graphs_aux_param_dependen
 from mtc.graphs.recompute import copy_broadcast_outputs, recompute_cheap
 from mtc.graphs.serialize import SerializeError, graph_from_dict, graph_to_dict
 from mtc.graphs.split import SplitError, split_joint
-from mtc.graphs.views import move_views
+from mtc.graphs.views import compute_in_source_layout, drop_contiguous_clones, move_views, refresh_view_meta
 from mtc.kernels.attention_tuning import tune_attention
 from mtc.kernels.codegen import (
     FUSIBLE,
@@ -89,7 +93,14 @@ from mtc.kernels.codegen import (
 )
 from mtc.kernels.flash_attention import seed_tuning
 from mtc.kernels.matmul_fusion import Choices, fuse_matmuls
-from mtc.kernels.swaps import fold_ce_grad_scale, use_flash_attention, use_grouped_kv, use_linear_cross_entropy
+from mtc.kernels.swaps import (
+    fold_ce_grad_scale,
+    reads_any_layout,
+    refresh_attention_meta,
+    use_flash_attention,
+    use_grouped_kv,
+    use_linear_cross_entropy,
+)
 from mtc.kernels.tuning import Decisions, tuning_input
 
 __all__ = [
@@ -335,6 +346,31 @@ def _flash_attention(w: Work) -> None:
             use_flash_attention(g)
 
 
+def _attention_layouts(w: Work) -> None:
+    # RoPE's q and k computed in the projections' (B, T, H, D) layout: attention's output follows
+    # q's, and the transpose back to (B, T, H * D) before the output projection is a view, not a
+    # copy (graphs/views.py compute_in_source_layout); a model whose views then no longer apply
+    # keeps its graph as it was
+    if w.attention != "flash":
+        return
+    for field in ("forward", "joint", "joint_full"):
+        g = getattr(w, field)
+        if g is None:
+            continue
+        trial = copy.deepcopy(g)
+        try:
+            moved = compute_in_source_layout(trial, w.fusible, reads_any_layout)
+            refresh_view_meta(trial)
+            refresh_attention_meta(trial)
+            refresh_view_meta(trial)  # the attention outputs' items and views
+            dropped = drop_contiguous_clones(trial)
+            trial.lint()
+        except (RuntimeError, ValueError):
+            continue
+        if moved or dropped:
+            setattr(w, field, trial)
+
+
 def _split_saves(w: Work) -> None:
     # Only blocks: the head's forward and backward run in one visit already, and the embed
     # stage's forward is a lookup. A graph that cannot be cut keeps recomputing, and says why.
@@ -447,6 +483,7 @@ PASSES: list[Pass] = [
     Pass("lower", _lower),
     Pass("mark devices", _mark_devices),
     Pass("flash attention", _flash_attention),
+    Pass("attention layouts", _attention_layouts),
     Pass("split saves", _split_saves),
     Pass("tune attention", _tune_attention),
     Pass("fold CE grad scale", _fold_ce_grad_scale),

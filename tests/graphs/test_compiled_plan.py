@@ -62,6 +62,28 @@ def test_launches_per_compiled_graph(name, tmp_path, tiny_plan):
         assert got == (ct.forward_report.kernels, ct.backward_report.kernels)
 
 
+@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny"])
+def test_attention_output_reaches_the_output_projection_without_a_copy(name, tmp_path, monkeypatch):
+    # "attention layouts": RoPE's q and k (Llama) or the split projection's q (GPT-2) reach attention
+    # as views of (B, T, H, D) buffers, its output follows q's layout, and the transpose back to
+    # (B, T, H * D) is a view: one kernel fewer in the forward and in the joint graph
+    torch.manual_seed(0)
+    prog = trace(build(name, n_layers=1), 2, 8)
+    t = next(tt for tt in prog.templates.values() if tt.kind == "block")
+    ct = compiler.compile_template(t, tmp_path / "with")
+    monkeypatch.setattr(compiler, "PASSES", [p for p in compiler.PASSES if p.name != "attention layouts"])
+    without = compiler.compile_template(t, tmp_path / "without")
+    for which in ("forward_graph", "joint_graph"):
+        g = getattr(ct, which)
+        assert launches(g) == launches(getattr(without, which)) - 1, which
+        fwd = next(n for n in g.nodes if str(n.target) == "mtc.flash_attention_fwd.default")
+        assert fwd.meta["val"][0].transpose(1, 2).is_contiguous(), which
+        assert aten_clone not in {n.target for n in g.nodes}, which
+
+
+aten_clone = torch.ops.aten.clone.default
+
+
 def test_replayed_graphs_launch_a_few_kernels_per_call(tiny_plan):
     # CUDA-graph replay (mtc.runtime.graph_replay): copies in + one graph launch + clones out
     from mtc.runtime.graph_replay import capture_blocker, launches_per_replay

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from mtc.graphs.lower import joint_graph
 from mtc.graphs.partition import partition
 from mtc.graphs.program import instantiate
-from mtc.graphs.views import hoist_permutes, hoist_slices, move_views, sink_expands, sum_through_reshapes
+from mtc.graphs.views import (
+    drop_contiguous_clones,
+    fold_permutes,
+    hoist_permutes,
+    hoist_slices,
+    move_views,
+    refresh_view_meta,
+    sink_expands,
+    sum_through_reshapes,
+)
 from mtc.kernels.codegen import FUSIBLE
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -160,6 +170,62 @@ def test_a_transpose_of_the_last_dim_or_of_a_value_read_as_it_is_stays():
     for fn in (_transposed_twice, _kept_and_transposed):
         graph = _graph(fn, x)
         assert hoist_permutes(graph, FUSIBLE) == 0, fn.__name__
+
+
+def _permuted_back(x):
+    y = x.permute(0, 2, 1, 3)
+    return y.permute(0, 2, 1, 3) * 2.0, y.permute(0, 2, 3, 1) + 1.0
+
+
+def test_a_permute_of_a_permute_is_one_or_none():
+    x = torch.randn(2, 3, 4, 5)
+    graph = _graph(_permuted_back, x)
+    before = instantiate(copy.deepcopy(graph), "cpu")
+    assert fold_permutes(graph) == 2
+    graph.eliminate_dead_code()
+    perms = [n for n in graph.nodes if n.target is aten.permute.default]
+    assert [n.args for n in perms] == [(perms[0].args[0], [0, 1, 3, 2])]  # the cancelled pair is gone; x.permute(P1).permute(P2)
+    assert perms[0].args[0].op == "placeholder"
+    _same(graph, before, x)
+
+
+def _clones(x):
+    y = x * 2.0
+    return y.clone().view(-1) + 1.0, y.transpose(0, 1).contiguous().view(-1), y.clone()
+
+
+def test_only_clones_of_contiguous_values_not_returned_are_dropped():
+    x = torch.randn(3, 4)
+    graph = _graph(_clones, x)
+    before = instantiate(copy.deepcopy(graph), "cpu")
+    n_clones = _targets(graph).count(aten.clone.default)
+    assert drop_contiguous_clones(graph) == 1  # not the transposed one, not the returned one
+    assert _targets(graph).count(aten.clone.default) == n_clones - 1
+    _same(graph, before, x)
+
+
+def _transposed(x):
+    return (x * 2.0).transpose(1, 2) + 1.0
+
+
+def _flattened(x):
+    return (x * 2.0).view(2, 12) + 1.0
+
+
+def test_view_meta_follows_a_producers_new_layout_and_says_when_a_view_no_longer_applies():
+    graph = _graph(_transposed, torch.randn(2, 3, 4))
+    mul = next(n for n in graph.nodes if n.target is aten.mul.Tensor)
+    t = next(n for n in graph.nodes if n.target is aten.transpose.int)
+    assert not t.meta["val"].is_contiguous()
+    # the producer now writes its (2, 3, 4) values as a (2, 4, 3) buffer seen transposed
+    mul.meta["val"] = torch.empty(2, 4, 3, device="meta").transpose(1, 2)
+    assert refresh_view_meta(graph) == 1
+    assert t.meta["val"].is_contiguous()
+    graph = _graph(_flattened, torch.randn(2, 3, 4))
+    mul = next(n for n in graph.nodes if n.target is aten.mul.Tensor)
+    mul.meta["val"] = torch.empty(2, 4, 3, device="meta").transpose(1, 2)  # the flattening view cannot apply
+    with pytest.raises(ValueError, match="no longer applies"):
+        refresh_view_meta(graph)
 
 
 def _bias_grad(h, dy, w):

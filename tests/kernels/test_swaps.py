@@ -186,3 +186,47 @@ def test_ce_grad_used_unscaled_is_not_folded():
     out = next(n for n in g.graph.nodes if n.op == "output")
     out.args = ((*out.args[0], dw),)  # the raw dW escapes: folding the scale would change it
     assert fold_ce_grad_scale(g.graph) == 0
+
+
+def _rope_attention_projection(x, cos, sin, wo):
+    """A decoder's attention as it lowers: q (and k, v) viewed (B, H, T, D) from the projection's
+    (B, T, H * D) output, rotated in fp32 (split in halves), attention, then back to (B, T, H * D)
+    for the output projection (a transpose, and a copy where the layout needs one)."""
+    B, T, _ = x.shape
+    q = x.view(B, T, 2, 8).transpose(1, 2)
+    a, b = q.float().split(4, dim=-1)
+    r = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+    o, _ = torch.ops.mtc.flash_attention_fwd(r, r, q, True, 0.25)
+    return o.transpose(1, 2).reshape(B, T, 16) @ wo
+
+
+def test_rotary_values_feed_attention_in_the_projection_layout_and_its_output_needs_no_copy():
+    import copy
+
+    import mtc.kernels.flash_attention  # noqa: F401  (the op)
+    from mtc.graphs.partition import partition
+    from mtc.graphs.program import instantiate
+    from mtc.graphs.views import compute_in_source_layout, drop_contiguous_clones, refresh_view_meta
+    from mtc.kernels.codegen import FUSIBLE
+    from mtc.kernels.swaps import reads_any_layout, refresh_attention_meta
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = (torch.randn(2, 6, 16), torch.randn(6, 4), torch.randn(6, 4), torch.randn(16, 5))
+    graph = make_fx(_rope_attention_projection, tracing_mode="fake")(*args).graph
+    before = instantiate(copy.deepcopy(graph), "cpu")
+    assert aten.clone.default in {n.target for n in graph.nodes}
+    assert compute_in_source_layout(graph, FUSIBLE, reads_any_layout) == 1
+    refresh_view_meta(graph)
+    assert refresh_attention_meta(graph) == 1
+    refresh_view_meta(graph)
+    assert drop_contiguous_clones(graph) == 1
+    fwd = next(n for n in graph.nodes if n.target is torch.ops.mtc.flash_attention_fwd.default)
+    q, o = fwd.args[0].meta["val"], fwd.meta["val"][0]
+    assert q.transpose(1, 2).is_contiguous() and o.transpose(1, 2).is_contiguous()  # (B, T, H, D) buffers
+    # the rotation reads the projection's view as it is, in one kernel; nothing copies the output
+    groups = partition(graph, FUSIBLE).groups
+    assert len(groups) == 1 and groups[0].shape == (2, 6, 2, 8)
+    torch.testing.assert_close(instantiate(graph, "cpu")(*args), before(*args), rtol=0, atol=0)
+
+
+aten = torch.ops.aten
