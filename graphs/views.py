@@ -51,7 +51,7 @@ from mtc.graphs.partition import CAT, FusibleOps, classify
 from torch import fx
 
 __all__ = ["compute_in_source_layout", "drop_aliases", "drop_contiguous_clones", "fold_permutes", "hoist_permutes", "hoist_slices",
-           "move_views", "refresh_view_meta", "sink_expands", "splits_to_slices", "sum_through_reshapes"]
+           "move_views", "refresh_view_meta", "sink_expands", "splits_to_slices", "sum_through_reshapes", "view_root"]
 
 aten = torch.ops.aten
 
@@ -193,7 +193,7 @@ def hoist_slices(graph: fx.Graph, fusible: FusibleOps) -> int:
                     if vx.shape[-1] != n_cols:
                         raise AssertionError(f"{a.name}: input {x.name} of width {vx.shape[-1]} broadcast to {n_cols}")
                     part = graph.call_function(aten.slice.Tensor, (x, vx.dim() - 1, start, end))
-                    part.meta = {**x.meta, "val": vx[..., start:end]}
+                    part.meta = {**_untagged(x), "val": vx[..., start:end]}
                     args.append(part)
                 copy = graph.call_function(a.target, tuple(args), dict(a.kwargs))
                 copy.meta = {**a.meta, "val": _meta((*va.shape[:-1], end - start), va.dtype)}
@@ -245,6 +245,11 @@ def _last_dim_slice(n: fx.Node) -> bool:
 _HOISTED = "hoisted_permutation"  # meta key of the views `_permuted` makes: the dims of a permute, "lead" of a view
 
 
+def _untagged(n: fx.Node) -> dict:
+    """``n``'s meta without `_HOISTED` (a node made from another is not one of `_permuted`'s views)."""
+    return {k: v for k, v in n.meta.items() if k != _HOISTED}
+
+
 def _permuted(graph: fx.Graph, x: object, dims: tuple[int, ...]) -> object:
     """``x`` permuted by ``dims``: a tensor node of lower rank is first viewed with leading size-1
     dims (as broadcasting would); scalars and 0-dim values stay. The views go right after ``x``
@@ -254,9 +259,13 @@ def _permuted(graph: fx.Graph, x: object, dims: tuple[int, ...]) -> object:
     if vx is None or vx.dim() == 0 or not isinstance(x, fx.Node):
         return x
     lead = len(dims) - vx.dim()
-    src = next((u for u in x.users if u.meta.get(_HOISTED) == "lead"), None) if lead else x
+    shape = [1] * lead + list(vx.shape)
+    # made before, for another reader: tagged (so placed right after x) and the same view
+    src = next((u for u in x.users if u.meta.get(_HOISTED) == "lead" and u.target is aten.view.default
+                and list(u.args[1]) == shape), None) if lead else x
     if src is not None:
-        made = next((u for u in src.users if u.meta.get(_HOISTED) == dims), None)
+        made = next((u for u in src.users if u.meta.get(_HOISTED) == dims and u.target is aten.permute.default
+                     and list(u.args[1]) == list(dims)), None)
         if made is not None:
             return made
     if x.op == "placeholder":
@@ -265,23 +274,37 @@ def _permuted(graph: fx.Graph, x: object, dims: tuple[int, ...]) -> object:
         after = x
     if src is None:
         with graph.inserting_after(after):
-            src = graph.call_function(aten.view.default, (x, [1] * lead + list(vx.shape)))
-        src.meta = {**x.meta, "val": vx.view([1] * lead + list(vx.shape)), _HOISTED: "lead"}
+            src = graph.call_function(aten.view.default, (x, shape))
+        src.meta = {**_untagged(x), "val": vx.view(shape), _HOISTED: "lead"}
         after = src
     elif src is not x:
         after = src
     with graph.inserting_after(after):
         p = graph.call_function(aten.permute.default, (src, list(dims)))
-    p.meta = {**x.meta, "val": _val(src).permute(dims), _HOISTED: dims}
+    p.meta = {**_untagged(x), "val": _val(src).permute(dims), _HOISTED: dims}
     return p
 
 
-def hoist_permutes(graph: fx.Graph, fusible: FusibleOps) -> int:
+def _takes_any_layout(r: fx.Node, fusible: FusibleOps, any_layout: Callable[[fx.Node, fx.Node], bool] | None) -> bool:
+    """Whether a reader of a permuted value works whatever that value's strides: a fusible op (its
+    kernel reads through strides), or a permute whose every reader is a fusible op or one that
+    ``any_layout`` accepts (not a view that needs contiguity: a permute of the permuted value puts
+    the old layout back, which is no longer contiguous once the op writes the permuted one)."""
+    if r.op == "call_function" and classify(r, fusible) == "fusible":
+        return True
+    if r.op != "call_function" or r.target not in _PERMUTES:
+        return False
+    return all(rr.op == "call_function" and (classify(rr, fusible) == "fusible" or (any_layout is not None and any_layout(rr, r)))
+               for rr in r.users)
+
+
+def hoist_permutes(graph: fx.Graph, fusible: FusibleOps, any_layout: Callable[[fx.Node, fx.Node], bool] | None = None) -> int:
     """Move a permutation that keeps the last dim (`_permutation`) from the output of a
     broadcasting pointwise op, a last-dim cat or a last-dim slice to its inputs, when every user
-    of the op is such a permutation (the same one) and every reader of those is fusible: the op
-    then computes its values in the permuted layout from permuted views of its inputs. Returns
-    the ops rewritten."""
+    of the op is such a permutation (the same one) and every reader of those takes any layout
+    (`_takes_any_layout`; ``any_layout`` names readers beyond fusible ops that do): the op then
+    computes its values in the permuted layout from permuted views of its inputs. Returns the
+    ops rewritten."""
     done = 0
     for a in list(graph.nodes):
         if a.op != "call_function" or not a.users:
@@ -293,8 +316,7 @@ def hoist_permutes(graph: fx.Graph, fusible: FusibleOps) -> int:
         va = _val(a)
         if va is None or va.dim() != len(dims):
             continue
-        if not all(r.op == "call_function" and classify(r, fusible) == "fusible" or r.target in _PERMUTES
-                   for u in a.users for r in u.users):
+        if not all(_takes_any_layout(r, fusible, any_layout) for u in a.users for r in u.users):
             continue
         if _last_dim_slice(a):
             kind = "slice"
@@ -398,7 +420,7 @@ def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: C
                 u.replace_input_with(x, view)
         done += 1
     if done:
-        while hoist_permutes(graph, fusible):
+        while hoist_permutes(graph, fusible, any_layout):
             pass
         fold_permutes(graph)
         graph.eliminate_dead_code()
@@ -445,7 +467,7 @@ def fold_permutes(graph: fx.Graph) -> int:
         else:
             with graph.inserting_before(p):
                 new = graph.call_function(aten.permute.default, (src, dims))
-            new.meta = dict(p.meta)
+            new.meta = _untagged(p)
             p.replace_all_uses_with(new)
         graph.erase_node(p)
         done += 1
@@ -455,7 +477,8 @@ def fold_permutes(graph: fx.Graph) -> int:
 # views whose meta values `refresh_view_meta` recomputes from their source's
 _REFRESHED = frozenset({aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
                         aten.slice.Tensor, aten.unsqueeze.default, aten.expand.default, aten.t.default, aten.alias.default,
-                        aten.squeeze.dim, aten.select.int, operator.getitem})
+                        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.as_strided.default,
+                        aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, operator.getitem})
 
 
 def refresh_view_meta(graph: fx.Graph) -> int:
@@ -490,10 +513,52 @@ def refresh_view_meta(graph: fx.Graph) -> int:
     return changed
 
 
-def drop_contiguous_clones(graph: fx.Graph) -> int:
-    """A contiguous ``clone`` of a value already contiguous (its meta value says so) is dropped:
-    its readers read the value itself (not where the graph returns it: an output stays a distinct
-    tensor). Returns the clones dropped."""
+def _is_view(n: fx.Node) -> bool:
+    """A view op of one tensor (a ``getitem`` only of a split's pieces)."""
+    if n.op != "call_function" or n.target not in _REFRESHED:
+        return False
+    return n.target is not operator.getitem or (isinstance(n.args[0], fx.Node) and n.args[0].target in _SPLITS)
+
+
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int})
+
+
+def view_root(n: fx.Node) -> fx.Node:
+    """The node whose storage ``n`` views: up through view ops (itself if it is none)."""
+    while _is_view(n) or (n.op == "call_function" and n.target in _SPLITS):
+        n = n.args[0]
+    return n
+
+
+def _views_of(n: fx.Node) -> set[fx.Node]:
+    """``n`` and every node that views its storage (down through view ops)."""
+    out, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        if m in out:
+            continue
+        out.add(m)
+        todo += [u for u in m.users if _is_view(u) or u.target in _SPLITS]
+    return out
+
+
+def _writes(n: fx.Node) -> bool:
+    """Whether ``n`` writes into one of its arguments (an in-place or out= op)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function":
+        return False
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def drop_contiguous_clones(graph: fx.Graph, known: Callable[[fx.Node], bool]) -> int:
+    """Drop a contiguous ``clone`` of a value already contiguous, when its source's layout at run
+    time is the one its meta value records (``known(source)``: a generated kernel writes its
+    outputs contiguous whatever layout the trace recorded for them, so only the caller can vouch
+    for it), and nothing could tell the two apart: no op writes into either of them (or a view
+    of them), and the graph does not return the clone (or a view of it). Its readers then read
+    the source. Returns the clones dropped."""
     done = 0
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not aten.clone.default:
@@ -503,7 +568,10 @@ def drop_contiguous_clones(graph: fx.Graph) -> int:
         vs = _val(src)
         if fmt not in (torch.contiguous_format, torch.preserve_format) or set(n.kwargs) - {"memory_format"}:
             continue
-        if vs is None or not vs.is_contiguous() or any(u.op == "output" for u in n.users):
+        if vs is None or not vs.is_contiguous() or not known(src):
+            continue
+        mine, theirs = _views_of(n), _views_of(view_root(src))
+        if any(u.op == "output" for m in mine for u in m.users) or any(_writes(u) for m in mine | theirs for u in m.users):
             continue
         n.replace_all_uses_with(src)
         graph.erase_node(n)

@@ -75,7 +75,9 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
     kk, vv = (k, v) if grouped or rep == 1 else (_expand(k, rep), _expand(v, rep))
     gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
-        _as_allocated(do, o), q, kk, vv, o,  # dO in O's layout (no copy when it is: the graphs hand it so)
+        # dO in O's layout (no copy when it is: the graphs hand it so). O is laid out like q and dO
+        # like O, so q's strides fix all three: torch caches cuDNN's backward graph by q, k, v's alone
+        _as_allocated(do, o), q, kk, vv, o,
         lse.unsqueeze(-1), unused, unused, None, None, None, T, T, 0.0, causal, scale=scale,
     )
     if not grouped and rep > 1:

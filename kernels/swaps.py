@@ -24,9 +24,11 @@ from __future__ import annotations
 import operator
 
 import torch
+from mtc.graphs.views import view_root
 from torch import fx
 
-__all__ = ["FLASH_MAX_HEAD_DIM", "fold_ce_grad_scale", "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
+__all__ = ["FLASH_MAX_HEAD_DIM", "attention_output_layout_known", "fold_ce_grad_scale", "reads_any_layout", "refresh_attention_meta",
+           "use_flash_attention", "use_grouped_kv", "use_linear_cross_entropy"]
 
 aten = torch.ops.aten
 FLASH_MAX_HEAD_DIM = 128  # kernels/flash_attention.py holds a (BLOCK, D) tile in registers
@@ -282,6 +284,21 @@ def reads_any_layout(user: fx.Node, value: fx.Node) -> bool:
         return False
     tensors = user.args[:3] if user.target is fwd else user.args[:5]
     return all(a is not value for a in user.args[len(tensors):]) and any(a is value for a in tensors)
+
+
+def attention_output_layout_known(node: fx.Node) -> bool:
+    """Whether ``node`` views a flash-attention output whose layout at run time is the one its
+    meta value records. O is laid out like q (``empty_like``), so q's layout must be known: q
+    views a value recorded contiguous (a graph input, an ATen op's output, or a generated
+    kernel's, which writes contiguous whatever layout the trace recorded for a value; so a
+    value recorded in another layout is not known)."""
+    fwd, _ = _flash_ops()
+    root = view_root(node)
+    if not (root.op == "call_function" and root.target is operator.getitem and root.args[1] == 0
+            and isinstance(root.args[0], fx.Node) and root.args[0].target is fwd):
+        return False
+    v = _val(view_root(root.args[0].args[0]))
+    return v is not None and v.is_contiguous()
 
 
 def refresh_attention_meta(graph: fx.Graph) -> int:

@@ -94,6 +94,7 @@ from mtc.kernels.codegen import (
 from mtc.kernels.flash_attention import seed_tuning
 from mtc.kernels.matmul_fusion import Choices, fuse_matmuls
 from mtc.kernels.swaps import (
+    attention_output_layout_known,
     fold_ce_grad_scale,
     reads_any_layout,
     refresh_attention_meta,
@@ -363,7 +364,7 @@ def _attention_layouts(w: Work) -> None:
             refresh_view_meta(trial)
             refresh_attention_meta(trial)
             refresh_view_meta(trial)  # the attention outputs' items and views
-            dropped = drop_contiguous_clones(trial)
+            dropped = drop_contiguous_clones(trial, attention_output_layout_known)
             trial.lint()
         except (RuntimeError, ValueError):
             continue

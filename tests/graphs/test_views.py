@@ -194,13 +194,45 @@ def _clones(x):
     return y.clone().view(-1) + 1.0, y.transpose(0, 1).contiguous().view(-1), y.clone()
 
 
-def test_only_clones_of_contiguous_values_not_returned_are_dropped():
+def _protecting_clone(x):
+    y = x * 1.5
+    z = y.clone()  # keeps y as it is: the in-place op below writes z only
+    z.mul_(2.0)
+    return y + z
+
+
+def _returned_view_of_a_clone(x):
+    y = x * 2.0
+    return y.clone().view(-1), y + 1.0
+
+
+def test_only_clones_of_contiguous_values_known_and_not_written_or_returned_are_dropped():
     x = torch.randn(3, 4)
     graph = _graph(_clones, x)
     before = instantiate(copy.deepcopy(graph), "cpu")
     n_clones = _targets(graph).count(aten.clone.default)
-    assert drop_contiguous_clones(graph) == 1  # not the transposed one, not the returned one
+    assert drop_contiguous_clones(graph, lambda src: False) == 0  # layouts the caller cannot vouch for
+    assert drop_contiguous_clones(graph, lambda src: True) == 1  # not the transposed one, not the returned one
     assert _targets(graph).count(aten.clone.default) == n_clones - 1
+    _same(graph, before, x)
+    for fn in (_protecting_clone, _returned_view_of_a_clone):
+        graph = _graph(fn, x)
+        before = instantiate(copy.deepcopy(graph), "cpu")
+        assert drop_contiguous_clones(graph, lambda src: True) == 0, fn.__name__
+        _same(graph, before, x)
+
+
+def _permuted_and_back(x):
+    y = torch.tanh(x) * 2.0
+    return y.transpose(1, 2).transpose(1, 2).reshape(-1) + 1.0  # y's layout again: the reshape is a view
+
+
+def test_a_permute_read_by_a_view_that_needs_the_old_layout_stays():
+    x = torch.randn(2, 3, 4, 5)
+    graph = _graph(_permuted_and_back, x)
+    before = instantiate(copy.deepcopy(graph), "cpu")
+    assert hoist_permutes(graph, FUSIBLE) == 0
+    move_views(graph, FUSIBLE)
     _same(graph, before, x)
 
 

@@ -208,7 +208,7 @@ def test_rotary_values_feed_attention_in_the_projection_layout_and_its_output_ne
     from mtc.graphs.program import instantiate
     from mtc.graphs.views import compute_in_source_layout, drop_contiguous_clones, refresh_view_meta
     from mtc.kernels.codegen import FUSIBLE
-    from mtc.kernels.swaps import reads_any_layout, refresh_attention_meta
+    from mtc.kernels.swaps import attention_output_layout_known, reads_any_layout, refresh_attention_meta
     from torch.fx.experimental.proxy_tensor import make_fx
 
     args = (torch.randn(2, 6, 16), torch.randn(6, 4), torch.randn(6, 4), torch.randn(16, 5))
@@ -219,7 +219,7 @@ def test_rotary_values_feed_attention_in_the_projection_layout_and_its_output_ne
     refresh_view_meta(graph)
     assert refresh_attention_meta(graph) == 1
     refresh_view_meta(graph)
-    assert drop_contiguous_clones(graph) == 1
+    assert drop_contiguous_clones(graph, attention_output_layout_known) == 1
     fwd = next(n for n in graph.nodes if n.target is torch.ops.mtc.flash_attention_fwd.default)
     q, o = fwd.args[0].meta["val"], fwd.meta["val"][0]
     assert q.transpose(1, 2).is_contiguous() and o.transpose(1, 2).is_contiguous()  # (B, T, H, D) buffers
