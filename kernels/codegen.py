@@ -234,6 +234,28 @@ def _check_outputs(group: FusionGroup, mode: str) -> None:
         raise CodegenError(f"{group.name}: a column reduction is used inside its own group")
 
 
+def _layout(o: fx.Node, S: tuple[int, ...], mode: str) -> tuple[int, ...] | None:
+    """The strides an output is written with when not contiguous: those the trace recorded for it,
+    so the graph's later views (which need the layout they were traced against) apply at run
+    time (a q normed after its transpose to (B, H, T, D) is recorded in the (B, T, H, D) layout,
+    and ops viewing it, or values laid out like it, rely on that). Only full-shape outputs of
+    pointwise, row and rowcol kernels, recorded dense with the last dim innermost (stores stay
+    runs of the last dim); None (contiguous) otherwise."""
+    v = o.meta.get("val") if isinstance(o, fx.Node) else None
+    if mode not in ("pointwise", "row", "rowcol") or not isinstance(v, torch.Tensor) or tuple(v.shape) != S:
+        return None
+    if len(S) < 2 or S[-1] < 2 or v.stride()[-1] != 1 or v.is_contiguous() or any(n == 0 for n in S):
+        return None
+    # dense and non-overlapping: the strides, sorted, are the running products of the sizes in that order
+    order = sorted(range(len(S)), key=lambda d: (v.stride()[d], -d))
+    run = 1
+    for d in order:
+        if S[d] != 1 and v.stride()[d] != run:
+            return None
+        run *= S[d]
+    return tuple(int(x) for x in v.stride())
+
+
 def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
     """Index set-up: leading indices ``i0..i{R-2}``, columns ``cols`` and ``mask`` for each mode.
 
@@ -407,6 +429,8 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     em = _Emitter(group, mode)
     out_off = "offs" if mode == "pointwise" else f"row * {S[-1]} + cols"
     for j, o in enumerate(group.outputs):
+        st = _layout(o, S, mode)  # recorded strides (None: contiguous): the leading indices place the row
+        off = out_off if st is None else " + ".join([f"i{d} * {st[d]}" for d in range(R - 1) if S[d] > 1] + ["cols"])
         red = _reduced(o, mode)
         value = em.val(o if red is None else red, em.full)  # a cast of a reduction: the combine casts
         dt = _TL_DTYPE[_dtype(o)]
@@ -419,7 +443,7 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
         if o in em.scalar and em.rows:
             em.line(f"tl.store(out{j} + row, ({value}).to({dt}))")
         else:
-            em.line(f"tl.store(out{j} + ({out_off}), ({value}).to({dt}), mask=mask)")
+            em.line(f"tl.store(out{j} + ({off}), ({value}).to({dt}), mask=mask)")
     head = _prologue(mode, S)
     if "%ACC%" in head:
         k = head.index("%ACC%")
@@ -440,9 +464,12 @@ class FusedKernel:
         in_shapes: list[tuple[int, ...]],
         out_specs: list[tuple[tuple[int, ...], torch.dtype]],
         combine: list[str | None],
+        out_strides: list[tuple[int, ...] | None] | None = None,
     ) -> None:
         self.fn, self.mode, self.source = fn, mode, source
         self.shape, self.in_shapes, self.out_specs = shape, in_shapes, out_specs
+        # per output, the strides it is written with (`_layout`; None: contiguous)
+        self.out_strides = list(out_strides) if out_strides is not None else [None] * len(out_specs)
         # column mode: how each reduction output's per-chunk partials combine (None: stored directly)
         self.combine = combine
         self.__name__ = fn.__name__
@@ -459,7 +486,8 @@ class FusedKernel:
         """The launcher of ``fn``, generated from ``group``."""
         combine = [str(r.target).split(".")[1] if (r := _reduced(o, mode)) is not None else None for o in group.outputs]
         return cls(fn, mode, source, group.shape, [_shape(i) for i in group.inputs],
-                   [(_shape(o), _dtype(o)) for o in group.outputs], combine)
+                   [(_shape(o), _dtype(o)) for o in group.outputs], combine,
+                   [None if _reduced(o, mode) is not None else _layout(o, group.shape, mode) for o in group.outputs])
 
     @property
     def second_stage_launches(self) -> int:
@@ -470,7 +498,8 @@ class FusedKernel:
     def spec(self) -> dict[str, Any]:
         """What `load_kernel` needs to rebuild this launcher from the cached source (JSON-able)."""
         return {"name": self.__name__, "mode": self.mode, "shape": list(self.shape), "in_shapes": [list(s) for s in self.in_shapes],
-                "out_specs": [[list(s), str(dt).removeprefix("torch.")] for s, dt in self.out_specs], "combine": self.combine}
+                "out_specs": [[list(s), str(dt).removeprefix("torch.")] for s, dt in self.out_specs], "combine": self.combine,
+                "out_strides": [None if st is None else list(st) for st in self.out_strides]}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # a graph calls a kernel with the same shapes and strides every time: the checks, strides and
@@ -492,9 +521,16 @@ class FusedKernel:
         ins = [x if x.dim() else x.reshape(1) for x in inputs] if plan.scalar_inputs else inputs
         if self.mode in ("column", "rowcol"):
             return self._columns(ins, plan)
-        outs = [torch.empty(s, dtype=dt, device=inputs[0].device) for s, dt in self.out_specs]
+        outs = [self._empty(j, inputs[0].device) for j in range(len(self.out_specs))]
         self.fn[plan.grid](*ins, *outs, *plan.strides, plan.numel, BLOCK=plan.block, num_warps=plan.warps)
         return tuple(outs)
+
+    def _empty(self, j: int, device: torch.device) -> torch.Tensor:
+        """Output ``j``'s buffer, laid out as the kernel writes it."""
+        shape, dtype = self.out_specs[j]
+        st = self.out_strides[j]
+        return torch.empty(shape, dtype=dtype, device=device) if st is None else torch.empty_strided(shape, st, dtype=dtype,
+                                                                                                     device=device)
 
     def _plan(self, inputs: tuple[torch.Tensor, ...], config: dict[str, int] | None = None) -> _LaunchPlan:
         """Check ``inputs`` against the kernel's shapes and work out their strides and the launch
@@ -597,8 +633,7 @@ class FusedKernel:
         rowcol mode: a grid of row chunks, also storing its row outputs as it goes."""
         dev, N, split = ins[0].device, self.shape[-1], plan.split
         M = plan.numel // N
-        outs: list[torch.Tensor | None] = [torch.empty(s, dtype=dt, device=dev) if c is None else None
-                                           for (s, dt), c in zip(self.out_specs, self.combine, strict=True)]
+        outs: list[torch.Tensor | None] = [self._empty(j, dev) if c is None else None for j, c in enumerate(self.combine)]
         # the outputs that combine alike share one (K, split, N) buffer of fp32 partials
         parts = []
         for how, dt, js in self._combines:
@@ -721,8 +756,9 @@ def load_kernel(spec: dict[str, Any], cache_dir: Path) -> FusedKernel:
     if hashlib.sha256(src.replace(f"def {name}(", "def fused(").encode()).hexdigest()[:16] != name.removeprefix("k_"):
         raise ValueError(f"{path} does not hash to its name")
     out_specs = [(tuple(s), getattr(torch, dt)) for s, dt in spec["out_specs"]]
+    strides = [None if st is None else tuple(st) for st in spec.get("out_strides", [None] * len(out_specs))]
     return FusedKernel(_import(path, name), spec["mode"], src, tuple(spec["shape"]), [tuple(s) for s in spec["in_shapes"]],
-                       out_specs, spec["combine"])
+                       out_specs, spec["combine"], strides)
 
 
 _ = operator  # getitem nodes never reach the generator: partition classifies them as views

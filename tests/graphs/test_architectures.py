@@ -101,3 +101,32 @@ def test_gpt2_parity_with_tied_embeddings(tmp_path):
             assert ((a - b).norm() / b.norm()).item() < 1e-5, k
     finally:
         res.store.close()
+
+
+def _qk_normed_after_transpose(self, x):
+    """GPT-2's block with an RMS norm of q per head applied after q is viewed (B, H, T, D), as some
+    decoders place it: the norm's output is recorded in the projection's (B, T, H, D) layout."""
+    B, T, C = x.shape
+    q, k, v = self.c_attn(self.ln1(x)).split(C, dim=2)
+    q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+    x = x + self.c_proj(y)
+    return x + self.mlp_proj(F.gelu(self.c_fc(self.ln2(x)), approximate="tanh"))
+
+
+def test_a_value_recorded_in_a_transposed_layout_keeps_it_in_its_kernel(tmp_path, monkeypatch):
+    # The generated kernel of the normed q writes the layout the trace recorded for it: attention's
+    # output and gradients follow q's layout, and the graph's views of them were traced against it
+    # (a kernel writing q contiguous made the joint graph's view of dq fail at run time)
+    from mtc.kernels.codegen import FusedKernel
+    from mtc.models import gpt2
+
+    monkeypatch.setattr(gpt2.GPT2Block, "forward", _qk_normed_after_transpose)
+    torch.manual_seed(0)
+    model = build("gpt2-tiny", n_layers=1)
+    prog = trace(model, 2, 8)
+    block = check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
+    strided = [k for g in (block.forward_graph, block.joint_graph) for n in g.nodes
+               if isinstance(k := n.target, FusedKernel) and any(k.out_strides)]
+    assert strided, "the normed q is written in its recorded (B, T, H, D) layout"

@@ -462,3 +462,32 @@ def test_every_launch_configuration_computes_the_same_and_tuning_keeps_the_faste
     fresh = compile_group(group, tmp_path)
     fresh(*ins)
     assert list(fresh._plans.values()) == [plan]
+
+
+@pytest.mark.parametrize("kind", ["pointwise", "row"])
+def test_an_output_recorded_in_a_transposed_layout_is_written_in_it(kind, tmp_path):
+    # ATen lays a pointwise result out like its input (here (B, T, H, D) seen as (B, H, T, D)), and
+    # the graph's views of it were traced against that layout: the kernel writes it so
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.kernels.codegen import load_kernel
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.transpose(1, 2)
+        if kind == "row":
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y * 2.0 + 1.0
+
+    x = torch.randn(2, 5, 3, 8)
+    g = make_fx(f, decomposition_table=core_aten_decompositions())(x)
+    vals = _record(g, x)
+    (group,) = partition(g.graph, FUSIBLE).groups
+    (out,) = group.outputs
+    assert not vals[out].is_contiguous()
+    kern = compile_group(group, tmp_path)
+    assert kern.mode == kind
+    for k in (kern, load_kernel(kern.spec(), tmp_path)):  # a loaded plan's kernel writes it alike
+        (got,) = k(*[vals[i] for i in group.inputs])
+        assert got.stride() == vals[out].stride()
+        torch.testing.assert_close(got, vals[out], rtol=1e-5, atol=1e-6)
