@@ -289,9 +289,9 @@ def reads_any_layout(user: fx.Node, value: fx.Node) -> bool:
 def attention_output_layout_known(node: fx.Node) -> bool:
     """Whether ``node`` views a flash-attention output whose layout at run time is the one its
     meta value records. O is laid out like q (``empty_like``), so q's layout must be known: q
-    views a value recorded contiguous (a graph input, an ATen op's output, or a generated
-    kernel's, which writes contiguous whatever layout the trace recorded for a value; so a
-    value recorded in another layout is not known)."""
+    views a value recorded contiguous, which is laid out so at run time whether ATen or a
+    generated kernel computes it (a kernel keeps another recorded layout only when it is dense
+    with the last dim innermost: `mtc.kernels.codegen`'s ``_layout``)."""
     fwd, _ = _flash_ops()
     root = view_root(node)
     if not (root.op == "call_function" and root.target is operator.getitem and root.args[1] == 0
