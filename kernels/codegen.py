@@ -228,32 +228,53 @@ def _check_outputs(group: FusionGroup, mode: str) -> None:
             raise CodegenError(f"output {o.name} has shape {s}, not the iteration shape {S}")
         if _dtype(o) not in _TL_DTYPE:
             raise CodegenError(f"output dtype {_dtype(o)}")
+        if _unwritable(o, S, mode):
+            raise CodegenError(f"output {o.name} is recorded with strides {o.meta['val'].stride()} (not dense), which the "
+                               "kernel cannot write")
     if mode in ("column", "rowcol") and any(u in set(group.nodes) and column_cast(u, REDUCTIONS) is not n
                                             for n in group.nodes if n.target in REDUCTIONS and is_column_reduction(n)
                                             for u in n.users):
         raise CodegenError(f"{group.name}: a column reduction is used inside its own group")
 
 
+def _dense_strides(v: torch.Tensor) -> tuple[int, ...] | None:
+    """``v``'s strides when it is non-overlapping and dense and not contiguous; None otherwise."""
+    shape, st = tuple(v.shape), v.stride()
+    if len(shape) < 2 or any(n == 0 for n in shape) or v.is_contiguous():
+        return None
+    # dense and non-overlapping: the strides, sorted, are the running products of the sizes in that order
+    run = 1
+    for d in sorted(range(len(shape)), key=lambda d: (st[d], -d)):
+        if shape[d] != 1 and st[d] != run:
+            return None
+        run *= shape[d]
+    return tuple(int(x) for x in st)
+
+
 def _layout(o: fx.Node, S: tuple[int, ...], mode: str) -> tuple[int, ...] | None:
     """The strides an output is written with when not contiguous: those the trace recorded for it,
     so the graph's later views (which need the layout they were traced against) apply at run
     time (a q normed after its transpose to (B, H, T, D) is recorded in the (B, T, H, D) layout,
-    and ops viewing it, or values laid out like it, rely on that). Only full-shape outputs of
-    pointwise, row and rowcol kernels, recorded dense with the last dim innermost (stores stay
-    runs of the last dim); None (contiguous) otherwise."""
+    and ops viewing it, or values laid out like it, rely on that): a full-shape output, or a
+    per-row one (..., 1) of a row or rowcol kernel, recorded dense (ATen's outputs are); None
+    (contiguous) otherwise. Column reductions are 1-D. A last dim that is not innermost is
+    written strided (slow, but as recorded: a norm of a transposed input, say). `_check_outputs`
+    refuses a group whose output is recorded in a layout this cannot write."""
     v = o.meta.get("val") if isinstance(o, fx.Node) else None
-    if mode not in ("pointwise", "row", "rowcol") or not isinstance(v, torch.Tensor) or tuple(v.shape) != S:
+    if not isinstance(v, torch.Tensor) or _reduced(o, mode) is not None:
         return None
-    if len(S) < 2 or S[-1] < 2 or v.stride()[-1] != 1 or v.is_contiguous() or any(n == 0 for n in S):
+    if tuple(v.shape) != S and not (mode in ("row", "rowcol") and tuple(v.shape) == (*S[:-1], 1)):
         return None
-    # dense and non-overlapping: the strides, sorted, are the running products of the sizes in that order
-    order = sorted(range(len(S)), key=lambda d: (v.stride()[d], -d))
-    run = 1
-    for d in order:
-        if S[d] != 1 and v.stride()[d] != run:
-            return None
-        run *= S[d]
-    return tuple(int(x) for x in v.stride())
+    return _dense_strides(v)
+
+
+def _unwritable(o: fx.Node, S: tuple[int, ...], mode: str) -> bool:
+    """An output recorded in a layout other than contiguous that `_layout` cannot write (not
+    dense): the group stays on ATen, which keeps the recorded layout."""
+    v = o.meta.get("val") if isinstance(o, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or _reduced(o, mode) is not None or v.numel() == 0 or v.is_contiguous():
+        return False
+    return _layout(o, S, mode) is None
 
 
 def _prologue(mode: str, S: tuple[int, ...]) -> list[str]:
@@ -430,7 +451,8 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
     out_off = "offs" if mode == "pointwise" else f"row * {S[-1]} + cols"
     for j, o in enumerate(group.outputs):
         st = _layout(o, S, mode)  # recorded strides (None: contiguous): the leading indices place the row
-        off = out_off if st is None else " + ".join([f"i{d} * {st[d]}" for d in range(R - 1) if S[d] > 1] + ["cols"])
+        lead = [] if st is None else [f"i{d} * {st[d]}" for d in range(R - 1) if S[d] > 1]
+        off = out_off if st is None else " + ".join([*lead, "cols" if st[-1] == 1 or S[-1] == 1 else f"cols * {st[-1]}"])
         red = _reduced(o, mode)
         value = em.val(o if red is None else red, em.full)  # a cast of a reduction: the combine casts
         dt = _TL_DTYPE[_dtype(o)]
@@ -441,7 +463,7 @@ def generate_source(group: FusionGroup, name: str) -> tuple[str, str]:
         if em.rows and (o in em.scalar) != (_shape(o) != S):
             raise CodegenError(f"output {o.name}: per-row value and shape {_shape(o)} disagree")
         if o in em.scalar and em.rows:
-            em.line(f"tl.store(out{j} + row, ({value}).to({dt}))")
+            em.line(f"tl.store(out{j} + {'row' if st is None else '(' + ' + '.join(lead or ['0']) + ')'}, ({value}).to({dt}))")
         else:
             em.line(f"tl.store(out{j} + ({off}), ({value}).to({dt}), mask=mask)")
     head = _prologue(mode, S)
@@ -487,7 +509,7 @@ class FusedKernel:
         combine = [str(r.target).split(".")[1] if (r := _reduced(o, mode)) is not None else None for o in group.outputs]
         return cls(fn, mode, source, group.shape, [_shape(i) for i in group.inputs],
                    [(_shape(o), _dtype(o)) for o in group.outputs], combine,
-                   [None if _reduced(o, mode) is not None else _layout(o, group.shape, mode) for o in group.outputs])
+                   [_layout(o, group.shape, mode) for o in group.outputs])
 
     @property
     def second_stage_launches(self) -> int:

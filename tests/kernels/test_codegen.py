@@ -491,3 +491,45 @@ def test_an_output_recorded_in_a_transposed_layout_is_written_in_it(kind, tmp_pa
         (got,) = k(*[vals[i] for i in group.inputs])
         assert got.stride() == vals[out].stride()
         torch.testing.assert_close(got, vals[out], rtol=1e-5, atol=1e-6)
+
+
+B_, T_, H_, D_ = 2, 5, 3, 8
+
+
+def _col(x):  # a column kernel's full-shape output, recorded transposed, viewed later
+    y = x.transpose(1, 2) * 2.0
+    return y.transpose(1, 2).view(B_, T_, H_ * D_), y.sum(dim=(0, 1, 2))
+
+
+def _per_row(x, s):  # a row kernel's per-row output (B, H, T, 1), recorded in the (B, T, H, 1) layout
+    r = s.transpose(1, 2) * 2.0
+    z = x.transpose(1, 2) * x.transpose(1, 2).sum(-1, keepdim=True)
+    return z, (r * z.mean(-1, keepdim=True)).transpose(1, 2).view(B_, T_ * H_)
+
+
+def _last_one(s):  # a last dim of size 1: its stride is irrelevant
+    return ((s.transpose(1, 2) * 2.0).transpose(1, 2).view(B_, T_ * H_),)
+
+
+def _last_dim_moved(x):  # the last dim not innermost: written strided, as recorded
+    return ((x.transpose(-1, -2) * 2.0).transpose(-1, -2).view(B_, T_, H_ * D_),)
+
+
+@pytest.mark.parametrize("f, shapes, kernels", [
+    (_col, [(B_, T_, H_, D_)], ["column"]),
+    (_per_row, [(B_, T_, H_, D_), (B_, T_, H_, 1)], ["row"]),
+    (_last_one, [(B_, T_, H_, 1)], ["pointwise"]),
+    (_last_dim_moved, [(B_, T_, H_, D_)], ["pointwise"]),
+])
+def test_the_graph_views_values_in_the_layouts_it_recorded_for_them(f, shapes, kernels, tmp_path):
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mtc.compiler import _fuse
+
+    args = [torch.randn(s) for s in shapes]
+    g = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    fused, _ = _fuse(g.graph, tmp_path)
+    assert [n.target.mode for n in fused.nodes if hasattr(n.target, "mode")] == kernels
+    for got, want in zip(torch.fx.GraphModule(g, fused)(*args), f(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
