@@ -371,13 +371,21 @@ def _source_chain(x: fx.Node, fusible: FusibleOps) -> tuple[set[fx.Node], set[tu
         if dims is not None:
             perms.add(dims)
             continue
-        if n.op != "call_function" or classify(n, fusible) != "fusible" and not _last_dim_slice(n):
+        if n.op != "call_function" or (classify(n, fusible) != "fusible" and not _last_dim_slice(n)):
             continue  # an input of the chain read as it is (a graph input, an anchor's output, a broadcast table)
         if not _hoistable(n, fusible):
             return None
         chain.add(n)
         todo += [a for a in n.all_input_nodes if _val(a) is not None and _val(a).dim() == _val(n).dim()]
     return chain, perms
+
+
+def _to_fixpoint(rewrite: Callable[[], int]) -> int:
+    """Run ``rewrite`` (returning how many rewrites it made) until it makes none; the total."""
+    total = 0
+    while (n := rewrite()) > 0:
+        total += n
+    return total
 
 
 def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: Callable[[fx.Node, fx.Node], bool]) -> int:
@@ -393,8 +401,7 @@ def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: C
     slices and slices of pointwise ops are hoisted first (`splits_to_slices`, `hoist_slices`: RoPE
     splits q, or its fp32 cast, in halves), so the chains reach the views."""
     splits_to_slices(graph)
-    while hoist_slices(graph, fusible):
-        pass
+    _to_fixpoint(lambda: hoist_slices(graph, fusible))
     done = 0
     for x in list(graph.nodes):
         if x.op != "call_function" or not x.users or classify(x, fusible) != "fusible":
@@ -404,7 +411,7 @@ def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: C
         found = _source_chain(x, fusible)
         if found is None or len(found[1]) != 1:
             continue
-        chain, ((dims),) = found[0], tuple(found[1])
+        chain, (dims,) = found[0], tuple(found[1])
         if any(u not in chain for n in chain - {x} for u in n.users):
             continue  # some op of the chain is read outside it: the permutation would stop there
         inv = tuple(sorted(range(len(dims)), key=lambda d: dims[d]))
@@ -420,8 +427,7 @@ def compute_in_source_layout(graph: fx.Graph, fusible: FusibleOps, any_layout: C
                 u.replace_input_with(x, view)
         done += 1
     if done:
-        while hoist_permutes(graph, fusible, any_layout):
-            pass
+        _to_fixpoint(lambda: hoist_permutes(graph, fusible, any_layout))
         fold_permutes(graph)
         graph.eliminate_dead_code()
         graph.lint()
