@@ -568,12 +568,10 @@ class FusedKernel:
             flat += _strides(x, S)
         strides, scalar = tuple(flat), any(x.dim() == 0 for x in inputs)
         numel = math.prod(S)
-        cuda = dev.type == "cuda"
+        cuda, sms = launch_target(dev)
         if self.mode in TUNED_MODES and config is None:
             cands = self.candidates(cuda)
             config = _TUNER.recall(self._tuning_key(strides, cuda), cands) or cands[0]
-        # the CPU interpreter counts as one SM (its programs: `per_sm`, each step one numpy op)
-        sms = _sm_count(dev) if cuda else 1
         if self.mode == "column":
             N, M = S[-1], numel // S[-1]
             block, block_m = min(triton_next_pow2(N), config["block"]), min(triton_next_pow2(M), config["block_m"])
@@ -697,8 +695,13 @@ class _LaunchPlan:
     stages: int = 1  # column and rowcol: the row loop's pipeline depth (1: no prefetch)
 
 
-def _sm_count(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count
+def launch_target(dev: torch.device) -> tuple[bool, int]:
+    """Whether launches on ``dev`` are planned for a GPU, and its SM count: the CPU interpreter
+    counts as one SM (its programs: `per_sm`, each step one numpy op). bench/kernel_compile_check.py
+    replaces it to plan GPU launches for kernels compiled on a machine without one."""
+    if dev.type != "cuda":
+        return False, 1
+    return True, torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _row_warps(block: int) -> int:
