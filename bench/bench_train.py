@@ -7,7 +7,8 @@ Parts (one JSON record each, `--only P1-16,P3`):
                 gpu_update auto) and `auto` (the plan's best placement).
   P3            a 1.5B Llama shape that fits the GPU, 16 x 1024 tokens per step: mtc (auto, stateless)
                 vs GPU-resident PyTorch (bf16 autocast, fused AdamW on the GPU, activation
-                checkpointing per block), eager and torch.compile'd; the ratio mtc best / baseline best.
+                checkpointing per block), eager and torch.compile'd; the ratio mtc best / baseline best
+                (the goal's); torch.compile without checkpointing runs too, its ratio reported beside.
                 Both sides run the same micro-batch (`--baseline-micro-batch`, 16: the whole step at
                 once; `--p3-micro-batch` sets mtc's apart): until 2026-11-26 mtc ran 4 x 4 against
                 the baseline's 1 x 16, a quarter-size matmul per kernel and four times the launches.
@@ -758,9 +759,14 @@ def part_p3(env: Env, settings: list[str], baseline_mb: int, use_compile: bool, 
             bases[i] = base(*variants[i])
     if not use_compile:
         bases += [{"setting": n, "skipped": "smoke run or --no-torch-compile"} for n in ("torch_compile", "torch_compile_no_ckpt")]
-    m, b = _best(runs), _best(bases)
+    # the goal's baselines are the issue's: GPU-resident with activation checkpointing, eager and
+    # torch.compile'd; torch.compile without checkpointing is reported beside them, not judged
+    m, b = _best(runs), _best([r for r in bases if r.get("activation_checkpointing", True)])
+    b_all = _best(bases)
     return {"settings": runs, "baselines": bases, "mtc_best_tokens_per_s": m, "baseline_best_tokens_per_s": b,
             "ratio_mtc_over_baseline": m / b if m and b else None, "goal_ratio": P3_GOAL,
+            "goal_baselines": "activation checkpointing (torch_eager, torch_compile)",
+            "baseline_best_any_tokens_per_s": b_all, "ratio_mtc_over_any_baseline": m / b_all if m and b_all else None,
             "mtc_micro_batch": mb, "baseline_micro_batch": base_mb}
 
 
@@ -871,7 +877,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             got = f"{st['model_tflops']:.1f}" if st else "-"
             print(f"{part:6s} goal: stateless >= {GOALS[part]:.0f} model TFLOP/s (got {got}); MegaTrain on this box {MEGATRAIN[part]:.0f}")
         elif part == "P3":
-            print(f"P3     mtc best / baseline best tokens/s: {_f(rec['ratio_mtc_over_baseline'], '.2f')} (goal >= {P3_GOAL})")
+            print(f"P3     mtc best / baseline best tokens/s: {_f(rec['ratio_mtc_over_baseline'], '.2f')} (goal >= {P3_GOAL}; "
+                  f"baselines with activation checkpointing, as the issue defines them); against every baseline, "
+                  f"torch.compile without checkpointing included: {_f(rec.get('ratio_mtc_over_any_baseline'), '.2f')}")
         elif part == "P5":
             print(f"P5     GPU peak {rec['depths'][1]} / {rec['depths'][0]} blocks: {_f(rec['gpu_peak_ratio_deep_over_shallow'], '.3f')} "
                   f"(goal <= {P5_GOAL}; activation budget {rec['activation_budget_gb']} GB)")
