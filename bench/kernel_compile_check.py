@@ -2,7 +2,8 @@
 
 GPU sessions are short and rare; a generated kernel that the interpreter runs but Triton's GPU
 compiler rejects (or that spills registers) would cost one. This script builds bench_fusion's
-real-shaped blocks, heads and embeds (bf16, 8192 tokens), compiles their templates as `mtc train`
+real-shaped blocks, heads and embeds (bf16, 8192 tokens) and one layer of each of bench_train's P1
+and P3 shapes (4 and 16 x 1024 tokens), compiles their templates as `mtc train`
 and bench_fusion do, and runs each compiled graph (forward, joint, save, backward) on the meta
 device with Triton's launch replaced by a compile for the target (default sm_90, the H100/H200)
 through a stand-in driver: every generated kernel at every launch configuration the GPU's tuner
@@ -42,7 +43,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fusion import REAL, _inputs  # noqa: E402
-from common import write_record  # noqa: E402
+from common import LLAMA, P1_SHAPE, P3_SHAPE, write_record  # noqa: E402
 
 from mtc.compiler import compile_template  # noqa: E402
 from mtc.kernels import codegen, column_reduce  # noqa: E402
@@ -50,6 +51,13 @@ from mtc.models import build, model_config  # noqa: E402
 from mtc.tracer import trace  # noqa: E402
 
 SM_COUNT = 132  # the H100 SXM's and the H200's: per-SM launch sizes (rowcol chunks, column splits)
+# what is compiled: bench_fusion's layers (one sequence of --seq tokens), and one layer of
+# bench_train's P1 and P3 shapes at their plans' micro-batches (4 and 16 sequences of 1024 tokens)
+MODELS: dict[str, tuple[str, dict[str, Any], int | None]] = {
+    **{arch: (name, over, None) for arch, (name, over) in REAL.items()},
+    "p1": (LLAMA, dict(P1_SHAPE, n_layers=1), 4),
+    "p3": (LLAMA, dict(P3_SHAPE, n_layers=1), 16),
+}
 
 
 class _TargetDriver:
@@ -122,10 +130,10 @@ def compiling_launches(arch: int, log: Callable[[dict[str, Any]], None]) -> Iter
 def check_arch(arch: str, seq: int, sm: int, cache: Path, log: Callable[[dict[str, Any]], None]) -> None:
     """Compile ``arch``'s embed, block and head as plans and bench_fusion do, and run each graph on
     the meta device, its Triton launches compiled for compute capability ``sm``."""
-    name, over = REAL[arch]
+    name, over, batch = MODELS[arch]
     with torch.device("meta"):
         model = build(name, **over).to(torch.bfloat16)
-    prog = trace(model, 1, seq)
+    prog = trace(model, 1, seq) if batch is None else trace(model, batch, 1024)
     vocab = model_config(name, **over).vocab_size
     meta = torch.device("meta")
     for part, call in (("embed", prog.layers[0]), ("block", prog.layers[1]), ("head", prog.layers[-1])):
@@ -154,9 +162,10 @@ def check_arch(arch: str, seq: int, sm: int, cache: Path, log: Callable[[dict[st
 def main() -> None:
     """Compile, report, record; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", nargs="+", default=list(REAL), choices=list(REAL))
+    ap.add_argument("--arch", nargs="+", default=list(MODELS), choices=list(MODELS),
+                    help="bench_fusion's layers, and bench_train's P1 and P3 shapes (default: all)")
     ap.add_argument("--sm", type=int, default=90, help="compute capability to compile for (90: H100, H200)")
-    ap.add_argument("--seq", type=int, default=8192, help="tokens per call (bench_fusion's default)")
+    ap.add_argument("--seq", type=int, default=8192, help="bench_fusion's layers: tokens per call (its default)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     seen: dict[tuple, dict[str, Any]] = {}
