@@ -23,7 +23,9 @@
 #   disk[/SHAPE]   bench_disk_tier: all state on disk, raw vs store GB/s, host RAM per parameter
 #                  (SHAPE 2.3b fits a 64 GB disk's two generations; default 4.6b); not in the defaults
 # Prepare the wheels first on the CPU machine with ../shared/tools/device-wheels.sh and carry
-# ".whl". Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
+# ".whl". Check there too that every generated kernel compiles for sm_90 with the box's Triton
+# (bench/kernel_compile_check.py, ~40 s; its docstring makes the Triton 3.6 venv): a kernel the
+# interpreter runs and the GPU compiler rejects would otherwise cost the session. Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
 # (or bench/results/ without it): four files. Add nothing else to $OUT in the same call: the device
 # tool brings back at most 8 files, and with more it brings back none (2026-11-27: a trailing
 # `cp bench/results/*.json $OUT/` lost a whole call's records; the next call's fresh copy of the
