@@ -98,7 +98,9 @@ def compiling_launches(arch: int, log: Callable[[dict[str, Any]], None]) -> Iter
     def launch(self: JITFunction, grid: Any) -> Callable[..., None]:
         def run(*args: Any, **kwargs: Any) -> None:
             what = {"kernel": self.fn.__name__, "warps": kwargs.get("num_warps", 4),
-                    "constexprs": {k: v for k, v in kwargs.items() if k.isupper()}}
+                    "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
+                    # the pointers' dtypes: one kernel compiles once per dtype signature (the combine's outputs)
+                    "dtypes": [str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)]}
             t0 = time.perf_counter()
             try:
                 k = self.run(*args, grid=grid, warmup=True, **kwargs)
@@ -172,7 +174,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def log(rec: dict[str, Any]) -> None:
-        key = (rec["kernel"], rec["warps"], json.dumps(rec["constexprs"], sort_keys=True))
+        key = (rec["kernel"], rec["warps"], json.dumps(rec["constexprs"], sort_keys=True), tuple(rec["dtypes"]))
         if key in seen:
             seen[key].setdefault("also", []).append(rec["where"])
             return
