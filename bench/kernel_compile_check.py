@@ -146,19 +146,17 @@ def check_arch(arch: str, seq: int, sm: int, cache: Path, log: Callable[[dict[st
         for joint_outputs in ((None, True) if part == "block" else (None,)):
             ct = compile_template(t, cache, joint_outputs=joint_outputs)
             which = ["forward", "joint"] + (["save", "backward"] if ct.backward_graph is not None and joint_outputs is None else [])
+            kept: list[torch.Tensor] = []  # what the save graph keeps for the backward graph
             for w in which:
                 def tagged(rec: dict[str, Any], where: str = f"{arch}/{part}/{w}" + ("+outputs" if joint_outputs else "")) -> None:
                     log({"where": where, **rec})
                 with compiling_launches(sm, tagged):
                     gm = ct.module(w, meta)
-                    if w in ("forward", "save"):
-                        res = gm(*args)
-                        if w == "save":
-                            kept = list(res[1 + t.n_aux_out:])
-                    elif w == "joint":
-                        gm(*args, *gouts[: len(ct.joint_graph.find_nodes(op="placeholder")) - len(args)])
-                    else:
-                        gm(*args, *kept, *gouts[:1])
+                    given = list(args) if w != "backward" else [*args, *kept]
+                    # the graph's inputs beyond those: the gradients of the outputs (joint and backward)
+                    res = gm(*given, *gouts[: len(ct.graph(w).find_nodes(op="placeholder")) - len(given)])
+                    if w == "save":
+                        kept = list(res[1 + t.n_aux_out:])
 
 
 def main() -> None:

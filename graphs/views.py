@@ -318,14 +318,8 @@ def hoist_permutes(graph: fx.Graph, fusible: FusibleOps, any_layout: Callable[[f
             continue
         if not all(_takes_any_layout(r, fusible, any_layout) for u in a.users for r in u.users):
             continue
-        if _last_dim_slice(a):
-            kind = "slice"
-        elif (a.target is CAT and not a.kwargs and _last_dim(va, a.args[1] if len(a.args) > 1 else 0)
-              and all(_val(x) is not None and _val(x).dim() == va.dim() for x in a.args[0])):
-            kind = "cat"
-        elif _broadcasting(a, fusible):
-            kind = "pointwise"
-        else:
+        kind = _hoist_kind(a, fusible)
+        if kind is None:
             continue
         shape = [va.shape[d] for d in dims]
         with graph.inserting_before(a):
@@ -346,15 +340,16 @@ def hoist_permutes(graph: fx.Graph, fusible: FusibleOps, any_layout: Callable[[f
     return done
 
 
-def _hoistable(n: fx.Node, fusible: FusibleOps) -> bool:
-    """What `hoist_permutes` moves a permutation through."""
+def _hoist_kind(n: fx.Node, fusible: FusibleOps) -> str | None:
+    """How `hoist_permutes` moves a permutation through ``n``: a last-dim "slice", a last-dim "cat"
+    of same-rank values, a broadcasting "pointwise" op; None: it does not."""
     if _last_dim_slice(n):
-        return True
+        return "slice"
     va = _val(n)
     if n.op == "call_function" and n.target is CAT and not n.kwargs and va is not None:
-        return _last_dim(va, n.args[1] if len(n.args) > 1 else 0) and all(
-            _val(x) is not None and _val(x).dim() == va.dim() for x in n.args[0])
-    return _broadcasting(n, fusible)
+        same_rank = all(_val(x) is not None and _val(x).dim() == va.dim() for x in n.args[0])
+        return "cat" if same_rank and _last_dim(va, n.args[1] if len(n.args) > 1 else 0) else None
+    return "pointwise" if _broadcasting(n, fusible) else None
 
 
 def _source_chain(x: fx.Node, fusible: FusibleOps) -> tuple[set[fx.Node], set[tuple[int, ...]]] | None:
@@ -373,7 +368,7 @@ def _source_chain(x: fx.Node, fusible: FusibleOps) -> tuple[set[fx.Node], set[tu
             continue
         if n.op != "call_function" or (classify(n, fusible) != "fusible" and not _last_dim_slice(n)):
             continue  # an input of the chain read as it is (a graph input, an anchor's output, a broadcast table)
-        if not _hoistable(n, fusible):
+        if _hoist_kind(n, fusible) is None:
             return None
         chain.add(n)
         todo += [a for a in n.all_input_nodes if _val(a) is not None and _val(a).dim() == _val(n).dim()]
@@ -550,12 +545,8 @@ def _views_of(n: fx.Node) -> set[fx.Node]:
 
 def _writes(n: fx.Node) -> bool:
     """Whether ``n`` writes into one of its arguments (an in-place or out= op)."""
-    schema = getattr(n.target, "_schema", None)
-    if n.op != "call_function":
-        return False
-    if schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def drop_contiguous_clones(graph: fx.Graph, known: Callable[[fx.Node], bool]) -> int:
