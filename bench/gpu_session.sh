@@ -26,7 +26,8 @@
 # ".whl". Check there too that every generated kernel compiles for sm_90 with the box's Triton
 # (bench/kernel_compile_check.py, ~40 s; its docstring makes the Triton 3.6 venv): a kernel the
 # interpreter runs and the GPU compiler rejects would otherwise cost the session. Logs and a tarball of this call's JSON records (rewritten after each part) land in $OUT
-# (or bench/results/ without it): four files. Add nothing else to $OUT in the same call: the device
+# (or bench/results/ without it): four files. Last, bench/session_summary.py prints every part's table and
+# verdict again from this call's records, so the reply's tail (its last 12,000 characters) holds them all. Add nothing else to $OUT in the same call: the device
 # tool brings back at most 8 files, and with more it brings back none (2026-11-27: a trailing
 # `cp bench/results/*.json $OUT/` lost a whole call's records; the next call's fresh copy of the
 # tree no longer had them either).
@@ -71,8 +72,16 @@ pack() {
   [ -n "$files" ] && tar -czf "$out/records.tgz" -C bench/results $files
   return 0
 }
+# last of all, this call's tables and verdicts again from its records (bench/session_summary.py): the
+# reply keeps only the output's last 12,000 characters, and its files may not come back
+summary() {
+  local tl=()
+  [ -f "$out/gpu_tests.log" ] && tl=(--tests-log "$out/gpu_tests.log")
+  timeout -k 2 "${1:-60}" python3 bench/session_summary.py --newer "$since" "${tl[@]}" 2>&1 | tee -a "$log"
+  return 0
+}
 trap pack EXIT
-trap 'pack; exit 143' TERM
+trap 'pack; summary 10; exit 143' TERM
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
@@ -155,4 +164,5 @@ for p in "${parts[@]}"; do
   esac
   pack
 done
+summary
 exit 0

@@ -1,0 +1,136 @@
+"""One screen of a GPU session's headline figures, printed last, from the JSON records it wrote.
+
+The device tool returns only the last 12,000 characters of a call's output, and its files only when
+there are few enough of them (2026-11-27: a call's records were lost, and the P3 and P1-16 tables,
+printed minutes before the end, had scrolled out of the reply). `bench/gpu_session.sh` runs this
+after its last part so that the reply's tail holds every part's table and goal verdict whatever
+happens to the files: bench_train's table (the same printer the benchmark uses; a part cut off by
+the time limit shows the settings it finished), bench_fusion's goal table and per-variant medians,
+the whole-model line, and the gpu tests' outcome.
+
+    python3 bench/session_summary.py --newer FILE [--tests-log PATH]   # records in bench/results newer than FILE
+    python3 bench/session_summary.py RECORD.json ...                    # these records
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS  # noqa: E402
+
+
+def load(paths: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """Each readable record with its path, in the order given (unreadable ones reported and skipped)."""
+    out = []
+    for p in paths:
+        try:
+            out.append((p, json.loads(p.read_text())))
+        except (OSError, ValueError) as e:
+            print(f"session summary: cannot read {p}: {e}")
+    return out
+
+
+def newer_than(directory: Path, marker: Path) -> list[Path]:
+    """Records in ``directory`` modified after ``marker`` (the session's start), oldest first."""
+    since = marker.stat().st_mtime
+    found = [p for p in directory.glob("*.json") if p.stat().st_mtime > since]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def tests_outcome(log: Path) -> list[str]:
+    """The gpu tests' closing line and every FAILED / ERROR line of a pytest log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return [f"gpu tests: no log ({e})"]
+    bad = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    closing = [ln for ln in lines if re.search(r"\d+ (passed|failed|errors?)\b", ln) and ln.startswith("=")]
+    return (closing[-1:] or ["gpu tests: no closing line in the log (cut off?)"]) + bad
+
+
+def _train_rows(rec: dict[str, Any]) -> dict[str, Any]:
+    """A bench_train record as `print_table` takes it; a part cut off mid-way keeps the settings it finished."""
+    if "settings_done" in rec and "settings" not in rec:
+        return {**rec, "settings": list(rec["settings_done"].values())}
+    return rec
+
+
+def _fusion_lines(rec: dict[str, Any]) -> list[str]:
+    """A bench_fusion block or head: each variant's median, then the launches."""
+    name = f"{rec['arch']}/{rec['part']}"
+    rows = [f"{name:12s} {v:22s} {r['median_ms']:8.2f} ms {r['tflops']:7.1f} TFLOP/s"
+            for v, r in rec["results"].items() if "median_ms" in r]
+    if rec.get("launches_per_block"):
+        rows.append(f"{name:12s} launches per block: {rec['launches_per_block']}")
+    if rec.get("compute_floor"):
+        f = rec["compute_floor"]
+        rows.append(f"{name:12s} compute floor {f['floor_ms']:.2f} ms: at most {f.get('best_possible_vs_unfused') or 0:.2f}x unfused, "
+                    f"{f.get('best_possible_vs_torch_compile') or 0:.2f}x torch.compile")
+    return rows
+
+
+def _model_line(rec: dict[str, Any]) -> str:
+    """bench_fusion's whole-model record in one line: each variant's ms per step."""
+    shape = rec.get("shape", "?")
+    times = ", ".join(f"{v} {r['median_ms']:.1f}" for v, r in rec.get("results", {}).items() if "median_ms" in r)
+    ratios = ", ".join(f"{k} {rec[k]:.2f}x" for k in ("fused_speedup_vs_unfused", "fused_speedup_vs_torch_compile",
+                                                       "graph_speedup_vs_unfused", "graph_speedup_vs_torch_compile") if k in rec)
+    return f"model/{shape}: ms per step: {times or 'none finished'}" + (f"; {ratios}" if ratios else "")
+
+
+def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None = None) -> None:
+    """Print every record's headline figures, grouped by benchmark, and the gpu tests' outcome."""
+    print("\n=== session summary: this call's records ===")
+    if tests_log is not None:
+        for ln in tests_outcome(tests_log):
+            print(ln)
+    kinds: dict[str, list[tuple[Path, dict[str, Any]]]] = {"train": [], "model": [], "part": [], "other": []}
+    for p, r in records:
+        name = r.get("benchmark", "")
+        kind = ("train" if name.startswith("bench_train") else "model" if name.startswith("bench_fusion-model")
+                else "part" if name.startswith("bench_fusion") and "goal" in r else "other")
+        kinds[kind].append((p, r))
+    if kinds["train"]:
+        import bench_train  # torch and mtc: only when there is a table to print
+
+        bench_train.print_table({r["part"]: _train_rows(r) for _, r in kinds["train"]})
+    if kinds["part"]:
+        import bench_fusion
+
+        parts = [r for _, r in kinds["part"]]
+        for rec in parts:
+            for ln in _fusion_lines(rec):
+                print(ln)
+        bench_fusion.print_goals(parts)
+    for _, rec in kinds["model"]:
+        print(_model_line(rec))
+    for p, rec in kinds["other"]:
+        print(f"{rec.get('benchmark', '?')}: {p.name}")
+    devices = sorted({str(r.get("device")) for _, r in records})
+    shas = sorted({str(r.get("git_sha", ""))[:7] for _, r in records})
+    print(f"records: {len(records)}; device {', '.join(devices) or '-'}; git {', '.join(shas) or '-'}")
+
+
+def main() -> None:
+    """Parse, load the records, print the summary."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("records", nargs="*", type=Path, help="record files (default: --newer's)")
+    ap.add_argument("--newer", type=Path, help="take the records in --dir modified after this file")
+    ap.add_argument("--dir", type=Path, default=RESULTS, help="where records are (default bench/results)")
+    ap.add_argument("--tests-log", type=Path, help="the gpu tests' pytest log: its closing line and failures")
+    a = ap.parse_args()
+    if not a.records and a.newer is None:
+        ap.error("name record files or --newer FILE")
+    paths = list(a.records) + (newer_than(a.dir, a.newer) if a.newer is not None else [])
+    summarize(load(paths), a.tests_log)
+
+
+if __name__ == "__main__":
+    main()

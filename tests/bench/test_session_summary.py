@@ -1,0 +1,76 @@
+"""bench/session_summary.py: the last screen of a GPU session, rebuilt from the records it wrote
+(real records of earlier GPU sessions stand in for a call's), and nothing from before the call."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+RESULTS = BENCH / "results"
+
+
+def _summary(args: list[str]) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / "session_summary.py"), *args], capture_output=True, text=True,
+                          cwd=BENCH.parent, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_summary_prints_this_calls_tables_and_verdicts_and_skips_older_records(tmp_path):
+    marker = tmp_path / "since"
+    marker.write_text("")
+    old = tmp_path / "bench_train-P1-48-vm-old.json"  # written before the call started: not this call's
+    shutil.copy(RESULTS / "bench_train-P1-48-vm-20261126T151951.json", old)
+    os.utime(old, (1, 1))
+    os.utime(marker, (100, 100))
+    for name in ("bench_train-P3-vm-20261126T152231.json", "bench_fusion-vm-20261126T194042.json",
+                 "kernel_compile_check-vm-20261127T163409.json"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    # a P1-16 part the time limit cut after its first setting: the record keeps what finished
+    full = json.loads((RESULTS / "bench_train-P1-16-vm-20261126T170606.json").read_text())
+    first = full["settings"][0]
+    partial = {"benchmark": "bench_train", "part": "P1-16", "smoke": False, "partial": "the part did not finish",
+               "settings_done": {first["setting"]: first}, "device": full["device"], "git_sha": full["git_sha"]}
+    (tmp_path / "bench_train-P1-16-vm-cut.json").write_text(json.dumps(partial))
+    log = tmp_path / "gpu_tests.log"
+    log.write_text("tests/a.py::test_x PASSED\nFAILED tests/b.py::test_y - RuntimeError: boom\n"
+                   "============ 1 failed, 1 passed in 3.00s ============\n")
+
+    out = _summary(["--newer", str(marker), "--dir", str(tmp_path), "--tests-log", str(log)])
+
+    assert "1 failed, 1 passed" in out and "FAILED tests/b.py::test_y" in out
+    assert "P1-48" not in out, "a record older than the call was summarised"
+    # P1-16's finished setting and its goal line, though the part was cut off
+    assert f"P1-16  {first['setting']}" in out and f"{first['model_tflops']:.1f}" in out
+    assert "P1-16  goal: stateless >= 230" in out
+    p3 = json.loads((RESULTS / "bench_train-P3-vm-20261126T152231.json").read_text())
+    assert f"mtc best / baseline best tokens/s: {p3['ratio_mtc_over_baseline']:.2f}" in out
+    # the block: every variant's median and the goal table's verdict
+    block = json.loads((RESULTS / "bench_fusion-vm-20261126T194042.json").read_text())
+    for v, r in block["results"].items():
+        assert f"llama/block  {v:22s} {r['median_ms']:8.2f} ms" in out
+    assert "llama/block" in out and block["goal"]["verdict"] in out
+    assert "kernel_compile_check: kernel_compile_check-vm-20261127T163409.json" in out
+    assert "records: 4;" in out
+
+
+def test_summary_reports_an_unreadable_record_a_missing_tests_log_and_parts_cut_before_their_ratio(tmp_path):
+    bad = tmp_path / "bench_train-P3-vm-torn.json"
+    bad.write_text('{"benchmark": "bench_tr')
+    cut = []
+    for part, name in (("P3", "bench_train-P3-vm-20261126T152231.json"), ("P5", "bench_train-P5-vm-20261126T170750.json")):
+        first = json.loads((RESULTS / name).read_text())["settings"][0]
+        cut.append(tmp_path / f"{part}-cut.json")
+        cut[-1].write_text(json.dumps({"benchmark": "bench_train", "part": part, "partial": "cut",
+                                       "settings_done": {first["setting"]: first}}))
+    out = _summary([str(bad), *map(str, cut), "--tests-log", str(tmp_path / "nope.log")])
+    assert f"cannot read {bad}" in out
+    assert "gpu tests: no log" in out
+    assert "P3     mtc best / baseline best tokens/s: - (goal" in out  # no ratio yet: said, not a crash
+    assert "P5     stateless-10-blocks" in out and "GPU peak 40 / 10" not in out
+    assert "records: 2;" in out
