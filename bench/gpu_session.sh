@@ -6,6 +6,8 @@
 #                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head, profiled (each variant's kernels over one
 #                  more call, and the compute floor they give: how far fusion can take the part at most)
+#   siblings       bench_sibling_matmuls: q/k/v and gate/up projections as one matmul each against
+#                  separate ones (Llama-8B and Qwen2 blocks, P1, P3 shapes; ~20 s): not built yet, measured first
 #   model/SHAPE    bench_fusion's whole-model line: SHAPE 1.5b or 4.6b (bench_train's P3 / P1), the full
 #                  stack's step through the executor, unfused vs mtc fused vs replayed vs torch.compile
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
@@ -41,7 +43,7 @@
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 40 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of the defaults, then
-#       model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
+#       siblings (~20 s), model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
 #       (gpt2/head qwen2/head llama/head) met their goal on the H200 on 2026-11-27 (92b2eda), ~50 s each
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
@@ -158,6 +160,11 @@ for p in "${parts[@]}"; do
       # torch.compile (2-4 % on the first H100 run) is read off them
       timeout -k 10 "$left" python3 bench/bench_fusion.py --arch llama qwen2 gpt2 --part block --profile ${BENCH_ARGS:-} 2>&1 \
         | tee -a "$log" ;;
+    siblings)
+      # q/k/v and gate/up as one matmul each, separate vs merged, on the blocks' and P1/P3's shapes (~20 s):
+      # whether the compiler pass is worth building (bench/bench_sibling_matmuls.py's docstring)
+      if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
+      timeout -k 10 "$left" python3 bench/bench_sibling_matmuls.py 2>&1 | tee -a "$log" ;;
     *)
       if [ "$left" -lt 40 ]; then echo "skipped $p: out of time" | tee -a "$log"; continue; fi
       timeout -k 10 "$left" python3 bench/bench_fusion.py --arch "${p%/*}" --part "${p#*/}" --profile ${BENCH_ARGS:-} 2>&1 | tee -a "$log" ;;

@@ -91,11 +91,12 @@ def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None
     if tests_log is not None:
         for ln in tests_outcome(tests_log):
             print(ln)
-    kinds: dict[str, list[tuple[Path, dict[str, Any]]]] = {"train": [], "model": [], "part": [], "other": []}
+    kinds: dict[str, list[tuple[Path, dict[str, Any]]]] = {"train": [], "model": [], "part": [], "siblings": [], "other": []}
     for p, r in records:
         name = r.get("benchmark", "")
         kind = ("train" if name.startswith("bench_train") else "model" if name.startswith("bench_fusion-model")
-                else "part" if name.startswith("bench_fusion") and "goal" in r else "other")
+                else "part" if name.startswith("bench_fusion") and "goal" in r
+                else "siblings" if name.startswith("bench_sibling_matmuls") else "other")
         kinds[kind].append((p, r))
     if kinds["train"]:
         import bench_train  # torch and mtc: only when there is a table to print
@@ -111,6 +112,10 @@ def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None
         bench_fusion.print_goals(parts)
     for _, rec in kinds["model"]:
         print(_model_line(rec))
+    for _, rec in kinds["siblings"]:
+        for shape, gs in rec.get("results", {}).items():
+            print(f"siblings {shape}: merged matmuls save per joint call " + "; ".join(
+                f"{g} {r['saved_ms_per_joint']:.3f} ms ({r['saved_ms_per_joint_with_cat']:.3f} with the cat)" for g, r in gs.items()))
     for p, rec in kinds["other"]:
         print(f"{rec.get('benchmark', '?')}: {p.name}")
     devices = sorted({str(r.get("device")) for _, r in records})

@@ -511,3 +511,42 @@ def test_p3_judges_its_goal_on_the_checkpointed_baselines_and_reports_the_others
     assert [b["setting"] for b in rec["baselines"]] == ["torch_compile_no_ckpt", "torch_compile", "torch_eager"]
     assert rec["baseline_best_tokens_per_s"] == 80.0 and rec["ratio_mtc_over_baseline"] == pytest.approx(1.25)
     assert rec["baseline_best_any_tokens_per_s"] == 125.0 and rec["ratio_mtc_over_any_baseline"] == pytest.approx(0.8)
+
+
+def test_sibling_matmuls_smoke_records_each_groups_ways_and_checks_merged_results(tmp_path):
+    (rec,) = run_bench("bench_sibling_matmuls.py", ["--smoke"], tmp_path, timeout=120)
+    assert rec["benchmark"] == "bench_sibling_matmuls-smoke" and rec["smoke"]
+    groups = rec["results"]["smoke"]
+    # SMOKE: dim 64, head dim 16, 4 heads, 2 KV heads, ffn 160
+    assert groups["qkv"]["widths"] == [64, 32, 32] and groups["gate_up"]["widths"] == [160, 160]
+    for g in groups.values():
+        assert g["ok"] and max(g["max_rel_err"].values()) < 1e-4
+        assert set(g["ms"]) == {"fwd_separate", "fwd_merged", "dx_separate", "dx_merged", "dw_separate", "dw_merged",
+                                "cat", "add"}
+        assert all(finite(v) and v > 0 for v in g["ms"].values())
+        # the saving with the cat is the saving without it less the cat's time
+        assert math.isclose(g["saved_ms_per_joint"] - g["saved_ms_per_joint_with_cat"], g["ms"]["cat"], rel_tol=1e-9)
+
+
+def test_sibling_matmuls_refuses_real_shapes_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_sibling_matmuls.py"), "--no-record"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode != 0 and "--smoke checks the script" in proc.stderr
+
+
+def test_merged_group_results_match_separate_ones_and_a_wrong_layout_would_show():
+    sys.path.insert(0, str(BENCH))
+    import bench_sibling_matmuls as sib
+
+    r = sib.measure_group(32, 48, [48, 16, 16], torch.device("cpu"), torch.float32, rounds=1, reps=1)
+    assert r["ok"] and max(r["max_rel_err"].values()) < 1e-5
+    # the check compares merged against separate products: a merged weight that is not the
+    # weights side by side (k's and v's rows swapped) shows in both products that read it (the
+    # weight gradient reads no weight)
+    g = torch.Generator().manual_seed(1)
+    widths = [48, 16, 16]
+    ws = [torch.randn(w, 48, generator=g) for w in widths]
+    x, dys = torch.randn(32, 48, generator=g), [torch.randn(32, w, generator=g) for w in widths]
+    assert max(sib.merged_errors(x, ws, torch.cat(ws), dys, widths).values()) < 1e-5
+    swapped = sib.merged_errors(x, ws, torch.cat([ws[0], ws[2], ws[1]]), dys, widths)
+    assert swapped["fwd"] > 0.1 and swapped["dx"] > 0.1 and swapped["dw"] < 1e-6
