@@ -37,6 +37,9 @@ def test_summary_prints_this_calls_tables_and_verdicts_and_skips_older_records(t
     partial = {"benchmark": "bench_train", "part": "P1-16", "smoke": False, "partial": "the part did not finish",
                "settings_done": {first["setting"]: first}, "device": full["device"], "git_sha": full["git_sha"]}
     (tmp_path / "bench_train-P1-16-vm-cut.json").write_text(json.dumps(partial))
+    (tmp_path / "bench_sibling_matmuls-vm-x.json").write_text(json.dumps(
+        {"benchmark": "bench_sibling_matmuls", "results": {"P3": {"qkv": {"saved_ms_per_joint": 0.125,
+                                                                          "saved_ms_per_joint_with_cat": -0.25}}}}))
     log = tmp_path / "gpu_tests.log"
     log.write_text("tests/a.py::test_x PASSED\nFAILED tests/b.py::test_y - RuntimeError: boom\n"
                    "============ 1 failed, 1 passed in 3.00s ============\n")
@@ -56,7 +59,8 @@ def test_summary_prints_this_calls_tables_and_verdicts_and_skips_older_records(t
         assert f"llama/block  {v:22s} {r['median_ms']:8.2f} ms" in out
     assert "llama/block" in out and block["goal"]["verdict"] in out
     assert "kernel_compile_check: kernel_compile_check-vm-20261127T163409.json" in out
-    assert "records: 4;" in out
+    assert "siblings P3: merged matmuls save per joint call qkv 0.125 ms (-0.250 with the cat)" in out
+    assert "records: 5;" in out
 
 
 def test_summary_reports_an_unreadable_record_a_missing_tests_log_and_parts_cut_before_their_ratio(tmp_path):
