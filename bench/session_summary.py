@@ -19,6 +19,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,6 +86,22 @@ def _model_line(rec: dict[str, Any]) -> str:
     return f"model/{shape}: ms per step: {times or 'none finished'}" + (f"; {ratios}" if ratios else "")
 
 
+def _guarded(what: str, fn: Callable[[], object]) -> bool:
+    """Run one section's printer; a record it cannot read is reported, and the summary goes on."""
+    try:
+        fn()
+        return True
+    except Exception as e:  # noqa: BLE001 - the summary is the last thing a device call prints: never lose the rest
+        print(f"session summary: {what} could not be printed ({type(e).__name__}: {e})")
+        return False
+
+
+def _print_siblings(rec: dict[str, Any]) -> None:
+    for shape, gs in rec.get("results", {}).items():
+        print(f"siblings {shape}: merged matmuls save per joint call " + "; ".join(
+            f"{g} {r['saved_ms_per_joint']:.3f} ms ({r['saved_ms_per_joint_with_cat']:.3f} with the cat)" for g, r in gs.items()))
+
+
 def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None = None) -> None:
     """Print every record's headline figures, grouped by benchmark, and the gpu tests' outcome."""
     print("\n=== session summary: this call's records ===")
@@ -101,21 +118,20 @@ def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None
     if kinds["train"]:
         import bench_train  # torch and mtc: only when there is a table to print
 
-        bench_train.print_table({r["part"]: _train_rows(r) for _, r in kinds["train"]})
+        table = {r["part"]: _train_rows(r) for _, r in kinds["train"]}
+        if not _guarded("bench_train's table", lambda: bench_train.print_table(table)):
+            for part, rec in table.items():  # one part's odd record must not hide the others'
+                _guarded(f"bench_train's {part}", lambda rec=rec, part=part: bench_train.print_table({part: rec}))
     if kinds["part"]:
         import bench_fusion
 
-        parts = [r for _, r in kinds["part"]]
-        for rec in parts:
-            for ln in _fusion_lines(rec):
-                print(ln)
-        bench_fusion.print_goals(parts)
+        for _, rec in kinds["part"]:
+            _guarded(f"{rec.get('arch')}/{rec.get('part')}", lambda rec=rec: [print(ln) for ln in _fusion_lines(rec)])
+        _guarded("bench_fusion's goal table", lambda: bench_fusion.print_goals([r for _, r in kinds["part"]]))
     for _, rec in kinds["model"]:
-        print(_model_line(rec))
+        _guarded("the whole-model line", lambda rec=rec: print(_model_line(rec)))
     for _, rec in kinds["siblings"]:
-        for shape, gs in rec.get("results", {}).items():
-            print(f"siblings {shape}: merged matmuls save per joint call " + "; ".join(
-                f"{g} {r['saved_ms_per_joint']:.3f} ms ({r['saved_ms_per_joint_with_cat']:.3f} with the cat)" for g, r in gs.items()))
+        _guarded("bench_sibling_matmuls", lambda rec=rec: _print_siblings(rec))
     for p, rec in kinds["other"]:
         print(f"{rec.get('benchmark', '?')}: {p.name}")
     devices = sorted({str(r.get("device")) for _, r in records})

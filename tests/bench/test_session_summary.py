@@ -78,3 +78,20 @@ def test_summary_reports_an_unreadable_record_a_missing_tests_log_and_parts_cut_
     assert "P3     mtc best / baseline best tokens/s: - (goal" in out  # no ratio yet: said, not a crash
     assert "P5     stateless-10-blocks" in out and "GPU peak 40 / 10" not in out
     assert "records: 2;" in out
+
+
+def test_one_unreadable_section_does_not_hide_the_others(tmp_path):
+    p3 = tmp_path / "p3.json"
+    shutil.copy(RESULTS / "bench_train-P3-vm-20261126T152231.json", p3)
+    odd = tmp_path / "p5.json"  # a bench_train record whose settings are not what the table reads
+    odd.write_text(json.dumps({"benchmark": "bench_train", "part": "P5", "settings": [{"setting": "x", "median_step_s": "?"}]}))
+    block = tmp_path / "block.json"
+    rec = json.loads((RESULTS / "bench_fusion-vm-20261126T194132.json").read_text())
+    del rec["fused_speedup_vs_unfused"]  # the goal table reads it
+    block.write_text(json.dumps(rec))
+    out = _summary([str(p3), str(odd), str(block)])
+    assert "session summary: bench_train's P5 could not be printed" in out
+    assert "P3     mtc best / baseline best tokens/s" in out  # P3's rows still there
+    assert "session summary: bench_fusion's goal table could not be printed (KeyError" in out
+    assert "qwen2/block  unfused" in out  # the block's medians still there
+    assert "records: 3;" in out
