@@ -74,6 +74,13 @@ def _fusion_lines(rec: dict[str, Any]) -> list[str]:
         f = rec["compute_floor"]
         rows.append(f"{name:12s} compute floor {f['floor_ms']:.2f} ms: at most {f.get('best_possible_vs_unfused') or 0:.2f}x unfused, "
                     f"{f.get('best_possible_vs_torch_compile') or 0:.2f}x torch.compile")
+        # where each profiled variant's time goes: what a missed goal is read off (the kernel tables are in the log)
+        for v, sp in f.get("split_ms", {}).items():
+            busy = (rec.get("profile", {}).get(v) or {}).get("gpu_ms_total")
+            med = rec["results"].get(v, {}).get("median_ms")
+            tail = f", GPU busy {busy:.2f} of {med:.2f} ms" if busy is not None and med is not None else ""
+            rows.append(f"{name:12s}   {v:20s} matmul {sp['matmul']:.2f}, attention {sp['attention']:.2f}, "
+                        f"other kernels {sp['other']:.2f} ms{tail}")
     return rows
 
 

@@ -80,6 +80,16 @@ def test_summary_reports_an_unreadable_record_a_missing_tests_log_and_parts_cut_
     assert "records: 2;" in out
 
 
+def test_a_profiled_part_says_where_each_variants_time_goes():
+    name = "bench_fusion-vm-20261127T114300.json"  # the H200's Llama head, profiled
+    rec = json.loads((RESULTS / name).read_text())
+    out = _summary([str(RESULTS / name)])
+    for v, sp in rec["compute_floor"]["split_ms"].items():
+        busy, med = rec["profile"][v]["gpu_ms_total"], rec["results"][v]["median_ms"]
+        assert (f"llama/head     {v:20s} matmul {sp['matmul']:.2f}, attention {sp['attention']:.2f}, other kernels "
+                f"{sp['other']:.2f} ms, GPU busy {busy:.2f} of {med:.2f} ms") in out
+
+
 def test_one_unreadable_section_does_not_hide_the_others(tmp_path):
     p3 = tmp_path / "p3.json"
     shutil.copy(RESULTS / "bench_train-P3-vm-20261126T152231.json", p3)
