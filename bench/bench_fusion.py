@@ -432,6 +432,20 @@ def print_goals(recs: list[dict]) -> None:
           "tc: torch.compile; the verdict takes the faster of the two")
 
 
+def model_text(rec: dict) -> str:
+    """A whole-model record's size and speed-ups in one line."""
+    line = f"model/{rec['shape']:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
+    if "fused_speedup_vs_unfused" in rec:
+        line += f": fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x"
+    if "fused_speedup_vs_torch_compile" in rec:
+        line += f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x"
+    if "graph_speedup_vs_unfused" in rec:
+        line += f"; replayed vs unfused {rec['graph_speedup_vs_unfused']:.2f}x"
+    if "graph_speedup_vs_torch_compile" in rec:
+        line += f", vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
+    return line + " (issue 9 states no goal for the whole-model line)"
+
+
 def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: int) -> None:
     """The whole-model line: each stack's step, every variant, one record per stack."""
     shapes = ["smoke"] if a.smoke else (a.shape or ["1.5b", "4.6b"])
@@ -455,17 +469,7 @@ def model_line(a: argparse.Namespace, device: torch.device, warmup: int, reps: i
             print(f"model/{shape}: FAILED; finished variants: {written[0] if written else 'none'}", flush=True)
             continue
         r = rec["results"]
-        line = f"model/{shape:5s} {rec['n_params'] / 1e9:.2f}B, {rec['tokens_per_step']} tokens per step"
-        if "fused_speedup_vs_unfused" in rec:
-            line += f": fused vs unfused {rec['fused_speedup_vs_unfused']:.2f}x"
-        if "fused_speedup_vs_torch_compile" in rec:
-            line += f", vs torch.compile {rec['fused_speedup_vs_torch_compile']:.2f}x"
-        if "graph_speedup_vs_unfused" in rec:
-            line += f"; replayed vs unfused {rec['graph_speedup_vs_unfused']:.2f}x"
-        if "graph_speedup_vs_torch_compile" in rec:
-            line += f", vs torch.compile {rec['graph_speedup_vs_torch_compile']:.2f}x"
-        line += " (issue 9 states no goal for the whole-model line)"
-        print(line)
+        print(model_text(rec))
         profs = {v: x["profile"] for v, x in r.items() if "profile" in x}
         if profs:  # as for a block: the matmuls and attention no variant can skip
             # (variants a time limit skipped have no time)

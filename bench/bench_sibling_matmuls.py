@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fusion import _time_all  # noqa: E402
 from common import P1_SHAPE, P3_SHAPE, write_record  # noqa: E402
 
 # (tokens per call, dim, head dim, heads, kv heads, ffn): the shapes the GPU benchmarks run
@@ -61,38 +62,6 @@ SMOKE = {"smoke": (64, 64, 16, 4, 2, 160)}
 def groups(dim: int, hd: int, heads: int, kv: int, ffn: int) -> dict[str, list[int]]:
     """Each group's projection widths (the rows of its weights; every weight has ``dim`` columns)."""
     return {"qkv": [heads * hd, kv * hd, kv * hd], "gate_up": [ffn, ffn]}
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    """Seconds of one call of ``fn`` (CUDA events on a GPU, the wall clock on the CPU)."""
-    if device.type == "cuda":
-        def cuda(fn: Callable[[], Any]) -> float:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return cuda
-
-    def cpu(fn: Callable[[], Any]) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    return cpu
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], device: torch.device, rounds: int, reps: int) -> dict[str, float]:
-    """Median seconds per call of each function, timed in interleaved rounds (``reps`` calls each,
-    the order rotated every round) after a warm-up call, so clock drift hits every way alike."""
-    clock = _timer(device)
-    for fn in fns.values():
-        fn()
-    names, samples = list(fns), {k: [] for k in fns}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            samples[k].append(clock(lambda k=k: [fns[k]() for _ in range(reps)]) / reps)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,7 +82,7 @@ def merged_errors(x: torch.Tensor, ws: list[torch.Tensor], w_all: torch.Tensor, 
 
 
 def measure_group(tokens: int, dim: int, widths: list[int], device: torch.device, dtype: torch.dtype,
-                  rounds: int, reps: int) -> dict[str, Any]:
+                  rounds: int) -> dict[str, Any]:
     """One group's ways, timed: forward, input gradient and weight gradient, separate and merged,
     and the cat and sum that merging adds and removes. Merged results are checked against separate."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -136,7 +105,10 @@ def measure_group(tokens: int, dim: int, widths: list[int], device: torch.device
     # one add of two input-gradient-sized tensors: three passes over [tokens, dim] (two reads, a write)
     outs = [torch.empty(tokens, dim, device=device, dtype=dtype) for _ in range(3)]
     fns["add"] = lambda: torch.add(outs[0], outs[1], out=outs[2])
-    t = _interleaved(fns, device, rounds, reps)
+    # bench_fusion's interleaved rounds (one call of each way per round, the order rotated); on CUDA
+    # the GPU span between events around each call, else the wall time
+    timed = _time_all(fns, device, warmup=1, reps=rounds)
+    t = {k: statistics.median([ms / 1e3 for ms in r["gpu_span_ms"]] or r["times_s"]) for k, r in timed.items()}
     errs = merged_errors(x, ws, w_all, dys, widths)
     flops = {"fwd": 2 * tokens * dim * n, "dx": 2 * tokens * dim * n, "dw": 2 * tokens * dim * n}
     rec: dict[str, Any] = {"widths": widths, "ms": {k: v * 1e3 for k, v in t.items()}, "max_rel_err": errs,
@@ -160,14 +132,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in fp32 (checks, no figures)")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: all")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 15 on CUDA, 3 smoke)")
-    ap.add_argument("--reps", type=int, help="calls per round and way (default 5 on CUDA, 1 smoke)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds, one call of each way per round (default 40 on CUDA, 3 smoke)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SMOKE if a.smoke else {k: SHAPES[k] for k in (a.shapes or SHAPES)}
-    rounds, reps = a.rounds or (3 if a.smoke else 15), a.reps or (1 if a.smoke else 5)
+    rounds = a.rounds or (3 if a.smoke else 40)
     if device.type == "cpu" and not a.smoke:  # (minutes of CPU time for figures that say nothing about a GPU)
         raise SystemExit("bench_sibling_matmuls: no GPU here; its figures are GPU timings. --smoke checks the script on the CPU")
     t0 = time.perf_counter()
@@ -177,7 +148,7 @@ def main() -> None:
     for name, (tokens, dim, hd, heads, kv, ffn) in shapes.items():
         results[name] = {}
         for gname, widths in groups(dim, hd, heads, kv, ffn).items():
-            r = measure_group(tokens, dim, widths, device, dtype, rounds, reps)
+            r = measure_group(tokens, dim, widths, device, dtype, rounds)
             results[name][gname] = r
             ms, tf = r["ms"], r["tflops"]
             print(f"{name:14s} {gname:8s} {ms['fwd_separate']:8.3f}/{ms['fwd_merged']:<9.3f} "
@@ -193,7 +164,7 @@ def main() -> None:
     if not all(g["ok"] for s in results.values() for g in s.values()):
         raise SystemExit("merged matmuls disagree with separate ones beyond the dtype's rounding")
     if not a.no_record:
-        print(f"record: {write_record('bench_sibling_matmuls' + ('-smoke' if a.smoke else ''), {'smoke': a.smoke, 'dtype': str(dtype), 'rounds': rounds, 'reps': reps, 'results': results})}")
+        print(f"record: {write_record('bench_sibling_matmuls' + ('-smoke' if a.smoke else ''), {'smoke': a.smoke, 'dtype': str(dtype), 'rounds': rounds, 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -71,9 +71,10 @@ def _fusion_lines(rec: dict[str, Any]) -> list[str]:
     if rec.get("launches_per_block"):
         rows.append(f"{name:12s} launches per block: {rec['launches_per_block']}")
     if rec.get("compute_floor"):
+        import bench_fusion
+
         f = rec["compute_floor"]
-        rows.append(f"{name:12s} compute floor {f['floor_ms']:.2f} ms: at most {f.get('best_possible_vs_unfused') or 0:.2f}x unfused, "
-                    f"{f.get('best_possible_vs_torch_compile') or 0:.2f}x torch.compile")
+        rows.append(f"{name:12s} {bench_fusion._floor_text(f)}")
         # where each profiled variant's time goes: what a missed goal is read off (the kernel tables are in the log)
         for v, sp in f.get("split_ms", {}).items():
             busy = (rec.get("profile", {}).get(v) or {}).get("gpu_ms_total")
@@ -84,13 +85,12 @@ def _fusion_lines(rec: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _model_line(rec: dict[str, Any]) -> str:
-    """bench_fusion's whole-model record in one line: each variant's ms per step."""
-    shape = rec.get("shape", "?")
+def _model_lines(rec: dict[str, Any]) -> list[str]:
+    """bench_fusion's whole-model record: its line as the benchmark prints it, then each variant's ms per step."""
+    import bench_fusion
+
     times = ", ".join(f"{v} {r['median_ms']:.1f}" for v, r in rec.get("results", {}).items() if "median_ms" in r)
-    ratios = ", ".join(f"{k} {rec[k]:.2f}x" for k in ("fused_speedup_vs_unfused", "fused_speedup_vs_torch_compile",
-                                                       "graph_speedup_vs_unfused", "graph_speedup_vs_torch_compile") if k in rec)
-    return f"model/{shape}: ms per step: {times or 'none finished'}" + (f"; {ratios}" if ratios else "")
+    return [bench_fusion.model_text(rec), f"model/{rec['shape']:5s} ms per step: {times or 'none finished'}"]
 
 
 def _guarded(what: str, fn: Callable[[], object]) -> bool:
@@ -136,7 +136,7 @@ def summarize(records: list[tuple[Path, dict[str, Any]]], tests_log: Path | None
             _guarded(f"{rec.get('arch')}/{rec.get('part')}", lambda rec=rec: [print(ln) for ln in _fusion_lines(rec)])
         _guarded("bench_fusion's goal table", lambda: bench_fusion.print_goals([r for _, r in kinds["part"]]))
     for _, rec in kinds["model"]:
-        _guarded("the whole-model line", lambda rec=rec: print(_model_line(rec)))
+        _guarded("the whole-model line", lambda rec=rec: [print(ln) for ln in _model_lines(rec)])
     for _, rec in kinds["siblings"]:
         _guarded("bench_sibling_matmuls", lambda rec=rec: _print_siblings(rec))
     for p, rec in kinds["other"]:

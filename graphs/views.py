@@ -635,12 +635,8 @@ def move_views(graph: fx.Graph, fusible: FusibleOps) -> int:
     """`drop_aliases`, then `sink_expands`, `hoist_slices`, `hoist_permutes` and
     `sum_through_reshapes` until none finds more; returns the rewrites made."""
     total = drop_aliases(graph)
-    while True:
-        n = (sink_expands(graph, fusible) + hoist_slices(graph, fusible) + hoist_permutes(graph, fusible)
-             + sum_through_reshapes(graph, fusible))
-        if not n:
-            break
-        total += n
+    total += _to_fixpoint(lambda: sink_expands(graph, fusible) + hoist_slices(graph, fusible) + hoist_permutes(graph, fusible)
+                          + sum_through_reshapes(graph, fusible))
     if total:
         graph.eliminate_dead_code()
         graph.lint()

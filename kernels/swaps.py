@@ -290,8 +290,8 @@ def attention_output_layout_known(node: fx.Node) -> bool:
     """Whether ``node`` views a flash-attention output whose layout at run time is the one its
     meta value records. O is laid out like q (``empty_like``), so q's layout must be known: q
     views a value recorded contiguous, which is laid out so at run time whether ATen or a
-    generated kernel computes it (a kernel keeps another recorded layout only when it is dense
-    with the last dim innermost: `mtc.kernels.codegen`'s ``_layout``)."""
+    generated kernel computes it (a kernel writes the layout the trace recorded, or the group
+    stays on ATen: `mtc.kernels.codegen`'s ``_layout``)."""
     fwd, _ = _flash_ops()
     root = view_root(node)
     if not (root.op == "call_function" and root.target is operator.getitem and root.args[1] == 0

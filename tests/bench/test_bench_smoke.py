@@ -538,7 +538,7 @@ def test_merged_group_results_match_separate_ones_and_a_wrong_layout_would_show(
     sys.path.insert(0, str(BENCH))
     import bench_sibling_matmuls as sib
 
-    r = sib.measure_group(32, 48, [48, 16, 16], torch.device("cpu"), torch.float32, rounds=1, reps=1)
+    r = sib.measure_group(32, 48, [48, 16, 16], torch.device("cpu"), torch.float32, rounds=1)
     assert r["ok"] and max(r["max_rel_err"].values()) < 1e-5
     # the check compares merged against separate products: a merged weight that is not the
     # weights side by side (k's and v's rows swapped) shows in both products that read it (the

@@ -105,3 +105,14 @@ def test_one_unreadable_section_does_not_hide_the_others(tmp_path):
     assert "session summary: bench_fusion's goal table could not be printed (KeyError" in out
     assert "qwen2/block  unfused" in out  # the block's medians still there
     assert "records: 3;" in out
+
+
+def test_the_whole_model_line_is_printed_as_bench_fusion_prints_it_with_each_variants_step(tmp_path):
+    rec = {"benchmark": "bench_fusion-model", "part": "model", "shape": "1.5b", "n_params": 1.53e9, "tokens_per_step": 16384,
+           "results": {"unfused": {"median_ms": 500.0}, "mtc_fused": {"median_ms": 400.0}, "torch_compile": {"error": "x"}},
+           "fused_speedup_vs_unfused": 1.25}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(rec))
+    out = _summary([str(path)])
+    assert "model/1.5b  1.53B, 16384 tokens per step: fused vs unfused 1.25x (issue 9 states no goal" in out
+    assert "model/1.5b  ms per step: unfused 500.0, mtc_fused 400.0\n" in out
