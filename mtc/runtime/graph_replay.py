@@ -161,6 +161,7 @@ class CudaGraphCapture:
         self.device, self.warmup, self.compare, self.reps = torch.device(device), warmup, compare, reps
         self.stream = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
+        self.failed_captures = 0  # each one moves later captures to a fresh pool (see capture)
 
     def capture(self, fn: Callable[..., Any], args: Sequence[torch.Tensor],
                 copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Callable[[], None], Any, dict[str, float]]:
@@ -210,6 +211,13 @@ class CudaGraphCapture:
                 torch._C._cuda_endAllocateToPool(idx, self.pool)
             with contextlib.suppress(Exception):
                 release_generator_after_failed_capture(idx)
+            # torch 2.11's capture_begin also has the pinned host allocator record into the pool, and
+            # torch offers no call that ends that: a later capture into the same pool raised "already
+            # recording to mempool_id" (H200, 2026-11-27, after the device allocator's end above). So
+            # later captures share a fresh pool; the old entry's filter names the dead capture only,
+            # so nothing more is routed into it. Graphs captured before keep theirs.
+            self.pool = torch.cuda.graph_pool_handle()
+            self.failed_captures += 1
             raise
         t2 = time.perf_counter()
         figures = {"warmup_s": t1 - t0, "capture_s": t2 - t1,
