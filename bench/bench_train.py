@@ -89,7 +89,7 @@ from mtc.models import build, model_config
 from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
 from mtc.planner import local_update_rates
 from mtc.runtime.pinned import host_buffer
-from mtc.runtime.placement import describe, streamed_grads_on_device
+from mtc.runtime.placement import deferred_layers, describe, streamed_grads_on_device
 from mtc.runtime.timeline import Timeline
 from mtc.train import StepRecord, TrainResult, build_model, open_run, train
 from mtc.tracer import LossModel, trace
@@ -97,6 +97,8 @@ from mtc.tracer import LossModel, trace
 PARTS = ("P1-16", "P1-48", "P3", "P5")
 GOALS = {"P1-16": 230.0, "P1-48": 300.0}  # stateless model TFLOP/s
 MEGATRAIN = {"P1-16": 93.0, "P1-48": 181.0}  # MegaTrain on the same box, model TFLOP/s
+# the mtc settings of P1 and P3 (`_setting`)
+SETTINGS = ("stateless", "stateless-noprefetch", "stateless-nohandoff", "auto", "auto-recompute")
 P3_GOAL, P5_GOAL = 1.0, 1.1
 
 
@@ -209,6 +211,9 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     prog, place = res.program, res.placement
     cb = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     last = prog.n_layers - 1
+    # GPU-updated layers handed over on the device (`TrainConfig.update_handoff`): their visits'
+    # weights stay on the device once they have been updated (the first step's still cross)
+    handed = deferred_layers(res.gpu_update, res.prefetch) if cfg.update_handoff and cb != 4 else set()
     weights = 0
     for call in prog.layers:  # embed + blocks: forward and backward visits; the head: one visit
         # its own weights and tied ones of other layers, each crossing unless its owner is resident
@@ -218,7 +223,7 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
             p = prog.params[k]
             if p.layer != call.index:
                 reads[p.layer] = reads.get(p.layer, 0) + p.numel
-        numel = sum(n for owner, n in reads.items() if place[owner] != "gpu")
+        numel = sum(n for owner, n in reads.items() if place[owner] != "gpu" and owner not in handed)
         weights += numel * cb * (1 if call.index == last else 2)
     # a GPU-updated layer's gradient waits on the device unless the run has a fixed activation budget
     on_device = streamed_grads_on_device(cfg.activation_budget_gb)
@@ -231,7 +236,8 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     batch = cfg.grad_accum * 2 * cfg.micro_batch_size * cfg.seq_len * 8  # token ids and targets, int64
     h2d = weights + per_in * streamed + acts + batch  # streamed update in: master, m, v (+ the gradient from the host), fp32
     d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed + acts  # out: master, m, v (+ compute copy)
-    return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1), "
+    return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1; "
+                      "none for GPU-updated layers handed over on the device), "
                       "fp32 gradients of non-gpu layers (and of GPU-updated ones with a fixed activation budget), "
                       f"GPU-updated ram layers' state {per_in} B in / 12+c B out per param, offloaded boundary "
                       "activations (counted act_out spans) both ways, the micro-batches' token ids and targets up",
@@ -439,6 +445,11 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "gpu_update_params": planned["streamed_update_params"],
         # of them, the first that many loaded their state during the backward (`update_prefetch`)
         "update_prefetch_spec": cfg.update_prefetch, "update_prefetch_layers": res.prefetch,
+        # of those, the ones whose visits copied their new weights within the device (`update_handoff`)
+        "update_handoff": cfg.update_handoff,
+        "handoff_layers": sorted(i for i, s in enumerate(res.tiers.layers)
+                                 if s.device_copy is not None and s.device_copy.done() and s.device_copy.exception() is None
+                                 and s.device_copy.result() is not None),
         # blocks that kept their matmul and attention outputs from forward to backward (`plan_saves`)
         "save_activations_spec": cfg.save_activations, "saved_activation_layers": res.saves,
         "saved_activation_bytes": res.saved_bytes,
@@ -718,12 +729,15 @@ def part_p1(env: Env, part: str, settings: list[str]) -> dict[str, Any]:
 def _setting(cfg: TrainConfig, setting: str) -> TrainConfig:
     """``cfg`` for a named setting: auto (the plan's placement), stateless (all state in host RAM),
     or stateless-noprefetch (the same, with no GPU-updated layer's state loaded during the backward:
-    the A/B of `update_prefetch` in one run), or auto-recompute (auto with every block recomputed
-    in its backward visit: the A/B of `save_activations`)."""
+    the A/B of `update_prefetch` in one run), or stateless-nohandoff (stateless with every visit
+    reading the host copy of the weights: the A/B of `update_handoff`), or auto-recompute (auto
+    with every block recomputed in its backward visit: the A/B of `save_activations`)."""
     if setting == "auto":
         return cfg
     if setting == "auto-recompute":
         return dataclasses.replace(cfg, save_activations="off")
+    if setting == "stateless-nohandoff":
+        return dataclasses.replace(cfg, placement="stateless", update_prefetch=None, update_handoff=False)
     return dataclasses.replace(cfg, placement="stateless", update_prefetch=0 if setting == "stateless-noprefetch" else None)
 
 
@@ -932,7 +946,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of parts (default all: {','.join(PARTS)})")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 3 steps: the code paths, not speed")
     ap.add_argument("--settings", default="stateless,auto",
-                    help="P1/P3 mtc settings, in order (stateless, stateless-noprefetch, auto, auto-recompute)")
+                    help="P1/P3 mtc settings, in order (stateless, stateless-noprefetch, stateless-nohandoff, auto, auto-recompute)")
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default 2; 1 with --smoke)")
     ap.add_argument("--steps", type=int, help="measured steps after warm-up (default 4; 2 with --smoke)")
     ap.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiled extra step (no GPU busy %%)")
@@ -969,8 +983,8 @@ def main() -> None:
         if v < 1 or 16 % v or (flag == "--micro-batch" and 48 % v):
             ap.error(f"{flag} must divide the sequences per step (16, and 48 for --micro-batch), got {v}; e.g. 4 or 8")
     settings = [s.strip() for s in a.settings.split(",") if s.strip()]
-    if not settings or any(s not in ("stateless", "stateless-noprefetch", "auto", "auto-recompute") for s in settings):
-        ap.error(f"--settings takes stateless, stateless-noprefetch, auto and/or auto-recompute, got {a.settings!r}")
+    if not settings or any(s not in SETTINGS for s in settings):
+        ap.error(f"--settings takes {', '.join(SETTINGS)} (any of them, in order), got {a.settings!r}")
     if not a.smoke and not torch.cuda.is_available():
         ap.error("the real benchmark needs a CUDA device; use --smoke on the CPU")
     start = _T0

@@ -13,8 +13,9 @@
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes;
-#                  P1-16 runs stateless and auto (P1_AB=1 adds stateless-noprefetch between them:
-#                  update_prefetch's A/B, ~80 s more; the H100 measured that side at 2.10 s/step);
+#                  P1-16 runs stateless and auto (P1_AB=1 adds stateless-nohandoff between them:
+#                  update_handoff's A/B, ~60 s more; the H200 measured that side at 2.06 s/step on
+#                  2026-11-27, before the handoff existed);
 #                  it starts only with TRAIN_MIN_S, default 150 s, left, and stops starting settings
 #                  at its own limit, keeping the ones it finished; P3 runs mtc auto and the
 #                  torch.compile baselines first, so a short budget still gives the ratio)
@@ -133,10 +134,12 @@ for p in "${parts[@]}"; do
       # bench_train stops starting settings at its own limit and writes its records; timeout is the backstop
       limit=$(( left - 20 < 480 ? left - 20 : 480 ))
       # one plans directory for every train part of the call: a shape's plan compiles once (P1-48 loads P1-16's)
-      # P1_AB=1: P1-16 adds the prefetch's A/B between its two settings (TRAIN_ARGS may name --settings itself);
-      # off by default: a lent task's 15 device minutes fit the tests, P1-16, the 1.5B stack and P3 only without it
+      # P1_AB=1: P1-16 adds the weights handoff's A/B between its two settings (stateless-nohandoff:
+      # every visit reads the host copy, as before 2026-11-27; TRAIN_ARGS may name --settings itself,
+      # e.g. stateless-noprefetch for the prefetch's); off by default: a lent task's 15 device
+      # minutes fit the tests, P1-16, the 1.5B stack and P3 only without it
       ab=()
-      [ "$p" = train/P1-16 ] && [ -n "${P1_AB:-}" ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings stateless,stateless-noprefetch,auto)
+      [ "$p" = train/P1-16 ] && [ -n "${P1_AB:-}" ] && [[ "${TRAIN_ARGS:-}" != *--settings* ]] && ab=(--settings stateless,stateless-nohandoff,auto)
       # P3: the saved activations' A/B (auto keeps every block's matmul and attention outputs on the
       # GPU, auto-recompute recomputes them) first, then stateless; its baselines add torch.compile
       # without checkpointing (about 40 s more than before)

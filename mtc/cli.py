@@ -32,7 +32,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 # help text, accepted values and defaults come from the schema in mtc.config.
 _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "seq_len", "grad_accum", "seed", "device", "compute_dtype", "allow_tf32", "kernels",
-    "placement", "gpu_update", "update_prefetch", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb",
+    "placement", "gpu_update", "update_prefetch", "update_handoff", "durability", "commit_every", "activation_budget_gb", "ram_budget_gb",
     "gpu_budget_gb", "optim_threads", "host_adamw", "io_threads", "max_nonfinite_steps", "disk_compute", "eval_every", "eval_batches",
     "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
     "cuda_graphs",
@@ -42,6 +42,7 @@ _TRAIN_FLAGS = (
     "rank_dir",
     "save_activations",
 )
+_BOOL_FLAGS = ("allow_tf32", "update_handoff")  # --X / --no-X
 _COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
 
@@ -447,7 +448,7 @@ def _cmd_reshard(a: argparse.Namespace) -> int:
 
 
 # run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
-_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "update_prefetch", "durability",
+_PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "update_prefetch", "update_handoff", "durability",
                "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs",
                "save_activations")
 
@@ -596,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--store", required=True, help="store directory (created, or resumed)")
     t.add_argument("--data", required=True, help="token file (.bin with its .json header), see `mtc prepare`")
     for path in _TRAIN_FLAGS:
-        if path == "allow_tf32":
+        if path in _BOOL_FLAGS:
             t.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))
         else:
             # Values stay text here: the schema parses and checks them, so a bad value is one line.
@@ -728,7 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
                     "(h100-box, h200-1.5tb, 256gb-4tb-nvme, 8x-h100); default: the last `mtc calibrate` profile, else a quick measurement")
     for path in _PLAN_FLAGS:
-        pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
+        if path in _BOOL_FLAGS:
+            pl.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))
+        else:
+            pl.add_argument(_flag(path), dest=_dest(path), metavar=field_metavar(path), help=field_help(path))
     pl.add_argument("--no-extrapolate", action="store_true", help="skip the 70B/120B/175B extrapolations and the largest-model search")
     pl.add_argument("--world-size", type=int, default=1, metavar="N",
                     help="plan one rank of a data-parallel run of N ranks (torchrun --nproc-per-node), its host's totals and "

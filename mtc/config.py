@@ -221,6 +221,13 @@ class TrainConfig:
                                         help="GPU-updated ram layers whose state loads during the backward (GPU memory: "
                                         "14 B per parameter of each); none: as many as fit in the GPU memory left "
                                         "(0 with --activation-budget-gb)")
+    # a layer loaded ahead keeps its new weights in its GPU scratch set until its next update: the
+    # step's visits copy them from there on the device instead of over PCIe and back
+    # (mtc.runtime.optimizer, `LayerState.device_copy`); off: every visit reads the host copy, as
+    # before 2026-11-27 (the A/B of bench_train's P1_AB)
+    update_handoff: bool = field(True, help="GPU-updated ram layers loaded ahead give the next forward and backward "
+                                 "their new weights on the device (a copy within GPU memory, not 2 x 2 B per "
+                                 "parameter over PCIe); bf16 compute only")
     # "full": two generations of master, m, v (exact crash-safe resume); "weights": two generations
     # of master weights only (resume restarts Adam's moments); "none".
     durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")

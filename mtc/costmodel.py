@@ -610,6 +610,10 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # of those, the ones whose set no later layer reuses send their weights back first, the rest
     # of their state behind every layer's weights
     late = deferred_layers(gpu_update, prefetch) if dist is None else set()
+    # and of those, with the handoff (`TrainConfig.update_handoff`, not in fp32), the visits copy
+    # the new weights from the scratch set on the device: they wait for the kernel only, and the
+    # weights no longer cross to the device at each visit (after the first step's)
+    hand = late if cfg.update_handoff and c != 4 else set()
     # bytes per parameter back: the whole state (master, m, v and a separate compute copy), and of
     # it the weights a forward reads (the compute copy, or in fp32 the master itself)
     all_back, w_back = 12 + (c if c != 4 else 0), c
@@ -695,6 +699,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         pf_last: int | None = None  # the optimizer lane's copies in, in order
         back: list[int | None] = [None] * L
         gate: list[int | None] = [None] * L  # what a forward fetch waits for: the update (and its all-gather)
+        kernel: list[int | None] = [None] * L  # a handed-over layer's update kernel
         dev = sync
         if s:
             cpu_chain = str_in = str_out = writer = sync
@@ -709,8 +714,12 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 elif i in ahead:  # loaded during the last backward, after its state came back from the last update
                     pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, back_prev[i]))
                     out_b = w_back if i in late else all_back
-                    str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"],
-                                               (pf_last, str_out, *deps))
+                    if i in hand:  # the kernel (beside the compute), then its weights back to the host copy
+                        kernel[i] = sim.add(sn[i] / gpu_rate, on["compute"], (pf_last, *deps))
+                        str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (kernel[i], str_out))
+                    else:
+                        str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"],
+                                                   (pf_last, str_out, *deps))
                     back[i] = None if i in late else upd[i]
                 elif i in gpu_update:
                     str_in = sim.add(streamed_in * sn[i] / both_each, on["h2d"], (str_in, *deps))
@@ -729,6 +738,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 if wb[i] and i not in late:
                     writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev), dem_write)
                 gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
+                if kernel[i] is not None:  # handed over on the device: the visits wait for the kernel only
+                    gate[i] = kernel[i]
             for i in sorted(late):  # behind every layer's weights on the copy stream
                 str_out = back[i] = sim.add((all_back - w_back) * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (str_out,))
                 if wb[i]:  # a commit writes the state once it is back
@@ -740,7 +751,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
             if phase == "head":
                 bwd_from = comp
             issue = sim.add(0.0, "", ((issue if cuda else arrived), gate[i] if phase != "bwd" else None))
-            if resident[i]:
+            if resident[i] or (s and i in hand):  # (a handed-over layer: copied within the device, ~free)
                 arrived = issue
             else:
                 if V[i]:  # into the staging buffer (the slot on the CPU) at the store's highest priority
@@ -761,7 +772,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # behind the next step's reads) settles over a few steps, alternating long and short ones
     schedule = (end[syncs[-1]] - end[syncs[-1 - MEAN_OVER]]) / MEAN_OVER
 
-    h2d_b = sum(W[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + W[L - 1] * profile.h2d_gbps * gb
+    Wx = [0.0 if i in hand else W[i] for i in range(L)]  # what crosses PCIe per visit, steady state
+    h2d_b = sum(Wx[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + Wx[L - 1] * profile.h2d_gbps * gb
     streamed = sum(sn[i] for i in gpu_update)
     h2d_b += streamed_in * streamed
     d2h_b = sum(gn[i] * 4 for i in range(L) if not dev_grad[i]) + 14 * streamed
@@ -810,7 +822,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         stages["CPU cores, all work shared"] = cpu_work
     return StepTime(
         step_s=base + commits.stall_s, schedule_s=schedule, fwd_s=fwd_s, bwd_s=bwd_s, hw_flops=hw,
-        h2d_weights_s=sum(W[: L - 1]) * 2 + W[L - 1], d2h_grads_s=sum(G),
+        h2d_weights_s=sum(Wx[: L - 1]) * 2 + Wx[L - 1], d2h_grads_s=sum(G),
         streamed_s=max(streamed_in * streamed / (profile.h2d_gbps * gb), 14 * streamed / (profile.d2h_gbps * gb)),
         pcie_bound_s=pcie, optimizer_s=sum(adam), gpu_optimizer_s=sum(sn[i] for i in range(L) if placement[i] == "gpu") / gpu_rate,
         disk_read_s=disk_r, disk_write_s=disk_w, cpu_work_s=cpu_work, commits=commits,

@@ -184,7 +184,7 @@ def _set_rng_state(state: dict[str, str]) -> None:
 
 
 # fields that change how a run executes but not what it computes: free to differ on resume
-_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "update_prefetch", "optim_threads", "commit_every",
+_EXECUTION_FIELDS = ("disk_compute", "io_threads", "kernels", "placement", "gpu_update", "update_prefetch", "update_handoff", "optim_threads", "commit_every",
                      "host_adamw", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "durability", "max_nonfinite_steps",
                      "allow_tf32", "eval_every", "eval_batches", "cuda_graphs", "dist_timeout_s",
                      "matmul_fusion", "dp_collectives", "rank_dir", "save_activations")
@@ -879,7 +879,7 @@ def build_engine(cfg: TrainConfig, program: Program, tiers: StateTiers, gpu_upda
     try:
         opt = StreamingAdamW(program, tiers, cfg.optim, engine=copies, timeline=timeline, threads=cfg.optim_threads,
                              host_impl=cfg.host_adamw, gpu_update=gpu_update, store=store, durability=cfg.durability,
-                             prefetch=prefetch)
+                             prefetch=prefetch, handoff=cfg.update_handoff)
     except BaseException:
         executor.close()  # their threads would outlive the failed set-up
         copies.close()

@@ -46,7 +46,7 @@ from mtc.runtime.pinned import host_buffer
 from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
-from mtc.runtime.transfer import CopyEngine, Transfer
+from mtc.runtime.transfer import CopyEngine, Marker, Transfer
 from mtc.store import state_array_name
 
 __all__ = ["GradSink", "LayerWeights", "StepOutput", "StreamingExecutor", "aux_param_dependence"]
@@ -240,18 +240,29 @@ class StreamingExecutor:
     def _fetch(self, layer: int, slot: Slot) -> LayerWeights:
         plan = self._plans[layer]
         owners = {s.owner for s in plan.segments}
+        on_device: dict[int, tuple[torch.Tensor, Marker]] = {}  # owners whose new weights wait in a GPU scratch set
         with self.timeline.span("fetch_wait", layer):
             for o in owners:  # the weights must be this step's: wait for the owners' updates
                 st = self.tiers[o]
+                handed = st.device_copy.result() if st.device_copy is not None else None
+                if handed is not None:  # the update's kernel is queued: copy after it, within the device
+                    on_device[o] = handed
+                    continue
                 for dep in (st.update, st.write if st.compute is None else None):  # from the store: once written
                     if dep is not None:
                         dep.result()
         from_store = [s for s in plan.segments if self.tiers[s.owner].compute is None]
         if from_store:
             self._read_from_store(layer, slot, from_store)
-        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel],
-                   self._stage(slot)[s.slot_offset : s.slot_offset + s.numel] if self.tiers[s.owner].compute is None
-                   else self.tiers[s.owner].compute[s.start : s.start + s.numel])
+
+        def source(s: _Segment) -> torch.Tensor:
+            if s.owner in on_device:
+                return on_device[s.owner][0][s.start : s.start + s.numel]
+            if self.tiers[s.owner].compute is None:
+                return self._stage(slot)[s.slot_offset : s.slot_offset + s.numel]
+            return self.tiers[s.owner].compute[s.start : s.start + s.numel]
+
+        copies = [(slot.device[s.slot_offset : s.slot_offset + s.numel], source(s))
                   for s in plan.segments if not (self._read_into_slot and self.tiers[s.owner].compute is None)]
         after = self.ring.ready_for_copy(slot)
         if any(self.tiers[o].tier == "gpu" for o in owners):
@@ -261,7 +272,9 @@ class StreamingExecutor:
                 if self.tiers[o].gathered is not None:
                     self.engine.wait_on_compute(self.tiers[o].gathered)
             after = self.engine.marker()
-        tr = self.engine.h2d(copies, after=after, layer=layer)
+        if on_device:  # and after the updates' kernels that wrote the scratch sets
+            after = [*(a for a in (after,) if a is not None), *(m for _, m in on_device.values())]
+        tr = self.engine.h2d(copies, after=after, layer=layer, stage="d2d" if len(on_device) == len(owners) else "h2d")
         for o in owners:
             self.tiers[o].last_read = tr  # the owner's next update waits until this copy has read it
         if from_store:

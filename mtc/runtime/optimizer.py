@@ -95,6 +95,7 @@ class StreamingAdamW:
         disk_slots: int = DISK_SLOTS,
         dp: DataParallel | None = None,
         prefetch: int = 0,
+        handoff: bool = True,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
@@ -130,6 +131,10 @@ class StreamingAdamW:
         # its shards' updates wait on the reduction, `mtc.runtime.collectives`)
         self.prefetch = min(max(0, prefetch), len(self.gpu_update)) if dp is None else 0
         self._prefetched: dict[int, tuple[int, Transfer]] = {}  # scratch set -> (layer, its state's copy in)
+        # a deferred layer's new weights stay in its set until its next update: the visits copy them
+        # from there (`LayerState.device_copy`). Not in fp32, where the weights are the master,
+        # which the next backward's load ahead overwrites while that backward still reads them
+        self.handoff = handoff and tiers.compute_dtype != torch.float32
         self._prefetch_due = False
         self._prefetching: Future[None] | None = None  # the step's state loads (read by the update: their errors surface)
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -253,7 +258,7 @@ class StreamingAdamW:
                                             step, skipped, s.write, grads_final)
                 writes.append(s.write)
             elif i in self.gpu_update and not skipped:
-                s.update, s.state_back = Future(), Future()
+                s.update, s.state_back, s.device_copy = Future(), Future(), Future()
                 streamed.append((i, s.update, hp, deps))
             else:
                 s.update = self._cpu.submit(self._update_host, i, coef, hp, deps, prev_commit, step, skipped)
@@ -371,7 +376,12 @@ class StreamingAdamW:
         its future (`LayerState.update`: what the next forward's fetch waits for) with them; the
         rest of its state (`LayerState.state_back`) follows after every layer's weights, so the
         next forward waits on 2 bytes per parameter, not 14, and the other 12 cross while it
-        and the next backward run (the next step's load of the layer waits for them).
+        and the next backward run (the next step's load of the layer waits for them). With
+        ``handoff`` (compute dtype not fp32) such a layer's visits do not wait for those 2 bytes
+        either: its `LayerState.device_copy` names the weights in the set, and the fetch copies
+        them within the device once the kernel is done (the H200's P1-16 stateless step, 2026-11-27:
+        the forward waited 1.08 s for the weights to cross back, and each visit sent them over
+        again, 18 of the step's 75 GB to the device).
 
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
         the layer's own (data parallel: this rank's shard; compute may be master itself).
@@ -423,6 +433,8 @@ class StreamingAdamW:
                     back_fut = s.state_back if views is None else None
                     # (the rule `mtc.runtime.placement.deferred_layers` plans with)
                     if ahead_tr is not None and k not in reused and back_fut is not None:
+                        if self.handoff and cast and s.device_copy is not None:  # the visits read it here, on the device
+                            s.device_copy.set_result((c, after if after is not None else Marker(None)))
                         tr_out = self.engine.d2h(weights, after=after, layer=i, stage="opt_d2h_weights", lane="opt")
                         deferred.append((i, state, after, k))
                     else:
@@ -430,6 +442,8 @@ class StreamingAdamW:
                         self._scratch_free[k] = tr_out
                         if back_fut is not None:
                             backs.append((i, back_fut, tr_out))
+                if views is None and s.device_copy is not None and not s.device_copy.done():
+                    s.device_copy.set_result(None)  # its set is reused (or no handoff): from the host copy
                 pending.append((i, fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued
                     self._state_back(*pending.pop(0), tstep)
@@ -446,7 +460,7 @@ class StreamingAdamW:
                 done.set_result(None)
         except BaseException as e:
             for i, fut, _, _ in jobs:
-                for f in (fut, self.tiers[i].state_back if views is None else None):
+                for f in (fut, *((self.tiers[i].state_back, self.tiers[i].device_copy) if views is None else ())):
                     if f is not None and not f.done():
                         f.set_exception(e)
             raise

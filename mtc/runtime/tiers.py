@@ -34,7 +34,7 @@ from mtc.errors import StoreError
 from mtc.graphs.program import Program
 from mtc.runtime.grad_spill import GradSpill
 from mtc.runtime.pinned import host_buffer, host_nbytes
-from mtc.runtime.transfer import Transfer
+from mtc.runtime.transfer import Marker, Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
 __all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "DISK_SLOTS", "TIERS", "LayerState", "StateTiers", "state_kinds"]
@@ -85,6 +85,11 @@ class LayerState:
     # a GPU-updated ram layer's master, m and v back in host memory (None: `update` says so): its
     # new weights may come back first (`StreamingAdamW._update_streamed`)
     state_back: Future[None] | None = None
+    # a GPU-updated ram layer loaded ahead: its new compute-dtype weights in its scratch set on the
+    # device and the marker of the kernel that wrote them (None: read `compute` once `update` is
+    # done). The set is rewritten only by the layer's next update, which waits for `last_read`, so
+    # every visit until then copies from here within GPU memory (`StreamingAdamW._update_streamed`)
+    device_copy: Future[tuple[torch.Tensor, Marker] | None] | None = None
     write: Future[None] | None = None  # write-behind in flight (the next update waits for it)
     staging: list[torch.Tensor] | None = None  # gpu tier: pinned host copies for write-behind
     # data parallel: the range [lo, hi) of the flat state this rank owns; master, m and v then hold
@@ -248,6 +253,7 @@ class StateTiers:
         CPU VM here it ran faster in one tight pass than spread over the first update's threads
         (a 0.57B stateless run's state fill and first step: 20-21 s with the pass, 25-46 s without)."""
         s = self.layers[layer]
+        s.device_copy = None  # new weights from outside: a GPU scratch set's copy of the old ones is stale
         if s.tier == "disk":
             if s.compute is not None:
                 s.compute[: s.numel].copy_(master)  # a data-parallel run's copy is padded

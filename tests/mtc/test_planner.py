@@ -521,3 +521,30 @@ def test_a_profile_without_the_joint_disk_rate_says_reads_and_writes_take_turns(
     old = {k: v for k, v in d.items() if k not in ("store_both_gbps", "assumed")}
     back = MachineProfile.from_dict(old)
     assert back.store_both_gbps == 0.0 and back.assumed == [TAKE_TURNS]
+
+
+def test_handed_over_weights_leave_the_pcie_and_the_forwards_wait():
+    """P1-16 stateless on the H200 profile of 2026-11-27 with the layers that run updated on the GPU,
+    all loaded ahead: with the handoff the visits' weights of those layers stop crossing PCIe
+    (h2d_weights_s is the rest's, the embed's and head's) and the step is predicted shorter; in
+    fp32 there is no handoff (the weights are the master, which the next load overwrites)."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    prof = MachineProfile.load(results / "machine-vm-20261127T1910.json")
+    rec = json.loads((results / "bench_train-P1-16-vm-20261127T191418.json").read_text())
+    s = next(x for x in rec["settings"] if x["setting"] == "stateless")
+    layers = s["gpu_update_layers"]
+    base = {**s["config"], "placement": s["placement"], "gpu_update": ",".join(map(str, layers)),
+            "save_activations": str(len(s["saved_activation_layers"])), "update_prefetch": len(layers)}
+    off = make_plan(TrainConfig.from_dict({**base, "update_handoff": False}), prof)
+    on = make_plan(TrainConfig.from_dict({**base, "update_handoff": True}), prof)
+    assert sorted(on.gpu_update) == layers and pl.deferred_layers(set(layers), len(layers)) == set(layers)
+    numels = on.shape.numels
+    c = on.shape.compute_bytes
+    handed = sum(numels[i] for i in layers) * c * 2 / (prof.h2d_gbps * 1e9)  # two visits each
+    assert on.step.h2d_weights_s == pytest.approx(off.step.h2d_weights_s - handed, rel=1e-6)
+    assert on.step.step_s < off.step.step_s
+    fp32 = {**base, "compute_dtype": "float32"}
+    a, b = (make_plan(TrainConfig.from_dict({**fp32, "update_handoff": h}), prof) for h in (False, True))
+    assert a.step.step_s == b.step.step_s

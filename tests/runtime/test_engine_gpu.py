@@ -53,6 +53,28 @@ def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels
 
 
 @pytest.mark.parametrize("kernels", ["unfused", "fused"])
+def test_the_weights_handoff_is_bit_identical_to_reading_the_host_copy(tokens, kernels, tmp_path):
+    """bf16, every layer GPU-updated and loaded ahead (all deferred): visits that copy the new
+    weights from the scratch sets on the device (after the update kernel's event, on the copy
+    stream) train exactly as visits that wait for them to cross back, overlapped or serialised."""
+    cfg = small_config(steps=4, device="cuda", compute_dtype="bfloat16", kernels=kernels, placement="stateless",
+                       gpu_update="all", update_prefetch=4, durability="none")
+    plan = plan_for(cfg, tmp_path / "plan") if cfg.fused else None
+    runs = [train(c, None, tokens, serialize=ser, run=open_run(c, None, plan=plan))
+            for c, ser in ((cfg, False), (cfg, True), (dataclass_replace(cfg, update_handoff=False), False))]
+    try:
+        assert runs[0].timeline.spans("d2d") and not runs[2].timeline.spans("d2d")
+        for r in runs[1:]:
+            assert r.losses == runs[0].losses
+            for i in r.gpu_update:
+                assert torch.equal(r.tiers[i].master, runs[0].tiers[i].master)
+                assert torch.equal(r.tiers[i].compute, runs[0].tiers[i].compute)
+    finally:
+        for r in runs:
+            r.store.close()
+
+
+@pytest.mark.parametrize("kernels", ["unfused", "fused"])
 def test_bf16_loss_curve_tracks_torch_amp(tokens, kernels):
     steps = 200
     cfg = small_config(steps=steps, device="cuda", compute_dtype="bfloat16", durability="none", kernels=kernels,

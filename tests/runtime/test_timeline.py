@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from mtc.store import TensorStore
 
 from mtc.train import train
@@ -170,5 +171,75 @@ def test_loaded_layers_send_their_weights_back_before_the_rest_of_their_state(to
                 back = _kth(weights, layer, step)
                 fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
                 assert fwd.start >= back.end
+    finally:
+        res.store.close()
+
+
+def _handoff_run(tokens, *, handoff: bool, delay_weights_back: float = 0.0, monkeypatch=None):
+    """A stateless bf16 run whose four blocks the GPU path updates, all loaded ahead into sets of
+    their own (so all deferred); ``delay_weights_back``: each deferred layer's weights reach the
+    host that many seconds late."""
+    if delay_weights_back:
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        from mtc.runtime.transfer import CopyEngine, Transfer
+
+        late = ThreadPoolExecutor(max_workers=4)
+        orig = CopyEngine._copy
+
+        def slow(self, direction, copies, after, layer, stage, lane):
+            if stage == "opt_d2h_weights":
+                afters = [] if after is None else list(after) if isinstance(after, (list, tuple)) else [after]
+                after = [*afters, Transfer(future=late.submit(time.sleep, delay_weights_back))]
+            return orig(self, direction, copies, after, layer, stage, lane)
+
+        monkeypatch.setattr(CopyEngine, "_copy", slow)
+    cfg = small_config(steps=4, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=4,
+                       durability="none", compute_dtype="bfloat16", update_handoff=handoff)
+    return train(cfg, None, tokens)
+
+
+def test_deferred_layers_hand_their_new_weights_to_the_visits_on_the_device(tokens):
+    """bf16, every GPU-updated layer deferred: from the second step on their visits copy the
+    weights from the scratch set (stage d2d), never from the host; the step 0 visits, before any
+    update, and every visit of a run without the handoff come from the host. Same losses and
+    norms bit for bit either way, and the host copy ends up with the same weights."""
+    on = _handoff_run(tokens, handoff=True)
+    off = _handoff_run(tokens, handoff=False)
+    try:
+        tl = on.timeline
+        assert not tl.spans("d2d", step=0)
+        for step in range(1, 4):
+            d2d = tl.spans("d2d", step=step)
+            assert sorted({s.layer for s in d2d}) == [1, 2, 3, 4], f"step {step}: {[s.layer for s in d2d]}"
+            assert not {s.layer for s in tl.spans("h2d", step=step)} & {1, 2, 3, 4}
+        assert not off.timeline.spans("d2d")
+        assert [r.loss for r in on.records] == [r.loss for r in off.records]
+        assert [r.grad_norm for r in on.records] == [r.grad_norm for r in off.records]
+        for i in (1, 2, 3, 4):
+            a, b = on.tiers[i], off.tiers[i]
+            assert a.device_copy is not None and a.device_copy.result() is not None
+            assert b.device_copy is not None and b.device_copy.result() is None
+            assert torch.equal(a.compute, b.compute) and torch.equal(a.master, b.master)
+            assert torch.equal(a.compute, a.master.to(torch.bfloat16))  # the weights did come back to the host
+    finally:
+        on.store.close()
+        off.store.close()
+
+
+def test_the_next_forward_does_not_wait_for_the_weights_to_cross_back(tokens, monkeypatch):
+    """Each deferred layer's new weights reach the host 0.4 s late: with the handoff its next
+    forward computes before they are back (without it, `test_loaded_layers_send_their_weights_back
+    _before_the_rest_of_their_state` shows the forward waiting for them)."""
+    res = _handoff_run(tokens, handoff=True, delay_weights_back=0.4, monkeypatch=monkeypatch)
+    try:
+        tl = res.timeline
+        weights = tl.spans("opt_d2h_weights")
+        for step in range(3):
+            for layer in (1, 2, 3, 4):
+                back = _kth(weights, layer, step)
+                fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
+                assert fwd.start < back.end, f"step {step + 1}: layer {layer}'s forward waited for its weights to come back"
     finally:
         res.store.close()
