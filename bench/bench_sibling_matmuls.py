@@ -105,7 +105,7 @@ def measure_group(tokens: int, dim: int, widths: list[int], device: torch.device
     # one add of two input-gradient-sized tensors: three passes over [tokens, dim] (two reads, a write)
     outs = [torch.empty(tokens, dim, device=device, dtype=dtype) for _ in range(3)]
     fns["add"] = lambda: torch.add(outs[0], outs[1], out=outs[2])
-    # bench_fusion's interleaved rounds (one call of each way per round, the order rotated); on CUDA
+    # bench_fusion's interleaved rounds (one call of each way per round, the order shuffled); on CUDA
     # the GPU span between events around each call, else the wall time
     timed = _time_all(fns, device, warmup=1, reps=rounds)
     t = {k: statistics.median([ms / 1e3 for ms in r["gpu_span_ms"]] or r["times_s"]) for k, r in timed.items()}

@@ -299,18 +299,29 @@ def test_generated_bytes_counts_each_kernels_inputs_and_outputs(tmp_path):
     assert 0 < generated_bytes(lean.joint_graph) < generated_bytes(full.joint_graph)
 
 
-def test_fusion_timing_interleaves_variants_and_rotates_their_order():
+def test_fusion_timing_interleaves_variants_and_shuffles_their_order():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     import bench_fusion
 
     calls: list[str] = []
-    variants = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}
-    timed = bench_fusion._time_all(variants, torch.device("cpu"), warmup=1, reps=3)
-    # warm-up of each, then three rounds, each starting one variant later
-    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    names = ("a", "b", "c", "d")
+    variants = {n: (lambda n=n: calls.append(n)) for n in names}
+    reps = 24
+    timed = bench_fusion._time_all(variants, torch.device("cpu"), warmup=1, reps=reps)
+    # warm-up of each in order, then rounds that call each variant once
+    assert calls[:4] == list(names)
+    rounds = [calls[4 + 4 * r : 8 + 4 * r] for r in range(reps)]
+    assert all(sorted(r) == list(names) for r in rounds) and len(calls) == 4 + 4 * reps
+    # in an order that changes: every variant follows several others (a rotation gave each the same one)
+    before = {n: {r[i - 1] for r in rounds for i in range(1, 4) if r[i] == n} for n in names}
+    assert all(len(p) >= 2 for p in before.values()), before
+    # and is the same run to run (seeded): two benchmarks of one machine compare alike
+    again: list[str] = []
+    bench_fusion._time_all({n: (lambda n=n: again.append(n)) for n in names}, torch.device("cpu"), warmup=1, reps=reps)
+    assert again == calls
     for n in variants:
-        assert len(timed[n]["times_s"]) == 3 and timed[n]["gpu_span_ms"] == []
+        assert len(timed[n]["times_s"]) == reps and timed[n]["gpu_span_ms"] == []
         assert all(a <= b for a, b in timed[n]["intervals"])
     # a variant's intervals are its own calls: they do not overlap another variant's
     spans = sorted((a, b, n) for n in variants for a, b in timed[n]["intervals"])
