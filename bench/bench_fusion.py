@@ -91,13 +91,14 @@ def _time_all(variants: dict[str, Any], device: torch.device, warmup: int, reps:
     gave every variant the same predecessor in every round. Per variant: wall seconds per call
     (host, synchronised before and after: what the speed-ups use), on CUDA the GPU span of the
     call (ms between events recorded on the stream before and after it: wall minus span is host
-    time before the first kernel and after the last), and the calls' (start, end) perf_counter
+    time before the first kernel and after the last), the host's time until the call returned
+    (unsynchronised: how long it took to enqueue), and the calls' (start, end) perf_counter
     intervals, to attribute clock samples to them (`gpu_clocks.attribute`)."""
     names = list(variants)
     for name in names:
         for _ in range(warmup):
             variants[name]()
-    out: dict[str, dict[str, list]] = {n: {"times_s": [], "gpu_span_ms": [], "intervals": []} for n in names}
+    out: dict[str, dict[str, list]] = {n: {"times_s": [], "gpu_span_ms": [], "enqueue_s": [], "intervals": []} for n in names}
     cuda = device.type == "cuda"
     rng = random.Random(0)
     for _ in range(reps):
@@ -112,11 +113,13 @@ def _time_all(variants: dict[str, Any], device: torch.device, warmup: int, reps:
             if cuda:
                 a.record()
             fn()
+            te = time.perf_counter()  # the host is back: a call whose enqueue time is its wall time is host-bound
             if cuda:
                 b.record()
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
             rec["times_s"].append(t1 - t)
+            rec["enqueue_s"].append(te - t)
             rec["intervals"].append((t, t1))
             if cuda:
                 rec["gpu_span_ms"].append(a.elapsed_time(b))
@@ -353,6 +356,8 @@ def run(arch: str, part: str, smoke: bool, device: torch.device, seq: int, warmu
         rec["results"][vname] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12, "peak_bytes": _peak(fn, device), "times_s": ts}
         if timed[vname]["gpu_span_ms"]:
             rec["results"][vname]["gpu_span_median_ms"] = statistics.median(timed[vname]["gpu_span_ms"])
+        # host time until the call returned, unsynchronised: near median_ms, the GPU waited on the host
+        rec["results"][vname]["enqueue_median_ms"] = statistics.median(timed[vname]["enqueue_s"]) * 1e3
     rec["timing"] = {"method": "interleaved rounds (bench_fusion._time_all): each round calls every variant once, the order "
                                "shuffled (seeded); median_ms: host wall per call, synchronised; gpu_span_median_ms: CUDA events around the call"}
     if sampler is not None:  # at what SM clock and power each variant's calls ran (bench/gpu_clocks.py)
@@ -585,7 +590,9 @@ def main() -> None:
             print(f"{arch:12s} timing: interleaved rounds; SM clock and power from {rec['timing']['clock_source']}")
         for v, c in rec.get("timing", {}).get("clocks", {}).items():
             span = rec["results"][v].get("gpu_span_median_ms")
-            line = f"{arch:12s} {v:22s} wall {rec['results'][v]['median_ms']:.2f} ms" + (f", GPU span {span:.2f} ms" if span is not None else "")
+            enq = rec["results"][v].get("enqueue_median_ms")
+            line = (f"{arch:12s} {v:22s} wall {rec['results'][v]['median_ms']:.2f} ms" + (f", GPU span {span:.2f} ms" if span is not None else "")
+                    + (f", enqueued in {enq:.2f} ms" if enq is not None else ""))
             if c.get("samples"):
                 line += f"; SM {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), {c['power_w_median']:.0f} W"
                 if "power_limited_frac" in c:

@@ -67,6 +67,7 @@ def _fusion_lines(rec: dict[str, Any]) -> list[str]:
     """A bench_fusion block or head: each variant's median, then the launches."""
     name = f"{rec['arch']}/{rec['part']}"
     rows = [f"{name:12s} {v:22s} {r['median_ms']:8.2f} ms {r['tflops']:7.1f} TFLOP/s"
+            + (f", enqueued in {r['enqueue_median_ms']:.2f} ms" if r.get("enqueue_median_ms") is not None else "")
             for v, r in rec["results"].items() if "median_ms" in r]
     if rec.get("launches_per_block"):
         rows.append(f"{name:12s} launches per block: {rec['launches_per_block']}")

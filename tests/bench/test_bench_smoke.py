@@ -439,6 +439,10 @@ def test_bench_fusion_block_smoke_times_the_backward_from_saved_values(tmp_path)
     assert info["saved_bytes_per_call"] > 0 and info["launches"]["backward"] < info["launches"]["joint_without_output"]
     # the compile's candidate timing and the launches it chose: none on the CPU, which times nothing
     assert 0 <= rec["tuning_s"] <= rec["compile_s"] and rec["generated_launches"] == {}
+    # each configuration's own launch choices (none on the CPU), and every variant's enqueue time,
+    # at most its wall time (on the CPU they are the same call, without a device to wait for)
+    assert all(m["generated_launches"] == {} for m in rec["matmul_fusion"].values())
+    assert all(0 < r["enqueue_median_ms"] <= r["median_ms"] for r in rec["results"].values())
 
 
 def test_generated_kernel_bandwidth_joins_cpu_bytes_and_profiled_time(tmp_path):
