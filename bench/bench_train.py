@@ -235,11 +235,12 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     per_in = 12 if on_device else 16
     batch = cfg.grad_accum * 2 * cfg.micro_batch_size * cfg.seq_len * 8  # token ids and targets, int64
     h2d = weights + per_in * streamed + acts + batch  # streamed update in: master, m, v (+ the gradient from the host), fp32
-    d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed + acts  # out: master, m, v (+ compute copy)
+    # out: master, m, v (+ the compute copy, but a handed-over layer's, which stays on the device)
+    d2h = grads + (12 + (cb if cb != 4 else 0)) * streamed - cb * sum(prog.layer_numel(i) for i in handed) + acts
     return {"method": "computed from the placement: non-resident layers' compute-dtype weights x visits (2, head 1; "
                       "none for GPU-updated layers handed over on the device), "
                       "fp32 gradients of non-gpu layers (and of GPU-updated ones with a fixed activation budget), "
-                      f"GPU-updated ram layers' state {per_in} B in / 12+c B out per param, offloaded boundary "
+                      f"GPU-updated ram layers' state {per_in} B in / 12+c B out per param (12 handed over), offloaded boundary "
                       "activations (counted act_out spans) both ways, the micro-batches' token ids and targets up",
             "h2d_bytes": h2d, "batch_h2d": batch, "d2h_bytes": d2h, "weights_h2d": weights, "grads_d2h": grads,
             "streamed_update_params": streamed, "activation_bytes_each_way": acts}

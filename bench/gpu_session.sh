@@ -7,7 +7,8 @@
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head, profiled (each variant's kernels over one
 #                  more call, and the compute floor they give: how far fusion can take the part at most)
 #   siblings       bench_sibling_matmuls: q/k/v and gate/up projections as one matmul each against
-#                  separate ones (Llama-8B and Qwen2 blocks, P1, P3 shapes; ~20 s): not built yet, measured first
+#                  separate ones (Llama-8B and Qwen2 blocks, P1, P3 shapes; ~20 s; measured on the H200,
+#                  2026-11-27: 0.04-0.06 ms saved with the cat, no merge pass built)
 #   model/SHAPE    bench_fusion's whole-model line: SHAPE 1.5b or 4.6b (bench_train's P3 / P1), the full
 #                  stack's step through the executor, unfused vs mtc fused vs replayed vs torch.compile
 #   fusion         bench_fusion's three blocks (llama, qwen2, gpt2) in one process: unfused, mtc fused
@@ -37,14 +38,14 @@
 #
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
-#   call 1, timeout_s 600:  bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P3, train/P1-16, fusion;
-#       a part that no longer fits is skipped and says so; on the H200, 2026-11-27, exactly this
-#       list took 510 s with BENCH_BUDGET_S=555)
+#   call 1, timeout_s 600:  P1_AB=1 bash bench/gpu_session.sh
+#       (the default list, in order of what is pending: tests, train/P1-16 (with P1_AB=1 the weights
+#       handoff's A/B), fusion, train/P3; a part that no longer fits is skipped and says so; on the
+#       H200, 2026-11-27 19:06, tests, P3 and P1-16 took 489 s and fusion did not fit)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 40 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of the defaults, then
-#       siblings (~20 s), model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
+#       model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
 #       (gpt2/head qwen2/head llama/head) met their goal on the H200 on 2026-11-27 (92b2eda), ~50 s each
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
@@ -54,7 +55,7 @@
 #   CUDA times its column and rowcol kernels' launch configurations (2-4 more Triton compiles per
 #   kernel, ~0.7 s each: fusion and model/ may take a minute or two longer, their records' compile_s
 #   say how much)
-#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P3 train/P1-16 fusion
+#   bash bench/gpu_session.sh [PARTS...]     default: tests train/P1-16 fusion train/P3
 #   bash bench/gpu_session.sh train/P1-16    just that (no tests); SKIP_TESTS=1 drops tests from any list
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,7 +96,7 @@ parts=("$@")
 # P1-16 stateless with the update prefetch and auto (goal 230 TFLOP/s; lost likewise), then the
 # three blocks (issue 9: Llama 1.24x unfused / 1.04x torch.compile on the H200 before the combine's
 # new tiles, goal 1.25x / 1.05x; GPT-2 1.04x unfused, goal 1.2x); see the header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P3 train/P1-16 fusion)
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 fusion train/P3)
 budget=${BENCH_BUDGET_S:-550}
 profile="$HOME/.cache/mtc/machine.json"
 train_min=${TRAIN_MIN_S:-150}

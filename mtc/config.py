@@ -226,8 +226,8 @@ class TrainConfig:
     # (mtc.runtime.optimizer, `LayerState.device_copy`); off: every visit reads the host copy, as
     # before 2026-11-27 (the A/B of bench_train's P1_AB)
     update_handoff: bool = field(True, help="GPU-updated ram layers loaded ahead give the next forward and backward "
-                                 "their new weights on the device (a copy within GPU memory, not 2 x 2 B per "
-                                 "parameter over PCIe); bf16 compute only")
+                                 "their new weights on the device (a copy within GPU memory, not 3 x 2 B per "
+                                 "parameter over PCIe: back, and to each visit); bf16 compute only")
     # "full": two generations of master, m, v (exact crash-safe resume); "weights": two generations
     # of master weights only (resume restarts Adam's moments); "none".
     durability: str = field("full", choices=("full", "weights", "none"), help="what a commit makes crash-safe")

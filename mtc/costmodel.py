@@ -612,7 +612,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     late = deferred_layers(gpu_update, prefetch) if dist is None else set()
     # and of those, with the handoff (`TrainConfig.update_handoff`, not in fp32), the visits copy
     # the new weights from the scratch set on the device: they wait for the kernel only, and the
-    # weights no longer cross to the device at each visit (after the first step's)
+    # weights cross neither back nor to the device at each visit (after the first step's)
     hand = late if cfg.update_handoff and c != 4 else set()
     # bytes per parameter back: the whole state (master, m, v and a separate compute copy), and of
     # it the weights a forward reads (the compute copy, or in fp32 the master itself)
@@ -714,9 +714,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 elif i in ahead:  # loaded during the last backward, after its state came back from the last update
                     pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, back_prev[i]))
                     out_b = w_back if i in late else all_back
-                    if i in hand:  # the kernel (beside the compute), then its weights back to the host copy
-                        kernel[i] = sim.add(sn[i] / gpu_rate, on["compute"], (pf_last, *deps))
-                        str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (kernel[i], str_out))
+                    if i in hand:  # the kernel (beside the compute); its weights stay on the device
+                        kernel[i] = upd[i] = sim.add(sn[i] / gpu_rate, on["compute"], (pf_last, *deps))
                     else:
                         str_out = upd[i] = sim.add(out_b * sn[i] / (profile.d2h_gbps * gb) + sn[i] / gpu_rate, on["d2h"],
                                                    (pf_last, str_out, *deps))
@@ -776,7 +775,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     h2d_b = sum(Wx[i] * profile.h2d_gbps * gb for i in range(L - 1)) * 2 + Wx[L - 1] * profile.h2d_gbps * gb
     streamed = sum(sn[i] for i in gpu_update)
     h2d_b += streamed_in * streamed
-    d2h_b = sum(gn[i] * 4 for i in range(L) if not dev_grad[i]) + 14 * streamed
+    d2h_b = sum(gn[i] * 4 for i in range(L) if not dev_grad[i]) + 14 * streamed - c * sum(sn[i] for i in hand)
     if dist and cuda and dist.reduce_scatter and dist.world_size > 1:  # the all-gather runs on the device: the rank's updated shard goes up, the others' come down
         h2d_b += sum(c * sn[i] for i in range(L) if placement[i] != "gpu")
         d2h_b += sum(c * (n[i] - min(n[i], sn[i])) for i in range(L) if placement[i] != "gpu")

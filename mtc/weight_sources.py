@@ -31,6 +31,7 @@ import torch
 
 from mtc.errors import StoreError
 from mtc.graphs.program import Program
+from mtc.runtime.optimizer import handed_weights
 from mtc.runtime.tiers import StateTiers
 from mtc.shards import StateReader, is_sharded
 from mtc.store import CommitRecord, TensorStore, state_array_name
@@ -229,7 +230,8 @@ def wait_for_updates(tiers: StateTiers) -> None:
     """The barrier before reading a step's weights: every layer's update of that step has landed.
 
     A layer's update future completes once its master and compute copy hold the new values (for
-    `gpu` layers the update is queued on the compute stream, ahead of anything queued after). This
+    `gpu` layers the update is queued on the compute stream, ahead of anything queued after; a
+    handed-over layer's new compute copy is in its GPU scratch set, where `TierWeights` reads it). This
     is the same condition the executor's next fetch of the layer waits for; write-behind and commits
     may still be in flight (they only read the state). A data-parallel gpu-tier layer's update ends
     with the all-gather of its shards into the compute copy on the comm stream: wait for that too
@@ -268,6 +270,8 @@ class TierWeights:
                 name = state_array_name(p.layer, "master", self.tiers.disk_generation)
                 self.tiers.store.read_rows_into(name, p.offset, buf)
                 src = buf.view(p.spec.shape).to(self.tiers.compute_dtype)
+            elif (handed := handed_weights(st)) is not None:  # newer than the host copy: on the device only
+                src = handed[p.offset : p.offset + p.numel].view(p.spec.shape).clone()  # the next update rewrites it
             else:
                 src = st.compute[p.offset : p.offset + p.numel].view(p.spec.shape)
             out[k] = src.to(self.device) if src.device != self.device else src

@@ -48,7 +48,7 @@ from mtc.graphs.program import Program
 from mtc.runtime.disk_tier import DiskRing
 from mtc.runtime.host_adamw import TUNE_MIN_NUMEL, HostStrategy, adamw_flat_, host_pool, tune_strategy
 from mtc.runtime.placement import scratch_set, scratch_sets
-from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
+from mtc.runtime.tiers import DISK_SLOTS, LayerState, StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine, Marker, Transfer
 from mtc.store import TensorStore, state_array_name
@@ -280,12 +280,17 @@ class StreamingAdamW:
         return stats
 
     def wait(self) -> None:
-        """Block until every update, write and commit started so far has finished (re-raising errors)."""
+        """Block until every update, write and commit started so far has finished (re-raising
+        errors), and the host copy of every layer's weights is current (a handed-over layer's
+        comes back from its scratch set now: `LayerState.device_copy`)."""
         for s in self.tiers.layers:
             for f in (s.update, s.state_back, s.write):
                 if f is not None:
                     f.result()
         self.commit_future.result()
+        for s in self.tiers.layers:
+            if s.host_compute_stale:
+                refresh_host_compute(s)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -377,11 +382,13 @@ class StreamingAdamW:
         rest of its state (`LayerState.state_back`) follows after every layer's weights, so the
         next forward waits on 2 bytes per parameter, not 14, and the other 12 cross while it
         and the next backward run (the next step's load of the layer waits for them). With
-        ``handoff`` (compute dtype not fp32) such a layer's visits do not wait for those 2 bytes
-        either: its `LayerState.device_copy` names the weights in the set, and the fetch copies
-        them within the device once the kernel is done (the H200's P1-16 stateless step, 2026-11-27:
-        the forward waited 1.08 s for the weights to cross back, and each visit sent them over
-        again, 18 of the step's 75 GB to the device).
+        ``handoff`` (compute dtype not fp32) such a layer's weights do not cross back at all: its
+        `LayerState.device_copy` names them in the set, every visit until its next update copies
+        them from there within the device once the kernel is done, its future completes with the
+        kernel, and its host copy is refreshed only where read (`wait`, `TierWeights`). The H200's
+        P1-16 stateless step (2026-11-27) waited 1.08 s in its forward for the weights to cross
+        back, and its visits sent them over again: 18 of the step's 75 GB to the device, and
+        8.6 of its 61 GB back, queued ahead of the state the next step loads.
 
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
         the layer's own (data parallel: this rank's shard; compute may be master itself).
@@ -432,18 +439,29 @@ class StreamingAdamW:
                     state = ([(hm, p)] if cast else []) + [(hmo, m), (hv, v)]
                     back_fut = s.state_back if views is None else None
                     # (the rule `mtc.runtime.placement.deferred_layers` plans with)
+                    handed = False
                     if ahead_tr is not None and k not in reused and back_fut is not None:
-                        if self.handoff and cast and s.device_copy is not None:  # the visits read it here, on the device
+                        handed = self.handoff and cast and s.device_copy is not None
+                        if handed:
+                            # the visits read the weights here until the layer's next update: they do
+                            # not cross back (the host copy is refreshed when read: `wait`, TierWeights)
                             s.device_copy.set_result((c, after if after is not None else Marker(None)))
-                        tr_out = self.engine.d2h(weights, after=after, layer=i, stage="opt_d2h_weights", lane="opt")
+                            s.host_compute_stale = True
+                        else:
+                            tr_out = self.engine.d2h(weights, after=after, layer=i, stage="opt_d2h_weights", lane="opt")
+                            s.host_compute_stale = False
                         deferred.append((i, state, after, k))
                     else:
                         tr_out = self.engine.d2h(state + weights, after=after, layer=i, stage="opt_d2h", lane="opt")
                         self._scratch_free[k] = tr_out
                         if back_fut is not None:
                             backs.append((i, back_fut, tr_out))
+                            s.host_compute_stale = False  # (read only once the update's future says the copy landed)
                 if views is None and s.device_copy is not None and not s.device_copy.done():
                     s.device_copy.set_result(None)  # its set is reused (or no handoff): from the host copy
+                if handed:  # done as far as the visits go; its state follows with the other deferred layers'
+                    fut.set_result(None)
+                    continue
                 pending.append((i, fut, tr_out))
                 while len(pending) > 1:  # keep one layer in flight behind the one just issued
                     self._state_back(*pending.pop(0), tstep)
@@ -504,6 +522,31 @@ class StreamingAdamW:
             self.disk.close()
         if self.tiers.spill is not None:
             self.tiers.spill.close()
+
+
+def handed_weights(s: LayerState) -> torch.Tensor | None:
+    """``s``'s current compute-dtype weights in its GPU scratch set, once the update that wrote
+    them has run (the reader's stream waits for it), or None when its host copy is current. Valid
+    until the layer's next update: copy what must outlive it."""
+    if not s.host_compute_stale or s.device_copy is None:
+        return None
+    handed = s.device_copy.result()
+    if handed is None:
+        return None
+    c, marker = handed
+    if marker.event is not None:
+        torch.cuda.current_stream(c.device).wait_event(marker.event)
+    return c
+
+
+def refresh_host_compute(s: LayerState) -> None:
+    """Bring a handed-over layer's weights back into its host copy (blocking)."""
+    c = handed_weights(s)
+    if c is not None:
+        s.compute.copy_(c)
+        if c.device.type == "cuda":
+            torch.cuda.current_stream(c.device).synchronize()
+    s.host_compute_stale = False
 
 
 def _when_all(futs: list[Future[None]], then: Callable[[BaseException | None], None]) -> None:

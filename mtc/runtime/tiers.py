@@ -90,6 +90,9 @@ class LayerState:
     # done). The set is rewritten only by the layer's next update, which waits for `last_read`, so
     # every visit until then copies from here within GPU memory (`StreamingAdamW._update_streamed`)
     device_copy: Future[tuple[torch.Tensor, Marker] | None] | None = None
+    # the handed-over weights did not cross back: `compute` holds older ones until someone reads
+    # them (`mtc.runtime.optimizer.refresh_host_compute`; `StreamingAdamW.wait` does for all)
+    host_compute_stale: bool = False
     write: Future[None] | None = None  # write-behind in flight (the next update waits for it)
     staging: list[torch.Tensor] | None = None  # gpu tier: pinned host copies for write-behind
     # data parallel: the range [lo, hi) of the flat state this rank owns; master, m and v then hold
@@ -254,6 +257,7 @@ class StateTiers:
         (a 0.57B stateless run's state fill and first step: 20-21 s with the pass, 25-46 s without)."""
         s = self.layers[layer]
         s.device_copy = None  # new weights from outside: a GPU scratch set's copy of the old ones is stale
+        s.host_compute_stale = False
         if s.tier == "disk":
             if s.compute is not None:
                 s.compute[: s.numel].copy_(master)  # a data-parallel run's copy is padded

@@ -135,8 +135,10 @@ class CopyEngine:
         afters = [] if after is None else list(after) if isinstance(after, Sequence) else [after]
         nbytes = sum(s.numel() * s.element_size() for _, s in copies)
         # what crosses PCIe: on CUDA a copy whose source and destination are both on the device does
-        # not (on the CPU device every copy stands for a crossing, as the engine's schedule has it)
-        local = sum(s.numel() * s.element_size() for d, s in copies if s.device.type == "cuda" and d.device.type == "cuda")
+        # not (on the CPU device every copy stands for a crossing, as the engine's schedule has it,
+        # but a "d2d" one: a visit's weights from an update's scratch set, `LayerState.device_copy`)
+        local = nbytes if stage == "d2d" else sum(s.numel() * s.element_size() for d, s in copies
+                                                  if s.device.type == "cuda" and d.device.type == "cuda")
         with self._count:
             self.d2d_bytes += local
             if direction == "h2d":

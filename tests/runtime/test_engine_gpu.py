@@ -64,6 +64,7 @@ def test_the_weights_handoff_is_bit_identical_to_reading_the_host_copy(tokens, k
             for c, ser in ((cfg, False), (cfg, True), (dataclass_replace(cfg, update_handoff=False), False))]
     try:
         assert runs[0].timeline.spans("d2d") and not runs[2].timeline.spans("d2d")
+        assert not runs[0].timeline.spans("opt_d2h_weights") and runs[2].timeline.spans("opt_d2h_weights")
         for r in runs[1:]:
             assert r.losses == runs[0].losses
             for i in r.gpu_update:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mtc.graphs.program import Program
+from mtc.runtime.placement import deferred_layers
 from mtc.runtime.tiers import state_kinds
 from mtc.train import train
 from tests.runtime.engine_util import skewed_tokens, small_config
@@ -29,9 +30,12 @@ def tokens(tmp_path_factory):
 
 
 def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int, gpu_update: set[int], n_micro: int,
-                   offload: bool, commit_kinds: tuple[str, ...]) -> tuple[int, int]:
+                   offload: bool, commit_kinds: tuple[str, ...], handed: set[int] = frozenset(),
+                   first: bool = True) -> tuple[int, int]:
     """(host-to-device, device-to-host) bytes of one step on the CPU device; ``commit_kinds``: the
-    state arrays a commit of this step writes (empty on other steps)."""
+    state arrays a commit of this step writes (empty on other steps); ``handed``: GPU-updated
+    layers whose new weights stay in their scratch sets (`LayerState.device_copy`): they do not
+    cross back, and a step after the ``first`` reads them there."""
     L = program.n_layers
     numel = [program.layer_numel(i) for i in range(L)]
     h2d = d2h = 0
@@ -42,7 +46,7 @@ def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int
             p = program.params[k]
             if p.layer != i:
                 reads[p.layer] = reads.get(p.layer, 0) + p.numel
-        h2d += compute_bytes * sum(n for owner, n in reads.items() if placement[owner] != "gpu")
+        h2d += compute_bytes * sum(n for owner, n in reads.items() if placement[owner] != "gpu" and (first or owner not in handed))
     grads_on_device = not offload  # a fixed activation budget: GPU-updated layers' gradients go to the host too
     for i, tier in enumerate(placement):
         if tier == "ram" and (i not in gpu_update or not grads_on_device):
@@ -51,7 +55,7 @@ def expected_bytes(program: Program, placement: list[str], *, compute_bytes: int
         # since backward; master, m, v (and a bf16 copy) out
         if i in gpu_update:
             h2d += (12 if grads_on_device else 16) * numel[i]
-            d2h += (12 + (compute_bytes if compute_bytes != 4 else 0)) * numel[i]
+            d2h += (12 + (compute_bytes if compute_bytes != 4 and i not in handed else 0)) * numel[i]
         if tier == "gpu":
             d2h += 4 * len(commit_kinds) * numel[i]  # staged out for the write-behind
         # a disk layer's gradient is accumulated in host memory on the CPU device (on CUDA its
@@ -73,8 +77,11 @@ CASES = {
                                activation_budget_gb=1e-9),
     "gpu-update-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2"),
     "gpu-update-fp32": dict(compute_dtype="float32", gpu_update="1-2"),
-    # layer 1's state crosses in during the backward: the same bytes, earlier
+    # layer 1's state crosses in during the backward: the same bytes, earlier; and its new weights
+    # stay in its set for its visits (the handoff): they cross neither back nor, after the first
+    # step, to the visits
     "gpu-update-prefetch-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", update_prefetch=1),
+    "gpu-update-prefetch-nohandoff-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", update_prefetch=1, update_handoff=False),
     # with a fixed activation budget the gradients do not wait on the device: down and back up
     "gpu-update-offload-bf16": dict(compute_dtype="bfloat16", gpu_update="1-2", activation_budget_gb=1e-9),
     "gpu-commits-bf16": dict(compute_dtype="bfloat16", placement="gpu:0-1,ram:2-3", durability="full", commit_every=2, steps=3),
@@ -92,10 +99,14 @@ def test_bytes_per_step_match_the_program(tokens, mode):
         cbytes = 2 if cfg.resolved_compute_dtype == "bfloat16" else 4
         assert res.gpu_update == ({1, 2} if "gpu_update" in mode else set())
         got = [(r.h2d_bytes, r.d2h_bytes) for r in res.records]
+        # loaded ahead into a set no later update reuses, in bf16: handed over (`deferred_layers`)
+        handed = deferred_layers(res.gpu_update, res.prefetch) if cbytes == 2 and cfg.update_handoff else set()
         want = [expected_bytes(res.program, res.placement, compute_bytes=cbytes, gpu_update=res.gpu_update, n_micro=cfg.grad_accum,
                                offload="activation_budget_gb" in mode,
-                               commit_kinds=state_kinds("gpu", cfg.durability) if r.committed else ())
-                for r in res.records]
+                               commit_kinds=state_kinds("gpu", cfg.durability) if r.committed else (),
+                               handed=handed, first=k == 0)
+                for k, r in enumerate(res.records)]
+        assert handed == ({1} if "update_prefetch" in mode and cbytes == 2 and cfg.update_handoff else set())
         assert got == want
         if "commit_every" in mode:  # both kinds of step were seen
             assert [r.committed for r in res.records] == [False, True, True]

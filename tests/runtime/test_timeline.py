@@ -175,11 +175,11 @@ def test_loaded_layers_send_their_weights_back_before_the_rest_of_their_state(to
         res.store.close()
 
 
-def _handoff_run(tokens, *, handoff: bool, delay_weights_back: float = 0.0, monkeypatch=None):
+def _handoff_run(tokens, *, handoff: bool, delay_back: float = 0.0, monkeypatch=None, **kw):
     """A stateless bf16 run whose four blocks the GPU path updates, all loaded ahead into sets of
-    their own (so all deferred); ``delay_weights_back``: each deferred layer's weights reach the
-    host that many seconds late."""
-    if delay_weights_back:
+    their own (so all deferred); ``delay_back``: every copy back of a GPU-side update (weights or
+    state) reaches the host that many seconds late."""
+    if delay_back:
         import time
         from concurrent.futures import ThreadPoolExecutor
 
@@ -189,22 +189,23 @@ def _handoff_run(tokens, *, handoff: bool, delay_weights_back: float = 0.0, monk
         orig = CopyEngine._copy
 
         def slow(self, direction, copies, after, layer, stage, lane):
-            if stage == "opt_d2h_weights":
+            if stage in ("opt_d2h_weights", "opt_d2h"):
                 afters = [] if after is None else list(after) if isinstance(after, (list, tuple)) else [after]
-                after = [*afters, Transfer(future=late.submit(time.sleep, delay_weights_back))]
+                after = [*afters, Transfer(future=late.submit(time.sleep, delay_back))]
             return orig(self, direction, copies, after, layer, stage, lane)
 
         monkeypatch.setattr(CopyEngine, "_copy", slow)
     cfg = small_config(steps=4, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=4,
                        durability="none", compute_dtype="bfloat16", update_handoff=handoff)
-    return train(cfg, None, tokens)
+    return train(cfg, None, tokens, **kw)
 
 
 def test_deferred_layers_hand_their_new_weights_to_the_visits_on_the_device(tokens):
     """bf16, every GPU-updated layer deferred: from the second step on their visits copy the
-    weights from the scratch set (stage d2d), never from the host; the step 0 visits, before any
-    update, and every visit of a run without the handoff come from the host. Same losses and
-    norms bit for bit either way, and the host copy ends up with the same weights."""
+    weights from the scratch set (stage d2d), never from the host, and the weights never cross
+    back (only master, m and v do); the step 0 visits, before any update, and every visit of a
+    run without the handoff come from the host. Same losses and norms bit for bit either way,
+    and at the end the host copy holds the same weights (`StreamingAdamW.wait` brought them back)."""
     on = _handoff_run(tokens, handoff=True)
     off = _handoff_run(tokens, handoff=False)
     try:
@@ -214,32 +215,78 @@ def test_deferred_layers_hand_their_new_weights_to_the_visits_on_the_device(toke
             d2d = tl.spans("d2d", step=step)
             assert sorted({s.layer for s in d2d}) == [1, 2, 3, 4], f"step {step}: {[s.layer for s in d2d]}"
             assert not {s.layer for s in tl.spans("h2d", step=step)} & {1, 2, 3, 4}
-        assert not off.timeline.spans("d2d")
+        assert not tl.spans("opt_d2h_weights") and sorted({s.layer for s in tl.spans("opt_d2h")}) == [1, 2, 3, 4]
+        assert not off.timeline.spans("d2d") and sorted({s.layer for s in off.timeline.spans("opt_d2h_weights")}) == [1, 2, 3, 4]
         assert [r.loss for r in on.records] == [r.loss for r in off.records]
         assert [r.grad_norm for r in on.records] == [r.grad_norm for r in off.records]
         for i in (1, 2, 3, 4):
             a, b = on.tiers[i], off.tiers[i]
             assert a.device_copy is not None and a.device_copy.result() is not None
             assert b.device_copy is not None and b.device_copy.result() is None
+            assert not a.host_compute_stale
             assert torch.equal(a.compute, b.compute) and torch.equal(a.master, b.master)
-            assert torch.equal(a.compute, a.master.to(torch.bfloat16))  # the weights did come back to the host
+            assert torch.equal(a.compute, a.master.to(torch.bfloat16))
     finally:
         on.store.close()
         off.store.close()
 
 
-def test_the_next_forward_does_not_wait_for_the_weights_to_cross_back(tokens, monkeypatch):
-    """Each deferred layer's new weights reach the host 0.4 s late: with the handoff its next
-    forward computes before they are back (without it, `test_loaded_layers_send_their_weights_back
-    _before_the_rest_of_their_state` shows the forward waiting for them)."""
-    res = _handoff_run(tokens, handoff=True, delay_weights_back=0.4, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("handoff", [True, False])
+def test_the_next_forward_does_not_wait_for_the_update_to_cross_back(tokens, monkeypatch, handoff):
+    """Every copy back of the GPU-side updates lands 0.4 s late: with the handoff each deferred
+    layer's next forward computes before its state is back (nothing it reads crosses back);
+    without it, only after its weights are (`test_loaded_layers_send_their_weights_back_before
+    _the_rest_of_their_state`)."""
+    res = _handoff_run(tokens, handoff=handoff, delay_back=0.4, monkeypatch=monkeypatch)
     try:
         tl = res.timeline
-        weights = tl.spans("opt_d2h_weights")
+        back = tl.spans("opt_d2h_weights") if not handoff else tl.spans("opt_d2h")
         for step in range(3):
             for layer in (1, 2, 3, 4):
-                back = _kth(weights, layer, step)
+                landed = _kth(back, layer, step).end
                 fwd = next(s for s in tl.spans("compute", step=step + 1) if s.layer == layer)
-                assert fwd.start < back.end, f"step {step + 1}: layer {layer}'s forward waited for its weights to come back"
+                assert (fwd.start < landed) == handoff, f"step {step + 1}, layer {layer}: forward {fwd.start}, copy back {landed}"
     finally:
         res.store.close()
+
+
+def test_a_reader_between_steps_gets_the_handed_over_weights(tokens):
+    """`TierWeights` (what `mtc watch`'s probes read between steps) of a handed-over layer returns
+    the new weights from its scratch set, where the host copy still holds older ones."""
+    from mtc.weight_sources import TierWeights, wait_for_updates
+
+    seen = []
+
+    def probe(rec):
+        tiers = run_tiers[0]
+        wait_for_updates(tiers)
+        for i in (1, 2, 3, 4):
+            s = tiers[i]
+            keys = [p.key for p in program[0].layer_params(i)]
+            got = TierWeights(program[0], tiers, "cpu").get(keys)
+            want = s.master.to(torch.bfloat16)
+            flat = torch.cat([got[k].reshape(-1) for k in keys])
+            seen.append((rec.step, i, s.host_compute_stale, torch.equal(flat, want[: flat.numel()]),
+                         torch.equal(s.compute, want)))
+
+    import sys
+
+    train_mod = sys.modules["mtc.train"]  # (the package's `train` is the function)
+    program, run_tiers = [], []
+    orig = train_mod.build_engine
+
+    def capture(cfg, prog, tiers, *a, **k):
+        program.append(prog)
+        run_tiers.append(tiers)
+        return orig(cfg, prog, tiers, *a, **k)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(train_mod, "build_engine", capture):
+        res = _handoff_run(tokens, handoff=True, on_step=probe)
+    res.store.close()
+    assert len(seen) == 16, seen
+    for step, layer, stale, got_new, host_new in seen:
+        assert got_new, f"step {step}, layer {layer}: TierWeights read older weights"
+        # (the first step's learning rate is 0, warm-up: its weights did not change)
+        assert stale and (step == 1 or not host_new), f"step {step}, layer {layer}: the host copy was current (nothing to test)"
