@@ -56,16 +56,21 @@ def test_overlapped_is_bit_identical_to_serialised_on_cuda(tokens, mode, kernels
 def test_the_weights_handoff_is_bit_identical_to_reading_the_host_copy(tokens, kernels, tmp_path):
     """bf16, every layer GPU-updated and loaded ahead (all deferred): visits that copy the new
     weights from the scratch sets on the device (after the update kernel's event, on the copy
-    stream) train exactly as visits that wait for them to cross back, overlapped or serialised."""
+    stream) train exactly as visits that wait for them to cross back, overlapped or serialised.
+    bf16 kernels need not repeat bit for bit (attention backwards may accumulate with atomics):
+    two runs without the handoff say whether they do here, and the comparison needs that."""
     cfg = small_config(steps=4, device="cuda", compute_dtype="bfloat16", kernels=kernels, placement="stateless",
                        gpu_update="all", update_prefetch=4, durability="none")
+    off_cfg = dataclass_replace(cfg, update_handoff=False)
     plan = plan_for(cfg, tmp_path / "plan") if cfg.fused else None
     runs = [train(c, None, tokens, serialize=ser, run=open_run(c, None, plan=plan))
-            for c, ser in ((cfg, False), (cfg, True), (dataclass_replace(cfg, update_handoff=False), False))]
+            for c, ser in ((off_cfg, False), (off_cfg, False), (cfg, False), (cfg, True))]
     try:
-        assert runs[0].timeline.spans("d2d") and not runs[2].timeline.spans("d2d")
-        assert not runs[0].timeline.spans("opt_d2h_weights") and runs[2].timeline.spans("opt_d2h_weights")
-        for r in runs[1:]:
+        assert runs[2].timeline.spans("d2d") and not runs[0].timeline.spans("d2d")
+        assert not runs[2].timeline.spans("opt_d2h_weights") and runs[0].timeline.spans("opt_d2h_weights")
+        if runs[1].losses != runs[0].losses:
+            pytest.skip(f"bf16 training does not repeat bit for bit on this device: {runs[0].losses} vs {runs[1].losses}")
+        for r in runs[2:]:
             assert r.losses == runs[0].losses
             for i in r.gpu_update:
                 assert torch.equal(r.tiers[i].master, runs[0].tiers[i].master)
