@@ -400,6 +400,11 @@ class Plan:
         """Whether every fit check passes."""
         return all(c.ok for c in self.checks)
 
+    def _handoff_text(self) -> str:
+        """Of the layers loaded ahead, those whose new weights stay on the device (`update_handoff`)."""
+        handed = pl.deferred_layers(self.gpu_update, self.prefetch) if self.cfg.update_handoff and self.shape.compute_bytes != 4 else set()
+        return f", {len(handed)} handing their new weights to the next visits on the device" if handed else ""
+
     def lines(self) -> list[str]:
         """The report `mtc plan` prints."""
         cfg, sh, m, st, pr = self.cfg, self.shape, self.memory, self.step, self.profile
@@ -414,7 +419,7 @@ class Plan:
         out += [f"  assumed: {a}" for a in pr.assumed]
         out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
                    f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
-                   + (f" ({self.prefetch} loading their state during the backward)" if self.prefetch else "")
+                   + (f" ({self.prefetch} loading their state during the backward{self._handoff_text()})" if self.prefetch else "")
                    + (f"; {len(self.saves)} of {sh.n_layers - 2} blocks keep their activations between visits "
                       f"({_size(m.gpu_saved)} on the GPU)" if self.saves else "")
                    + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"

@@ -545,6 +545,9 @@ def test_handed_over_weights_leave_the_pcie_and_the_forwards_wait():
     handed = sum(numels[i] for i in layers) * c * 2 / (prof.h2d_gbps * 1e9)  # two visits each
     assert on.step.h2d_weights_s == pytest.approx(off.step.h2d_weights_s - handed, rel=1e-6)
     assert on.step.step_s < off.step.step_s
+    # `mtc plan` says how many (all those loaded ahead here)
+    assert f"{len(layers)} handing their new weights to the next visits on the device" in "\n".join(on.lines())
+    assert "handing" not in "\n".join(off.lines())
     fp32 = {**base, "compute_dtype": "float32"}
     a, b = (make_plan(TrainConfig.from_dict({**fp32, "update_handoff": h}), prof) for h in (False, True))
     assert a.step.step_s == b.step.step_s
