@@ -886,7 +886,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                 print(f"{'':6s}   window s: forward done {win['forward_done_s']:.3f}, CPU updates done "
                       f"{_f(win.get('cpu_updates_done_s'), '.3f')}, GPU-side weights back {_f(win.get('gpu_updates_done_s'), '.3f')} "
                       f"(state {_f(win.get('gpu_state_back_s'), '.3f')}), "
-                      f"head + backward {win['head_and_backward_s']:.3f}; prefetched layers {r.get('update_prefetch_layers')}")
+                      f"head + backward {win['head_and_backward_s']:.3f}; prefetched layers {r.get('update_prefetch_layers')}"
+                      + (f", of which handed over on the device {len(r['handoff_layers'])}" if r.get("handoff_layers") else ""))
         if part in GOALS:
             st = next((r for r in rec["settings"] if r["setting"] == "stateless" and "model_tflops" in r), None)
             got = f"{st['model_tflops']:.1f}" if st else "-"
