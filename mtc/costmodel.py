@@ -614,6 +614,8 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # the new weights from the scratch set on the device: they wait for the kernel only, and the
     # weights cross neither back nor to the device at each visit (after the first step's)
     hand = late if cfg.update_handoff and c != 4 else set()
+    # with it the loads ahead start with the step, not its backward (`StreamingAdamW.begin_step`)
+    early = bool(ahead) and cfg.update_handoff and c != 4
     # bytes per parameter back: the whole state (master, m, v and a separate compute copy), and of
     # it the weights a forward reads (the compute copy, or in fp32 the master itself)
     all_back, w_back = 12 + (c if c != 4 else 0), c
@@ -711,8 +713,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                 if placement[i] == "gpu":
                     dev = sim.add(sn[i] / gpu_rate, on["compute"], (dev, *deps))
                     upd[i] = sync
-                elif i in ahead:  # loaded during the last backward, after its state came back from the last update
-                    pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"], (bwd_from, pf_last, back_prev[i]))
+                elif i in ahead:  # loaded during the last backward (with the handoff from its start), after its state came back
+                    pf_last = sim.add(12 * sn[i] / (profile.h2d_gbps * gb), on["h2d"],
+                                      (read_from if early else bwd_from, pf_last, back_prev[i]))
                     out_b = w_back if i in late else all_back
                     if i in hand:  # the kernel (beside the compute); its weights stay on the device
                         kernel[i] = upd[i] = sim.add(sn[i] / gpu_rate, on["compute"], (pf_last, *deps))

@@ -768,8 +768,9 @@ def train(
             ts = time.perf_counter()
             timeline.begin_step(step)
             lr = lr_at(step, cfg.steps, cfg.optim)
-            opt.begin_step(step, lr)
+            # (before begin_step: with the weights handoff it queues the step's state loads at once)
             b_in, b_out = eng.copies.h2d_bytes, eng.copies.d2h_bytes
+            opt.begin_step(step, lr)
             mbs = loader.next()
             out = executor.run_step(mbs, opt)
             next_step, next_cursor = step + 1, cursor + cfg.grad_accum

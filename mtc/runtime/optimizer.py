@@ -176,18 +176,29 @@ class StreamingAdamW:
         self._step, self._lr = step, lr
         self._norms.clear()
         self._prefetch_due = self.prefetch > 0
+        if self._prefetch_due and self.handoff:
+            # the loaded layers' visits copy their weights within the device (the handoff), so the
+            # link to the device is free during the forward: load from the step's start (behind the
+            # last step's updates on the optimizer's thread, each set after its last copy back)
+            self._start_prefetch()
         if self.disk is not None:  # read this step's disk state ahead while forward and backward run
             self.disk.post(self.disk_generation, {i: self.tiers[i].write for i in self.disk.layers})
 
     def grad_final(self, layer: int, norms: torch.Tensor) -> None:
         """The executor's report: ``layer``'s gradient is complete, with these per-parameter norms."""
         self._norms[layer] = norms
-        if self._prefetch_due:  # the backward has begun: every update of the last step is done (the forward waited for them)
-            self._prefetch_due = False
-            first = sorted(self.gpu_update)[: self.prefetch]
-            self._prefetching = self._gpu.submit(self._prefetch_states, first)
+        if self._prefetch_due:  # the backward has begun: the forward's weight copies are done with the link
+            self._start_prefetch()
         if self.dp is not None:
             self.dp.grad_final(layer)
+
+    def _start_prefetch(self) -> None:
+        """Queue the step's state loads of the first GPU-updated layers on the optimizer's thread:
+        behind the last step's updates (which wrote that state back to the host; each load waits
+        on the device for its set's last copy out)."""
+        self._prefetch_due = False
+        first = sorted(self.gpu_update)[: self.prefetch]
+        self._prefetching = self._gpu.submit(self._prefetch_states, first)
 
     def finish_step(
         self,
@@ -265,11 +276,14 @@ class StreamingAdamW:
             if s.tier == "ram" and commit is not None and state_kinds("ram", self.durability):
                 s.write = self._writer.submit(self._write_after_update, i, s.state_back or s.update, w_gen, prev_commit, step)
                 writes.append(s.write)
+        # this step's loads ahead, queued on the optimizer's thread before the update that uses them
+        # (the next step's begin_step may queue the next loads before that update has run)
+        prefetching, self._prefetching = self._prefetching, None
         if streamed:
             # device gradients are final once the compute stream gets here: the GPU-side updates read
             # them on their own stream (ordered by the device, not by the host read above)
-            self._gpu.submit(self._update_streamed, streamed, coef, step, after=grads_final)
-        else:  # a skipped step: what was loaded ahead is not used (the next step's backward loads it again)
+            self._gpu.submit(self._update_streamed, streamed, coef, step, after=grads_final, prefetching=prefetching)
+        else:  # a skipped step: what was loaded ahead is not used (the next step loads it again)
             self._gpu.submit(self._prefetched.clear)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
@@ -371,7 +385,8 @@ class StreamingAdamW:
             self._prefetched[j] = (i, tr)
 
     def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
-                         views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None) -> None:
+                         views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None,
+                         prefetching: Future[None] | None = None) -> None:
         """Ram layers updated on the GPU, pipelined over the scratch sets: layer j's state crosses
         PCIe in while layer j-1's kernel runs and its state crosses back (each direction on its
         own stream); a layer's future completes once its state is back in host memory.
@@ -392,16 +407,16 @@ class StreamingAdamW:
 
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
         the layer's own (data parallel: this rank's shard; compute may be master itself).
-        ``after``: where the compute stream stood when the gradients were final."""
+        ``after``: where the compute stream stood when the gradients were final. ``prefetching``:
+        this step's loads ahead (`_prefetch_states`), queued on this thread before this update."""
         pending: list[tuple[int, Future[None], Transfer]] = []
         deferred: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], Marker | None, int]] = []
         backs: list[tuple[int, Future[None], Transfer]] = []  # state_back futures and the copies they wait for
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
-            if self._prefetching is not None:  # done (the same thread ran it first): raise what it raised
-                done, self._prefetching = self._prefetching, None
-                done.result()
+            if prefetching is not None:  # done (the same thread ran it first): raise what it raised
+                prefetching.result()
             sets = len(self._scratch)
             reused = {scratch_set(j, len(jobs), sets) for j in range(sets, len(jobs))}
             loaded, self._prefetched = self._prefetched, {}

@@ -290,3 +290,51 @@ def test_a_reader_between_steps_gets_the_handed_over_weights(tokens):
         assert got_new, f"step {step}, layer {layer}: TierWeights read older weights"
         # (the first step's learning rate is 0, warm-up: its weights did not change)
         assert stale and (step == 1 or not host_new), f"step {step}, layer {layer}: the host copy was current (nothing to test)"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_with_the_handoff_the_state_loads_from_the_steps_start(tokens, monkeypatch, dtype):
+    """With the handoff (bf16) the loaded layers' visits leave the link to the device free during
+    the forward, so their state loads are queued when the step begins, before any gradient is
+    final; without it (fp32) only once the backward has begun (the first final gradient), so the
+    loads do not slow the forward's weight copies."""
+    from mtc.runtime.optimizer import StreamingAdamW
+
+    final_at_start = []
+    orig = StreamingAdamW._start_prefetch
+
+    def spy(self):
+        final_at_start.append(len(self._norms))
+        return orig(self)
+
+    monkeypatch.setattr(StreamingAdamW, "_start_prefetch", spy)
+    cfg = small_config(steps=3, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4", update_prefetch=2,
+                       durability="none", compute_dtype=dtype)
+    res = train(cfg, None, tokens)
+    res.store.close()
+    assert final_at_start == ([0, 0, 0] if dtype == "bfloat16" else [1, 1, 1])
+
+
+def test_an_update_that_starts_late_uses_its_own_steps_loads(tokens, monkeypatch):
+    """Each GPU-side update starts 0.3 s late, so the next step's begin_step has queued the next
+    loads ahead before it runs: the update must wait for its own step's loads, not those queued
+    behind it on the same thread (which deadlocked the run, 2026-11-27)."""
+    import threading
+    import time
+
+    from mtc.runtime.optimizer import StreamingAdamW
+
+    orig = StreamingAdamW._update_streamed
+
+    def late(self, *a, **k):
+        time.sleep(0.3)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(StreamingAdamW, "_update_streamed", late)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_handoff_run(tokens, handoff=True)), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the run hung: an update waited for loads queued behind it"
+    out[0].store.close()
+    assert len(out[0].records) == 4
