@@ -89,7 +89,7 @@ from mtc.models import build, model_config
 from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, PROGRAM_FILE, save_plan
 from mtc.planner import local_update_rates
 from mtc.runtime.pinned import host_buffer
-from mtc.runtime.placement import deferred_layers, describe, streamed_grads_on_device
+from mtc.runtime.placement import describe, handed_layers, streamed_grads_on_device
 from mtc.runtime.timeline import Timeline
 from mtc.train import StepRecord, TrainResult, build_model, open_run, train
 from mtc.tracer import LossModel, trace
@@ -213,7 +213,7 @@ def _planned_bytes(res: Any, cfg: TrainConfig, act_out_per_step: float) -> dict[
     last = prog.n_layers - 1
     # GPU-updated layers handed over on the device (`TrainConfig.update_handoff`): their visits'
     # weights stay on the device once they have been updated (the first step's still cross)
-    handed = deferred_layers(res.gpu_update, res.prefetch) if cfg.update_handoff and cb != 4 else set()
+    handed = handed_layers(res.gpu_update, res.prefetch, cb, cfg.update_handoff)
     weights = 0
     for call in prog.layers:  # embed + blocks: forward and backward visits; the head: one visit
         # its own weights and tied ones of other layers, each crossing unless its owner is resident

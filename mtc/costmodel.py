@@ -584,7 +584,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     layers' weights are read from the store at each visit (fp32), and cross PCIe as fp32.
     ``saves``: the blocks that keep their activations between visits (`saved_seconds` less in
     their backward visits)."""
-    from mtc.runtime.placement import deferred_layers, streamed_grads_on_device
+    from mtc.runtime.placement import deferred_layers, handed_layers, streamed_grads_on_device
     from mtc.runtime.tiers import DISK_SLOTS, StateTiers, state_kinds
 
     L, n, c = shape.n_layers, list(shape.numels), shape.compute_bytes
@@ -613,7 +613,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     # and of those, with the handoff (`TrainConfig.update_handoff`, not in fp32), the visits copy
     # the new weights from the scratch set on the device: they wait for the kernel only, and the
     # weights cross neither back nor to the device at each visit (after the first step's)
-    hand = late if cfg.update_handoff and c != 4 else set()
+    hand = handed_layers(gpu_update, prefetch, c, cfg.update_handoff) if dist is None else set()
     # with it the loads ahead start with the step, not its backward (`StreamingAdamW.begin_step`)
     early = bool(ahead) and cfg.update_handoff and c != 4
     # bytes per parameter back: the whole state (master, m, v and a separate compute copy), and of

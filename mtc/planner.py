@@ -402,7 +402,7 @@ class Plan:
 
     def _handoff_text(self) -> str:
         """Of the layers loaded ahead, those whose new weights stay on the device (`update_handoff`)."""
-        handed = pl.deferred_layers(self.gpu_update, self.prefetch) if self.cfg.update_handoff and self.shape.compute_bytes != 4 else set()
+        handed = pl.handed_layers(self.gpu_update, self.prefetch, self.shape.compute_bytes, self.cfg.update_handoff)
         return f", {len(handed)} handing their new weights to the next visits on the device" if handed else ""
 
     def lines(self) -> list[str]:

@@ -51,6 +51,7 @@ __all__ = [
     "default_ram_budget",
     "disk_bytes_beyond_seed",
     "disk_bytes_needed",
+    "handed_layers",
     "host_bytes_needed",
     "host_bytes_per_param",
     "pipeline_host_bytes",
@@ -219,6 +220,13 @@ def deferred_layers(gpu_update: set[int] | frozenset[int], prefetch: int) -> set
     sets = scratch_sets(prefetch)
     reused = {scratch_set(j, len(order), sets) for j in range(sets, len(order))}
     return {i for j, i in enumerate(order) if j < prefetch and j not in reused}
+
+
+def handed_layers(gpu_update: set[int] | frozenset[int], prefetch: int, compute_bytes: int, handoff: bool) -> set[int]:
+    """The GPU-updated layers whose new weights stay in their scratch sets for the next visits
+    (`TrainConfig.update_handoff`; `StreamingAdamW._update_streamed`): the deferred ones, in a
+    compute dtype other than fp32, where the weights are the master that the next load overwrites."""
+    return deferred_layers(gpu_update, prefetch) if handoff and compute_bytes != 4 else set()
 
 
 def choose_saves(spec: str, blocks: Sequence[int], saved_bytes: Sequence[int], templates: Sequence[str], *,

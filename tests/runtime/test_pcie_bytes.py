@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mtc.graphs.program import Program
-from mtc.runtime.placement import deferred_layers
+from mtc.runtime.placement import handed_layers
 from mtc.runtime.tiers import state_kinds
 from mtc.train import train
 from tests.runtime.engine_util import skewed_tokens, small_config
@@ -99,8 +99,8 @@ def test_bytes_per_step_match_the_program(tokens, mode):
         cbytes = 2 if cfg.resolved_compute_dtype == "bfloat16" else 4
         assert res.gpu_update == ({1, 2} if "gpu_update" in mode else set())
         got = [(r.h2d_bytes, r.d2h_bytes) for r in res.records]
-        # loaded ahead into a set no later update reuses, in bf16: handed over (`deferred_layers`)
-        handed = deferred_layers(res.gpu_update, res.prefetch) if cbytes == 2 and cfg.update_handoff else set()
+        # loaded ahead into a set no later update reuses, in bf16: handed over
+        handed = handed_layers(res.gpu_update, res.prefetch, cbytes, cfg.update_handoff)
         want = [expected_bytes(res.program, res.placement, compute_bytes=cbytes, gpu_update=res.gpu_update, n_micro=cfg.grad_accum,
                                offload="activation_budget_gb" in mode,
                                commit_kinds=state_kinds("gpu", cfg.durability) if r.committed else (),
