@@ -97,6 +97,7 @@ from mtc.tracer import LossModel, trace
 PARTS = ("P1-16", "P1-48", "P3", "P5")
 GOALS = {"P1-16": 230.0, "P1-48": 300.0}  # stateless model TFLOP/s
 MEGATRAIN = {"P1-16": 93.0, "P1-48": 181.0}  # MegaTrain on the same box, model TFLOP/s
+SPREAD_NOTE = 1.3  # the table lists a setting's measured steps when the slowest took this much longer than the fastest
 # the mtc settings of P1 and P3 (`_setting`)
 SETTINGS = ("stateless", "stateless-noprefetch", "stateless-nohandoff", "auto", "auto-recompute")
 P3_GOAL, P5_GOAL = 1.0, 1.1
@@ -462,6 +463,10 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "plan": _plan_record(plan_dir, prepared, res),
         "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
         "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,
+        # the steps run back to back, so their mean is the throughput; the median is the headline (as
+        # for the baselines), and the two part where steps alternate (the H200's P1-16 stateless on
+        # 2026-11-27: 0.93 / 2.62 s, median 1.775 of four = mean): spread = slowest / fastest
+        "mean_step_s": sum(timed) / len(timed), "step_spread": max(timed) / min(timed),
         # the cost model beside the measurement: what the first GPU session validates it with
         "predicted_by_mtc_plan": predicted(cfg, med),
         "losses": [r.loss for r in res.records], "grad_norms": [r.grad_norm for r in res.records],
@@ -881,6 +886,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                   f"{_f(tr.get('h2d_gbps_avg'), '8.1f')} {_f(tr.get('d2h_gbps_avg'), '8.1f')} {_f(opt.get('update_s'), '6.2f')} "
                   f"{_f(opt.get('exposed_upper_s'), '6.2f')} {_f(gpu and gpu / 2**30, '8.2f')} {_f(rss, '8.1f')} {clip:>5s} "
                   f"{plan_s:>9s} {_f(pred, '7.3f')}")
+            if r.get("step_spread", 1.0) > SPREAD_NOTE:
+                print(f"{'':6s}   steps uneven: {', '.join(f'{t:.3f}' for t in r['steps_s'][r['warmup_steps']:r['warmup_steps'] + r['measured_steps']])} s "
+                      f"(mean {r['mean_step_s']:.3f}, slowest / fastest {r['step_spread']:.2f})")
             win = r.get("update_window")
             if win:  # where the step goes around the update window (seconds from the last sync)
                 print(f"{'':6s}   window s: forward done {win['forward_done_s']:.3f}, CPU updates done "

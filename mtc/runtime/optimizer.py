@@ -111,6 +111,10 @@ class StreamingAdamW:
         # one dispatcher per engine keeps updates in forward order; chunks fan out over `_chunks`
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-adamw")
         self._gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-gpu-adamw")
+        # the GPU-side updates' copies back are waited for here, not on `_gpu`: the next step's
+        # loads ahead queue on `_gpu` and must not wait on the host for every layer's state to land
+        # (each waits on the copy engine for its own set's last copy out: `_prefetch_states`)
+        self._landing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-state-back")
         self._chunks = host_pool(self.threads)
         # host_impl "auto": torch's fused CPU kernel runs ~2x the exact op-by-op math
         # (bench/bench_adamw.py) and stays within the parity tolerance, but not bit-identical to
@@ -373,8 +377,12 @@ class StreamingAdamW:
 
     def _prefetch_states(self, layers: list[int]) -> None:
         """Copy master, m and v of ``layers`` (the first GPU-updated ones in forward order) into
-        scratch sets 0, 1, ... ahead of the update (on the optimizer's thread, so the last step's
-        updates, which wrote this host state back, have all finished)."""
+        scratch sets 0, 1, ... ahead of the update. On the optimizer's thread, so the last step's
+        updates, which write this host state back, have all been issued; each load waits on the
+        copy engine for its set's last copy out (that layer's state, or a later one behind it on
+        the same stream), not on the host for every layer's: the H200's P1-16 stateless steps
+        (2026-11-27) alternated 0.93 and 2.62 s while the loads queued behind the wait for the
+        whole 51 GB of the last step's state to land, and so crossed the link after it, not beside it."""
         for j, i in enumerate(layers):
             s = self.tiers[i]
             assert s.master is not None and s.m is not None and s.v is not None
@@ -408,10 +416,13 @@ class StreamingAdamW:
         ``views``: per layer, the (master, m, v, grad, compute) host tensors to update instead of
         the layer's own (data parallel: this rank's shard; compute may be master itself).
         ``after``: where the compute stream stood when the gradients were final. ``prefetching``:
-        this step's loads ahead (`_prefetch_states`), queued on this thread before this update."""
-        pending: list[tuple[int, Future[None], Transfer]] = []
+        this step's loads ahead (`_prefetch_states`), queued on this thread before this update.
+
+        This thread only issues: the copies back are waited for on `_landing` (`_land`), which
+        completes the futures, so the next step's loads ahead can be issued at once."""
+        landing: list[tuple[str, int, Future[None], Transfer]] = []  # (span, layer, future, the copy it completes with)
         deferred: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], Marker | None, int]] = []
-        backs: list[tuple[int, Future[None], Transfer]] = []  # state_back futures and the copies they wait for
+        backs: list[tuple[str, int, Future[None], Transfer]] = []  # state_back futures and the copies they wait for
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
@@ -470,40 +481,43 @@ class StreamingAdamW:
                         tr_out = self.engine.d2h(state + weights, after=after, layer=i, stage="opt_d2h", lane="opt")
                         self._scratch_free[k] = tr_out
                         if back_fut is not None:
-                            backs.append((i, back_fut, tr_out))
+                            backs.append(("state_back", i, back_fut, tr_out))
                             s.host_compute_stale = False  # (read only once the update's future says the copy landed)
                 if views is None and s.device_copy is not None and not s.device_copy.done():
                     s.device_copy.set_result(None)  # its set is reused (or no handoff): from the host copy
                 if handed:  # done as far as the visits go; its state follows with the other deferred layers'
                     fut.set_result(None)
                     continue
-                pending.append((i, fut, tr_out))
-                while len(pending) > 1:  # keep one layer in flight behind the one just issued
-                    self._state_back(*pending.pop(0), tstep)
-            for layer, done, tr in pending:
-                self._state_back(layer, done, tr, tstep)
+                landing.append(("streamed_back", i, fut, tr_out))
             # the deferred layers' master, m and v: behind every layer's weights on the copy stream
             for i, state, kernel_done, k in deferred:
                 tr = self.engine.d2h(state, after=kernel_done, layer=i, stage="opt_d2h", lane="opt")
                 self._scratch_free[k] = tr
-                backs.append((i, self.tiers[i].state_back, tr))
-            for layer, done, tr in backs:
-                with self.timeline.span("state_back", layer, step=tstep):
-                    tr.wait()
-                done.set_result(None)
+                backs.append(("state_back", i, self.tiers[i].state_back, tr))
         except BaseException as e:
             for i, fut, _, _ in jobs:
                 for f in (fut, *((self.tiers[i].state_back, self.tiers[i].device_copy) if views is None else ())):
                     if f is not None and not f.done():
                         f.set_exception(e)
             raise
+        # everything is issued: this thread is free for the next step's loads ahead
+        self._landing.submit(self._land, landing + backs, tstep)
 
-    def _state_back(self, layer: int, done: Future[None], tr: Transfer, tstep: int) -> None:
-        """GPU-side update of ``layer``: wait until its new weights are back in host memory (the
-        span's end is when), then complete its future."""
-        with self.timeline.span("streamed_back", layer, step=tstep):
-            tr.wait()
-        done.set_result(None)
+    def _land(self, copies: list[tuple[str, int, Future[None], Transfer]], tstep: int) -> None:
+        """Complete each future once its copy back is in host memory (the span's end is when), in
+        the order issued: first the layers' new weights (``streamed_back``: what the next forward
+        of a layer not handed over waits for), then master, m and v (``state_back``). A failed
+        copy fails its future and every later one."""
+        for j, (span, layer, done, tr) in enumerate(copies):
+            try:
+                with self.timeline.span(span, layer, step=tstep):
+                    tr.wait()
+            except BaseException as e:
+                for *_, f, _ in copies[j:]:
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+            done.set_result(None)
 
     # -- write-behind and commits ---------------------------------------------------------------
 
@@ -529,7 +543,7 @@ class StreamingAdamW:
 
     def close(self) -> None:
         """Stop the worker threads (after finishing what was started)."""
-        for pool in (self._cpu, self._gpu, self._writer, self._chunks):
+        for pool in (self._cpu, self._gpu, self._landing, self._writer, self._chunks):
             pool.shutdown(wait=True)
         if self.dp is not None:
             self.dp.close()

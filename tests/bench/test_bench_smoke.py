@@ -46,6 +46,8 @@ def check_mtc_setting(r: dict) -> None:
     assert steps and all(finite(s) and s > 0 for s in steps)
     assert r["median_step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["median_step_s"])
     assert r["model_tflops"] == pytest.approx(6 * r["n_params"] * r["tokens_per_step"] / r["median_step_s"] / 1e12)
+    timed = steps[r["warmup_steps"]:r["warmup_steps"] + r["measured_steps"]]
+    assert r["mean_step_s"] == pytest.approx(sum(timed) / len(timed)) and r["step_spread"] == pytest.approx(max(timed) / min(timed))
     setup = r["setup_s"]  # filling the state is part of what train() did before its first step
     assert finite(setup["state_fill"]) and 0 < setup["state_fill"] <= setup["train_until_first_step"]
     prof = r["gpu_profile"]  # CUDA only: the profiled step's busy %; None on the CPU, never missing
