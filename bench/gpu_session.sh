@@ -15,8 +15,8 @@
 #                  (matmul prologue/epilogue fusion chosen per shape), fusion forced on / off, torch.compile
 #   train/PART     bench_train, e.g. train/P1-16 train/P1-48 train/P3 train/P5 (each up to 8 minutes;
 #                  P1-16 runs stateless and auto (P1_AB=1 adds stateless-nohandoff between them:
-#                  update_handoff's A/B, ~60 s more; the H200 measured that side at 2.06 s/step on
-#                  2026-11-27, before the handoff existed);
+#                  update_handoff's A/B, ~60 s more; the H200 at 1b43958: 1.775 s/step with,
+#                  1.978 without);
 #                  it starts only with TRAIN_MIN_S, default 150 s, left, and stops starting settings
 #                  at its own limit, keeping the ones it finished; P3 runs mtc auto and the
 #                  torch.compile baselines first, so a short budget still gives the ratio)
@@ -38,15 +38,16 @@
 #
 # A lent task has 15 minutes of device time in all (the machine's start, 1-2 minutes, included; a
 # machine idle for 30 s goes back, and a fresh start costs minutes again). So, two calls back to back:
-#   call 1, timeout_s 600:  P1_AB=1 bash bench/gpu_session.sh
-#       (the default list, in order of what is pending: tests, train/P1-16 (with P1_AB=1 the weights
-#       handoff's A/B), fusion, train/P3; a part that no longer fits is skipped and says so; on the
-#       H200, 2026-11-27 19:06, tests, P3 and P1-16 took 489 s and fusion did not fit)
+#   call 1, timeout_s 600:  bash bench/gpu_session.sh
+#       (the default list, in order of what is pending: tests, train/P1-16, train/P1-48; a part that
+#       no longer fits is skipped and says so; on the H200, 2026-11-27 21:52, tests + P1-16 with
+#       P1_AB=1 + fusion took 528 s)
 #   call 2, at once (the machine still warm; `status` says the device time left), timeout_s = that
 #       less 30, BENCH_BUDGET_S = the timeout less 40 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of the defaults, then
-#       model/1.5b (no goal), then train/P1-48 (its goal was met on 2026-11-26); the heads
-#       (gpt2/head qwen2/head llama/head) met their goal on the H200 on 2026-11-27 (92b2eda), ~50 s each
+#       train/P3 (goal met on 2026-11-27 at 1.26x; its stateless steps alternated too), then fusion
+#       (issue 9's blocks, unchanged since 1b43958), model/1.5b (no goal), train/P5 (met 2026-11-26);
+#       P1_AB=1 adds the handoff's A/B to P1-16 (measured 2026-11-27: 1.775 s with, 1.978 without)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
 #   2026-11-27 P3 adds auto-recompute and a torch.compile baseline without checkpointing, ~45 s
@@ -90,13 +91,12 @@ trap 'pack; summary 10; exit 143' TERM
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$log"
 start=$(date +%s)
 parts=("$@")
-# default: what is pending, most important first: the gpu tests (the generator's release after a
-# failed capture, the combine's new tiles), P3 at equal micro-batch with its blocks keeping their
-# activations (issue 8's goal; 0.86x of torch.compile before; its 2026-11-27 figures were lost),
-# P1-16 stateless with the update prefetch and auto (goal 230 TFLOP/s; lost likewise), then the
-# three blocks (issue 9: Llama 1.24x unfused / 1.04x torch.compile on the H200 before the combine's
-# new tiles, goal 1.25x / 1.05x; GPT-2 1.04x unfused, goal 1.2x); see the header for call 2
-[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 fusion train/P3)
+# default: what is pending, most important first: the gpu tests (the copies back now waited for on
+# their own thread, 951d3cc), P1-16 stateless and auto (the next step's loads no longer wait for the
+# last step's whole state: its steps alternated 0.93 / 2.62 s on the H200 at 1b43958, 256.1 TFLOP/s,
+# `mtc plan` predicts 1.09 s), P1-48 (goal 300; last measured on 2026-11-26, before the handoff);
+# see the header for call 2
+[ ${#parts[@]} -eq 0 ] && parts=(tests train/P1-16 train/P1-48)
 budget=${BENCH_BUDGET_S:-550}
 profile="$HOME/.cache/mtc/machine.json"
 train_min=${TRAIN_MIN_S:-150}

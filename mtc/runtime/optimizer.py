@@ -141,6 +141,7 @@ class StreamingAdamW:
         self.handoff = handoff and tiers.compute_dtype != torch.float32
         self._prefetch_due = False
         self._prefetching: Future[None] | None = None  # the step's state loads (read by the update: their errors surface)
+        self._dropped_error: BaseException | None = None  # a failed load of a skipped step's, raised by the next update or `wait`
         self._opt_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self.gpu_update:  # now, before any compute: see DeviceRing.preallocate for why
             n = max(self.tiers[j].numel for j in self.gpu_update)
@@ -287,8 +288,8 @@ class StreamingAdamW:
             # device gradients are final once the compute stream gets here: the GPU-side updates read
             # them on their own stream (ordered by the device, not by the host read above)
             self._gpu.submit(self._update_streamed, streamed, coef, step, after=grads_final, prefetching=prefetching)
-        else:  # a skipped step: what was loaded ahead is not used (the next step loads it again)
-            self._gpu.submit(self._prefetched.clear)
+        else:
+            self._gpu.submit(self._drop_loads, prefetching)
         if any(s.tier == "disk" for s in self.tiers.layers):
             self.disk_generation = w_disk
         if commit is not None:
@@ -305,6 +306,7 @@ class StreamingAdamW:
             for f in (s.update, s.state_back, s.write):
                 if f is not None:
                     f.result()
+        self._gpu.submit(self._raise_dropped).result()  # behind everything queued on the optimizer's thread
         self.commit_future.result()
         for s in self.tiers.layers:
             if s.host_compute_stale:
@@ -392,6 +394,19 @@ class StreamingAdamW:
                                  stage="opt_prefetch", lane="opt")
             self._prefetched[j] = (i, tr)
 
+    def _drop_loads(self, prefetching: Future[None] | None) -> None:
+        """A skipped step: what was loaded ahead is not used (the next step loads it again), but a
+        load that failed still fails the run, at the next update or `wait`."""
+        self._prefetched.clear()
+        if prefetching is not None and prefetching.exception() is not None:  # done: it ran before, on this thread
+            self._dropped_error = self._dropped_error or prefetching.exception()
+
+    def _raise_dropped(self) -> None:
+        """Raise (once) the error of a skipped step's failed loads ahead (`_drop_loads`)."""
+        e, self._dropped_error = self._dropped_error, None
+        if e is not None:
+            raise e
+
     def _update_streamed(self, jobs: list[tuple[int, Future[None], dict, tuple]], coef: torch.Tensor | None, tstep: int,
                          views: dict[int, tuple[torch.Tensor, ...]] | None = None, after: Marker | None = None,
                          prefetching: Future[None] | None = None) -> None:
@@ -426,6 +441,7 @@ class StreamingAdamW:
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
+            self._raise_dropped()
             if prefetching is not None:  # done (the same thread ran it first): raise what it raised
                 prefetching.result()
             sets = len(self._scratch)

@@ -99,6 +99,28 @@ def test_a_failed_state_prefetch_surfaces_instead_of_vanishing(tokens, monkeypat
         train(small_config(steps=2, gpu_update="1-2", update_prefetch=1), None, tokens)
 
 
+def test_a_failed_load_ahead_of_a_skipped_step_still_fails_the_run(tokens, monkeypatch):
+    # lr 1e18: step 1 and every later one are skipped (non-finite), so no update reads step 1's
+    # loads ahead; their error was dropped with them, and the run ended as if nothing had failed
+    from mtc.runtime.optimizer import StreamingAdamW
+
+    calls, orig = [], StreamingAdamW._prefetch_states
+
+    def flaky(self, layers):
+        calls.append(layers)
+        if len(calls) == 2:
+            raise RuntimeError("prefetch copy failed")
+        return orig(self, layers)
+
+    monkeypatch.setattr(StreamingAdamW, "_prefetch_states", flaky)
+    cfg = small_config(steps=3, gpu_update="1-2", update_prefetch=1, max_nonfinite_steps=100,
+                       optim=OptimConfig(lr=1e18, min_lr=1e18, warmup_steps=0, clip_norm=None))
+    seen = []
+    with pytest.raises(Exception, match="prefetch copy failed"):
+        train(cfg, None, tokens, on_step=seen.append)
+    assert len(calls) >= 2 and [r.skipped for r in seen][:2] == [False, True]
+
+
 def test_commit_every_commits_on_schedule_and_at_the_end(tokens, tmp_path):
     res = train(small_config(steps=7, commit_every=3), tmp_path / "s", tokens)
     try:
