@@ -209,6 +209,34 @@ def test_fusion_goal_verdict_takes_the_faster_fused_variant_and_says_which():
     assert bench_fusion.goal_verdict("llama", "block", res, torch.device("cpu"))["verdict"].startswith("not judged")
 
 
+def test_fusion_verdict_carries_the_per_round_ratios_and_says_when_the_goal_is_within_their_spread():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_fusion
+
+    cuda = torch.device("cuda")  # judged as on CUDA; no device is touched
+    # four rounds; round 2 ran everything slower (a power-limited GPU's state): per round the
+    # replay is 1.30, 1.30, 1.30, 1.28 x unfused and 1.05, 1.10, 1.00, 1.06 x torch.compile
+    graph = [0.020, 0.030, 0.020, 0.020]
+    res = {"unfused": {"median_ms": 25.0, "times_s": [0.026, 0.039, 0.026, 0.0256]},
+           "mtc_fused": {"median_ms": 22.0, "times_s": [0.022] * 4},
+           "mtc_fused_graph": {"median_ms": 20.0, "times_s": graph},
+           "torch_compile": {"median_ms": 21.0, "times_s": [0.021, 0.033, 0.020, 0.0212]}}
+    p = bench_fusion.paired_speedups(res, "mtc_fused_graph")
+    assert p["vs_unfused"]["median"] == pytest.approx(1.30) and p["vs_unfused"]["rounds"] == 4
+    assert p["vs_torch_compile"]["median"] == pytest.approx(1.055)
+    assert p["vs_torch_compile"]["q1"] < 1.05 < p["vs_torch_compile"]["q3"]
+    v = bench_fusion.goal_verdict("llama", "block", res, cuda)
+    assert v["judged_on"] == "mtc_fused_graph" and v["paired"]["vs_unfused"] == p["vs_unfused"]
+    # 25 / 20 and 21 / 20 meet 1.25x and 1.05x, but 1.05 lies inside the rounds' quartiles
+    assert v["met"] and v["within_noise"] == ["vs_torch_compile"] and "within the rounds' spread: torch_compile" in v["verdict"]
+    # rounds that agree: nothing within the noise; a variant without times has no paired ratio
+    res["torch_compile"]["times_s"] = [0.0222, 0.0333, 0.0222, 0.0222]  # 1.11x in every round
+    assert bench_fusion.goal_verdict("llama", "block", res, cuda)["within_noise"] == []
+    del res["unfused"]["times_s"]
+    assert bench_fusion.paired_speedups(res, "mtc_fused_graph")["vs_unfused"] is None
+
+
 def test_fusion_attention_choices_pick_the_sequence_length_out_of_the_tuners_keys():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
