@@ -46,7 +46,8 @@
 #       less 30, BENCH_BUDGET_S = the timeout less 40 (install, and the last part's records):
 #       bash bench/gpu_session.sh PARTS   with PARTS: what call 1 skipped of the defaults, then
 #       train/P3 (goal met on 2026-11-27 at 1.26x; its stateless steps alternated too), then fusion
-#       (issue 9's blocks, unchanged since 1b43958), model/1.5b (no goal), train/P5 (met 2026-11-26);
+#       (issue 9's blocks, unchanged since 1b43958 but for 30 timed rounds, not 10: ~15 s more, and the
+#       per-round ratios beside the verdict), model/1.5b (no goal), train/P5 (met 2026-11-26);
 #       P1_AB=1 adds the handoff's A/B to P1-16 (measured 2026-11-27: 1.775 s with, 1.978 without)
 #   (the first H100 session, 2026-11-26, took: install + tests 90 s, calibrate 20 s, P1-16 142 s,
 #   P1-48 142 s, llama/block 35 s, P3 110 s, fusion 80 s; the machine's start about 30 s; since
