@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,6 +115,7 @@ class StreamingAdamW:
         # loads ahead queue on `_gpu` and must not wait on the host for every layer's state to land
         # (each waits on the copy engine for its own set's last copy out: `_prefetch_states`)
         self._landing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-state-back")
+        self._landing_error: BaseException | None = None  # a copy back that failed: every later landing fails with it
         self._chunks = host_pool(self.threads)
         # host_impl "auto": torch's fused CPU kernel runs ~2x the exact op-by-op math
         # (bench/bench_adamw.py) and stays within the parity tolerance, but not bit-identical to
@@ -433,11 +434,12 @@ class StreamingAdamW:
         ``after``: where the compute stream stood when the gradients were final. ``prefetching``:
         this step's loads ahead (`_prefetch_states`), queued on this thread before this update.
 
-        This thread only issues: the copies back are waited for on `_landing` (`_land`), which
-        completes the futures, so the next step's loads ahead can be issued at once."""
-        landing: list[tuple[str, int, Future[None], Transfer]] = []  # (span, layer, future, the copy it completes with)
+        This thread only issues: the copies back are waited for on `_landing` (`_land`, in the
+        order issued), which completes the futures, so the next step's loads ahead can be issued
+        at once, and a layer's future does not wait for the issue of a later layer (which may
+        wait for its own last write behind)."""
         deferred: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], Marker | None, int]] = []
-        backs: list[tuple[str, int, Future[None], Transfer]] = []  # state_back futures and the copies they wait for
+        backs: list[tuple[str, int, Future[None], Transfer]] = []  # (span, layer, state_back future, the copy it completes with)
         if self._opt_stream is not None and after is not None and after.event is not None:
             self._opt_stream.wait_event(after.event)
         try:
@@ -504,7 +506,7 @@ class StreamingAdamW:
                 if handed:  # done as far as the visits go; its state follows with the other deferred layers'
                     fut.set_result(None)
                     continue
-                landing.append(("streamed_back", i, fut, tr_out))
+                self._landing.submit(self._land, "streamed_back", i, fut, tr_out, tstep)
             # the deferred layers' master, m and v: behind every layer's weights on the copy stream
             for i, state, kernel_done, k in deferred:
                 tr = self.engine.d2h(state, after=kernel_done, layer=i, stage="opt_d2h", lane="opt")
@@ -513,27 +515,26 @@ class StreamingAdamW:
         except BaseException as e:
             for i, fut, _, _ in jobs:
                 for f in (fut, *((self.tiers[i].state_back, self.tiers[i].device_copy) if views is None else ())):
-                    if f is not None and not f.done():
-                        f.set_exception(e)
+                    if f is not None:
+                        _settle(f, e)  # (a landing may have completed it meanwhile)
             raise
-        # everything is issued: this thread is free for the next step's loads ahead
-        self._landing.submit(self._land, landing + backs, tstep)
+        # master, m and v, behind every layer's weights: then this thread is free for the next step's loads ahead
+        for span, i, done, tr in backs:
+            self._landing.submit(self._land, span, i, done, tr, tstep)
 
-    def _land(self, copies: list[tuple[str, int, Future[None], Transfer]], tstep: int) -> None:
-        """Complete each future once its copy back is in host memory (the span's end is when), in
-        the order issued: first the layers' new weights (``streamed_back``: what the next forward
-        of a layer not handed over waits for), then master, m and v (``state_back``). A failed
-        copy fails its future and every later one."""
-        for j, (span, layer, done, tr) in enumerate(copies):
+    def _land(self, span: str, layer: int, done: Future[None], tr: Transfer, tstep: int) -> None:
+        """Complete ``done`` once ``tr``, a copy back, is in host memory (the span's end is when):
+        first each layer's new weights (``streamed_back``: what the next forward of a layer not
+        handed over waits for), then master, m and v (``state_back``). After a failed copy, every
+        later landing fails with its error."""
+        err = self._landing_error
+        if err is None:
             try:
                 with self.timeline.span(span, layer, step=tstep):
                     tr.wait()
             except BaseException as e:
-                for *_, f, _ in copies[j:]:
-                    if not f.done():
-                        f.set_exception(e)
-                raise
-            done.set_result(None)
+                self._landing_error = err = e
+        _settle(done, err)
 
     # -- write-behind and commits ---------------------------------------------------------------
 
@@ -567,6 +568,15 @@ class StreamingAdamW:
             self.disk.close()
         if self.tiers.spill is not None:
             self.tiers.spill.close()
+
+
+def _settle(fut: Future[None], error: BaseException | None) -> None:
+    """Complete ``fut`` with ``error`` (or its result), unless another thread completed it first."""
+    with contextlib.suppress(InvalidStateError):
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
 
 
 def handed_weights(s: LayerState) -> torch.Tensor | None:

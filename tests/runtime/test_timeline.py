@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from mtc.store import TensorStore
@@ -271,6 +273,33 @@ def test_the_next_steps_loads_do_not_wait_for_every_layers_state_to_land(tokens,
     finally:
         res.store.close()
         ref.store.close()
+
+
+def test_a_layers_update_lands_without_waiting_for_a_later_layers_issue(tokens, monkeypatch):
+    """fp32, every GPU-updated layer streamed after the norm: layer 4's update waits 0.3 s before
+    it is issued (as for its last write behind, on a slow disk); layer 1's new weights still land,
+    and its future completes, before that (the copies back are waited for on their own thread as
+    they are issued, not after the whole step's issue)."""
+    from mtc.runtime import optimizer
+
+    orig = optimizer._wait_all
+
+    def slow(timeline, layer, deps, step):
+        if layer == 4:
+            time.sleep(0.3)
+        orig(timeline, layer, deps, step)
+
+    monkeypatch.setattr(optimizer, "_wait_all", slow)
+    res = train(small_config(steps=3, model_overrides={"n_layers": 4}, placement="stateless", gpu_update="1-4",
+                             update_prefetch=0, durability="none", compute_dtype="float32"), None, tokens)
+    try:
+        tl = res.timeline
+        for step in range(3):
+            landed = next(s for s in tl.spans("streamed_back", step=step) if s.layer == 1)
+            issued = next(s for s in tl.spans("update_streamed", step=step) if s.layer == 4)
+            assert landed.end < issued.start, f"step {step}: layer 1 landed at {landed.end}, layer 4 issued at {issued.start}"
+    finally:
+        res.store.close()
 
 
 def test_a_reader_between_steps_gets_the_handed_over_weights(tokens):
