@@ -464,8 +464,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         "steps_s": steps, "warmup_steps": warmup, "measured_steps": measure,
         "median_step_s": med, "tokens_per_s": tokens / med, "model_tflops": 6 * n_params * tokens / med / 1e12,
         # the steps run back to back, so their mean is the throughput; the median is the headline (as
-        # for the baselines), and the two part where steps alternate (the H200's P1-16 stateless on
-        # 2026-11-27: 0.93 / 2.62 s, median 1.775 of four = mean): spread = slowest / fastest
+        # for the baselines), and the two differ where steps alternate (the H200's P1-16 stateless on
+        # 2026-11-27: 0.93 / 2.62 s; of four steps the median happened to equal the mean, 1.775):
+        # spread = slowest / fastest
         "mean_step_s": sum(timed) / len(timed), "step_spread": max(timed) / min(timed),
         # the cost model beside the measurement: what the first GPU session validates it with
         "predicted_by_mtc_plan": predicted(cfg, med),
