@@ -60,7 +60,7 @@ from mtc.runtime.graph_replay import GraphBuffers, template_graph_buffers
 if TYPE_CHECKING:
     from mtc.dist_plan import RankDist
 
-__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "saved_bytes", "saved_seconds", "model_shape", "reference_scales", "shape_from_program",
+__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "saved_bytes", "saved_seconds", "model_shape", "reference_scales", "shape_from_program", "anchored_efficiency",
            "step_time", "template_cost"]
 
 GiB = 2**30
@@ -323,12 +323,19 @@ def _interp_log(x: float, pts: list[tuple[float, float]]) -> float:
 def matmul_rate(profile: MachineProfile, m: int, k: int, n: int) -> float:
     """FLOP/s of an (m x k) @ (k x n) matmul inside a layer on this machine: the profile's points
     interpolated by arithmetic intensity (FLOPs per byte), times its layer efficiency. Below the
-    thinnest measured shape the rate falls in proportion to the intensity (bandwidth-bound)."""
+    thinnest measured shape the rate falls in proportion to the intensity (bandwidth-bound) on the
+    CPU, and stays at that shape's rate on a GPU."""
     if not profile.matmul:
         raise ConfigError(f"machine profile {profile.name!r} has no matmul figures; re-run `mtc calibrate`")
     pts = sorted((_intensity(p["m"], p["k"], p["n"]), p["tflops"] * 1e12) for p in profile.matmul)
     x = _intensity(m, k, n)
-    rate = pts[0][1] * x / pts[0][0] if len(pts) > 1 and x < pts[0][0] else _interp_log(x, pts)
+    # the fall assumes the thinnest point sits at the memory roofline: the CPU's (16 rows) does. A
+    # GPU's bf16 points are compute-bound well below its thinnest (4096^3 in profiles written before
+    # 2026-11-28): the fall from there charged the H200's 4096-token K/V projections (4096 x 4096 x
+    # 1024) 239 TFLOP/s and its P3 ones 128, and the GPU compute of its resident P1-16 and P3 steps
+    # came out 22-40 % over the kernels' measured busy time (bench_train, 2026-11-27)
+    fall = len(pts) > 1 and x < pts[0][0] and profile.accelerator != "cuda"
+    rate = pts[0][1] * x / pts[0][0] if fall else _interp_log(x, pts)
     return rate * profile.layer_efficiency
 
 
@@ -414,6 +421,27 @@ def compute_seconds(cost: LayerCost, profile: MachineProfile, *, backward: bool,
     the matmuls only the layer's output needs (`LayerCost.output_only`)."""
     mm, other = _compute_parts(cost, profile, backward=backward, lean=lean)
     return (mm + other) * (profile.other_scale_bwd if backward else profile.other_scale_fwd)
+
+
+def anchored_efficiency(profile: MachineProfile) -> float:
+    """The layer efficiency of a GPU profile: the one at which this cost model, on the profile's
+    matmul points, times the anchor block (`mtc.calibrate.ANCHOR_BLOCK`: a Llama 8B block's
+    recompute + backward, measured) as the anchor machine ran it, scaled by this machine's
+    largest matmul rate over the anchor's. So another GPU is assumed to reach the same fraction of
+    its own peak on a layer, and the efficiency folds in only what the model leaves out (the
+    element-wise kernels, launch gaps), not the thin matmuls it already rates by their shape: a
+    fraction of the median matmul rate (0.697 before) counted those twice."""
+    from mtc.calibrate import ANCHOR_BLOCK
+
+    if not profile.matmul:
+        raise ConfigError(f"machine profile {profile.name!r} has no matmul figures; re-run `mtc calibrate`")
+    a = ANCHOR_BLOCK
+    cfg = TrainConfig(model=a["preset"], micro_batch_size=a["micro_batch_size"], seq_len=a["seq_len"], compute_dtype="bfloat16")
+    cost = model_shape(cfg, "bfloat16").costs[1]
+    # on a GPU profile every modelled part of a layer scales with 1 / efficiency (no element-wise points)
+    at_one = compute_seconds(cost, dataclasses.replace(profile, layer_efficiency=1.0, other_scale_bwd=1.0), backward=True)
+    peak = max(p["tflops"] for p in profile.matmul)
+    return at_one / (a["seconds"] * a["peak_tflops"] / peak)
 
 
 def reference_scales(profile: MachineProfile) -> tuple[float, float]:

@@ -148,6 +148,21 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     assert back == prof
 
 
+@pytest.mark.gpu
+def test_gpu_calibrate_times_every_matmul_shape_and_anchors_the_layer_efficiency(tmp_path):
+    """On CUDA: a point per `cuda_matmul_shapes` shape, timed over back-to-back launches (the
+    thin ones at no less than a fifth of the largest's rate), and the layer efficiency from the
+    anchor block (`anchored_efficiency`), said to be assumed."""
+    from mtc.calibrate import cuda_matmul_shapes
+
+    prof = calibrate(directory=tmp_path, copy_mb=64, disk_mb=8, adamw_numel=1_000_000, repeats=2)
+    assert [(p["m"], p["k"], p["n"]) for p in prof.matmul] == cuda_matmul_shapes()
+    peak = max(p["tflops"] for p in prof.matmul)
+    assert peak > 50 and min(p["tflops"] for p in prof.matmul) > peak / 5
+    assert 0.4 < prof.layer_efficiency < 1.0 and any(a.startswith("layer efficiency") for a in prof.assumed)
+    assert not prof.pcie_is_memcpy and prof.h2d_gbps > 1
+
+
 def test_stage_watch_warns_once_when_the_disk_is_slower_than_planned(tmp_path, data):
     import dataclasses
 
