@@ -158,6 +158,9 @@ class MachineProfile:
             raise ConfigError(f"machine profile has unknown field(s) {', '.join(bad)}; re-run `mtc calibrate`")
         if "store_both_gbps" not in d:  # written before the joint rate was measured
             d = {**d, "assumed": [*d.get("assumed", []), TAKE_TURNS]}
+        if d.get("accelerator") == "cuda" and d.get("matmul") and _thin_points_missing(d["matmul"]) \
+                and str(d.get("source", "")).startswith("mtc calibrate") and STALE_GPU_POINTS not in d.get("assumed", []):
+            d = {**d, "assumed": [*d.get("assumed", []), STALE_GPU_POINTS]}
         try:
             return cls(**d)
         except TypeError as e:
@@ -187,6 +190,16 @@ class MachineProfile:
 # a profile without the store's joint read-and-write rate (built in, or written before calibrate
 # measured it): the cost model lets the disk tier's reads and writes take turns, a bound from above
 TAKE_TURNS = "the store's reads and writes take turns on the disk (their joint rate not measured: `mtc calibrate --dir` on it measures it)"
+
+
+# a GPU profile calibrated before the thin matmul shapes were measured (its thinnest point 4096^3)
+STALE_GPU_POINTS = ("GPU matmul points from before 2026-11-28 (none thinner than 4096^3, each timed over one launch): "
+                    "thinner matmuls take the 4096^3 rate, which read 10-20 % low; re-run `mtc calibrate`")
+
+
+def _thin_points_missing(points: list[dict[str, float]]) -> bool:
+    """Whether a GPU profile's matmul points lack the K/V-projection shapes calibrate measures now."""
+    return all(min(p["m"], p["k"], p["n"]) >= 4096 for p in points)
 
 
 # -- what calibrate assumes on CUDA (measured on the lent H100 box, not by calibrate itself) ------

@@ -122,3 +122,13 @@ def test_a_gpu_rates_matmuls_thinner_than_its_points_at_the_thinnest_ones_rate()
     assert matmul_rate(gpu, 16384, 2048, 512) == pytest.approx(600e12)
     cpu = dataclasses.replace(gpu, accelerator="cpu")
     assert matmul_rate(cpu, 16384, 2048, 512) < 0.35 * 600e12
+
+
+def test_a_gpu_profile_without_the_thin_points_says_to_calibrate_again():
+    from mtc.calibrate import STALE_GPU_POINTS
+
+    old = MachineProfile.load(PROFILE)
+    assert STALE_GPU_POINTS in old.assumed
+    assert MachineProfile.from_dict(old.to_dict()).assumed.count(STALE_GPU_POINTS) == 1  # saved and loaded again: once
+    new = MachineProfile.from_dict({**old.to_dict(), "assumed": [], "matmul": [*old.matmul, {"m": 8192, "k": 4096, "n": 1024, "tflops": 600.0}]})
+    assert STALE_GPU_POINTS not in new.assumed
