@@ -510,9 +510,21 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
                 out["gpu_profile"] = {"error": f"{type(e).__name__}: {e}"}
         elif probe.prof_error:
             out["gpu_profile"] = {"error": probe.prof_error}
+        _compute_check(out)
     else:
         out["gpu_peak_allocated_bytes"] = out["gpu_peak_reserved_bytes"] = None
     return out
+
+
+def _compute_check(out: dict[str, Any]) -> None:
+    """Beside the plan's prediction: its modelled GPU work (compute + GPU optimizer) over the kernel
+    busy time of the profiled step, the figure the cost model's GPU side is checked with
+    (tests/mtc/test_costmodel_h100.py); meaningful where the GPU bounds the step (busy near 100 %)."""
+    pred, prof = out.get("predicted_by_mtc_plan") or {}, out.get("gpu_profile") or {}
+    stages, busy = pred.get("stages_s") or {}, prof.get("kernel_busy_s")
+    if "GPU compute" in stages and busy:
+        modelled = stages["GPU compute"] + stages.get("GPU optimizer", 0.0)
+        pred["gpu_work_modelled_s"], pred["gpu_work_modelled_over_kernel_busy"] = modelled, modelled / busy
 
 
 # -- the GPU-resident PyTorch baseline ---------------------------------------------------------
@@ -890,6 +902,10 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             if r.get("step_spread", 1.0) > SPREAD_NOTE:
                 print(f"{'':6s}   steps uneven: {', '.join(f'{t:.3f}' for t in r['steps_s'][r['warmup_steps']:r['warmup_steps'] + r['measured_steps']])} s "
                       f"(mean {r['mean_step_s']:.3f}, slowest / fastest {r['step_spread']:.2f})")
+            pr = r.get("predicted_by_mtc_plan") or {}
+            if pr.get("gpu_work_modelled_over_kernel_busy"):
+                print(f"{'':6s}   GPU work: modelled {pr['gpu_work_modelled_s']:.3f} s, the profiled step's kernels "
+                      f"{prof['kernel_busy_s']:.3f} s ({pr['gpu_work_modelled_over_kernel_busy']:.2f}x)")
             win = r.get("update_window")
             if win:  # where the step goes around the update window (seconds from the last sync)
                 print(f"{'':6s}   window s: forward done {win['forward_done_s']:.3f}, CPU updates done "

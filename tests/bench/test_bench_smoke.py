@@ -595,3 +595,25 @@ def test_merged_group_results_match_separate_ones_and_a_wrong_layout_would_show(
     assert max(sib.merged_errors(x, ws, torch.cat(ws), dys, widths).values()) < 1e-5
     swapped = sib.merged_errors(x, ws, torch.cat([ws[0], ws[2], ws[1]]), dys, widths)
     assert swapped["fwd"] > 0.1 and swapped["dx"] > 0.1 and swapped["dw"] < 1e-6
+
+
+def test_a_setting_records_and_prints_its_modelled_gpu_work_over_the_kernels_busy_time(capsys):
+    """The cost model's GPU side beside the profiled step (what tests/mtc/test_costmodel_h100.py
+    checks on the records): modelled compute + GPU optimizer over the kernel busy time."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_train
+
+    rec = json.loads((BENCH / "results" / "bench_train-P3-vm-20261127T220307.json").read_text())
+    s = next(x for x in rec["settings"] if x["setting"] == "auto")
+    s["predicted_by_mtc_plan"].pop("gpu_work_modelled_s", None)
+    bench_train._compute_check(s)
+    pred, busy = s["predicted_by_mtc_plan"], s["gpu_profile"]["kernel_busy_s"]
+    assert pred["gpu_work_modelled_s"] == pytest.approx(pred["stages_s"]["GPU compute"] + pred["stages_s"]["GPU optimizer"])
+    assert pred["gpu_work_modelled_over_kernel_busy"] == pytest.approx(pred["gpu_work_modelled_s"] / busy)
+    bench_train.print_table({"P3": {"settings": [s], "baselines": []}})
+    assert f"the profiled step's kernels {busy:.3f} s ({pred['gpu_work_modelled_over_kernel_busy']:.2f}x)" in capsys.readouterr().out
+    no_profile = {"predicted_by_mtc_plan": dict(pred, gpu_work_modelled_s=None), "gpu_profile": {"error": "CUPTI"}}
+    no_profile["predicted_by_mtc_plan"].pop("gpu_work_modelled_over_kernel_busy")
+    bench_train._compute_check(no_profile)
+    assert "gpu_work_modelled_over_kernel_busy" not in no_profile["predicted_by_mtc_plan"]
