@@ -60,8 +60,8 @@ from mtc.runtime.graph_replay import GraphBuffers, template_graph_buffers
 if TYPE_CHECKING:
     from mtc.dist_plan import RankDist
 
-__all__ = ["LayerCost", "ModelShape", "StepTime", "compute_seconds", "saved_bytes", "saved_seconds", "model_shape", "reference_scales", "shape_from_program", "anchored_efficiency",
-           "step_time", "template_cost"]
+__all__ = ["LayerCost", "ModelShape", "StepTime", "anchored_efficiency", "compute_seconds", "saved_bytes", "saved_seconds", "model_shape",
+           "reference_scales", "shape_from_program", "step_time", "template_cost"]
 
 GiB = 2**30
 
