@@ -513,7 +513,9 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     print(f"disk at {prof.disk_dir} (page cache dropped): write {prof.disk_write_gbps:.2f} GB/s, read {prof.disk_read_gbps:.2f} GB/s; "
           f"through the store: write {prof.store_write_gbps:.2f}, read {prof.store_read_gbps:.2f}, both at once {prof.store_both_gbps:.2f} GB/s")
     print(f"CPU AdamW ({prof.adamw_impl}, {prof.cores} threads): {prof.adamw_rate:.2f} G params/s; "
-          f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes)")
+          f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes; fastest "
+          f"{max(p['tflops'] for p in prof.matmul):.3f}, thinnest {prof.matmul[-1]['tflops']:.3f})"
+          + (f"; layer efficiency {prof.layer_efficiency}" if prof.accelerator == "cuda" else ""))
     if prof.visit_overhead_us:
         print(f"the engine's own work per layer visit and micro-batch, beyond the modelled compute: {prof.visit_overhead_us / 1e3:.2f} ms")
     print(f"profile written to {out}; use it with `mtc plan ... --machine {out}`")
