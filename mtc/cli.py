@@ -457,7 +457,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from mtc.calibrate import load_machine
     from mtc.config import TrainConfig, load_config, parse_field, set_field
     from mtc.plan import load_plan, load_plan_model
-    from mtc.planner import extrapolations, largest_fit, make_plan
+    from mtc.planner import extrapolations, largest_fit, make_plan, stateless_alternative
 
     program = None
     if a.config:
@@ -478,6 +478,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         return _plan_world(a, cfg, profile, program)
     plan = make_plan(cfg, profile, program=program)
     print("\n".join(plan.lines()))
+    _, alt = stateless_alternative(plan, program)
+    if alt:
+        print(alt)
     if not a.no_extrapolate:
         print("\nextrapolations (built-in machine profiles; their assumed figures are listed with them):")
         print("\n".join(extrapolations()))

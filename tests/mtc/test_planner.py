@@ -566,3 +566,28 @@ def test_handed_over_weights_leave_the_pcie_and_the_forwards_wait():
     fp32 = {**base, "compute_dtype": "float32"}
     a, b = (make_plan(TrainConfig.from_dict({**fp32, "update_handoff": h}), prof) for h in (False, True))
     assert a.step.step_s == b.step.step_s
+
+
+def test_plan_shows_the_stateless_alternative_beside_an_automatic_placement_with_gpu_state(capsys):
+    """P1's shape at 48 sequences on the H100 box: auto keeps 16 of 22 layers' state on the GPU; `mtc plan`
+    also prints the step with all state in host RAM (its memory then keeps blocks' activations),
+    both predictions, and that it does not choose (or that it would not fit); a placement that is
+    not auto gets nothing."""
+    from mtc.planner import stateless_alternative
+
+    over = {"dim": 4096, "ffn_dim": 14336, "n_heads": 32, "n_kv_heads": 8, "n_layers": 20, "vocab_size": 32000}
+    cfg = TrainConfig(model="8b", model_overrides=over, micro_batch_size=4, grad_accum=12, seq_len=1024, device="cuda",
+                      durability="none")
+    prof = builtin("h100-box")
+    plan = make_plan(cfg, prof)
+    assert plan.placement.count("gpu") == 16 and plan.placement.count("ram") == 6
+    alt, line = stateless_alternative(plan)
+    assert alt.placement == ["ram"] * 22 and alt.saves and alt.gpu_update
+    assert f"predicted {alt.step.step_s * 1e3:,.0f} ms per step against {plan.step.step_s * 1e3:,.0f} ms" in line
+    assert "not chosen automatically" in line
+    assert stateless_alternative(make_plan(dataclasses.replace(cfg, placement="stateless"), prof)) == (None, "")
+    rc = main(["plan", "8b", "--machine", "h100-box", "--seq-len", "1024", "--micro-batch-size", "2", "--grad-accum", "4",
+               "--no-extrapolate"])
+    out = capsys.readouterr().out
+    # (8B's fp32 state, 128 GB, is more than the box's 122 GiB of RAM: the CLI says the alternative does not fit)
+    assert rc in (0, 1) and "all state in host RAM (--placement stateless) would not fit this machine" in out
