@@ -629,6 +629,22 @@ def _adamw_rates(torch: Any, numel: int, cores: int, cuda: bool, repeats: int) -
     return out, one, (zero / out[engine], zero_one / one)
 
 
+def gpu_layer_efficiency(prof: MachineProfile) -> tuple[float, str]:
+    """A GPU profile's layer efficiency (`mtc.costmodel.anchored_efficiency` on its matmul points)
+    and the line its ``assumed`` list gets. Where the cost model cannot time the anchor block (its
+    trace failed), the block's FLOPs at the anchor's fraction of the fastest matmul, as a model with
+    one flat rate would, and why: the measured figures are kept either way."""
+    from mtc.costmodel import anchored_efficiency
+
+    try:
+        eff, how = round(anchored_efficiency(prof), 3), "the cost model's time of"
+    except Exception as e:  # noqa: BLE001
+        eff = round(_LLAMA8B_BLOCK_FLOPS / (ANCHOR_BLOCK["seconds"] * ANCHOR_BLOCK["peak_tflops"] * 1e12), 3)
+        how = f"the FLOPs of (the cost model could not time it: {type(e).__name__}: {str(e)[:200]})"
+    return eff, (f"layer efficiency {eff}: {how} a Llama 8B block at the fraction of this GPU's fastest matmul that the "
+                 "H200's reached (ANCHOR_BLOCK; not measured here)")
+
+
 # seconds of back-to-back launches per timed GPU matmul point
 CUDA_MATMUL_TIMING_S = 0.02
 
@@ -919,11 +935,8 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     except (OSError, RuntimeError) as e:
         prof.assumed.append(f"gloo collectives not measured ({e}); mtc plan --world-size assumes a rate and says so")
     if cuda:
-        from mtc.costmodel import anchored_efficiency
-
-        prof.layer_efficiency = round(anchored_efficiency(prof), 3)
-        prof.assumed.insert(0, f"layer efficiency {prof.layer_efficiency}: a Llama 8B block reaches the fraction of this GPU's "
-                               "fastest matmul that the H200's did (ANCHOR_BLOCK; not measured here)")
+        prof.layer_efficiency, why = gpu_layer_efficiency(prof)
+        prof.assumed.insert(0, why)
     else:
         from mtc.costmodel import reference_scales  # the planner's own cost model, fitted to the measured block
 

@@ -132,3 +132,21 @@ def test_a_gpu_profile_without_the_thin_points_says_to_calibrate_again():
     assert MachineProfile.from_dict(old.to_dict()).assumed.count(STALE_GPU_POINTS) == 1  # saved and loaded again: once
     new = MachineProfile.from_dict({**old.to_dict(), "assumed": [], "matmul": [*old.matmul, {"m": 8192, "k": 4096, "n": 1024, "tflops": 600.0}]})
     assert STALE_GPU_POINTS not in new.assumed
+
+
+def test_calibrate_keeps_a_gpu_profile_when_the_anchor_block_cannot_be_timed(monkeypatch):
+    """calibrate's layer efficiency on a GPU: the anchored one, said so; if tracing the anchor block
+    fails, the flat-rate figure and the error, not a failed calibration."""
+    import mtc.costmodel as cm
+    from mtc.calibrate import gpu_layer_efficiency
+
+    prof = MachineProfile.load(RESULTS / "machine-vm-20261127T2154.json")
+    eff, why = gpu_layer_efficiency(prof)
+    assert eff == round(anchored_efficiency(prof), 3) and why.startswith(f"layer efficiency {eff}: the cost model's time of")
+
+    def broken(p):
+        raise RuntimeError("trace failed")
+
+    monkeypatch.setattr(cm, "anchored_efficiency", broken)
+    eff2, why2 = gpu_layer_efficiency(prof)
+    assert 0.6 < eff2 < 0.8 and "could not time it: RuntimeError: trace failed" in why2
