@@ -194,7 +194,7 @@ TAKE_TURNS = "the store's reads and writes take turns on the disk (their joint r
 
 # a GPU profile calibrated before the thin matmul shapes were measured (its thinnest point 4096^3)
 STALE_GPU_POINTS = ("GPU matmul points from before 2026-11-28 (none thinner than 4096^3, each timed over one launch): "
-                    "thinner matmuls take the 4096^3 rate, which read 10-20 % low; re-run `mtc calibrate`")
+                    "thinner matmuls take the 4096^3 rate, which read up to 18 % low; re-run `mtc calibrate`")
 
 
 def _thin_points_missing(points: list[dict[str, float]]) -> bool:

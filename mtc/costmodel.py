@@ -333,7 +333,7 @@ def matmul_rate(profile: MachineProfile, m: int, k: int, n: int) -> float:
     # GPU's bf16 points are compute-bound well below its thinnest (4096^3 in profiles written before
     # 2026-11-28): the fall from there charged the H200's 4096-token K/V projections (4096 x 4096 x
     # 1024) 239 TFLOP/s and its P3 ones 128, and the GPU compute of its resident P1-16 and P3 steps
-    # came out 22-40 % over the kernels' measured busy time (bench_train, 2026-11-27)
+    # came out 27-40 % over the kernels' measured busy time (bench_train, 2026-11-27)
     fall = len(pts) > 1 and x < pts[0][0] and profile.accelerator != "cuda"
     rate = pts[0][1] * x / pts[0][0] if fall else _interp_log(x, pts)
     return rate * profile.layer_efficiency
