@@ -46,7 +46,7 @@ from mtc.runtime import placement as pl
 from mtc.runtime.executor import StreamingExecutor
 from mtc.runtime.graph_replay import graph_report, mixed_saves_bytes, replay_graphs
 from mtc.runtime.optimizer import StepStats, StreamingAdamW
-from mtc.runtime.pinned import pinning_report
+from mtc.runtime.pinned import host_buffer, pinning_report
 from mtc.runtime.runners import CompiledRunner, LayerRunner
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import flatten_layer
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from mtc.stagewatch import StageWatch
 
 __all__ = ["Engine", "Run", "StepRecord", "TrainResult", "TrainingError", "at_dtype", "build_engine", "build_model", "init_state",
-           "open_run", "plan_placement", "run_disk_compute", "train"]
+           "open_run", "plan_placement", "restore_matmul_precision", "run_disk_compute", "set_matmul_precision", "train"]
 
 
 class TrainingError(MTCError):
@@ -553,7 +553,16 @@ def last_committed_step(store_dir: str | Path) -> int | None:
 
 
 class _Loader:
-    """Samples the next step's micro-batches on its own thread while the current step runs."""
+    """Samples the next step's micro-batches on its own thread while the current step runs.
+
+    For a CUDA run (``pin``) each step's batches are copied into page-locked buffers allocated once
+    and reused in turn, so their copies to the device are asynchronous and no step allocates
+    pinned memory. `PINNED_SETS` sets suffice: while step k runs, the queue holds k+1 and k+2 and
+    the thread fills k+3; step k-1's set is free again because its copies to the device were
+    queued before its loss, which the training loop read before it asked for step k."""
+
+    PINNED_SETS = 4
+    _QUEUED = 2
 
     def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool, *, offset: int = 0,
                  stride: int | None = None) -> None:
@@ -561,17 +570,34 @@ class _Loader:
         # `stride` (the global grad_accum), so the ranks split the global batch contiguously
         self.sampler, self.n, self.pin = sampler, grad_accum, pin
         self.offset, self.stride = offset, stride if stride is not None else grad_accum
-        self._q: queue.Queue = queue.Queue(maxsize=2)
+        self._sets: list[list[torch.Tensor] | None] = [None] * self.PINNED_SETS
+        self.pinned_allocations = 0  # page-locked buffers allocated so far (one set's worth per set, then none)
+        self._q: queue.Queue = queue.Queue(maxsize=self._QUEUED)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(start,), name="mtc-loader", daemon=True)
         self._thread.start()
 
+    def _into_pinned(self, k: int, mbs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``mbs`` copied into the ``k``-th step's set of reused page-locked buffers (allocated on first use;
+        a batch of another shape or dtype than the set's gets buffers of its own, and the step then
+        refuses it by shape, or trains on it)."""
+        flat = [t for pair in mbs for t in pair]
+        bufs = self._sets[k % self.PINNED_SETS]
+        if bufs is None or [(b.shape, b.dtype) for b in bufs] != [(t.shape, t.dtype) for t in flat]:
+            bufs = [host_buffer(t.numel(), t.dtype, pinned=True).view(t.shape) for t in flat]
+            self.pinned_allocations += len(bufs)
+            self._sets[k % self.PINNED_SETS] = bufs
+        for b, t in zip(bufs, flat, strict=True):
+            b.copy_(t)
+        return [(bufs[2 * j], bufs[2 * j + 1]) for j in range(len(mbs))]
+
     def _run(self, cursor: int) -> None:
+        k = 0
         while not self._stop.is_set():
             try:
                 mbs = [self.sampler.batch(cursor + self.offset + j) for j in range(self.n)]
                 if self.pin:
-                    mbs = [(i.pin_memory(), t.pin_memory()) for i, t in mbs]
+                    mbs = self._into_pinned(k, mbs)
                 item: object = mbs
             except BaseException as e:  # handed to the consumer, which raises it
                 item = e
@@ -584,6 +610,7 @@ class _Loader:
             if isinstance(item, BaseException):
                 return
             cursor += self.stride
+            k += 1
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The next step's micro-batches."""
@@ -596,6 +623,21 @@ class _Loader:
         """Stop the thread."""
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def set_matmul_precision(cfg: TrainConfig, device: torch.device) -> tuple[bool, bool]:
+    """On CUDA, let fp32 matmuls (and cuDNN's convolutions) run in TF32 as ``cfg.allow_tf32`` says
+    (on by default: fp32 compute without it runs at a fraction of the tensor cores' rate); the CPU's
+    flags stay as they are. Returns the flags as they were, for `restore_matmul_precision`."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
+    return before
+
+
+def restore_matmul_precision(before: tuple[bool, bool]) -> None:
+    """Put back the flags `set_matmul_precision` found."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def train(
@@ -638,11 +680,9 @@ def train(
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)
     cdtype = getattr(torch, cfg.resolved_compute_dtype)
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    tf32 = set_matmul_precision(cfg, device)
     parts: list = []
     try:
-        if device.type == "cuda":  # fp32 compute runs its matmuls in TF32 unless told otherwise
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
         # a data-parallel rank's store holds its shard only: its disk layers keep the compute copy in RAM
         dc = "ram" if world.distributed else run_disk_compute(cfg, program)
         # GPU memory for the update prefetch's buffers, or for blocks' saved activations (the cost model's pick)
@@ -840,7 +880,7 @@ def train(
         st.close()
         raise
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        restore_matmul_precision(tf32)
     for p in reversed(parts):
         p.close()
     return TrainResult(

@@ -193,3 +193,32 @@ def test_closed_stdout_exits_quietly(tmp_path):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 1 and err == "", err
+
+
+@pytest.mark.parametrize("device,dtype", [("cuda", "bfloat16"), ("cuda:1", "bfloat16"), ("cpu", "float32")])
+def test_the_default_compute_dtype_fits_the_device(device, dtype):
+    """The issue's precision defaults: bf16 compute (fp32 master) on CUDA, fp32 on the CPU; a
+    dtype the user names wins on either."""
+    assert TrainConfig(device=device).resolved_compute_dtype == dtype
+    assert TrainConfig(device=device, compute_dtype="float16").resolved_compute_dtype == "float16"
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_fp32_compute_on_cuda_runs_tf32_matmuls_unless_told_otherwise(allow):
+    """`train` sets the TF32 flags on a CUDA device as ``allow_tf32`` says (default on) and puts
+    them back afterwards; on the CPU it leaves them alone (a CPU build keeps the flags too)."""
+    from mtc.train import restore_matmul_precision, set_matmul_precision
+
+    assert TrainConfig().allow_tf32 is True
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    outside = flags()
+    try:
+        restore_matmul_precision((not allow, not allow))
+        before = set_matmul_precision(TrainConfig(device="cuda", compute_dtype="float32", allow_tf32=allow), torch.device("cuda"))
+        assert before == (not allow, not allow) and flags() == (allow, allow)
+        restore_matmul_precision(before)
+        assert flags() == (not allow, not allow)
+        set_matmul_precision(TrainConfig(device="cpu", allow_tf32=allow), torch.device("cpu"))
+        assert flags() == (not allow, not allow)
+    finally:
+        restore_matmul_precision(outside)

@@ -86,3 +86,49 @@ def test_gpu_peak_memory_flat_in_depth(budget):
     deep = _measure(8, "cuda", compute_dtype="float32", placement="stateless", activation_budget_gb=budget)
     if budget is not None:
         assert deep["gpu_peak"] <= 1.10 * shallow["gpu_peak"], (shallow, deep)
+    # without a budget the layer-boundary activations stay on the device (and grow with depth); all
+    # the rest is flat in depth either way
+    assert deep["gpu_peak"] - deep["acts"] <= 1.10 * (shallow["gpu_peak"] - shallow["acts"]), (shallow, deep)
+
+
+_NO_ALLOC_MODES = {
+    "ram": {},
+    "stateless-gpu-update": {"placement": "stateless", "gpu_update": "all", "update_prefetch": 1},
+    "disk": {"placement": "disk"},
+    "offloaded-activations": {"activation_budget_gb": 1e-6},
+}
+
+
+@pytest.mark.parametrize("extra", _NO_ALLOC_MODES.values(), ids=_NO_ALLOC_MODES.keys())
+def test_no_step_after_the_first_two_allocates_host_buffers(tmp_path, monkeypatch, extra):
+    """Buffers are reused: after the first steps (start-up, the first visits' lazy buffers), no step
+    maps page-aligned host memory (`pinned.host_buffer`'s allocator, pinned on CUDA) or pins a tensor."""
+    import mtc.runtime.pinned as pinned
+    from mtc.train import train
+    from tests.runtime.engine_util import skewed_tokens, small_config
+
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    step = {"done": 0}
+    late: list[str] = []
+    early = []
+    mapped, pin = pinned._mapped, torch.Tensor.pin_memory
+
+    def spy_mapped(nbytes):
+        early.append(nbytes)
+        if step["done"] >= 2:
+            late.append(f"{nbytes} B mapped after step {step['done']}")
+        return mapped(nbytes)
+
+    def spy_pin(self, *a, **k):
+        if step["done"] >= 2:
+            late.append(f"{self.numel()} elements pinned after step {step['done']}")
+        return pin(self, *a, **k)
+
+    monkeypatch.setattr(pinned, "_mapped", spy_mapped)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", spy_pin)
+    cfg = small_config(steps=5, model_overrides={"n_layers": 3}, durability="none", **extra)
+    res = train(cfg, tmp_path / "s" if extra.get("placement") == "disk" else None, tokens,
+                on_step=lambda rec: step.__setitem__("done", step["done"] + 1))
+    res.store.close()
+    assert step["done"] == 5 and not late, late
+    assert early  # (the spy sees the allocator: the engine's buffers were mapped through it at start-up)

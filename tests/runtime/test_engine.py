@@ -147,7 +147,9 @@ def test_auto_commit_pacing_keeps_a_slow_disk_off_the_critical_path(tokens, tmp_
     try:
         steps = [r.step for r in res.store.commit_history()]
         assert steps[0] == 0 and steps[-1] == 12
-        assert len(steps) < 8, f"auto pacing committed {steps}: more often than 1 in 20 of a commit's time allows"
+        # the seed, the first step, the last; between them one commit per 20 commits' time (8 s) of the run
+        allowed = 3 + int(res.wall_s / (20 * 0.4))
+        assert len(steps) <= allowed, f"auto pacing committed {steps} in {res.wall_s:.1f} s: more often than 1 in 20 of a commit's time allows"
     finally:
         res.store.close()
 

@@ -118,3 +118,37 @@ def dataclass_replace(cfg, **kw):
     import dataclasses
 
     return dataclasses.replace(cfg, **kw)
+
+
+@pytest.mark.parametrize("mode", [dict(placement="ram", gpu_update="none"), dict(placement="disk"),
+                                  dict(placement="stateless", gpu_update="all", update_prefetch=2, activation_budget_gb=1e-9)])
+def test_every_crossing_is_asynchronous_from_pinned_memory(tokens, mode, monkeypatch, tmp_path):
+    """No pageable copies: the host side of every copy the engine's lanes make (weights, gradient
+    slabs, optimizer state, offloaded activations) is page-locked, and so are the batches."""
+    from mtc.runtime.transfer import CopyEngine
+
+    pageable: list[str] = []
+    copy = CopyEngine._copy
+
+    def spy(self, direction, copies, after, layer, stage, lane):
+        for dst, src in copies:
+            host = [t for t in (dst, src) if t.device.type == "cpu"]
+            pageable.extend(f"{stage} layer {layer} ({t.numel()} elements)" for t in host if not t.is_pinned())
+        return copy(self, direction, copies, after, layer, stage, lane)
+
+    monkeypatch.setattr(CopyEngine, "_copy", spy)
+    seen_batches: list[bool] = []
+    from mtc.runtime.executor import StreamingExecutor
+
+    run_step = StreamingExecutor.run_step
+
+    def spy_step(self, microbatches, sink):
+        seen_batches.extend(t.is_pinned() for pair in microbatches for t in pair)
+        return run_step(self, microbatches, sink)
+
+    monkeypatch.setattr(StreamingExecutor, "run_step", spy_step)
+    cfg = small_config(steps=3, device="cuda", durability="none", **mode)
+    res = train(cfg, tmp_path / "s" if mode.get("placement") == "disk" else None, tokens)
+    res.store.close()
+    assert not pageable, pageable[:10]
+    assert seen_batches and all(seen_batches)

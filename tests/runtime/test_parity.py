@@ -173,6 +173,9 @@ KILL_MODES = {
     "every-step": {"commit_every": 1},  # ram tier (the CPU's auto placement)
     "every-3-gpu-update": {"commit_every": 3, "gpu_update": "1"},  # ram state updated on the device
     "gpu-every-3": {"placement": "gpu", "commit_every": 3},  # device-resident state, staged out at commits
+    "every-3-fused": {"commit_every": 3, "host_adamw": "fused"},  # ram state, torch's fused AdamW on the host
+    # nothing resident: every layer's state loaded for its device update (two ahead of the norm) and back
+    "stateless-every-3": {"placement": "stateless", "gpu_update": "all", "update_prefetch": 2, "commit_every": 3},
     # disk layers write their state into the other generation every step, so a run with any
     # commits every step whatever commit_every says (a commit 3 steps old would be overwritten)
     "disk-every-3": {"placement": "disk", "commit_every": 3},

@@ -38,6 +38,57 @@ def test_next_layers_copy_starts_before_this_layers_compute_ends(run):
             assert copies[layer + 1].start < computes[-1].end, f"step {step}: layer {layer + 1}'s fetch waited for compute"
 
 
+class _SlowLink:
+    """A copy destination that takes ``seconds`` to fill: a slow PCIe link, inside the copy's span."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def copy_(self, src: torch.Tensor) -> None:
+        time.sleep(self.seconds)
+
+
+def _fetches_overlapping_compute(tokens, monkeypatch, *, serialize: bool) -> tuple[list, object]:
+    """Each forward weight copy made 20 ms slow: (the layers whose next layer's copy ran while
+    they computed, per step after the first; the run's timeline)."""
+    from mtc.runtime.transfer import CopyEngine
+
+    h2d = CopyEngine.h2d
+
+    def slow_h2d(self, copies, **kw):
+        if kw.get("stage", "h2d") == "h2d":
+            copies = [(_SlowLink(0.02), torch.empty(0)), *copies]
+        return h2d(self, copies, **kw)
+
+    monkeypatch.setattr(CopyEngine, "h2d", slow_h2d)
+    res = train(small_config(steps=3, model_overrides={"n_layers": 4}, durability="none"), None, tokens, serialize=serialize)
+    tl, L = res.timeline, res.program.n_layers  # embed, 4 blocks, head: 4 layers with a next one before the head
+    overlapped = []
+    for step in (1, 2):
+        copies = {}
+        for s in tl.spans("h2d", step=step):  # first copy of each layer: its forward fetch
+            copies.setdefault(s.layer, s)
+        for layer in range(L - 2):
+            computes = [s for s in tl.spans("compute", step=step) if s.layer == layer]
+            nxt = copies[layer + 1]
+            if nxt.start < computes[-1].end and nxt.end > computes[0].start:
+                overlapped.append((step, layer))
+    return overlapped, tl
+
+
+def test_weight_copies_run_on_their_own_thread_beside_compute(tokens, monkeypatch):
+    """With each copy slowed to 20 ms, the next layer's weights cross while this layer computes, on
+    the copy lane's own thread (gradients on theirs); the serialized reference schedule, run the
+    same way, overlaps none: the check can tell the two apart."""
+    overlapped, tl = _fetches_overlapping_compute(tokens, monkeypatch, serialize=False)
+    assert len(overlapped) == 2 * 4, f"only {overlapped} of the steps' layers overlapped their next layer's copy"
+    assert {s.thread.rsplit("_", 1)[0] for s in tl.spans("h2d")} == {"mtc-main-h2d"}
+    assert {s.thread.rsplit("_", 1)[0] for s in tl.spans("grad_d2h")} == {"mtc-main-d2h"}
+    assert {s.thread for s in tl.spans("compute")} == {"MainThread"}
+    serial, _ = _fetches_overlapping_compute(tokens, monkeypatch, serialize=True)
+    assert serial == [], f"the serialized schedule overlapped {serial}"
+
+
 def test_updates_run_while_the_next_forward_computes(run):
     tl, L = run.timeline, run.program.n_layers
     for step in range(3):
@@ -68,14 +119,33 @@ def test_commit_follows_every_write_and_runs_off_the_training_thread(run):
         assert all(not s.thread.startswith("MainThread") for s in writes + commits)
 
 
+def _spy_store_reads(monkeypatch) -> list[str]:
+    """Every array the store reads, by name: `TensorStore._read_rows` is the one path under the
+    blocking reads and the asynchronous ones the executor, the read-ahead and the tier loads use."""
+    reads: list[str] = []
+    orig = TensorStore._read_rows
+    monkeypatch.setattr(TensorStore, "_read_rows", lambda self, info, *a, **k: (reads.append(info.name), orig(self, info, *a, **k))[1])
+    return reads
+
+
 def test_no_visit_reads_the_disk_with_all_state_in_ram(tokens, tmp_path, monkeypatch):
-    reads = []
-    for name in ("read", "read_into", "read_rows_into"):
-        orig = getattr(TensorStore, name)
-        monkeypatch.setattr(TensorStore, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
-    res = train(small_config(steps=3), tmp_path / "s", tokens)
+    reads = _spy_store_reads(monkeypatch)
+    res = train(small_config(steps=3, placement="ram"), tmp_path / "s", tokens)
+    try:
+        assert reads == [], f"the store was read during training: {reads}"
+        assert not res.timeline.spans("visit_read") and not res.timeline.spans("disk_read_wait")
+        assert res.timeline.spans("write_behind")  # (the store was there: written behind, never read)
+    finally:
+        res.store.close()
+
+
+@pytest.mark.parametrize("disk_compute", ["store", "ram"])
+def test_the_read_spy_sees_a_disk_placements_reads(tokens, tmp_path, monkeypatch, disk_compute):
+    """The control of the test above: with state on disk the same spy sees the store read every step."""
+    reads = _spy_store_reads(monkeypatch)
+    res = train(small_config(steps=3, placement="disk", disk_compute=disk_compute), tmp_path / "s", tokens)
     res.store.close()
-    assert reads == [], f"the store was read during training: {reads}"
+    assert len(reads) >= 3 * len(res.placement), f"{len(reads)} reads for {len(res.placement)} disk layers over 3 steps"
 
 
 def test_timeline_keeps_a_bounded_window_of_steps():
@@ -390,3 +460,28 @@ def test_an_update_that_starts_late_uses_its_own_steps_loads(tokens, monkeypatch
     assert not t.is_alive(), "the run hung: an update waited for loads queued behind it"
     out[0].store.close()
     assert len(out[0].records) == 4
+
+
+def test_training_goes_on_while_a_commit_is_written(tokens, tmp_path, monkeypatch):
+    """Durable commits without stalling: with each commit taking 0.3 s (a slow disk), the next
+    step computes while the commit is still being written, and no step waits out a commit."""
+    slow = TensorStore.commit
+
+    def slow_commit(self, record):
+        time.sleep(0.3)
+        slow(self, record)
+
+    monkeypatch.setattr(TensorStore, "commit", slow_commit)
+    cfg = small_config(steps=5, model_overrides={"n_layers": 4}, commit_every=2)
+    res = train(cfg, tmp_path / "s", tokens)
+    try:
+        tl = res.timeline
+        assert [r.step for r in res.store.commit_history()] == [0, 2, 4, 5]
+        for step in (1, 3):  # the steps that end in a commit (counted from 0: the 2nd and 4th)
+            (commit,) = tl.spans("commit", step=step)
+            nxt = min(s.start for s in tl.spans("compute", step=step + 1))
+            assert nxt < commit.end - 0.1, f"step {step + 1} began computing {nxt - commit.start:.3f} s into a 0.3 s commit"
+        stalls = [r.seconds for r in res.records[1:-1] if r.seconds > 0.3]
+        assert not stalls, f"steps took a commit's time or more: {[round(r.seconds, 3) for r in res.records]}"
+    finally:
+        res.store.close()
