@@ -2,8 +2,8 @@
 
 The forward keeps each block's input for every micro-batch of the group (the backward recomputes
 the block from it). Up to ``budget_bytes`` stay on the device; the rest are copied to pinned host
-buffers on the device-to-host stream and brought back on the host-to-device stream one layer ahead
-of their backward visit, so GPU memory stays flat in depth. Host buffers are allocated on first use
+buffers on a device-to-host stream of their own (the copy engine's ``act`` lane) and brought back on
+its host-to-device stream one layer ahead of their backward visit, so GPU memory stays flat in depth. Host buffers are allocated on first use
 and reused every step (same shapes each step): no pinned allocation in the steady state.
 """
 
@@ -43,11 +43,11 @@ class ActivationStore:
         host = self._host.get(key)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
             host = self._host[key] = host_buffer(t.numel(), t.dtype, pinned=self.engine.cuda).view(t.shape)
-        self._out[key] = self.engine.d2h([(host, t)], after=self.engine.marker(), layer=key[0], stage="act_out")
+        self._out[key] = self.engine.d2h([(host, t)], after=self.engine.marker(), layer=key[0], stage="act_out", lane="act")
         if self.engine.cuda:
             # drop `t` now (that is the point of offloading) without letting the allocator hand its
             # memory out before the copy stream has read it
-            t.record_stream(self.engine.d2h_stream)
+            t.record_stream(self.engine.act_d2h_stream)
         self.offloaded_bytes += nb
 
     def prefetch(self, key: Key) -> None:
@@ -60,7 +60,7 @@ class ActivationStore:
         # same host buffer, and for the kernels queued on the compute stream: `dev` may reuse memory
         # they still read
         after = [self.engine.marker(), self._out[key]]
-        self._back[key] = (dev, self.engine.h2d([(dev, host)], after=after, layer=key[0], stage="act_in"))
+        self._back[key] = (dev, self.engine.h2d([(dev, host)], after=after, layer=key[0], stage="act_in", lane="act"))
 
     def take(self, key: Key) -> torch.Tensor:
         """Remove and return the activation, on the device (waits for its copy back if needed)."""

@@ -65,7 +65,7 @@ Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) pairs
 After = Marker | Transfer | Sequence[Marker | Transfer] | None
 
 
-LANES = ("main", "opt")
+LANES = ("main", "act", "opt")
 
 # A non-blocking copy that changes dtype across PCIe (a disk layer's fp32 master read from the
 # store into a bf16 weight slot) lands in a device temporary of the source's size first (torch's
@@ -88,10 +88,12 @@ def converting_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.
 class CopyEngine:
     """Host<->device copies for one device: CUDA streams and events, or threads on the CPU.
 
-    Copies go in one of two lanes, each with its own stream (or thread) per direction: ``main``
-    for what a visit waits on (weights, gradient slabs, activations), ``opt`` for the optimizer's
-    state traffic (GPU-side updates of ram layers, disk-layer gradient chunks, gpu-tier staging for
-    write-behind). A copy that waits (``after``) holds up everything queued behind it on its
+    Copies go in one of three lanes, each with its own stream (or thread) per direction: ``main``
+    for what a visit waits on (weights, gradient slabs), ``act`` for the layer-boundary activations
+    offloaded to host memory and brought back (each copy waits for the compute that wrote its
+    activation, or for the kernels that may still read its memory: queued behind a weight fetch
+    those waits would hold the fetch up), ``opt`` for the optimizer's state traffic (GPU-side
+    updates of ram layers, disk-layer gradient chunks, gpu-tier staging for write-behind). A copy that waits (``after``) holds up everything queued behind it on its
     stream, so the optimizer's waits on its own kernels must not sit in front of the next
     layer's weights. Lanes are ordered with each other only through ``after`` and host futures.
     """
@@ -110,8 +112,9 @@ class CopyEngine:
             self.compute_stream = torch.cuda.current_stream(device)
             self._streams = {(lane, d): torch.cuda.Stream(device) for lane in LANES for d in ("h2d", "d2h")}
             self.h2d_stream, self.d2h_stream = self._streams[("main", "h2d")], self._streams[("main", "d2h")]
+            self.act_d2h_stream = self._streams[("act", "d2h")]
         else:
-            self.compute_stream = self.h2d_stream = self.d2h_stream = None
+            self.compute_stream = self.h2d_stream = self.d2h_stream = self.act_d2h_stream = None
             self._threads = {(lane, d): ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtc-{lane}-{d}")
                              for lane in LANES for d in ("h2d", "d2h")}
 

@@ -485,3 +485,17 @@ def test_training_goes_on_while_a_commit_is_written(tokens, tmp_path, monkeypatc
         assert not stalls, f"steps took a commit's time or more: {[round(r.seconds, 3) for r in res.records]}"
     finally:
         res.store.close()
+
+
+def test_offloaded_activations_cross_on_their_own_lane(tokens):
+    """Activations beyond the budget go to host memory and come back on the copy engine's ``act``
+    lane (its own thread per direction here, its own streams on CUDA), not queued with the weights."""
+    res = train(small_config(steps=2, model_overrides={"n_layers": 3}, activation_budget_gb=1e-9, durability="none"), None, tokens)
+    tl = res.timeline
+    outs, ins = tl.spans("act_out"), tl.spans("act_in")
+    assert outs and len(outs) == len(ins)
+    assert {s.thread.rsplit("_", 1)[0] for s in outs} == {"mtc-act-d2h"}
+    assert {s.thread.rsplit("_", 1)[0] for s in ins} == {"mtc-act-h2d"}
+    for step in (0, 1):
+        for s in tl.spans("act_in", step=step):  # back only after it went out
+            assert s.start >= min(o.end for o in tl.spans("act_out", step=step) if o.layer == s.layer)
