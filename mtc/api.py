@@ -46,7 +46,7 @@ __all__ = ["Compiled", "compile", "save_plan", "train"]
 ModelArg = nn.Module | Callable[[], nn.Module] | str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class Compiled:
     """A compiled plan directory (program, kernels, report); usable wherever a path is (``os.fspath``)."""
 
@@ -56,6 +56,11 @@ class Compiled:
 
     def __fspath__(self) -> str:
         return str(self.path)
+
+    def __repr__(self) -> str:
+        # the program's own repr lists every binding of every template: print(.report) for the detail
+        b, t = self.program.batch["ids"].shape
+        return f"Compiled({str(self.path)!r}, {self.program.n_layers} layers, batch {b}x{t}; .report for the kernels)"
 
 
 def save_plan(program: Program, path: str | os.PathLike[str], *, factory: str | Callable[[], nn.Module] | None = None) -> Path:

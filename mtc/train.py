@@ -117,9 +117,10 @@ class Run:
         return self.last.step if self.last is not None else 0
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, repr=False)
 class TrainResult:
-    """What a call to `train` did."""
+    """What a call to `train` did. Its ``store`` is open (read the weights from it) until `close`;
+    ``with train(...) as res:`` closes it at the end of the block."""
 
     start_step: int
     end_step: int
@@ -142,6 +143,22 @@ class TrainResult:
     state_s: float | None = None  # allocating the tiers and filling them (a new run's initial state, or a resume's read)
     saves: list[int] = dataclasses.field(default_factory=list)  # blocks that kept their activations (`plan_saves`)
     saved_bytes: int = 0  # what they kept on the device per step, all micro-batches
+
+    def close(self) -> None:
+        """Close the run's store (its lock goes: the run can be resumed, in this process too)."""
+        self.store.close()
+
+    def __enter__(self) -> TrainResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        loss = f", last loss {self.losses[-1]:.4f}" if self.losses else ""
+        where = self.store.path if self.store.path is not None else "in memory"
+        return (f"TrainResult(steps {self.start_step}->{self.end_step}{loss}, {self.wall_s:.1f} s, "
+                f"{self.program.n_layers} layers {pl.describe(self.placement)}, store {where})")
 
 
 def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: str | None = None) -> nn.Module:

@@ -417,9 +417,14 @@ def lock_store(path: Path) -> int:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         finally:
             os.close(fd)
-        who = f"this process (pid {holder}) through another open handle" if holder == str(os.getpid()) else f"pid {holder}"
+        if holder == str(os.getpid()):
+            raise StoreLockedError(
+                f"store {path} is locked by this process (pid {holder}) through another open handle (e.g. the result of an earlier "
+                "mtc.train call: call its .close(), or use `with mtc.train(...) as res:`); close that handle, "
+                "or use another store directory"
+            ) from None
         raise StoreLockedError(
-            f"store {path} is locked by {who}; stop the other run (or close the other handle), or use another store directory"
+            f"store {path} is locked by pid {holder}; stop the other run, or use another store directory"
         ) from None
     except OSError as e:
         os.close(fd)

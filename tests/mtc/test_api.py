@@ -239,3 +239,27 @@ def test_an_in_memory_run_loads_the_plan_it_was_given(tokens, tmp_path, monkeypa
     assert res.compiled and all(ct.loaded for ct in res.compiled.values())
     assert res.compile_s is not None and res.compile_s > 0 and math.isfinite(res.losses[0])
     assert {p: p.stat().st_mtime_ns for p in plan.rglob("*") if p.is_file()} == before
+
+
+def test_a_result_closes_its_store_and_an_open_one_is_named_in_the_lock_error(tokens, program, tmp_path):
+    """The README's two calls on one store: the second is refused while the first result holds the
+    store open (the error says how to close it), and runs once it is closed (``with`` or ``close``).
+    A result prints as one short line, not the whole program."""
+    from mtc.errors import StoreLockedError
+
+    store = tmp_path / "s"
+    first = mtc.train(model=build, plan=program, data=tokens, store=store, steps=2, optim=OPTIM)
+    line = repr(first)
+    assert line.startswith("TrainResult(steps 0->2, last loss ") and str(store) in line and len(line) < 200, line
+    with pytest.raises(StoreLockedError, match=r"an earlier mtc.train call: call its .close\(\)"):
+        mtc.train(data=tokens, store=store, steps=4, allow_change=["steps"])
+    first.close()
+    with mtc.train(data=tokens, store=store, steps=4, allow_change=["steps"]) as res:
+        assert (res.start_step, res.end_step) == (2, 4)
+    mtc.train(data=tokens, store=store, steps=5, allow_change=["steps"]).close()  # the `with` closed it
+
+
+def test_a_compiled_plan_prints_as_one_line(program, tmp_path):
+    compiled = mtc.compile(build, tmp_path / "plan", batch_size=2, seq_len=16)
+    line = repr(compiled)
+    assert line.startswith("Compiled(") and "layers, batch 2x16" in line and len(line) < 200, line
