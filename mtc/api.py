@@ -36,7 +36,7 @@ from torch import nn
 
 from mtc import user_model
 from mtc.batch_source import BatchSource
-from mtc.config import OptimConfig, TrainConfig, load_config
+from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields, load_config
 from mtc.data import TokenFile
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program, dtype_name
@@ -120,9 +120,12 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
     elif isinstance(config, dict):
         d = copy.deepcopy(config)
     elif config is not None:
-        d = load_config(config).to_dict()
+        d = config_file_fields(config)
+        d = {**load_config(config).to_dict(), "device": d.get("device")}
     else:
-        d = copy.deepcopy(base) if base is not None else TrainConfig().to_dict()
+        d = copy.deepcopy(base) if base is not None else {**TrainConfig().to_dict(), "device": None}
+    if d.get("device") is None:  # named nowhere (a resume keeps its run's): CUDA where this machine has one
+        d["device"] = auto_device()
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for k, v in fields.items():
         if k not in known:

@@ -55,7 +55,7 @@ def _dest(path: str) -> str:
 
 
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
-    from mtc.config import TrainConfig, check_device, load_config, parse_field, set_field
+    from mtc.config import TrainConfig, check_device, config_file_fields, load_config, parse_field, set_field
     from mtc.errors import ConfigError
 
     plan_fields = None
@@ -81,6 +81,8 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
                 f"with `mtc compile {_compile_source(plan_fields['model'])} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
             )
         set_field(cfg, path, val)
+    if "device" not in given and not (a.config and "device" in config_file_fields(a.config)):
+        cfg.device = _unnamed_device(a)
     if "optim.lr" in given and "optim.min_lr" not in given:
         cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip min_lr <= lr
     if a.stop_after is not None and a.stop_after < 1:
@@ -90,11 +92,30 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
         )
     cfg.validate()
     check_device(cfg)
+    if plan_fields is not None and cfg.device == "cpu" and cfg.kernels == "auto":
+        print(f"note: plan {a.plan}'s generated kernels are for CUDA: on the CPU this run uses the unfused (ATen) "
+              "templates (--kernels fused would run them in Triton's interpreter, slowly)", file=sys.stderr)
     if plan_fields is not None and cfg.device.startswith("cuda") and cfg.compute_dtype == "float32":
         print(f"note: plan {a.plan} was compiled for float32: this run computes in fp32 (TF32 matmuls); on CUDA bf16 "
               f"is the default and several times faster: `mtc compile {_compile_source(plan_fields['model'])} --dtype "
               f"bfloat16 -o {a.plan}`", file=sys.stderr)
     return cfg
+
+
+def _unnamed_device(a: argparse.Namespace) -> str:
+    """The device of a train command that names none: the resumed run's, else CUDA where there is one."""
+    from mtc.config import auto_device
+
+    if a.store and not a.overwrite:
+        f = Path(a.store) / "commit.json"
+        try:
+            return str(json.loads(f.read_text())["config"]["device"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no run there yet (or a damaged record: open_run says so, with the fix)
+    dev = auto_device()
+    if dev != "cpu":
+        print(f"mtc: computing on {dev} (this machine has one; --device cpu for the CPU)", file=sys.stderr)
+    return dev
 
 
 def _stored_model(a: argparse.Namespace) -> dict:

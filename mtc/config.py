@@ -23,7 +23,9 @@ from mtc.schema import Rule, check_dataclass, check_value, describe, field, fiel
 __all__ = [
     "OptimConfig",
     "TrainConfig",
+    "auto_device",
     "check_device",
+    "config_file_fields",
     "field_help",
     "field_metavar",
     "load_config",
@@ -200,7 +202,9 @@ class TrainConfig:
     grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
     # >= 0: the data sampler keys numpy's SeedSequence with it
     seed: int = field(0, ge=0, help="seed of the initial weights and the data order")
-    device: str = field("cpu", choices=("cpu", "cuda"), syntax=_cuda_index, syntax_doc="'cuda:N'", help="device to compute on")
+    device: str = field("cpu", choices=("cpu", "cuda"), syntax=_cuda_index, syntax_doc="'cuda:N'",
+                        help="device to compute on (mtc train and mtc.train, when no config names one: the resumed "
+                        "run's, else cuda where this machine has one)")
     # "auto": bfloat16 on CUDA (fp32 master), float32 on the CPU (the parity contract)
     compute_dtype: str = field("auto", choices=("auto", "float32", "bfloat16"),
                                help="dtype of the forward and backward; auto: bfloat16 on CUDA, float32 on the CPU")
@@ -371,6 +375,11 @@ def _check_keys(cls: type, d: dict[str, Any], prefix: str) -> None:
 
 def load_config(path: str | Path) -> TrainConfig:
     """Read and validate a TrainConfig from a .json or .toml file."""
+    return TrainConfig.from_dict(config_file_fields(path))
+
+
+def config_file_fields(path: str | Path) -> dict[str, Any]:
+    """The fields a .json or .toml config file sets, as written (unvalidated: see `load_config`)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
@@ -383,7 +392,15 @@ def load_config(path: str | Path) -> TrainConfig:
             raise ConfigError(f"config file {p} must end in .json or .toml")
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"config file {p} does not parse: {e}") from None
-    return TrainConfig.from_dict(d)
+    return d
+
+
+def auto_device() -> str:
+    """The device of a new run that names none: ``cuda`` where torch sees a CUDA device, else ``cpu``
+    (`TrainConfig` itself defaults to the CPU; the CLI and `mtc.train` pick this instead)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---- single fields by dotted name (the CLI's flags) ----

@@ -110,6 +110,9 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
     common = ["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "2"]
     assert main([*common, "--seq-len", "32"]) == 2
     assert "compiled for seq_len=16" in capsys.readouterr().err
+    # on the CPU with --kernels auto the plan's kernels go unused: said, not silently
+    assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "s0"), "--data", str(tok.path), "--steps", "1"]) == 0
+    assert "generated kernels are for CUDA: on the CPU this run uses the unfused (ATen) templates" in capsys.readouterr().err
     # kernel options are part of the plan: train takes the plan's (no recompile below), another is refused
     assert main([*common, "--matmul-fusion", "on"]) == 2
     assert "compiled for matmul_fusion=off" in capsys.readouterr().err

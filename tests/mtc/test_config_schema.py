@@ -222,3 +222,30 @@ def test_fp32_compute_on_cuda_runs_tf32_matmuls_unless_told_otherwise(allow):
         assert flags() == (not allow, not allow)
     finally:
         restore_matmul_precision(outside)
+
+
+def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path, monkeypatch, capsys):
+    """mtc train and mtc.train: no --device (flag, config file or field) means CUDA on a machine
+    that has it, said on stderr; a resume keeps its run's device; one that is named is kept."""
+    import mtc.api
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _train_config(build_parser().parse_args(_train(tmp_path))).device == "cuda"
+    assert "computing on cuda (this machine has one; --device cpu for the CPU)" in capsys.readouterr().err
+    assert _train_config(build_parser().parse_args(_train(tmp_path, "--device", "cpu"))).device == "cpu"
+    (tmp_path / "c.toml").write_text('model = "tiny"\ndevice = "cpu"\n')
+    a = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--store", str(tmp_path / "s"), "--data", "d"])
+    assert _train_config(a).device == "cpu"
+    store = tmp_path / "run"
+    store.mkdir()
+    (store / "commit.json").write_text(json.dumps({"config": {**TrainConfig(model="tiny").to_dict(), "device": "cpu"}}))
+    a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(store), "--data", "d"])
+    assert _train_config(a).device == "cpu"  # the run being resumed was on the CPU
+    assert mtc.api._config(None, {}, None).device == "cuda"
+    assert mtc.api._config(None, {"device": "cpu"}, None).device == "cpu"
+    assert mtc.api._config({"model": "tiny"}, {}, None).device == "cuda"
+    assert mtc.api._config(None, {}, {**TrainConfig().to_dict(), "device": "cpu"}).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _train_config(build_parser().parse_args(_train(tmp_path))).device == "cpu"
+    assert mtc.api._config(None, {}, None).device == "cpu"
