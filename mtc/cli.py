@@ -384,14 +384,15 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 
 def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.config import TrainConfig
-    from mtc.plan import save_plan
+    from mtc.plan import save_plan, save_plan_model
     from mtc.tracer import trace
     from mtc.train import build_model
 
-    cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size)
+    cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype="float32")
     model = build_model(cfg, device="meta" if a.meta else "cpu")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
     save_plan(program, a.output)
+    save_plan_model(a.output, cfg.to_dict())  # what `mtc train --plan` and `mtc plan` read: the preset, shapes, dtype
     print(program.summary())
     print(f"plan written to {a.output}")
     return 0
@@ -494,7 +495,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         raw = getattr(a, _dest(path))
         if raw is not None:
             set_field(cfg, path, parse_field(path, raw, flag=_flag(path)))
-    profile = load_machine(a.machine)
+    cfg.validate()  # (an unknown preset is the first thing to hear about, before any measuring)
+    profile = load_machine(a.machine, quick=_measure_machine)
     if a.world_size != 1 or a.nodes != 1:
         return _plan_world(a, cfg, profile, program)
     plan = make_plan(cfg, profile, program=program)
@@ -510,6 +512,17 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         for mode, n in sizes.items():
             print(f"  durability {mode:7s} {n / 1e9:8.2f}B parameters" if n else f"  durability {mode:7s} none fits")
     return 0 if plan.fits else 1
+
+
+def _measure_machine():  # -> MachineProfile
+    """`mtc plan` with no --machine and no saved profile: calibrate this machine now, and save it."""
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, calibrate
+
+    print("mtc: no machine profile saved yet: measuring this machine as `mtc calibrate` does (10-20 s)", file=sys.stderr)
+    prof = calibrate()
+    out = prof.save(DEFAULT_PROFILE_PATH)
+    print(f"mtc: profile saved to {out}; later plans reuse it (`mtc calibrate` measures again)", file=sys.stderr)
+    return prof
 
 
 def _plan_world(a: argparse.Namespace, cfg: object, profile: object, program: object) -> int:
@@ -753,7 +766,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("target", nargs="?", help="a model preset or a plan directory (from `mtc compile`)")
     pl.add_argument("--config", help="a .json or .toml TrainConfig file instead")
     pl.add_argument("--machine", "--profile", dest="machine", help="a profile .json from `mtc calibrate`, or a built-in machine "
-                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme, 8x-h100); default: the last `mtc calibrate` profile, else a quick measurement")
+                    "(h100-box, h200-1.5tb, 256gb-4tb-nvme, 8x-h100); default: the last `mtc calibrate` profile, else this machine, measured now and saved")
     for path in _PLAN_FLAGS:
         if path in _BOOL_FLAGS:
             pl.add_argument(_flag(path), action=argparse.BooleanOptionalAction, dest=_dest(path), help=field_help(path))

@@ -131,3 +131,37 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "s" / "plan" / "program.json").read_text()) == json.loads((plan / "program.json").read_text())
     assert main(["train", "--plan", str(tmp_path / "nowhere"), "--store", str(tmp_path / "s2"), "--data", str(tok.path)]) == 2
     assert "not a plan directory" in capsys.readouterr().err
+
+
+def test_a_traced_plan_can_be_planned_and_trained(tmp_path, capsys):
+    """`mtc trace` records the preset, shapes and dtype beside the program, as `mtc compile` does,
+    so `mtc plan DIR` and `mtc train --plan DIR` take it (a preset: they build its weights)."""
+    import numpy as np
+
+    from mtc.data import write_token_file
+
+    plan = tmp_path / "plan"
+    assert main(["trace", "tiny", "-o", str(plan), "--seq-len", "16", "--micro-batch-size", "2"]) == 0
+    rec = json.loads((plan / "model.json").read_text())
+    assert (rec["model"], rec["seq_len"], rec["micro_batch_size"], rec["compute_dtype"]) == ("tiny", 16, 2, "float32")
+    assert main(["plan", str(plan), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    tok = write_token_file(tmp_path / "t.bin", np.arange(3000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
+    capsys.readouterr()
+    assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "1"]) == 0, \
+        capsys.readouterr().err
+
+
+def test_plan_without_a_machine_measures_this_one_once_and_says_so(tmp_path, capsys, monkeypatch):
+    import mtc.calibrate
+
+    path = tmp_path / "machine.json"
+    monkeypatch.setattr(mtc.calibrate, "DEFAULT_PROFILE_PATH", path)
+    measured = []
+    monkeypatch.setattr(mtc.calibrate, "calibrate", lambda **k: measured.append(1) or mtc.calibrate.builtin("h100-box"))
+    assert main(["plan", "tiny", "--no-extrapolate"]) == 0
+    err = capsys.readouterr().err
+    assert "no machine profile saved yet: measuring this machine" in err and f"profile saved to {path}" in err
+    assert main(["plan", "tiny", "--no-extrapolate"]) == 0  # the saved profile, not a second measurement
+    assert measured == [1] and "measuring" not in capsys.readouterr().err
+    assert main(["plan", "nosuch"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
