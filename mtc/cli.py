@@ -90,6 +90,11 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             f"--stop-after: expected a step number >= 1 (stop once that step is committed), got {a.stop_after}; "
             "omit it to train to --steps"
         )
+    if a.stop_after is not None and cfg.durability == "none":
+        raise ConfigError(
+            f"--stop-after {a.stop_after} with --durability none: nothing would be committed, so the run could not be "
+            "resumed later (it would start again from step 0); use --durability weights or full, or drop --stop-after"
+        )
     cfg.validate()
     check_device(cfg)
     if plan_fields is not None and cfg.device == "cpu" and cfg.kernels == "auto":

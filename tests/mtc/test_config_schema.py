@@ -130,6 +130,7 @@ def _train(tmp_path, *flags):
     (["--ram-budget-gb", "nan"], "ram_budget_gb (--ram-budget-gb): expected a finite number > 0 or none, got nan"),
     (["--stop-after", "0"], "--stop-after: expected a step number >= 1"),
     (["--stop-after", "-3"], "got -3"),
+    (["--stop-after", "3", "--durability", "none"], "nothing would be committed, so the run could not be resumed later"),
     (["--placement", "gpu:0-3,ram:2-4"], "layer 2 is in both gpu:0-3 and ram:2-4"),
     (["--placement", "gpus"], "placement (--placement): expected one of 'auto', 'gpu'"),
     (["--gpu-update", "1-"], "gpu_update (--gpu-update)"),
