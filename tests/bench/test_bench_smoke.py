@@ -129,6 +129,80 @@ def test_bench_train_unfused_smoke_records_p1(tmp_path):
     assert rec["settings"][0]["placement_spec"] == "stateless"
 
 
+def test_bench_train_unfused_smoke_records_p1_48_with_three_times_p1_16s_sequences(tmp_path):
+    from tests.mtc.test_planner import _this_host_profile
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import bench_train
+
+    home = tmp_path / "home"
+    _this_host_profile(home / ".cache" / "mtc" / "machine.json")
+    p16, p48 = run_bench("bench_train.py", ["--smoke", "--only", "P1-16,P1-48", "--quiet"], tmp_path / "out", home=home)
+    assert (p16["part"], p48["part"]) == ("P1-16", "P1-48") and p48["benchmark"] == "bench_train-smoke-P1-48"
+    assert p48["goal_stateless_tflops"] == 300.0 and p48["megatrain_tflops"] == 181.0
+    assert "partial" not in p48 and [r["setting"] for r in p48["settings"]] == ["stateless", "auto"]
+    for r in p48["settings"]:
+        check_mtc_setting(r)
+        assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
+        pred = r["predicted_by_mtc_plan"]
+        assert pred["profile"] == "this-host" and pred["step_s"] > 0 and pred["placement"] == r["placement"]
+        assert pred["measured_over_predicted"] == pytest.approx(r["median_step_s"] / pred["step_s"])
+    assert p48["settings"][0]["placement_spec"] == "stateless"
+    # the same model and micro-batch as P1-16, more micro-batches per step: the smoke mode runs
+    # 2 x 2 and 2 x 3 sequences (Env.split), so the smoke ratio is 1.5 ...
+    for a, b in zip(p16["settings"], p48["settings"], strict=True):
+        ca, cb = a["config"], b["config"]
+        assert a["n_params"] == b["n_params"] and ca["model_overrides"] == cb["model_overrides"]
+        assert (ca["micro_batch_size"], ca["seq_len"]) == (cb["micro_batch_size"], cb["seq_len"])
+        assert (ca["grad_accum"], cb["grad_accum"]) == (2, 3)
+        assert b["tokens_per_step"] == cb["micro_batch_size"] * cb["seq_len"] * 3 == 1.5 * a["tokens_per_step"]
+    # ... and the real parts' split 16 and 48 sequences per step, 3x, at every micro-batch
+    for mb in (4, 8, 16):
+        env = bench_train.Env(smoke=False, device="cuda", data="", warmup=1, measure=1, profile=False, isolate=False,
+                              verbose=False, deadline=0.0, min_job_s=0.0, micro_batch=mb)
+        (m16, a16), (m48, a48) = env.split(16), env.split(48)
+        assert m16 == m48 == mb and m48 * a48 == 48 == 3 * m16 * a16
+
+
+def _p5(tmp_path: Path, name: str, *budget: str) -> dict:
+    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P5", "--quiet", *budget], tmp_path / name)
+    assert rec["part"] == "P5" and rec["benchmark"] == "bench_train-smoke-P5" and "partial" not in rec
+    assert rec["depths"] == [2, 4] and rec["goal_ratio_at_most"] == 1.1
+    assert [r["setting"] for r in rec["settings"]] == ["stateless-2-blocks", "stateless-4-blocks"]
+    assert rec["gpu_peak_ratio_deep_over_shallow"] is None  # no GPU peak on the CPU
+    for r, blocks in zip(rec["settings"], rec["depths"], strict=True):
+        check_mtc_setting(r)
+        cfg = r["config"]
+        assert r["placement_spec"] == "stateless" and cfg["model_overrides"]["n_layers"] == blocks
+        assert cfg["activation_budget_gb"] == rec["activation_budget_gb"]
+        assert (cfg["micro_batch_size"], cfg["grad_accum"], cfg["seq_len"], cfg["model_overrides"]["dim"]) == (2, 2, 32, 64)
+        assert cfg["compute_dtype"] == "float32" and r["saved_activation_layers"] == []
+    return rec
+
+
+def test_bench_train_smoke_p5_offloads_the_activations_beyond_its_budget(tmp_path):
+    # one block input per block and micro-batch, all put during the forward (2 x 32 tokens x 64 x
+    # fp32): a budget of two of them keeps two on the device and offloads the rest, both ways
+    carry = 2 * 32 * 64 * 4
+    budget_gb = 2 * carry / 2**30  # (the engine's budget is int(gb * 2**30): exactly 2 carries)
+    small = _p5(tmp_path, "small", "--p5-budget-gb", repr(budget_gb))
+    assert small["activation_budget_gb"] == budget_gb
+    # the default budget (0.5 GB) holds every block input at the smoke shape: none offloaded
+    large = _p5(tmp_path, "large")
+    assert large["activation_budget_gb"] == 0.5
+    for s, g, blocks in zip(small["settings"], large["settings"], small["depths"], strict=True):
+        off, kept = s["transfer_per_step"], g["transfer_per_step"]
+        assert off["planned"]["activation_bytes_each_way"] == (blocks * 2 - 2) * carry > 0
+        assert kept["planned"]["activation_bytes_each_way"] == 0
+        assert {"act_out", "act_in"} <= set(s["timeline_s_per_step"]) and "act_out" not in g["timeline_s_per_step"]
+        # the copy engine's own counts (exact on the CPU) differ by just the offloaded activations
+        moved = {d: off["counted"][f"{d}_bytes"] - kept["counted"][f"{d}_bytes"] for d in ("h2d", "d2h")}
+        assert moved == {"h2d": (blocks * 2 - 2) * carry, "d2h": (blocks * 2 - 2) * carry}
+        # the same training either way: the offloaded inputs come back bit for bit
+        assert s["losses"] == g["losses"] and s["grad_norms"] == g["grad_norms"]
+
+
 @pytest.mark.slow  # the whole-model line under the Triton interpreter (~10 s)
 def test_bench_fusion_model_line_smoke_agrees_with_unfused(tmp_path):
     (rec,) = run_bench("bench_fusion.py", ["--smoke", "--part", "model", "--no-torch-compile", "--model-seqs", "4",
