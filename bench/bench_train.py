@@ -455,6 +455,9 @@ def mtc_job(spec: dict[str, Any]) -> dict[str, Any]:
         # blocks that kept their matmul and attention outputs from forward to backward (`plan_saves`)
         "save_activations_spec": cfg.save_activations, "saved_activation_layers": res.saves,
         "saved_activation_bytes": res.saved_bytes,
+        # layer-boundary activations past activation_budget_gb, to host memory and back (P5's offload)
+        "offloaded_activation_bytes_per_step": res.offloaded_activation_bytes / max(1, res.end_step - res.start_step),
+        "peak_device_activation_bytes": res.peak_device_activation_bytes,
         "n_params": n_params, "tokens_per_step": tokens,
         "setup_s": {"init_model": t1 - t0, "plan_prepare": tp - t1, "open_run": t2 - tp,
                     "train_until_first_step": (probe.first_begin or t2) - t2, "train_wall": res.wall_s,
@@ -985,7 +988,8 @@ def main() -> None:
     ap.add_argument("--baseline-micro-batch", type=int, default=16, help="P3 resident baseline micro-batch (default 16)")
     ap.add_argument("--p3-micro-batch", type=int, help="P3 mtc micro-batch (default: the baseline's)")
     ap.add_argument("--p5-shape", choices=["p3", "p1"], default="p3", help="P5 layer shape (p1 needs ~165 GB of RAM at 40 blocks)")
-    ap.add_argument("--p5-budget-gb", type=float, default=0.5, help="P5 activation_budget_gb (default 0.5)")
+    ap.add_argument("--p5-budget-gb", type=float, help="P5 activation_budget_gb (default 0.5; --smoke: 2^-15, two block "
+                    "inputs of the smoke shape, so the offload path runs)")
     ap.add_argument("--plans", help="directory of the compiled plans, one per model shape (default: a new temporary one per "
                     "invocation); name one to share them between invocations: gpu_session.sh's P1-48 then loads the "
                     "plan its P1-16 compiled")
@@ -1061,7 +1065,8 @@ def main() -> None:
             rec = part_p3(env, settings, a.baseline_micro_batch, use_compile=not a.smoke and not a.no_torch_compile,
                           mtc_mb=a.p3_micro_batch)
         else:
-            rec = part_p5(env, a.p5_shape, (2, 4) if a.smoke else (10, 40), a.p5_budget_gb)
+            budget = a.p5_budget_gb if a.p5_budget_gb is not None else 2.0**-15 if a.smoke else 0.5
+            rec = part_p5(env, a.p5_shape, (2, 4) if a.smoke else (10, 40), budget)
         rec = {"part": part, "smoke": a.smoke, "part_wall_s": time.monotonic() - t,
                "env": {k: v for k, v in dataclasses.asdict(env).items() if k not in ("data", "deadline", "plans")}, **rec}
         results[part] = rec

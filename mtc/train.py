@@ -143,6 +143,10 @@ class TrainResult:
     state_s: float | None = None  # allocating the tiers and filling them (a new run's initial state, or a resume's read)
     saves: list[int] = dataclasses.field(default_factory=list)  # blocks that kept their activations (`plan_saves`)
     saved_bytes: int = 0  # what they kept on the device per step, all micro-batches
+    # layer-boundary activations beyond `activation_budget_gb`, copied to host memory and back, over
+    # the whole call; and the most the device held of them at once
+    offloaded_activation_bytes: int = 0
+    peak_device_activation_bytes: int = 0
 
     def close(self) -> None:
         """Close the run's store (its lock goes: the run can be resumed, in this process too)."""
@@ -874,6 +878,7 @@ def train(
         opt.wait()
         host_bytes = tiers.host_bytes()
         graph_lines = graph_report(eng.executor.runners)
+        acts = eng.executor.acts
         if compiled is not None:
             from mtc.compiler import format_plan_times, plan_times
 
@@ -905,6 +910,7 @@ def train(
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
         host_state_bytes=host_bytes, tiers=tiers, compiled=compiled, compile_s=compile_s if compiled is not None else None,
         graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch, state_s=state_s, saves=saves, saved_bytes=kept,
+        offloaded_activation_bytes=acts.offloaded_bytes, peak_device_activation_bytes=acts.peak_device_bytes,
     )
 
 

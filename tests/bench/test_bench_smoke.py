@@ -183,18 +183,22 @@ def _p5(tmp_path: Path, name: str, *budget: str) -> dict:
 
 def test_bench_train_smoke_p5_offloads_the_activations_beyond_its_budget(tmp_path):
     # one block input per block and micro-batch, all put during the forward (2 x 32 tokens x 64 x
-    # fp32): a budget of two of them keeps two on the device and offloads the rest, both ways
+    # fp32): the smoke default budget, 2^-15 GB, is two of them (the engine's budget is
+    # int(gb * 2**30)): it keeps two on the device and offloads the rest, both ways, so a plain
+    # `--smoke` run exercises the offload path
     carry = 2 * 32 * 64 * 4
-    budget_gb = 2 * carry / 2**30  # (the engine's budget is int(gb * 2**30): exactly 2 carries)
-    small = _p5(tmp_path, "small", "--p5-budget-gb", repr(budget_gb))
-    assert small["activation_budget_gb"] == budget_gb
-    # the default budget (0.5 GB) holds every block input at the smoke shape: none offloaded
-    large = _p5(tmp_path, "large")
+    small = _p5(tmp_path, "small")
+    assert small["activation_budget_gb"] == 2 * carry / 2**30
+    # 0.5 GB (the default on a GPU) holds every block input at the smoke shape: none offloaded
+    large = _p5(tmp_path, "large", "--p5-budget-gb", "0.5")
     assert large["activation_budget_gb"] == 0.5
     for s, g, blocks in zip(small["settings"], large["settings"], small["depths"], strict=True):
         off, kept = s["transfer_per_step"], g["transfer_per_step"]
         assert off["planned"]["activation_bytes_each_way"] == (blocks * 2 - 2) * carry > 0
         assert kept["planned"]["activation_bytes_each_way"] == 0
+        # what the engine's activation store counted, per step: the planned bytes; its device peak within the budget
+        assert s["offloaded_activation_bytes_per_step"] == (blocks * 2 - 2) * carry and g["offloaded_activation_bytes_per_step"] == 0
+        assert s["peak_device_activation_bytes"] == 2 * carry and g["peak_device_activation_bytes"] == blocks * 2 * carry
         assert {"act_out", "act_in"} <= set(s["timeline_s_per_step"]) and "act_out" not in g["timeline_s_per_step"]
         # the copy engine's own counts (exact on the CPU) differ by just the offloaded activations
         moved = {d: off["counted"][f"{d}_bytes"] - kept["counted"][f"{d}_bytes"] for d in ("h2d", "d2h")}
