@@ -11,8 +11,13 @@ Phi), and drops export's metadata assertions, so every later step sees plain ATe
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import os
 import re
+import sys
+import sysconfig
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +31,7 @@ from mtc.errors import TraceError
 __all__ = ["LossModel", "export_model", "flatten_graph"]
 
 aten = torch.ops.aten
+_log = logging.getLogger(__name__)
 
 
 class LossModel(nn.Module):
@@ -85,39 +91,122 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
 def export_model(wrapped: LossModel, ids: torch.Tensor, targets: torch.Tensor) -> torch.export.ExportedProgram:
     """``torch.export`` of the model and its loss; TraceError naming the module on failure."""
     with _module_tracker(wrapped.model) as stack, _no_kv_cache(wrapped.model):
-        # torch.export logs the partial graph at WARNING level on failure; the error we raise
-        # carries what a user needs, so keep the log quiet.
-        log = logging.getLogger("torch")
-        level = log.level
-        log.setLevel(logging.ERROR)
         try:
-            return torch.export.export(wrapped, (ids, targets), strict=False)
+            with _quiet_torch():
+                return torch.export.export(wrapped, (ids, targets), strict=False)
         except Exception as e:  # torch raises many types here; we re-raise one with context
             culprit = stack[-1] if stack else ""
             mod = wrapped.model.get_submodule(culprit) if culprit else wrapped.model
-            where = _user_frame(str(e))
             detail = str(e).strip().splitlines()[0][:300]
-            hint = (
-                "replace Python control flow on tensor values with tensor ops (torch.where, masking) "
-                "or torch.cond, and keep shapes static"
-                if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
-                else "make its forward traceable by torch.export (no data-dependent Python, no I/O, no .item())"
-            )
             raise TraceError(
-                f"cannot trace module {culprit or '<root>'!r} ({type(mod).__name__}){where}: {detail}. "
-                f"To fix: {hint}."
+                f"cannot trace module {culprit or '<root>'!r} ({type(mod).__name__}){_user_frame(e)}: {detail}. "
+                f"To fix: {_hint(e, tuple(ids.shape))}."
             ) from e
-        finally:
-            log.setLevel(level)
 
 
-def _user_frame(msg: str) -> str:
+# Above CRITICAL: torch logs a failed meta kernel with log.exception (ERROR), so a level of ERROR
+# would still let its traceback through.
+_SILENT = logging.CRITICAL + 1
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """Keep torch's own reports of a failed export off the terminal; mtc's TraceError says it once.
+
+    On failure torch logs the failing meta kernel's traceback (``torch._subclasses.fake_tensor``, at
+    ERROR) and prints the partial FX graph to stderr from each of two nested export wrappers. Every
+    ``torch.*`` logger that torch configured has its own handler and does not propagate, so each one
+    with a level of its own is raised above CRITICAL, and the ``torch`` parent for those that
+    inherit; the levels are restored afterwards. stderr is captured meanwhile: after a successful
+    export it is written out unchanged (a user's own warnings are not lost); after a failure it goes
+    to this module's debug log, since the TraceError chains torch's exception. With ``TORCH_LOGS``
+    set the user asked torch to talk, so nothing is silenced.
+    """
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in logging.root.manager.loggerDict.items()
+        # torch.__trace is TORCH_TRACE's structured log, written to a file only when asked for
+        if name.startswith("torch.") and name != "torch.__trace" and isinstance(lg, logging.Logger) and lg.level
+    ]
+    levels = [(lg, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(_SILENT)
+    # sys.stderr is process-wide: another thread's writes in this window are held back too
+    # (and written out after a successful export)
+    err = io.StringIO()
+    ok = False
+    try:
+        with contextlib.redirect_stderr(err):
+            yield
+        ok = True
+    finally:
+        for lg, level in levels:
+            lg.setLevel(level)
+        if ok:
+            sys.stderr.write(err.getvalue())
+        elif err.getvalue():
+            _log.debug("torch.export's output before it failed:\n%s", err.getvalue())
+
+
+# Messages of torch's shape checks (under export they run on fake tensors, in the refs and meta
+# kernels): a broadcast, a matmul, a view/reshape, a cat, a narrow or slice past a table's end.
+_SHAPE_ERRORS = re.compile(
+    r"Attempting to broadcast a dimension|must match the size of tensor|shapes cannot be multiplied"
+    r"|is invalid for input of size|Sizes of tensors must match|exceeds dimension size|out of bounds for dimension"
+    r"|size mismatch"
+)
+
+
+def _hint(e: BaseException, shape: tuple[int, ...]) -> str:
+    """What to change, by the kind of failure: data-dependent Python, shapes that do not fit, other."""
+    chain = _chain(e)
+    text = "\n".join(str(x) for x in chain)
+    kinds = " ".join(type(x).__name__ for x in chain)
+    if "data-dependent" in text or "DataDependent" in kinds:
+        return ("replace Python control flow on tensor values with tensor ops (torch.where, masking) "
+                "or torch.cond, and keep shapes static")
+    if _SHAPE_ERRORS.search(text):
+        dims = " x ".join(map(str, shape))
+        return (f"the model's tensor shapes do not fit at micro-batch shape {dims} (micro-batch size x seq_len); "
+                "check both against the model's limits (the rows of a position table, a max_seq_len or block_size "
+                "in its config) and use a seq_len / micro-batch size it supports")
+    return ("make its forward traceable by torch.export (no I/O, no Python that depends on tensor values); "
+            "torch.export.export(model, (ids,), strict=False) on a batch of this shape shows torch's full report")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling (torch wraps some)."""
+    out: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in out:
+        out.append(x)
+        x = x.__cause__ or x.__context__
+    return out
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+
+
+def _user_frame(e: BaseException) -> str:
+    """`` at file:line (`code`)`` of the user's line that failed, or "" when it cannot be told.
+
+    torch puts the user's stack in the message of some errors (data-dependent guards); for the
+    others (a meta kernel's shape check) the traceback still runs through the user's forward.
+    """
+    msg = str(e)
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', msg)
     frames = [f for f in frames if "site-packages/torch" not in f[0]]
-    if not frames:
+    if frames:
+        path, line, _fn, code = frames[-1]
+        return f" at {path}:{line} (`{code.strip()}`)"
+    tb = [f for f in traceback.extract_tb(e.__traceback__)
+          if not f.filename.startswith((_TORCH_DIR, _STDLIB_DIR)) and f.filename != __file__ and f.line]
+    if not tb:
         return ""
-    path, line, _fn, code = frames[-1]
-    return f" at {path}:{line} (`{code.strip()}`)"
+    return f" at {tb[-1].filename}:{tb[-1].lineno} (`{tb[-1].line.strip()}`)"
 
 
 def flatten_graph(ep: torch.export.ExportedProgram) -> fx.Graph:
