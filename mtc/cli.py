@@ -371,9 +371,24 @@ def _cmd_repair(a: argparse.Namespace) -> int:
     return 0
 
 
+def _versions() -> str:
+    """mtc's version and those of the libraries it runs on (read from the installed metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mtc {v('mtc')} (torch {v('torch')}, triton {v('triton')}, zarr {v('zarr')}, Python {sys.version.split()[0]})"
+
+
 def _cmd_prepare(a: argparse.Namespace) -> int:
     from mtc.data import prepare
+    from mtc.data.tokens import token_file_paths
 
+    existed = token_file_paths(a.output)[0].is_file()
     tf = prepare([Path(p) for p in a.inputs], Path(a.output), tokenizer=a.tokenizer, fmt=a.format, field=a.field,
                  prompt_field=a.prompt_field, response_field=a.response_field, messages_field=a.messages_field,
                  eos_token=a.eos)
@@ -384,6 +399,8 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
           f"{'' if h.eos_id is None else f', EOS {h.eos_id}'}) to {tf.path}")
     if tf.tokenizer_dir is not None:
         print(f"tokenizer files copied to {tf.tokenizer_dir}")
+    if existed:  # (runs trained on the old file refuse this one on resume unless told: --allow-change data)
+        print(f"note: replaced the token file that was at {tf.path}", file=sys.stderr)
     return 0
 
 
@@ -620,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mtc.models import preset_names
 
     p = argparse.ArgumentParser(prog="mtc", description="Train language models larger than GPU memory, streamed from a store.")
+    p.add_argument("--version", action="version", version=_versions())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="train the tiny model on the embedded corpus and print a sample")
@@ -726,9 +744,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", nargs="?", help="model preset")
     c.add_argument("--model", dest="factory", metavar="PACKAGE.MODULE:FACTORY",
                    help="a user's model: a function (or nn.Module class) by import path that returns the model")
-    c.add_argument("-o", "--output", required=True)
-    c.add_argument("--seq-len", type=int, default=128)
-    c.add_argument("--micro-batch-size", type=int, default=1)
+    c.add_argument("-o", "--output", required=True, help="plan directory to write (program, kernels, report)")
+    c.add_argument("--seq-len", type=int, default=128, help="tokens per sequence the plan is traced for (default 128, "
+                   "as mtc train's; a plan's shapes are static: train it at these)")
+    c.add_argument("--micro-batch-size", type=int, default=16, help="sequences per micro-batch the plan is traced for "
+                   "(default 16, as mtc train's)")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the plan's compute dtype; auto: bfloat16 where CUDA is available (as `mtc train` computes "
                         "there by default), float32 otherwise")
@@ -760,9 +780,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("trace", help="trace a preset into a plan directory")
     tr.add_argument("preset")
-    tr.add_argument("-o", "--output", required=True)
-    tr.add_argument("--seq-len", type=int, default=128)
-    tr.add_argument("--micro-batch-size", type=int, default=1)
+    tr.add_argument("-o", "--output", required=True, help="plan directory to write (program and model record)")
+    tr.add_argument("--seq-len", type=int, default=128, help="tokens per sequence to trace for (default 128, as mtc train's)")
+    tr.add_argument("--micro-batch-size", type=int, default=16, help="sequences per micro-batch to trace for "
+                    "(default 16, as mtc train's)")
     tr.add_argument("--meta", action="store_true", help="trace on the meta device (no weights; for large presets)")
     tr.set_defaults(fn=_cmd_trace)
 

@@ -311,7 +311,8 @@ class TrainConfig:
         if self.model not in model_names():
             raise ConfigError(
                 f"config field model: unknown preset {self.model!r}; known presets: {', '.join(preset_names())}; "
-                f"families (shape all in model_overrides): {', '.join(FAMILIES)}"
+                f"families (shape all in model_overrides): {', '.join(FAMILIES)}; your own model: its factory's "
+                f"import path, package.module:function (e.g. {self.model}:build)"
             )
         base = model_class(self.model)
         types_ = field_types(base)

@@ -202,6 +202,13 @@ class TokenFile:
     def open(cls, path: str | os.PathLike[str]) -> TokenFile:
         """Open ``<name>.bin`` + ``<name>.json`` (pass either file or the stem) and check they agree."""
         bin_path, json_path = token_file_paths(path)
+        given = Path(path)
+        if not bin_path.is_file() and given.exists() and given not in (bin_path, json_path):
+            # e.g. a text file or a folder of them: the raw data, not what training reads
+            raise DataError(
+                f"{given} is not an mtc token file (those are NAME.bin with NAME.json beside them); tokenize it "
+                f"first: `mtc prepare {given} -o {given.with_suffix('')}.bin`, then --data {given.with_suffix('')}.bin"
+            )
         if not bin_path.is_file():
             raise DataError(
                 f"token file {bin_path} not found; create it with `mtc prepare TEXT -o {bin_path}`"

@@ -126,6 +126,16 @@ def test_missing_files(tmp_path: Path) -> None:
     (tmp_path / "out.json").unlink()
     with pytest.raises(DataError, match="header .* is missing"):
         TokenFile.open(tmp_path / "out.bin")
+    # raw text handed to --data: named as such, with the prepare command that makes a token file of it
+    (tmp_path / "fables.txt").write_text("once upon a time")
+    with pytest.raises(DataError, match=r"fables.txt is not an mtc token file .*`mtc prepare .*fables.txt -o .*fables.bin`"):
+        TokenFile.open(tmp_path / "fables.txt")
+    (tmp_path / "texts").mkdir()
+    with pytest.raises(DataError, match="texts is not an mtc token file"):
+        TokenFile.open(tmp_path / "texts")
+    (tmp_path / "only.json").write_text("{}")
+    with pytest.raises(DataError, match="only.bin not found"):  # the header alone: its .bin is what is missing
+        TokenFile.open(tmp_path / "only.json")
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mtc: error:") and err.count("\n") == 1
     assert main(["train", "--preset", "nosuch", "--store", str(tmp_path / "s"), "--data", "x.bin"]) == 2
-    assert "unknown preset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown preset" in err and "your own model: its factory's import path, package.module:function (e.g. nosuch:build)" in err
 
 
 def test_cli_trace_meta_preset(tmp_path, capsys):
@@ -165,3 +166,11 @@ def test_plan_without_a_machine_measures_this_one_once_and_says_so(tmp_path, cap
     assert measured == [1] and "measuring" not in capsys.readouterr().err
     assert main(["plan", "nosuch"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_version_names_mtc_and_what_it_runs_on(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mtc ") and "torch " in out and "triton " in out and "zarr " in out, out

@@ -25,6 +25,9 @@ def test_prepare_then_train_refuses_a_tokenizer_that_does_not_match(tmp_path, ca
     assert code == 0 and not err and "1 documents" in out and "tokenizer tok_a, vocab 300, EOS 0" in out, out
     assert (tmp_path / "a.tokenizer" / "tokenizer.json").is_file()
     assert _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "b.bin", "--tokenizer", tok_b)[0] == 0
+    # writing over a token file is said, not silent
+    code, _, err = _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "b.bin", "--tokenizer", tok_b)
+    assert code == 0 and err == [f"note: replaced the token file that was at {tmp_path / 'b.bin'}"], err
 
     # the tiny model embeds 256 ids; the tokenizer has 300
     cfg = tmp_path / "run.json"
