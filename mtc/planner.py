@@ -430,9 +430,13 @@ class Plan:
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
+        # disk layers keep all their state in the store, m and v too, so only the other layers' moments can be left out
+        weights = ("two generations of the weights, and of the disk layers' m and v, which live there"
+                   if per_tier["disk"] else "two generations of the weights")
         for mode in MODES:
             what = {"full": "two generations of master, m, v: exact crash-safe resume",
-                    "weights": "two generations of the weights: resume restarts Adam's moments",
+                    "weights": f"{weights}: resume restarts the other layers' Adam moments" if per_tier["disk"]
+                    else f"{weights}: resume restarts Adam's moments",
                     "none": "nothing kept (disk layers hold one generation, updated in place): no resume"}[mode]
             fit = "fits" if m.disk[mode] <= pr.disk_free_bytes else "DOES NOT FIT"
             out.append(f"  durability {mode:7s} needs {_size(m.disk[mode]):>11s} of disk ({what}): {fit} in {_size(pr.disk_free_bytes)} free"
@@ -445,8 +449,11 @@ class Plan:
         if pr.accelerator == "cuda" and st.step_s > 0:
             out.append(f"  model TFLOP/s {6 * sh.n_params * tokens / st.step_s / 1e12:,.0f} (6 x params x tokens / step)")
         per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
-        out.append(f"disk writes: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day of training"
-                   + (f" (commits of {_size(st.commits.bytes_per_commit)} every {st.commits.every} steps included)" if st.commits.every else ""))
+        commits = ("" if not st.commits.every else
+                   f" (commits of {_size(st.commits.bytes_per_commit)} every {st.commits.every} steps included)" if st.commits.bytes_per_commit
+                   # all state on disk: each step writes it, and a commit only records which generation is whole
+                   else f" (a commit every {st.commits.every} steps adds no state writes: the disk layers' state is written every step)")
+        out.append(f"disk writes: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day of training{commits}")
         return out
 
 

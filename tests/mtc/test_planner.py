@@ -591,3 +591,17 @@ def test_plan_shows_the_stateless_alternative_beside_an_automatic_placement_with
     out = capsys.readouterr().out
     # (8B's fp32 state, 128 GB, is more than the box's 122 GiB of RAM: the CLI says the alternative does not fit)
     assert rc in (0, 1) and "all state in host RAM (--placement stateless) would not fit this machine" in out
+
+
+def test_plan_says_what_durability_keeps_when_layers_live_on_disk():
+    """Disk layers keep m and v in the store whatever the mode (they live there): the weights mode
+    says so, and an all-disk plan's commits add no state writes (each step writes the state)."""
+    from mtc.calibrate import builtin
+
+    lines = make_plan(TrainConfig(model="8b", placement="disk", durability="weights"), builtin("h100-box")).lines()
+    weights = next(ln for ln in lines if ln.startswith("  durability weights"))
+    assert "and of the disk layers' m and v, which live there: resume restarts the other layers' Adam moments" in weights
+    assert any("adds no state writes: the disk layers' state is written every step" in ln for ln in lines)
+    ram = make_plan(TrainConfig(model="8b", placement="ram", durability="weights"), builtin("h100-box")).lines()
+    assert any("two generations of the weights: resume restarts Adam's moments" in ln for ln in ram)
+    assert any(ln.startswith("disk writes:") and "(commits of " in ln for ln in ram)
