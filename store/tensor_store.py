@@ -227,7 +227,9 @@ class TensorStore:
         """
         _check_threads(io_threads)
         p = Path(path)
-        how = f"create one with TensorStore.create({str(p)!r}) (or `mtc train --store {p} ...`)"
+        # read-only use (mtc inspect, eval, generate, export) wants a run's store, not a new one
+        how = ("give the directory a training run wrote (`mtc train --store DIR ...`)" if read_only
+               else f"create one with TensorStore.create({str(p)!r}) (or `mtc train --store {p} ...`)")
         if not p.is_dir():
             raise StoreError(f"no store at {p}: the directory does not exist; {how}")
         if not (p / "zarr.json").is_file() and not (p / MARKER_FILE).is_file():

@@ -269,14 +269,14 @@ class TokenFile:
                 f"token file {self.path} holds token id {top:,} (tokenizer {self.header.tokenizer!r}, vocab_size "
                 f"{self.header.vocab_size:,}) but the model embeds only {vocab_size:,} ids (0-{vocab_size - 1:,}); "
                 f"prepare the data with the model's tokenizer, or give the model vocab_size >= {top + 1:,} "
-                "(model_overrides.vocab_size)"
+                "(a preset's model_overrides.vocab_size; your own model's embedding rows)"
             )
         if self.header.vocab_size > vocab_size:
             raise DataError(
                 f"token file {self.path} was made by tokenizer {self.header.tokenizer!r} of {self.header.vocab_size:,} ids "
                 f"but the model embeds only {vocab_size:,}: the tokenizer does not match the model's vocabulary; prepare "
                 f"the data with the model's tokenizer, or give the model vocab_size >= {self.header.vocab_size:,} "
-                "(model_overrides.vocab_size)"
+                "(a preset's model_overrides.vocab_size; your own model's embedding rows)"
             )
 
     def identity(self) -> dict[str, Any]:

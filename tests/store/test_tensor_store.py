@@ -401,3 +401,13 @@ def test_commit_record_json_round_trip_and_checks():
     ]:
         with pytest.raises((ValueError, TypeError)):
             CommitRecord.from_json(json.dumps(bad))
+
+
+def test_opening_a_directory_that_is_no_store_says_what_to_give(tmp_path):
+    """To write: how to create one; read-only (inspect, eval, export): the directory a run wrote."""
+    (tmp_path / "txt").mkdir()
+    with pytest.raises(StoreError, match=r"txt is not an mtc store .*create one with TensorStore.create"):
+        TensorStore.open(tmp_path / "txt")
+    with pytest.raises(StoreError, match=r"txt is not an mtc store .*give the directory a training run wrote") as e:
+        TensorStore.open(tmp_path / "txt", read_only=True)
+    assert "create" not in str(e.value)
