@@ -142,6 +142,17 @@ def _compile_source(model: str) -> str:
     return f"--model {model}" if ":" in model else model
 
 
+_DURABILITY = {"full": "exact resume from the last commit", "weights": "a resume restarts Adam's moments",
+               "none": "nothing committed: no resume"}
+
+
+def _durability_text(cfg: object) -> str:
+    """The run's durability mode for its log, with what it means and how often it commits."""
+    every = "" if cfg.durability == "none" else f", a commit every {cfg.commit_every} steps" if cfg.commit_every \
+        else ", commits paced to the disk (commit_every 0)"
+    return f"durability {cfg.durability} ({_DURABILITY[cfg.durability]}{every})"
+
+
 def _cmd_train(a: argparse.Namespace) -> int:
     from mtc.data import TokenFile
     from mtc.progress import ProgressBar
@@ -159,7 +170,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
         run.store.close()
         print(f"store {a.store} is already at step {start} of {cfg.steps}; nothing to do")
         return 0
-    print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, store {a.store}")
+    print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, "
+          f"store {a.store}, device {cfg.device}, {_durability_text(cfg)}")
     print(json.dumps(cfg.to_dict()))
     sink = None
     if a.tensorboard:

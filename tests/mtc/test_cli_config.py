@@ -65,6 +65,8 @@ def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
     common = ["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", str(tok.path),
               "--micro-batch-size", "2", "--seq-len", "16"]
     assert main([*common, "--steps", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]  # the run's log says its device and durability
+    assert head.endswith("device cpu, durability full (exact resume from the last commit, commits paced to the disk (commit_every 0))"), head
     assert main([*common, "--steps", "3"]) == 2
     assert "differs in: steps" in capsys.readouterr().err
     assert main([*common, "--steps", "2"]) == 0  # same config: already done, nothing to do

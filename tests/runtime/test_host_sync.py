@@ -4,8 +4,10 @@ On CUDA a host synchronisation inside `StreamingExecutor.run_step` (reading a te
 blocking on a copy's event) stops the host from queueing the next layers' kernels and copies while
 the GPU works. The CPU path runs the same code, so these tests spy, on the thread that runs
 `run_step` and only while it does, on every way the engine could read a device value
-(`Tensor.item`, `bool`, `float`, `int`, `tolist`) and on host waits for copies (`Transfer.wait`
-outside `Transfer.wait_stream`, which is the CPU's stand-in for a stream waiting on an event).
+(`Tensor.item`, `bool`, `float`, `int`, `tolist`, `cpu`, `numpy`), on host waits for copies
+(`Transfer.wait` outside `Transfer.wait_stream`, which is the CPU's stand-in for a stream waiting
+on an event), and on the explicit device waits (`torch.cuda.synchronize`, `Event.synchronize`,
+`Stream.synchronize`), which no CPU path may reach there.
 The loss and the global norm are read once per step, after `run_step`, by the optimizer.
 The gpu-marked twin (tests/runtime/test_engine_gpu.py) checks the CUDA path with torch's sync debug mode.
 """
@@ -24,7 +26,7 @@ from mtc.runtime.executor import StreamingExecutor
 from mtc.train import train
 from tests.runtime.engine_util import skewed_tokens, small_config
 
-READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
 # functions whose value reads run only for CPU tensors (they return first on CUDA), so they cost no
 # device synchronisation there: the fused head's target check (on CUDA a bad target gives a NaN
 # loss instead; kernels/linear_cross_entropy.py)
@@ -67,6 +69,11 @@ class _Spy:
 
         monkeypatch.setattr(transfer.Transfer, "wait_stream", spied_wait_stream)
         monkeypatch.setattr(transfer.Transfer, "wait", spied_wait)
+        # explicit device waits: on the CPU they must not be reached at all inside the loop (a CUDA
+        # branch calling one would stall there); torch's sync debug mode does not see event waits
+        monkeypatch.setattr(torch.cuda, "synchronize", self._wrap_fn(torch.cuda.synchronize, "torch.cuda.synchronize"))
+        for cls in (torch.cuda.Event, torch.cuda.Stream):
+            monkeypatch.setattr(cls, "synchronize", self._wrap_fn(cls.synchronize, f"{cls.__name__}.synchronize"))
 
     def _record(self, what: str) -> None:
         if getattr(self._local, "inside", False):
@@ -75,6 +82,15 @@ class _Spy:
                 return
             where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
             self.hits.append(f"{what} at {where}")
+
+    def _wrap_fn(self, orig: object, what: str) -> object:
+        spy = self
+
+        def spied(*a: object, **k: object) -> object:
+            spy._record(what)
+            return orig(*a, **k)  # type: ignore[operator]
+
+        return spied
 
     def _wrap(self, orig: object, name: str) -> object:
         spy = self
@@ -124,3 +140,25 @@ def test_the_spy_sees_a_host_sync(tokens, monkeypatch):
     res = train(small_config(steps=1, durability="none", placement="ram"), None, tokens)
     res.store.close()
     assert any(h.startswith("Tensor.item") for h in spy.hits)
+
+
+@pytest.mark.parametrize("sync", ["cpu", "event"])
+def test_the_spy_sees_a_copy_to_the_host_and_a_device_wait(sync, tokens, monkeypatch):
+    spy = _Spy(monkeypatch)
+    forward = StreamingExecutor._forward
+
+    def forward_with_sync(ex: StreamingExecutor, layer: int, w: object, g: object) -> None:
+        forward(ex, layer, w, g)
+        if sync == "cpu":
+            g.carry[0].sum().cpu()  # type: ignore[attr-defined]
+        else:
+            torch.cuda.Event.synchronize(None)  # type: ignore[arg-type]  (the spy records before calling)
+
+    monkeypatch.setattr(StreamingExecutor, "_forward", forward_with_sync)
+    cfg = small_config(steps=1, durability="none", placement="ram")
+    if sync == "cpu":
+        train(cfg, None, tokens).store.close()
+    else:
+        with pytest.raises(Exception):  # noqa: B017, PT011  (the real Event.synchronize(None) fails after the spy saw it)
+            train(cfg, None, tokens)
+    assert any(h.startswith("Tensor.cpu" if sync == "cpu" else "Event.synchronize") for h in spy.hits), spy.hits
