@@ -110,6 +110,15 @@ def test_update_waits_for_its_gradient_copy(run):
             assert upd.start >= d2h.end
 
 
+def test_each_layers_gradient_crosses_once_per_step_as_one_flat_slab(run):
+    """Gradients go to the host as one flat slab per layer and step (after all micro-batches have
+    accumulated into it), not per parameter and not per micro-batch."""
+    tl, L = run.timeline, run.program.n_layers
+    for step in range(4):
+        spans = tl.spans("grad_d2h", step=step)
+        assert sorted(s.layer for s in spans) == list(range(L)), f"step {step}: {sorted(s.layer for s in spans)}"
+
+
 def test_commit_follows_every_write_and_runs_off_the_training_thread(run):
     tl = run.timeline
     for step in range(4):
