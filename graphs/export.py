@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -125,8 +126,17 @@ def _quiet_torch() -> Iterator[None]:
     if os.environ.get("TORCH_LOGS"):
         yield
         return
+    with _QUIET:  # one at a time: an overlapping pair would restore each other's levels and stderr wrongly
+        yield from _quiet_torch_locked()
+
+
+_QUIET = threading.RLock()  # (re-entrant: a trace inside a trace nests its levels properly)
+
+
+def _quiet_torch_locked() -> Iterator[None]:
+    """`_quiet_torch`'s work, under its lock."""
     loggers = [logging.getLogger("torch")] + [
-        lg for name, lg in logging.root.manager.loggerDict.items()
+        lg for name, lg in list(logging.root.manager.loggerDict.items())
         # torch.__trace is TORCH_TRACE's structured log, written to a file only when asked for
         if name.startswith("torch.") and name != "torch.__trace" and isinstance(lg, logging.Logger) and lg.level
     ]
@@ -144,7 +154,7 @@ def _quiet_torch() -> Iterator[None]:
     finally:
         for lg, level in levels:
             lg.setLevel(level)
-        if ok:
+        if ok and sys.stderr is not None:
             sys.stderr.write(err.getvalue())
         elif err.getvalue():
             _log.debug("torch.export's output before it failed:\n%s", err.getvalue())

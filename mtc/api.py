@@ -114,7 +114,10 @@ def _instance(model: ModelArg, cfg: TrainConfig, device: str = "cpu", dtype: str
     return user_model.build_from_factory(model, seed=cfg.seed, device=device)
 
 
-def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: dict[str, Any], base: dict | None) -> TrainConfig:
+def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: dict[str, Any], base: dict | None,
+            stored_device: str | None = None) -> TrainConfig:
+    """The run's config: ``config`` (else the resumed run's ``base``, else the defaults) with ``fields``
+    over it; a device named nowhere is the resumed run's (``stored_device``), else CUDA where there is one."""
     if isinstance(config, TrainConfig):
         d = config.to_dict()
     elif isinstance(config, dict):
@@ -124,8 +127,8 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
         d = {**load_config(config).to_dict(), "device": d.get("device")}
     else:
         d = copy.deepcopy(base) if base is not None else {**TrainConfig().to_dict(), "device": None}
-    if d.get("device") is None:  # named nowhere (a resume keeps its run's): CUDA where this machine has one
-        d["device"] = auto_device()
+    if d.get("device") is None:  # named nowhere: the resumed run's, else CUDA where this machine has one
+        d["device"] = stored_device or auto_device()
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for k, v in fields.items():
         if k not in known:
@@ -216,7 +219,13 @@ def train(
         pfields.setdefault("model", saved.get("model"))
         if saved.get("model_overrides"):
             pfields.setdefault("model_overrides", saved["model_overrides"])
-    cfg = _config(config, {**fields, **pfields}, saved if config is None else None)
+    from mtc.warmstart import run_device
+
+    stored_device = run_device(store) if resuming else None
+    base = saved if config is None else None
+    if base is not None and stored_device is None:  # a seeded store (an import): a new run, its device free
+        base = {**base, "device": None}
+    cfg = _config(config, {**fields, **pfields}, base, stored_device)
     if program is not None and cfg.resolved_compute_dtype != _traced_dtype(program):
         raise ConfigError(f"the plan was traced in {_traced_dtype(program)}, this run computes in {cfg.resolved_compute_dtype} "
                           f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")

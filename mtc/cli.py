@@ -81,8 +81,9 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
                 f"with `mtc compile {_compile_source(plan_fields['model'])} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
             )
         set_field(cfg, path, val)
+    device_note = ""
     if "device" not in given and not (a.config and "device" in config_file_fields(a.config)):
-        cfg.device = _unnamed_device(a)
+        cfg.device, device_note = _unnamed_device(a)
     if "optim.lr" in given and "optim.min_lr" not in given:
         cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip min_lr <= lr
     if a.stop_after is not None and a.stop_after < 1:
@@ -97,6 +98,8 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
         )
     cfg.validate()
     check_device(cfg)
+    if device_note:
+        print(device_note, file=sys.stderr)
     if plan_fields is not None and cfg.device == "cpu" and cfg.kernels == "auto":
         print(f"note: plan {a.plan}'s generated kernels are for CUDA: on the CPU this run uses the unfused (ATen) "
               "templates (--kernels fused would run them in Triton's interpreter, slowly)", file=sys.stderr)
@@ -107,20 +110,17 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     return cfg
 
 
-def _unnamed_device(a: argparse.Namespace) -> str:
-    """The device of a train command that names none: the resumed run's, else CUDA where there is one."""
+def _unnamed_device(a: argparse.Namespace) -> tuple[str, str]:
+    """The device of a train command that names none: the resumed run's, else CUDA where there is
+    one; and the note that says so (printed once the config checks out: errors stay one line)."""
     from mtc.config import auto_device
+    from mtc.warmstart import run_device
 
-    if a.store and not a.overwrite:
-        f = Path(a.store) / "commit.json"
-        try:
-            return str(json.loads(f.read_text())["config"]["device"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # no run there yet (or a damaged record: open_run says so, with the fix)
+    stored = run_device(a.store) if a.store and not a.overwrite else None
+    if stored is not None:
+        return stored, ""
     dev = auto_device()
-    if dev != "cpu":
-        print(f"mtc: computing on {dev} (this machine has one; --device cpu for the CPU)", file=sys.stderr)
-    return dev
+    return dev, f"mtc: computing on {dev} (this machine has one; --device cpu for the CPU)" if dev != "cpu" else ""
 
 
 def _stored_model(a: argparse.Namespace) -> dict:
@@ -150,6 +150,8 @@ def _durability_text(cfg: object) -> str:
     """The run's durability mode for its log, with what it means and how often it commits."""
     every = "" if cfg.durability == "none" else f", a commit every {cfg.commit_every} steps" if cfg.commit_every \
         else ", commits paced to the disk (commit_every 0)"
+    if every and "disk" in cfg.placement:  # disk layers write their state every step, into the other generation
+        every = ", a commit every step (layers' state on disk)"
     return f"durability {cfg.durability} ({_DURABILITY[cfg.durability]}{every})"
 
 
@@ -422,7 +424,8 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.tracer import trace
     from mtc.train import build_model
 
-    cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype="float32")
+    a.dtype = _compile_dtype(a)
+    cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
     model = build_model(cfg, device="meta" if a.meta else "cpu")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
     save_plan(program, a.output)
@@ -797,6 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--micro-batch-size", type=int, default=16, help="sequences per micro-batch to trace for "
                     "(default 16, as mtc train's)")
     tr.add_argument("--meta", action="store_true", help="trace on the meta device (no weights; for large presets)")
+    tr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the plan's compute dtype; auto: bfloat16 where CUDA is available, float32 otherwise")
     tr.set_defaults(fn=_cmd_trace)
 
     pl = sub.add_parser("plan", help="placement, memory per tier, disk per durability mode, fit and predicted step time of a run "

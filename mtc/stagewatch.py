@@ -73,8 +73,9 @@ class StageWatch:
         if self.warned or not planned_rate or len(self.step_seconds) < MIN_SAMPLES or len(self.write_rates) < MIN_SAMPLES:
             return None
         planned_step = self.plan.step.step_s
-        step_s = statistics.median(self.step_seconds)
-        # the mean, not the median: a commit's writes every few steps are spread over the steps between
+        # means, not medians: a slow commit every few steps stalls one step in so many (what the run
+        # loses is the mean), and its writes are spread over the steps between
+        step_s = statistics.fmean(self.step_seconds)
         disk_s = statistics.fmean(self.write_wall)
         if min(step_s, disk_s) <= (1 + STEP_MARGIN) * planned_step:
             return None  # steps as planned, or the writes fit inside the planned step: the disk costs nothing

@@ -582,8 +582,8 @@ class _Loader:
     the thread fills k+3; step k-1's set is free again because its copies to the device were
     queued before its loss, which the training loop read before it asked for step k."""
 
-    PINNED_SETS = 4
     _QUEUED = 2
+    PINNED_SETS = _QUEUED + 2  # the step's own, the queued ones, the one being filled
 
     def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool, *, offset: int = 0,
                  stride: int | None = None) -> None:
@@ -832,6 +832,8 @@ def train(
             # (before begin_step: with the weights handoff it queues the step's state loads at once)
             b_in, b_out = eng.copies.h2d_bytes, eng.copies.d2h_bytes
             opt.begin_step(step, lr)
+            # (the loader reuses the pinned set of step - 1 once this returns: its copies to the device
+            # were done when finish_step read step - 1's loss, which the compute stream queued after them)
             mbs = loader.next()
             out = executor.run_step(mbs, opt)
             next_step, next_cursor = step + 1, cursor + cfg.grad_accum

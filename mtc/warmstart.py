@@ -151,6 +151,21 @@ def run_model(store_dir: str | Path) -> dict[str, Any] | None:
         raise StoreError(f"commit record {f} is malformed ({e}); see `mtc verify` and `mtc repair`") from None
 
 
+def run_device(store_dir: str | Path | None) -> str | None:
+    """The device of the run committed in ``store_dir``; None when there is none to resume there
+    (no store, no commit, a damaged record: `open_run` says so, or a seeded store, whose step-0
+    record only carries the model: training it starts a new run)."""
+    if store_dir is None:
+        return None
+    try:
+        rec = json.loads((Path(store_dir) / "commit.json").read_text())
+        if rec.get("step") == 0 and isinstance((rec.get("meta") or {}).get("init"), dict):
+            return None
+        return str(rec["config"]["device"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def source_model(source: str | Path) -> dict[str, Any]:
     """The model fields of an ``--init-from`` source: a run's store or a Hugging Face checkpoint directory."""
     p = Path(source)

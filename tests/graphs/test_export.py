@@ -77,3 +77,33 @@ def test_logger_levels_are_restored_and_a_successful_trace_keeps_what_the_user_p
     trace(_ChattyLM(), 1, 8)
     assert "a user's own notice" in capfd.readouterr().err
     assert [lg.level for lg in watched] == before
+
+
+def test_overlapping_traces_on_two_threads_leave_stderr_and_torchs_logging_as_they_were():
+    import logging
+    import sys
+    import threading
+    import time
+
+    from mtc.graphs.export import _quiet_torch
+
+    before_err, before_level = sys.stderr, logging.getLogger("torch").level
+    entered, left = threading.Event(), threading.Event()
+
+    def first():
+        with _quiet_torch():
+            entered.set()
+            time.sleep(0.1)  # the second thread tries to enter meanwhile
+        left.set()
+
+    def second():  # inside until the first has left: unserialised, it would then put back the first's capture
+        entered.wait()
+        with _quiet_torch():
+            left.wait(timeout=5)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sys.stderr is before_err and logging.getLogger("torch").level == before_level

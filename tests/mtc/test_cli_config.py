@@ -148,6 +148,8 @@ def test_a_traced_plan_can_be_planned_and_trained(tmp_path, capsys):
     rec = json.loads((plan / "model.json").read_text())
     assert (rec["model"], rec["seq_len"], rec["micro_batch_size"], rec["compute_dtype"]) == ("tiny", 16, 2, "float32")
     assert main(["plan", str(plan), "--machine", "h100-box", "--no-extrapolate"]) == 0
+    assert main(["trace", "tiny", "-o", str(tmp_path / "bf16"), "--seq-len", "16", "--micro-batch-size", "2", "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "model.json").read_text())["compute_dtype"] == "bfloat16"
     tok = write_token_file(tmp_path / "t.bin", np.arange(3000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
     capsys.readouterr()
     assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "1"]) == 0, \
@@ -176,3 +178,14 @@ def test_version_names_mtc_and_what_it_runs_on(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("mtc ") and "torch " in out and "triton " in out and "zarr " in out, out
+
+
+def test_the_durability_line_says_how_often_a_run_commits():
+    from mtc.cli import _durability_text
+    from mtc.config import TrainConfig
+
+    assert _durability_text(TrainConfig(commit_every=5)) == "durability full (exact resume from the last commit, a commit every 5 steps)"
+    assert _durability_text(TrainConfig(durability="none")) == "durability none (nothing committed: no resume)"
+    # disk layers write their state every step, so such a run commits every step whatever commit_every says
+    assert _durability_text(TrainConfig(placement="ram:0-1,disk:2-3", durability="weights", commit_every=5)).endswith(
+        "a resume restarts Adam's moments, a commit every step (layers' state on disk))")

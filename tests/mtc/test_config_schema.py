@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtc.cli import _train_config, build_parser, main
-from mtc.config import OptimConfig, TrainConfig, check_device, load_config, parse_layer_set, parse_placement
+from mtc.config import OptimConfig, TrainConfig, auto_device, check_device, load_config, parse_layer_set, parse_placement
 from mtc.errors import ConfigError
 from mtc.models import preset_names
 
@@ -229,7 +229,10 @@ def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path
     """mtc train and mtc.train: no --device (flag, config file or field) means CUDA on a machine
     that has it, said on stderr; a resume keeps its run's device; one that is named is kept."""
     import mtc.api
+    import mtc.config
 
+    for mod in (mtc.config, mtc.api):  # the real one (tests/conftest.py pins it to the CPU on a GPU machine)
+        monkeypatch.setattr(mod, "auto_device", auto_device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert _train_config(build_parser().parse_args(_train(tmp_path))).device == "cuda"
@@ -243,6 +246,19 @@ def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path
     (store / "commit.json").write_text(json.dumps({"config": {**TrainConfig(model="tiny").to_dict(), "device": "cpu"}}))
     a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(store), "--data", "d"])
     assert _train_config(a).device == "cpu"  # the run being resumed was on the CPU
+    assert mtc.api._config({"model": "tiny"}, {}, None, "cpu").device == "cpu"  # so with a config naming no device
+    # a seeded store (mtc import, --init-from) records only its model: training it is a new run
+    seeded = tmp_path / "imported"
+    seeded.mkdir()
+    (seeded / "commit.json").write_text(json.dumps({"step": 0, "meta": {"init": {"source": "hf"}},
+                                                    "config": {**TrainConfig(model="tiny").to_dict(), "device": "cpu"}}))
+    a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(seeded), "--data", "d"])
+    assert _train_config(a).device == "cuda"
+    capsys.readouterr()
+    # a refusal stays one line: the device note comes only once the config checks out
+    with pytest.raises(ConfigError):
+        _train_config(build_parser().parse_args(_train(tmp_path, "--stop-after", "2", "--durability", "none")))
+    assert "computing on" not in capsys.readouterr().err
     assert mtc.api._config(None, {}, None).device == "cuda"
     assert mtc.api._config(None, {"device": "cpu"}, None).device == "cpu"
     assert mtc.api._config({"model": "tiny"}, {}, None).device == "cuda"

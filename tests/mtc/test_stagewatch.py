@@ -92,3 +92,26 @@ def test_slow_writes_that_do_not_lengthen_steps_or_cannot_be_timed_say_nothing(c
     watch, said = _run(plan, steps=8, step_s=3.3 * planned, writes=writes)
     assert said == []
     assert (watch.write_rates == []) == (case == "too small to time")
+
+
+def test_commits_that_stall_one_step_in_four_warn():
+    """A RAM plan committing every 4 steps on a disk 500x slower than calibrated: most steps take
+    the planned time, but each step after a commit waits out the rest of its writes. The median step
+    looks as planned; the mean (what the run loses) does not, and that is what is judged."""
+    plan = make_plan(TrainConfig(model="tiny", micro_batch_size=4, seq_len=128, commit_every=4), _profile(write_gbps=1.47))
+    P, L = plan.step.step_s, len(plan.placement)
+    per_layer = plan.step.commits.bytes_per_commit / L / (1.47e9 / 500)
+    tl, t, starts = Timeline(keep_steps=None), 0.0, []
+    for k in range(40):
+        starts.append(t)
+        tl.add("compute", 0, t, t + 0.9 * P, step=k)
+        t += max(P, per_layer * L - 3 * P) if k % 4 == 0 and k else P
+    for k in range(3, 40, 4):  # committed at the end of steps 3, 7, ...: one layer after another
+        w = starts[k] + 0.9 * P
+        for i in range(L):
+            tl.add("write_behind", i, w, w + per_layer, step=k)
+            w += per_layer
+    watch = StageWatch(plan)
+    said = [m for k in range(38) if (m := watch.after_step(tl, k, k + 1)) is not None]
+    assert sorted(watch.step_seconds)[len(watch.step_seconds) // 2] == pytest.approx(P)  # the median step: as planned
+    assert len(said) == 1 and "the disk writes at" in said[0] and "longer than the planned" in said[0], said
