@@ -19,12 +19,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mtc.data import BatchSampler, TokenFile, check_fits
+from mtc.data import BatchSampler, TokenFile, check_fits, check_store_tokenizer, check_tokenizer_identity
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.executor import IGNORE_INDEX
 from mtc.runtime.runners import AutogradRunner, LayerRunner
-from mtc.weight_sources import StoreWeights, default_budgets, pick_step
+from mtc.weight_sources import CommittedStep, StoreWeights, WeightsOverwritten, check_untouched, default_budgets, pick_step
 
 __all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
 
@@ -136,11 +136,31 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
     ``device`` to the run's when it is available here, else the CPU. The compute dtype is the plan's
     (the dtype its templates were traced in).
     """
+    t0 = time.perf_counter()
+    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
+    # beside a running trainer the step read may be overwritten meanwhile: the check after the
+    # reads says so, and the newest commit (no step named) is evaluated again
+    for attempt in range(READ_ATTEMPTS):
+        loss, at, bs = _evaluate_once(store_dir, tokens, step, batches, split, seed, device, device_budget_bytes)
+        try:
+            check_untouched(store_dir, at.step, at.generation, what=f"evaluating step {at.step} of run {store_dir}")
+            break
+        except WeightsOverwritten:
+            if step is not None or attempt == READ_ATTEMPTS - 1:
+                raise
+    n_tok = sum(i.numel() for i, _ in bs)
+    return EvalResult(loss=loss, step=at.step, batches=len(bs), tokens=n_tok, seconds=time.perf_counter() - t0, split=split)
+
+
+READ_ATTEMPTS = 3
+
+
+def _evaluate_once(store_dir: str | Path, tokens: TokenFile, step: int | None, batches: int, split: str, seed: int | None,
+                   device: str | None, device_budget_bytes: int | None) -> tuple[float, CommittedStep, list]:
+    """One evaluation of `evaluate_store`: (loss, the step read, the batches)."""
     from mtc.plan import load_plan
     from mtc.store import TensorStore
 
-    t0 = time.perf_counter()
-    tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
     with TensorStore.open(store_dir, read_only=True) as st:
         at = pick_step(st, step)
         cfg = at.record.config
@@ -148,6 +168,9 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
         vocab = max((program.params[k].spec.shape[0] for k in program.layers[-1].param_keys()
                      if len(program.params[k].spec.shape) == 2), default=0)
         tokens.check_vocab(vocab)
+        # data from another tokenizer would give a loss that means nothing (training refuses it too)
+        check_tokenizer_identity(at.record.meta.get("data"), tokens.identity(), where=f"run {store_dir}")
+        check_store_tokenizer(store_dir, tokens)
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         # the plan's ATen templates were traced in one dtype and take weights in it only (a store
         # trained or imported on the CPU in fp32, evaluated on a GPU, is evaluated in fp32)
@@ -161,8 +184,7 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
             loss = forward_loss(program, unfused_runners(program), src, bs, dev)
         finally:
             src.close()
-    n_tok = sum(i.numel() for i, _ in bs)
-    return EvalResult(loss=loss, step=at.step, batches=len(bs), tokens=n_tok, seconds=time.perf_counter() - t0, split=split)
+    return loss, at, bs
 
 
 def _default_device(run_device: str) -> str:

@@ -190,7 +190,7 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
     from mtc.models import build
     from mtc.plan import load_plan
     from mtc.store import TensorStore
-    from mtc.weight_sources import StoreWeights, default_budgets, pick_step
+    from mtc.weight_sources import StoreWeights, check_untouched, default_budgets, pick_step
 
     with TensorStore.open(store_dir, read_only=True) as st:
         at = pick_step(st, step)
@@ -228,6 +228,8 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         finally:
             src.close()
         streamed = sum(1 for i in range(program.n_layers) if program.layer_numel(i)) - len(src.resident_layers)
+    # (streamed layers are read again for every token: a trainer overwriting the step meanwhile is caught here)
+    check_untouched(store_dir, at.step, at.generation, what=f"sampling from step {at.step} of run {store_dir}")
     return dataclasses.replace(res, step=at.step, text=tok.decode(res.tokens), resident_layers=len(src.resident_layers),
                                streamed_layers=streamed)
 

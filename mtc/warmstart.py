@@ -31,6 +31,7 @@ from mtc.models import model_config
 from mtc.plan import load_plan, save_plan
 from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
+from mtc.weight_sources import check_untouched
 
 __all__ = ["INIT_ATTR", "available_steps", "create_seeded_store", "init_from", "is_seeded", "load_state_dict", "open_seeded",
            "run_model", "source_model"]
@@ -298,7 +299,8 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
                 if program.layer_numel(layer):
                     flat = reader.read(layer, "master", program.layer_numel(layer))
                     out.update({p.key: flat[p.offset : p.offset + p.numel].view(p.spec.shape) for p in program.layer_params(layer)})
-        return out
+    check_untouched(run, step, gen, what=f"load_state_dict of step {step} of run {run}")
+    return out
 
 
 def _record_of(st: TensorStore, step: int, generation: int) -> CommitRecord:

@@ -36,8 +36,8 @@ from mtc.runtime.tiers import StateTiers
 from mtc.shards import StateReader, is_sharded
 from mtc.store import CommitRecord, TensorStore, state_array_name
 
-__all__ = ["CommittedStep", "StoreWeights", "TierWeights", "committed_steps", "default_budgets", "pick_step", "record_write_start",
-           "wait_for_updates"]
+__all__ = ["CommittedStep", "StoreWeights", "TierWeights", "WeightsOverwritten", "check_untouched", "committed_steps",
+           "default_budgets", "pick_step", "record_write_start", "wait_for_updates"]
 
 WRITES_LOG = "writes.jsonl"
 
@@ -76,6 +76,24 @@ def _write_starts(store_dir: Path) -> list[dict] | None:
         except json.JSONDecodeError:
             continue  # a line torn by a crash: its write never began
     return out
+
+
+class WeightsOverwritten(StoreError):
+    """Training began writing another step into the generation being read: what was read may mix steps."""
+
+
+def check_untouched(store_dir: str | Path | None, step: int, generation: int, *, what: str) -> None:
+    """After reading step ``step``'s weights from ``generation``: raise `WeightsOverwritten` when a
+    write of a later step into that generation has started since (training logs each before it
+    begins, so a write that overlapped the reads is in the log by now; one not logged yet had not
+    begun, and the reads are done). A store without the log (in memory) was not being trained."""
+    starts = _write_starts(Path(store_dir)) if store_dir is not None else None
+    if starts and any(s.get("generation") == generation and s.get("step", 0) > step for s in starts):
+        raise WeightsOverwritten(
+            f"{what}: training began writing a later step into state generation {generation} while step {step}'s "
+            "weights were read from it, so the result could mix steps; run it again (the newest commit), or read "
+            "that step while the run is stopped"
+        )
 
 
 def committed_steps(store: TensorStore) -> list[CommittedStep]:

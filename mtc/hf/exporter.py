@@ -93,6 +93,7 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
     from mtc.shards import read_layer
     from mtc.store import TensorStore
     from mtc.warmstart import resolve_step
+    from mtc.weight_sources import check_untouched
 
     t0 = time.perf_counter()
     if dtype not in _DTYPES:
@@ -158,6 +159,8 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
                     w.abort()
                     raise
             cached = (-1, None)
+            # (before the checkpoint appears: one read while training overwrote the step is not published)
+            check_untouched(run, step, gen, what=f"exporting step {step} of run {run}")
             index = {"metadata": {"total_size": total}, "weight_map": {n.hf: f for f, g in zip(files, shards, strict=True) for n in g}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")

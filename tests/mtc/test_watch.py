@@ -291,3 +291,59 @@ def test_the_decoder_rotates_as_the_model_trained_with_rope_scaling(scaling):
     for j in range(dec.n_blocks):
         x = dec.block(j, w, x, 0)
     torch.testing.assert_close(dec.head(w, x), model(ids).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_overwritten_while_it_is_read_is_never_reported(run, tmp_path, monkeypatch):
+    """Beside a running trainer: when training starts writing a later step into the generation
+    being read (the write log says so before any write), eval, generation and load_state_dict
+    refuse the mixed weights instead of reporting a number for the wrong step; evaluating the newest
+    commit (no step named) just reads again."""
+    import shutil
+
+    import mtc.evaluate
+    from mtc.generate import generate_from_store
+    from mtc.warmstart import load_state_dict
+    from mtc.weight_sources import StoreWeights, WeightsOverwritten, record_write_start
+    from mtc.shards import StateReader
+
+    store, data = run
+    copy = tmp_path / "s"
+    shutil.copytree(store, copy)
+    with TensorStore.open(copy, read_only=True) as st:
+        gen4 = next(r.generation for r in st.commit_history() if r.step == 4)
+    clean = (copy / "logs" / "writes.jsonl").read_text()
+
+    def overwrite_during(cls, name):
+        orig = getattr(cls, name)
+
+        def reading(self, *a, **k):
+            out = orig(self, *a, **k)
+            record_write_start(copy, 6, gen4)  # training moved on: step 6 into step 4's generation
+            return out
+
+        monkeypatch.setattr(cls, name, reading)
+
+    overwrite_during(StoreWeights, "_load_host")
+    with pytest.raises(WeightsOverwritten, match="training began writing a later step into state generation"):
+        evaluate_store(copy, data, step=4, batches=1)
+    (copy / "logs" / "writes.jsonl").write_text(clean)
+    with pytest.raises(WeightsOverwritten, match="sampling from step 4"):
+        generate_from_store(copy, "The sea", step=4, max_new_tokens=2, temperature=0)
+    (copy / "logs" / "writes.jsonl").write_text(clean)
+    overwrite_during(StateReader, "read")
+    with pytest.raises(WeightsOverwritten, match="load_state_dict of step 4"):
+        load_state_dict(copy, step=4)
+    monkeypatch.undo()
+    (copy / "logs" / "writes.jsonl").write_text(clean)
+    assert evaluate_store(copy, data, step=4, batches=2).loss == pytest.approx(evaluate_store(store, data, step=4, batches=2).loss)
+    # the newest commit: a read that raced a write is simply made again
+    calls, check = [], mtc.evaluate.check_untouched
+
+    def racing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise WeightsOverwritten("raced")
+        return check(*a, **k)
+
+    monkeypatch.setattr(mtc.evaluate, "check_untouched", racing_once)
+    assert evaluate_store(copy, data, batches=1).step == 5 and len(calls) == 2
