@@ -17,7 +17,9 @@ read. The other generation is not checked: it is the one the running step writes
 
 `repair` rewrites ``commit.json`` from the newest record of ``commits.jsonl`` whose arrays verify,
 skipping a record whose generation a later record rewrote, or whose chunk files are newer than
-the next commit (a later step's write-behind had begun overwriting them).
+the next commit (a later step's write-behind had begun overwriting them). It does so when
+``commit.json`` is lost or garbled, and when it is intact but names a generation whose state is
+damaged (a roll-back: the steps since the restored commit are lost, nothing else).
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class VerifyReport:
         if any(p.where in (COMMIT_FILE, HISTORY_FILE) for p in self.problems):
             fixes.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
         if any(p.array is not None for p in self.problems):
-            fixes.append("damaged arrays cannot be repaired: restore the store from a copy, or start over with `mtc train ... --overwrite`")
+            fixes.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
+                         "steps since), if there is one; else restore the store from a copy, or start over with "
+                         "`mtc train ... --overwrite`")
         out.append(f"{len(self.problems)} problem(s); " + "; ".join(fixes))
         return out
 
@@ -133,7 +137,9 @@ def repair(store: TensorStore) -> RepairReport:
     """Restore a missing or garbled ``commit.json`` of ``store`` (opened for writing) from ``commits.jsonl``.
 
     Picks the newest intact history record whose arrays verify; raises StoreError when there is
-    none. When ``commit.json`` is intact it only appends it to a history that lacks it.
+    none. When ``commit.json`` is intact its state is checked (every chunk's CRC): when that state
+    is damaged it rolls back the same way to the newest earlier record whose state is whole;
+    otherwise it only appends ``commit.json`` to a history that lacks it.
     """
     p = store.path
     if p is None:
@@ -148,14 +154,23 @@ def repair(store: TensorStore) -> RepairReport:
         current, damage = None, f"garbled ({e})"
     except OSError as e:
         current, damage = None, f"unreadable ({e})"
-    if current is not None:
-        return _reconcile_history(store, current, history)
-    actions: list[str] = []
     bad_nodes = dict(store.metadata_problems())
+    if current is not None:
+        damaged, _a, _c = _check_record(store, current, check_chunks=True, bad_nodes=bad_nodes)
+        if not damaged:
+            return _reconcile_history(store, current, history)
+        # the last commit's state is damaged: no run can resume from it, so roll back to the newest
+        # earlier commit whose state is whole (the other generation: a few steps of training lost)
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        damage = f"intact, but step {current.step}'s state is damaged ({damaged[0]}{more})"
+        history = [h for h in history if h.record is not None and h.record.step < current.step]
+    actions: list[str] = []
     for i in range(len(history) - 1, -1, -1):
         line, rec = history[i].line_no, history[i].record
         assert rec is not None
         later = [h.record for h in history[i + 1 :] if h.record is not None and h.record.step > rec.step]
+        if current is not None:  # (rolling back: the damaged commit came after it too)
+            later.append(current)
         if any(r.generation == rec.generation for r in later):
             newer = next(r for r in later if r.generation == rec.generation)
             actions.append(
@@ -174,6 +189,7 @@ def repair(store: TensorStore) -> RepairReport:
         actions.append(
             f"{COMMIT_FILE} was {damage}: restored it from {HISTORY_FILE} line {line}: step {rec.step}, "
             f"generation {rec.generation}, durability {rec.durability}"
+            + (f"; training resumes from step {rec.step} (the {current.step - rec.step} step(s) since are lost)" if current is not None else "")
         )
         return RepairReport(tuple(actions), rec)
     why = "; ".join(actions) if actions else f"{HISTORY_FILE} has no intact record"

@@ -174,3 +174,25 @@ def test_repair_refuses_without_history(run, tmp_path):
     ):
         repair(st)
 
+
+
+def test_repair_rolls_back_from_a_damaged_last_commit_to_the_whole_one_before(tmp_path):
+    """commit.json intact, but a chunk of its generation fails its CRC: no run could resume from it.
+    repair restores the previous commit (the other generation, whole), says which steps are lost,
+    and then the store verifies; with nothing whole before it, it refuses as for a lost commit.json."""
+    p = tmp_path / "s"
+    st = make_run(p, steps=3)  # steps 0 (g0), 1 (g1), 2 (g0)
+    _flip(st.chunk_path(state_array_name(0, "master", 0), 1))  # step 2's state
+    assert not verify(st).ok and "rolls back to the newest earlier commit" in verify(st).lines()[-1]
+    st.close()
+    with TensorStore.open(p) as st:
+        done = repair(st)
+        assert done.restored.step == 1 and st.last_commit().step == 1
+        assert "commit.json was intact, but step 2's state is damaged" in done.actions[-1]
+        assert "training resumes from step 1 (the 1 step(s) since are lost)" in done.actions[-1]
+        assert verify(st).ok
+        assert repair(st).actions == ("commit.json is intact (step 1); nothing to repair",)
+    with TensorStore.open(p) as st:
+        _flip(st.chunk_path(state_array_name(0, "master", 1), 0))  # now step 1's too: step 0's generation was rewritten
+        with pytest.raises(StoreError, match=r"cannot repair store .*step 1's state is damaged.*skipped step 0"):
+            repair(st)
