@@ -180,7 +180,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
         from mtc.tensorboard import TensorBoardSink
 
         try:
-            sink = TensorBoardSink(a.tensorboard)
+            sink = TensorBoardSink(a.tensorboard, start_step=start)
         except BaseException:
             run.store.close()
             raise
@@ -624,15 +624,18 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     if a.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
-    if a.top_k is not None and a.top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1, got {a.top_k}; omit it to sample from the whole vocabulary")
+    if a.top_k is not None and a.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 1, or 0 for the whole vocabulary; got {a.top_k}")
+    a.top_k = a.top_k or None  # 0: no top-k cut
     budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
     r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
                             tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget)
     print(a.prompt + r.text)
     print(f"generated {len(r.tokens)} tokens from step {r.step} in {r.prefill_s + r.decode_s:.2f} s: "
-          f"{r.tokens_per_s:.1f} tokens/s ({r.decode_tokens_per_s:.1f} after the first; prompt {r.prompt_tokens} tokens, "
+          f"{r.tokens_per_s:.1f} tokens/s ("
+          + (f"{r.decode_tokens_per_s:.1f} after the first; " if len(r.tokens) > 1 else "")
+          + f"prompt {r.prompt_tokens} tokens, "
           f"{r.prefill_s:.2f} s to the first token; KV cache {'on' if r.kv_cache else 'off'}; "
           f"{r.resident_layers} layers resident, {r.streamed_layers} streamed per token)", file=sys.stderr)
     return 0
@@ -708,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40; 0: the whole vocabulary)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--step", type=int, help="committed step to sample from (default: the last commit)")
     g.add_argument("--context", type=int, help="tokens the model sees (default: the run's seq_len; at most max_seq_len)")

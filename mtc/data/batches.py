@@ -51,6 +51,11 @@ def check_fits(tokens: TokenFile | np.ndarray, seq_len: int) -> None:
         )
 
 
+# the val split is what in-run evals (--eval-every) and `mtc eval` read by default; its fraction is
+# fixed for a run, so the user's ways out are other splits or no in-run eval
+_VAL_HINT = "`mtc eval --split train` or `--split all` (or --eval-every 0 in training), "
+
+
 class BatchSampler:
     """(inputs, targets) int64 batches of shape (batch_size, seq_len) from one split of a token array.
 
@@ -101,7 +106,7 @@ class BatchSampler:
         lo, hi = (0, boundary) if split == "train" else (boundary, n)
         need = seq_len + 1  # one extra token: the last input's target
         if hi - lo < need:
-            hint = "a larger val_fraction, " if split == "val" else ""
+            hint = _VAL_HINT if split == "val" else ""
             raise DataError(
                 f"the {split} split has {hi - lo:,} tokens (of {n:,}, val_fraction={val_fraction}) but seq_len={seq_len} "
                 f"needs at least {need:,}; use more text, {hint}or a shorter seq_len"
@@ -137,7 +142,7 @@ class BatchSampler:
         else:
             lo, hi = first(lambda w: span(w)[0] >= boundary), W
         if hi <= lo:
-            hint = "a larger val_fraction, more documents, " if self.split == "val" else ""
+            hint = f"more documents, {_VAL_HINT}" if self.split == "val" else ""
             raise DataError(
                 f"the {self.split} split of the token file holds no sequence ({W:,} windows of seq_len={T} in "
                 f"{len(pairs):,} documents, {n:,} tokens, val_fraction={self.val_fraction}); use {hint}more text"

@@ -75,7 +75,7 @@ def test_windows_reach_both_ends() -> None:
 def test_too_short() -> None:
     with pytest.raises(DataError, match="needs at least 38"):
         BatchSampler(POSITIONS[:37], batch_size=1, seq_len=37, seed=0, val_fraction=0.0)
-    with pytest.raises(DataError, match="val split has 50 tokens.*larger val_fraction"):
+    with pytest.raises(DataError, match="val split has 50 tokens.*mtc eval --split train"):
         BatchSampler(POSITIONS[:1000], batch_size=1, seq_len=64, seed=0, split="val")
 
 

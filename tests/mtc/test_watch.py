@@ -347,3 +347,26 @@ def test_a_step_overwritten_while_it_is_read_is_never_reported(run, tmp_path, mo
 
     monkeypatch.setattr(mtc.evaluate, "check_untouched", racing_once)
     assert evaluate_store(copy, data, batches=1).step == 5 and len(calls) == 2
+
+
+def test_tensorboard_events_of_a_resumed_run_replace_the_redone_steps(tmp_path):
+    """An interrupted run logged steps 0-4 but committed at 2; the resumed run redoes 2-3: the
+    events read back hold each step once, the resumed run's values for 2 and 3."""
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mtc.tensorboard import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path / "tb")
+    for s in range(5):
+        first.write(SimpleNamespace(step=s, loss=10.0 + s))
+    first.close()
+    resumed = TensorBoardSink(tmp_path / "tb", start_step=2)
+    for s in (2, 3):
+        resumed.write(SimpleNamespace(step=s, loss=20.0 + s))
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0)]
