@@ -8,6 +8,7 @@ messages, from a prompt and a response field or from a ``messages`` field.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,18 +69,40 @@ def _text_pieces(path: Path) -> Iterator[str]:
                 cut = buf.rfind("\n\n", 0, len(buf) - 1)
                 cut = cut + 2 if cut >= 0 else buf.rfind("\n") + 1
                 if cut <= 0:
-                    cut = len(buf)
+                    # a line longer than a piece: cut before its last space, where word-level
+                    # pre-tokenizers (a space starts the next word's token) split anyway
+                    cut = buf.rfind(" ")
+                    cut = cut if cut > 0 else len(buf)
                 piece, tail = buf[:cut], buf[cut:]
                 if piece:
                     last = piece
                     yield piece
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}); convert it to UTF-8 first") from None
+        raise DataError(f"{path} is not valid UTF-8 (byte {_bad_utf8_offset(path)}: {e.reason}); convert it to UTF-8 "
+                        "first") from None
     if tail:
         last = tail
         yield tail
     if last and not last.endswith("\n"):
         yield "\n"
+
+
+def _bad_utf8_offset(path: Path) -> int:
+    """The file offset of the first byte that is not valid UTF-8 (a decode error's own offset is
+    within the piece being decoded, not the file)."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    done = 0  # bytes of the file handed to the decoder so far
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_PIECE)
+            held = len(dec.getstate()[0])  # the last block's unfinished character: decoded with this one
+            try:
+                dec.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                return done - held + e.start
+            if not block:
+                return done
+            done += len(block)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
@@ -89,7 +112,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 rec = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n} is not valid UTF-8 (byte {e.start} of the line: {e.reason}); convert the file "
+                                "to UTF-8 first") from None
+            except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n} is not a JSON object ({e}); each line of a JSONL file holds one") from None
             yield n, rec
 

@@ -171,3 +171,28 @@ def test_prepare_streams_a_corpus_larger_than_its_memory_use(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     n, growth_mib = int(out[0]), int(out[1])
     assert n > 64 * 10**6 and growth_mib < 32, f"peak RSS grew by {growth_mib} MiB while preparing {n:,} tokens"
+
+
+def test_text_pieces_name_the_files_bad_byte_and_cut_long_lines_before_a_space(tmp_path, monkeypatch):
+    import mtc.data.sources as sources
+
+    monkeypatch.setattr(sources, "_PIECE", 1000)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a" * 999 + "\u00e9".encode() + b"b" * 5 + b"\xff")  # past the first piece, after a 2-byte character
+    with pytest.raises(DataError, match=r"bad.txt is not valid UTF-8 \(byte 1006: invalid start byte\)"):
+        list(sources._text_pieces(bad))
+    line = tmp_path / "line.txt"
+    words = " ".join(f"word{i}" for i in range(600))  # one ~5,000-character line, no newline
+    line.write_text(words)
+    pieces = list(sources._text_pieces(line))
+    assert "".join(pieces) == words + "\n" and len(pieces) > 2
+    assert all(p.startswith(" ") for p in pieces[1:-1]), [p[:8] for p in pieces]  # each cut falls before a space
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_named_as_such(tmp_path):
+    from mtc.data.sources import _jsonl_records
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2 is not valid UTF-8 \(byte 13 of the line"):
+        list(_jsonl_records(f))
