@@ -31,6 +31,7 @@ from mtc.models import model_config
 from mtc.plan import load_plan, save_plan
 from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
+from mtc.store.directory import read_write_starts
 from mtc.weight_sources import check_untouched
 
 __all__ = ["INIT_ATTR", "available_steps", "create_seeded_store", "init_from", "is_seeded", "load_state_dict", "open_seeded",
@@ -232,15 +233,21 @@ def available_steps(st: TensorStore) -> dict[int, int]:
 
     The last commit's generation always; the commit before it too when its generation has not
     been written since (the store keeps two generations; a step after the last commit starts
-    overwriting the other one, which shows as chunk files newer than the last commit).
+    overwriting the other one: the run's write log says so, or in a store without one, chunk
+    files newer than the last commit).
     """
     last = st.last_commit()
     if last is None:
         raise StoreError(f"store {st.path} has no commit: no weights to read")
-    if is_sharded(last):  # a data-parallel run: its run directory holds no state, its shard stores do
+    if is_sharded(last) or (st.path is not None and read_write_starts(st.path) is not None):
+        # a data-parallel run (its shard stores hold the state), or a run that logs its writes: the
+        # log says whether the previous generation was written since (file times do not survive a copy)
         from mtc.weight_sources import committed_steps
 
-        return {s.step: s.generation for s in reversed(committed_steps(st))} if last.durability != "none" else {}
+        out = {s.step: s.generation for s in reversed(committed_steps(st)) if s.record.durability != "none"}
+        if not out and not is_sharded(last):
+            raise StoreError(f"store {st.path} was run with durability 'none': its weights were never written")
+        return out
     out: dict[int, int] = {}
     history = [r for r in st.commit_history() if r.step < last.step and r.generation != last.generation]
     if history and history[-1].durability != "none":

@@ -21,8 +21,6 @@ moved the state).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,12 +33,10 @@ from mtc.runtime.optimizer import handed_weights
 from mtc.runtime.tiers import StateTiers
 from mtc.shards import StateReader, is_sharded
 from mtc.store import CommitRecord, TensorStore, state_array_name
+from mtc.store.directory import read_write_starts, record_write_start, written_since
 
 __all__ = ["CommittedStep", "StoreWeights", "TierWeights", "WeightsOverwritten", "check_untouched", "committed_steps",
            "default_budgets", "pick_step", "record_write_start", "wait_for_updates"]
-
-WRITES_LOG = "writes.jsonl"
-
 
 # -- which steps a store holds ------------------------------------------------------------------
 
@@ -55,29 +51,6 @@ class CommittedStep:
     last: bool  # the store's last commit (else: the one before, in the other generation)
 
 
-def record_write_start(store_dir: Path, step: int, generation: int) -> None:
-    """Note durably that writes of ``step``'s state into ``generation`` begin now (before they do)."""
-    logs = Path(store_dir) / "logs"
-    logs.mkdir(exist_ok=True)
-    with open(logs / WRITES_LOG, "a") as f:
-        f.write(json.dumps({"step": step, "generation": generation}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_starts(store_dir: Path) -> list[dict] | None:
-    f = Path(store_dir) / "logs" / WRITES_LOG
-    if not f.is_file():
-        return None
-    out = []
-    for line in f.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a crash: its write never began
-    return out
-
-
 class WeightsOverwritten(StoreError):
     """Training began writing another step into the generation being read: what was read may mix steps."""
 
@@ -87,8 +60,8 @@ def check_untouched(store_dir: str | Path | None, step: int, generation: int, *,
     write of a later step into that generation has started since (training logs each before it
     begins, so a write that overlapped the reads is in the log by now; one not logged yet had not
     begun, and the reads are done). A store without the log (in memory) was not being trained."""
-    starts = _write_starts(Path(store_dir)) if store_dir is not None else None
-    if starts and any(s.get("generation") == generation and s.get("step", 0) > step for s in starts):
+    starts = read_write_starts(store_dir) if store_dir is not None else None
+    if starts and written_since(starts, step, generation):
         raise WeightsOverwritten(
             f"{what}: training began writing a later step into state generation {generation} while step {step}'s "
             "weights were read from it, so the result could mix steps; run it again (the newest commit), or read "
@@ -106,14 +79,14 @@ def committed_steps(store: TensorStore) -> list[CommittedStep]:
         return out
     history = [r for r in store.commit_history() if r.step < last.step]
     prev = history[-1] if history else None
-    starts = _write_starts(store.path)
+    starts = read_write_starts(store.path)
     if prev is None or prev.generation == last.generation or prev.durability == "none" or starts is None:
         return out
     if _layout(prev) != _layout(last):  # resharded since: the previous layout's state is gone or stale
         return out
     # any write into the previous commit's generation for a later step (a commit cut short, or a
     # disk layer written without a commit) may have overwritten part of it
-    if any(s.get("generation") == prev.generation and s.get("step", 0) > prev.step for s in starts):
+    if written_since(starts, prev.step, prev.generation):
         return out
     return out + [CommittedStep(prev.step, prev.generation, prev, False)]
 

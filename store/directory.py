@@ -60,6 +60,9 @@ __all__ = [
     "lock_store",
     "read_commit_file",
     "read_history",
+    "read_write_starts",
+    "record_write_start",
+    "written_since",
     "unlock_store",
     "write_commit",
     "write_marker",
@@ -70,6 +73,10 @@ COMMIT_FILE = "commit.json"
 COMMIT_TMP = COMMIT_FILE + ".tmp"
 HISTORY_FILE = "commits.jsonl"
 MARKER_FILE = "setup.json"
+# logs/writes.jsonl: one line per start of a state write into a generation (its step), appended and
+# fsynced before the write begins, so a reader can tell whether a generation was written since a
+# commit without trusting file times (a plain `cp -r` of a store resets them)
+WRITES_LOG = "writes.jsonl"
 DURABILITY_MODES: tuple[str, ...] = ("full", "weights", "none")
 # Made inside a store directory during set-up by the runtime (`trainer.open_run`), so `create`
 # may remove them when it re-initialises an uncommitted store; anything else there is not ours.
@@ -469,3 +476,33 @@ def parse_node(read: Callable[[], bytes]) -> dict[str, Any] | str:
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return str(e) or type(e).__name__
     return doc if isinstance(doc, dict) else f"a JSON {type(doc).__name__}, not an object"
+
+
+def record_write_start(store_dir: str | Path, step: int, generation: int) -> None:
+    """Note durably that writes of ``step``'s state into ``generation`` begin now (before they do)."""
+    logs = Path(store_dir) / "logs"
+    logs.mkdir(exist_ok=True)
+    with open(logs / WRITES_LOG, "a") as f:
+        f.write(json.dumps({"step": step, "generation": generation}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_write_starts(store_dir: str | Path) -> list[dict[str, Any]] | None:
+    """The write starts `record_write_start` logged in ``store_dir`` (None: no log, e.g. a store made
+    before the log existed, or a data-parallel rank's shard store: its run directory keeps it)."""
+    f = Path(store_dir) / "logs" / WRITES_LOG
+    if not f.is_file():
+        return None
+    out = []
+    for line in f.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash: its write never began
+    return out
+
+
+def written_since(starts: list[dict[str, Any]], step: int, generation: int) -> bool:
+    """Whether the log ``starts`` shows a write of a later step than ``step`` into ``generation``."""
+    return any(s.get("generation") == generation and s.get("step", 0) > step for s in starts)

@@ -28,7 +28,16 @@ import dataclasses
 import re
 from pathlib import Path
 
-from mtc.store.directory import COMMIT_FILE, HISTORY_FILE, CommitRecord, HistoryLine, read_commit_file, read_history
+from mtc.store.directory import (
+    COMMIT_FILE,
+    HISTORY_FILE,
+    CommitRecord,
+    HistoryLine,
+    read_commit_file,
+    read_history,
+    read_write_starts,
+    written_since,
+)
 from mtc.store.layout import KINDS, LAYOUT_ATTR, state_array_name
 from mtc.store.tensor_store import TensorStore
 
@@ -165,6 +174,7 @@ def repair(store: TensorStore) -> RepairReport:
         damage = f"intact, but step {current.step}'s state is damaged ({damaged[0]}{more})"
         history = [h for h in history if h.record is not None and h.record.step < current.step]
     actions: list[str] = []
+    starts = read_write_starts(p)
     for i in range(len(history) - 1, -1, -1):
         line, rec = history[i].line_no, history[i].record
         assert rec is not None
@@ -178,8 +188,15 @@ def repair(store: TensorStore) -> RepairReport:
             )
             continue
         successor = min(later, key=lambda r: r.step, default=None)
+        if successor is not None and starts is not None and written_since(starts, rec.step, rec.generation):
+            actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): the write log shows a later step's "
+                           f"state written into its generation {rec.generation}")
+            continue
+        # without the write log, chunk files newer than the next commit tell it (file times: a plain
+        # copy of the store resets them, and then this refuses what the log would have allowed)
         found, _a, _c = _check_record(
-            store, rec, check_chunks=True, bad_nodes=bad_nodes, not_after=successor.time_unix if successor is not None else None
+            store, rec, check_chunks=True, bad_nodes=bad_nodes,
+            not_after=successor.time_unix if successor is not None and starts is None else None,
         )
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -370,3 +371,31 @@ def test_tensorboard_events_of_a_resumed_run_replace_the_redone_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0)]
+
+
+def test_a_plain_copy_of_a_store_keeps_its_previous_commit(run, tmp_path):
+    """`cp -r` (new file times) of a run: the previous commit is still readable (load_state_dict,
+    export's step choice) and repair can still roll back to it: the write log, not file times, says
+    that its generation was not written since."""
+    import shutil
+
+    from mtc.store import repair, state_array_name
+    from mtc.warmstart import available_steps, load_state_dict
+
+    store, _ = run
+    copy = tmp_path / "copy"
+    time.sleep(0.05)
+    shutil.copytree(store, copy, copy_function=shutil.copy)  # contents only: every file time is now
+    with TensorStore.open(copy, read_only=True) as st:
+        assert sorted(available_steps(st)) == [4, 5]
+        gen5 = st.last_commit().generation
+    old = load_state_dict(store, step=4)
+    new = load_state_dict(copy, step=4)
+    assert all(torch.equal(old[k], new[k]) for k in old)
+    with TensorStore.open(copy) as st:
+        chunk = st.chunk_path(state_array_name(1, "master", gen5), 0)
+        raw = bytearray(chunk.read_bytes())
+        raw[5] ^= 0x40
+        chunk.write_bytes(bytes(raw))
+        done = repair(st)
+        assert done.restored.step == 4, done.actions
