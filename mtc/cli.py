@@ -424,8 +424,11 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.tracer import trace
     from mtc.train import build_model
 
-    a.dtype = _compile_dtype(a)
+    a.dtype, said = _compile_dtype(a)
     cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
+    cfg.validate()
+    if said:
+        print(said)
     model = build_model(cfg, device="meta" if a.meta else "cpu")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
     save_plan(program, a.output)
@@ -435,21 +438,21 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     return 0
 
 
-def _compile_dtype(a: argparse.Namespace) -> str:
-    """``--dtype``, with auto resolved as `mtc train` resolves its compute dtype on this machine."""
+def _compile_dtype(a: argparse.Namespace) -> tuple[str, str]:
+    """``--dtype``, with auto resolved as `mtc train` resolves its compute dtype on this machine, and
+    the line that says so (printed once the model checks out: a refusal stays one line)."""
     if a.dtype != "auto":
-        return a.dtype
+        return a.dtype, ""
     import torch
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    print(f"compute dtype {dtype} (--dtype auto: {'CUDA' if dtype == 'bfloat16' else 'no CUDA'} here)")
-    return dtype
+    return dtype, f"compute dtype {dtype} (--dtype auto: {'CUDA' if dtype == 'bfloat16' else 'no CUDA'} here)"
 
 
 def _cmd_compile(a: argparse.Namespace) -> int:
-    a.dtype = _compile_dtype(a)
+    a.dtype, said = _compile_dtype(a)
     if a.factory is not None or (a.model is not None and ":" in a.model):
-        return _cmd_compile_user_model(a)
+        return _cmd_compile_user_model(a, said)
     if a.model is None:
         from mtc.errors import ConfigError
 
@@ -464,6 +467,8 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype,
                       matmul_fusion=a.matmul_fusion)
     cfg.validate()
+    if said:
+        print(said)
     model = build_model(cfg, device="meta")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
     out = Path(a.output)
@@ -596,7 +601,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_compile_user_model(a: argparse.Namespace) -> int:
+def _cmd_compile_user_model(a: argparse.Namespace, said: str = "") -> int:
     from mtc.api import compile as compile_model
     from mtc.errors import ConfigError
 
@@ -604,6 +609,8 @@ def _cmd_compile_user_model(a: argparse.Namespace) -> int:
         raise ConfigError(f"give the model once: the preset {a.model!r} or --model {a.factory}, not both")
     res = compile_model(a.factory or a.model, a.output, batch_size=a.micro_batch_size, seq_len=a.seq_len, dtype=a.dtype,
                         matmul_fusion=a.matmul_fusion)
+    if said:
+        print(said)
     print(res.report)
     print(f"plan and kernels written to {res.path} (train it: mtc train --plan {res.path} --store RUN --data FILE)")
     return 0

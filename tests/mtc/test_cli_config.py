@@ -45,6 +45,10 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert main(["train", "--preset", "nosuch", "--store", str(tmp_path / "s"), "--data", "x.bin"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset" in err and "your own model: its factory's import path, package.module:function (e.g. nosuch:build)" in err
+    for cmd in ("compile", "trace"):  # nothing printed before the refusal
+        assert main([cmd, "nosuch", "-o", str(tmp_path / "p")]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1 and "unknown preset" in out.err, out
 
 
 def test_cli_trace_meta_preset(tmp_path, capsys):
