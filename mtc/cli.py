@@ -621,7 +621,8 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
     r = evaluate_store(a.store, a.data, step=a.step, batches=a.batches, split=a.split, seed=a.seed, device=a.device)
     print(f"step {r.step}: {r.split} loss {r.loss:.6f} perplexity {r.perplexity:.6g} "
-          f"({r.batches} batches, {r.tokens:,} tokens, {r.seconds:.2f} s)")
+          f"({r.batches} batches, {r.tokens:,} tokens" + (f", {r.targets:,} of them loss targets" if r.targets != r.tokens else "")
+          + f", {r.seconds:.2f} s)")
     return 0
 
 

@@ -46,9 +46,10 @@ class EvalResult:
     loss: float  # mean over the eval batches of each batch's mean token loss
     step: int
     batches: int
-    tokens: int
+    tokens: int  # positions read (micro-batches x seq_len), padding included
     seconds: float
     split: str
+    targets: int = 0  # of them, the ones the loss counts (not IGNORE_INDEX: padding, masked prompts)
 
     @property
     def perplexity(self) -> float:
@@ -149,7 +150,9 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
             if step is not None or attempt == READ_ATTEMPTS - 1:
                 raise
     n_tok = sum(i.numel() for i, _ in bs)
-    return EvalResult(loss=loss, step=at.step, batches=len(bs), tokens=n_tok, seconds=time.perf_counter() - t0, split=split)
+    n_tgt = sum(int((t != IGNORE_INDEX).sum()) for _, t in bs)
+    return EvalResult(loss=loss, step=at.step, batches=len(bs), tokens=n_tok, seconds=time.perf_counter() - t0, split=split,
+                      targets=n_tgt)
 
 
 READ_ATTEMPTS = 3

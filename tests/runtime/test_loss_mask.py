@@ -94,3 +94,15 @@ def test_eval_loss_on_masked_data_is_the_sum_over_targets_over_their_count(tmp_p
             means.append(loss / int(keep.sum()))
     assert abs(got - s / n) <= 1e-5 * (s / n), (got, s / n)
     assert abs(float(np.mean(means)) - s / n) > 1e-4 * (s / n)  # a mean of batch means would fail
+
+
+def test_eval_reports_the_targets_it_counted_beside_the_positions(tmp_path):
+    from mtc.evaluate import eval_batches, evaluate_store
+    from mtc.plan import load_plan
+
+    tf = _sft_like(tmp_path / "sft.bin", n=20_000)
+    cfg = small_config(steps=1, micro_batch_size=2, seq_len=32)
+    train(cfg, tmp_path / "s", tf).close()
+    r = evaluate_store(tmp_path / "s", tf, batches=4, seed=3)
+    batches = eval_batches(tf, load_plan(tmp_path / "s" / "plan"), n=4, seed=3)
+    assert r.tokens == 4 * 2 * 32 and r.targets == sum(int((t != IGNORE_INDEX).sum()) for _, t in batches) < r.tokens
