@@ -638,7 +638,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
     r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
-                            tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget)
+                            tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget, stop=a.stop)
     print(a.prompt + r.text)
     print(f"generated {len(r.tokens)} tokens from step {r.step} in {r.prefill_s + r.decode_s:.2f} s: "
           f"{r.tokens_per_s:.1f} tokens/s ("
@@ -718,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("store")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--stop", action="append", default=[], metavar="TOKEN",
+                   help="also stop at this token (repeatable; one token of the run's tokenizer); generation always stops "
+                        "at its EOS and at chat end-of-turn markers it has (<|im_end|>, <|eot_id|>, ...)")
     g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40; 0: the whole vocabulary)")
     g.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ from mtc.decoders import Decoder
 from mtc.errors import ConfigError, DataError
 from mtc.kv_cache import KVCache
 
-__all__ = ["GenerationResult", "generate", "generate_from_store", "resolve_tokenizer", "sample_next", "stream_generate"]
+__all__ = ["END_OF_TURN", "GenerationResult", "generate", "generate_from_store", "resolve_tokenizer", "sample_next", "stop_ids",
+           "stream_generate"]
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, gen: torch.Generator) -> int:
@@ -113,11 +115,35 @@ def _forward(dec: Decoder, weights: Any, ids: list[int], pos: int, cache: KVCach
     raise AssertionError("the head is the last unit")
 
 
+# end-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3): a model fine-tuned on
+# conversations ends its reply with one, which need not be its tokenizer's EOS
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def stop_ids(tok: Any, stop: Sequence[str] = ()) -> frozenset[int]:
+    """Token ids at which sampling stops: the tokenizer's EOS, the end-of-turn markers it has as
+    single tokens, and ``stop`` (each must be one token of ``tok``; ConfigError otherwise)."""
+    out = {int(tok.eos_id)} if getattr(tok, "eos_id", None) is not None else set()
+    for m in END_OF_TURN:
+        ids = tok.encode(m, special=False)
+        if len(ids) == 1:
+            out.add(int(ids[0]))
+    for text in stop:
+        ids = tok.encode(text, special=False)
+        if len(ids) != 1:
+            raise ConfigError(f"--stop {text!r} is {len(ids)} tokens of the run's tokenizer, not one; name a single "
+                              "token (e.g. a special token such as <|im_end|>)")
+        out.add(int(ids[0]))
+    return frozenset(out)
+
+
 @torch.no_grad()
 def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_tokens: int, context: int,
                     device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
-                    kv_cache: bool = True, eos_id: int | None = None) -> GenerationResult:
-    """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if ``eos_id`` comes), weights from ``weights``."""
+                    kv_cache: bool = True, eos_id: int | None = None, stop: frozenset[int] = frozenset()) -> GenerationResult:
+    """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if ``eos_id`` or a token of
+    ``stop`` comes; it is not kept), weights from ``weights``."""
+    stop = stop | ({eos_id} if eos_id is not None else set())
     if not prompt:
         raise ConfigError("the prompt encodes to no tokens; give some text")
     if max_new_tokens < 1:
@@ -147,7 +173,7 @@ def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_to
         tok = sample_next(logits, temperature=temperature, top_k=top_k, gen=gen)
         if n == 0:
             t_first = time.perf_counter()
-        if eos_id is not None and tok == eos_id:
+        if tok in stop:
             eos = True
             break
         ids.append(tok)
@@ -184,8 +210,9 @@ def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: s
 def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None = None, max_new_tokens: int = 200,
                         temperature: float = 0.8, top_k: int | None = 40, seed: int = 0, context: int | None = None,
                         kv_cache: bool = True, tokenizer: str | None = None, device: str | None = None,
-                        device_budget_bytes: int | None = None) -> GenerationResult:
-    """Sample a continuation of ``prompt`` from committed step ``step`` (default: the last) of a run."""
+                        device_budget_bytes: int | None = None, stop: Sequence[str] = ()) -> GenerationResult:
+    """Sample a continuation of ``prompt`` from committed step ``step`` (default: the last) of a run,
+    until ``max_new_tokens``, or a token of `stop_ids` (EOS, an end-of-turn marker, ``stop``)."""
     from mtc.evaluate import _compute_dtype, _default_device
     from mtc.models import build
     from mtc.plan import load_plan
@@ -207,6 +234,7 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         vocab = dec.cfg.vocab_size
         tok = resolve_tokenizer(store_dir, at.record.meta.get("data"), tokenizer, vocab)
         ids = [int(i) for i in tok.encode(prompt)]
+        stops = stop_ids(tok, stop)  # (a bad --stop is refused before any weight is read)
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
         ctx = context or cfg.get("seq_len", 128)
@@ -224,7 +252,7 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         try:
             res = stream_generate(dec, src, ids, max_new_tokens=max_new_tokens, context=ctx,
                                   device=dev, temperature=temperature, top_k=top_k, seed=seed, kv_cache=kv_cache,
-                                  eos_id=getattr(tok, "eos_id", None))
+                                  stop=stops)
         finally:
             src.close()
         streamed = sum(1 for i in range(program.n_layers) if program.layer_numel(i)) - len(src.resident_layers)

@@ -399,3 +399,23 @@ def test_a_plain_copy_of_a_store_keeps_its_previous_commit(run, tmp_path):
         chunk.write_bytes(bytes(raw))
         done = repair(st)
         assert done.restored.step == 4, done.actions
+
+
+def test_generation_stops_at_eos_end_of_turn_markers_and_stop_tokens(gen_run, tmp_path):
+    """A chat-tuned model ends its reply with its template's end-of-turn token, which need not be
+    the tokenizer's EOS: both stop sampling, as does a token named with --stop (not kept)."""
+    from mtc.data import get_tokenizer
+    from mtc.errors import ConfigError
+    from mtc.generate import stop_ids
+    from tests.data.tok_util import bpe_dir
+
+    chatml = get_tokenizer(str(bpe_dir(tmp_path)))
+    assert stop_ids(chatml) == {chatml.eos_id, int(chatml.encode("<|im_end|>", special=False)[0])}
+    assert stop_ids(ByteTokenizer()) == frozenset()  # the byte tokenizer has neither
+    with pytest.raises(ConfigError, match=r"--stop 'ab' is 2 tokens of the run's tokenizer, not one"):
+        stop_ids(ByteTokenizer(), ["ab"])
+    store, _ = gen_run
+    free = generate_from_store(store, "The sea at", max_new_tokens=12, temperature=0)
+    k = next(i for i, t in enumerate(free.tokens) if t < 128)  # the first token that is a character on its own
+    cut = generate_from_store(store, "The sea at", max_new_tokens=12, temperature=0, stop=[chr(free.tokens[k])])
+    assert cut.tokens == free.tokens[:k] and cut.stopped_at_eos and not free.stopped_at_eos
