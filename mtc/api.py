@@ -36,7 +36,7 @@ from torch import nn
 
 from mtc import user_model
 from mtc.batch_source import BatchSource
-from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields, load_config
+from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields
 from mtc.data import TokenFile
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program, dtype_name
@@ -123,8 +123,8 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
     elif isinstance(config, dict):
         d = copy.deepcopy(config)
     elif config is not None:
-        d = config_file_fields(config)
-        d = {**load_config(config).to_dict(), "device": d.get("device")}
+        raw = config_file_fields(config)
+        d = {**TrainConfig.from_dict(raw).to_dict(), "device": raw.get("device")}
     else:
         d = copy.deepcopy(base) if base is not None else {**TrainConfig().to_dict(), "device": None}
     if d.get("device") is None:  # named nowhere: the resumed run's, else CUDA where this machine has one

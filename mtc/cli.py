@@ -55,17 +55,18 @@ def _dest(path: str) -> str:
 
 
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
-    from mtc.config import TrainConfig, check_device, config_file_fields, load_config, parse_field, set_field
+    from mtc.config import TrainConfig, check_device, config_file_fields, parse_field, set_field
     from mtc.errors import ConfigError
 
     plan_fields = None
+    file_fields = config_file_fields(a.config) if a.config else None
     if getattr(a, "plan", None):
         from mtc.user_model import plan_train_fields
 
         plan_fields = plan_train_fields(a.plan)  # a preset's (mtc compile) or a user's model (mtc.save_plan)
         cfg = TrainConfig(**plan_fields)
     elif a.config or a.preset or getattr(a, "model", None):
-        cfg = load_config(a.config) if a.config else TrainConfig(model=a.preset or a.model)
+        cfg = TrainConfig.from_dict(file_fields) if file_fields is not None else TrainConfig(model=a.preset or a.model)
     else:
         cfg = TrainConfig(**_stored_model(a))
     given = {}
@@ -82,7 +83,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             )
         set_field(cfg, path, val)
     device_note = ""
-    if "device" not in given and not (a.config and "device" in config_file_fields(a.config)):
+    if "device" not in given and "device" not in (file_fields or {}):
         cfg.device, device_note = _unnamed_device(a)
     if "optim.lr" in given and "optim.min_lr" not in given:
         cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip min_lr <= lr
@@ -398,6 +399,18 @@ def _versions() -> str:
     return f"mtc {v('mtc')} (torch {v('torch')}, triton {v('triton')}, zarr {v('zarr')}, Python {sys.version.split()[0]})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the versions are looked up only when asked for (reading the packages' metadata
+    took ~30 ms, which every other command would pay when the parser is built)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *a: object) -> None:
+        print(_versions())  # (on stdout, as argparse's own version action prints)
+        parser.exit()
+
+
 def _cmd_prepare(a: argparse.Namespace) -> int:
     from mtc.data import prepare
     from mtc.data.tokens import token_file_paths
@@ -663,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mtc.models import preset_names
 
     p = argparse.ArgumentParser(prog="mtc", description="Train language models larger than GPU memory, streamed from a store.")
-    p.add_argument("--version", action="version", version=_versions())
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="train the tiny model on the embedded corpus and print a sample")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch

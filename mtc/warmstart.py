@@ -31,7 +31,7 @@ from mtc.models import model_config
 from mtc.plan import load_plan, save_plan
 from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
-from mtc.store.directory import read_write_starts
+from mtc.store.directory import read_commit_file, read_write_starts
 from mtc.weight_sources import check_untouched
 
 __all__ = ["INIT_ATTR", "available_steps", "create_seeded_store", "init_from", "is_seeded", "load_state_dict", "open_seeded",
@@ -160,11 +160,9 @@ def run_device(store_dir: str | Path | None) -> str | None:
     if store_dir is None:
         return None
     try:
-        rec = json.loads((Path(store_dir) / "commit.json").read_text())
-        if rec.get("step") == 0 and isinstance((rec.get("meta") or {}).get("init"), dict):
-            return None
-        return str(rec["config"]["device"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        rec = read_commit_file(Path(store_dir))
+        return None if rec is None or is_seeded(rec) else str(rec.config["device"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -62,10 +62,10 @@ __all__ = [
     "read_history",
     "read_write_starts",
     "record_write_start",
-    "written_since",
     "unlock_store",
     "write_commit",
     "write_marker",
+    "written_since",
 ]
 
 LOCK_FILE = ".lock"

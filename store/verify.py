@@ -170,9 +170,8 @@ def repair(store: TensorStore) -> RepairReport:
             return _reconcile_history(store, current, history)
         # the last commit's state is damaged: no run can resume from it, so roll back to the newest
         # earlier commit whose state is whole (the other generation: a few steps of training lost)
-        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
-        damage = f"intact, but step {current.step}'s state is damaged ({damaged[0]}{more})"
-        history = [h for h in history if h.record is not None and h.record.step < current.step]
+        damage = f"intact, but step {current.step}'s state is damaged ({_first(damaged)})"
+        history = [h for h in history if h.record.step < current.step]
     actions: list[str] = []
     starts = read_write_starts(p)
     for i in range(len(history) - 1, -1, -1):
@@ -199,8 +198,7 @@ def repair(store: TensorStore) -> RepairReport:
             not_after=successor.time_unix if successor is not None and starts is None else None,
         )
         if found:
-            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-            actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {found[0]}{more}")
+            actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {_first(found)}")
             continue
         store.restore_commit(rec)
         actions.append(
@@ -214,6 +212,11 @@ def repair(store: TensorStore) -> RepairReport:
         f"cannot repair store {p}: {COMMIT_FILE} is {damage} and no record in {HISTORY_FILE} has intact state ({why}); "
         "restore the store from a copy, or start over with `mtc train ... --overwrite`"
     )
+
+
+def _first(found: list[Problem]) -> str:
+    """The first problem, and how many more there are."""
+    return str(found[0]) + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
 
 
 def _reconcile_history(store: TensorStore, current: CommitRecord, history: list[HistoryLine]) -> RepairReport:

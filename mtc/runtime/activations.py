@@ -2,9 +2,10 @@
 
 The forward keeps each block's input for every micro-batch of the group (the backward recomputes
 the block from it). Up to ``budget_bytes`` stay on the device; the rest are copied to pinned host
-buffers on a device-to-host stream of their own (the copy engine's ``act`` lane) and brought back on
-its host-to-device stream one layer ahead of their backward visit, so GPU memory stays flat in depth. Host buffers are allocated on first use
-and reused every step (same shapes each step): no pinned allocation in the steady state.
+buffers on a device-to-host stream of their own (the copy engine's ``act`` lane) and brought back
+on its host-to-device stream one layer ahead of their backward visit, so GPU memory stays flat in
+depth. Host buffers are allocated on first use and reused every step (same shapes each step): no
+pinned allocation in the steady state.
 """
 
 from __future__ import annotations

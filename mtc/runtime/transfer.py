@@ -93,9 +93,9 @@ class CopyEngine:
     offloaded to host memory and brought back (each copy waits for the compute that wrote its
     activation, or for the kernels that may still read its memory: queued behind a weight fetch
     those waits would hold the fetch up), ``opt`` for the optimizer's state traffic (GPU-side
-    updates of ram layers, disk-layer gradient chunks, gpu-tier staging for write-behind). A copy that waits (``after``) holds up everything queued behind it on its
-    stream, so the optimizer's waits on its own kernels must not sit in front of the next
-    layer's weights. Lanes are ordered with each other only through ``after`` and host futures.
+    updates of ram layers, disk-layer gradient chunks, gpu-tier staging for write-behind). A copy
+    that waits (``after``) holds up everything queued behind it on its stream, so the optimizer's
+    waits on its own kernels must not sit in front of the next layer's weights. Lanes are ordered with each other only through ``after`` and host futures.
     """
 
     def __init__(self, device: torch.device, timeline: Timeline, *, serialize: bool = False) -> None:

@@ -225,6 +225,13 @@ def test_fp32_compute_on_cuda_runs_tf32_matmuls_unless_told_otherwise(allow):
         restore_matmul_precision(outside)
 
 
+def _record(**kw) -> str:
+    """A commit record as a store writes it."""
+    from mtc.store import CommitRecord
+
+    return CommitRecord(**{"step": 1, "generation": 1, "data_cursor": 0, "rng_state": {}, "time_unix": 0.0, **kw}).to_json()
+
+
 def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path, monkeypatch, capsys):
     """mtc train and mtc.train: no --device (flag, config file or field) means CUDA on a machine
     that has it, said on stderr; a resume keeps its run's device; one that is named is kept."""
@@ -243,15 +250,15 @@ def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path
     assert _train_config(a).device == "cpu"
     store = tmp_path / "run"
     store.mkdir()
-    (store / "commit.json").write_text(json.dumps({"config": {**TrainConfig(model="tiny").to_dict(), "device": "cpu"}}))
+    (store / "commit.json").write_text(_record(step=3, config={**TrainConfig(model="tiny").to_dict(), "device": "cpu"}))
     a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(store), "--data", "d"])
     assert _train_config(a).device == "cpu"  # the run being resumed was on the CPU
     assert mtc.api._config({"model": "tiny"}, {}, None, "cpu").device == "cpu"  # so with a config naming no device
     # a seeded store (mtc import, --init-from) records only its model: training it is a new run
     seeded = tmp_path / "imported"
     seeded.mkdir()
-    (seeded / "commit.json").write_text(json.dumps({"step": 0, "meta": {"init": {"source": "hf"}},
-                                                    "config": {**TrainConfig(model="tiny").to_dict(), "device": "cpu"}}))
+    (seeded / "commit.json").write_text(_record(step=0, meta={"init": {"source": "hf"}},
+                                                config={**TrainConfig(model="tiny").to_dict(), "device": "cpu"}))
     a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(seeded), "--data", "d"])
     assert _train_config(a).device == "cuda"
     capsys.readouterr()
