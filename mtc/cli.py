@@ -418,12 +418,22 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
     existed = token_file_paths(a.output)[0].is_file()
     tf = prepare([Path(p) for p in a.inputs], Path(a.output), tokenizer=a.tokenizer, fmt=a.format, field=a.field,
                  prompt_field=a.prompt_field, response_field=a.response_field, messages_field=a.messages_field,
-                 eos_token=a.eos)
+                 eos_token=a.eos, skip_bad_records=a.skip_bad_records)
     h = tf.header
     docs = f", {h.docs['n_docs']:,} documents" if h.docs else ""
     mask = f", {h.mask['n_targets']:,} of them loss targets" if h.mask else ""
     print(f"wrote {len(tf):,} tokens{mask}{docs} ({h.dtype}, tokenizer {h.tokenizer}, vocab {h.vocab_size}"
           f"{'' if h.eos_id is None else f', EOS {h.eos_id}'}) to {tf.path}")
+    src = h.source or {}
+    if src.get("empty"):
+        print(f"note: {src['empty']:,} of the {src['read']:,} documents read had no text (no tokens): left out",
+              file=sys.stderr)
+    if src.get("skipped"):
+        shown = len(src["skipped_examples"])
+        which = "they were" if shown == src["skipped"] else f"the first {shown}"
+        print(f"note: skipped {src['skipped']:,} bad records (--skip-bad-records); {which}:", file=sys.stderr)
+        for ex in src["skipped_examples"]:
+            print(f"  {ex}", file=sys.stderr)
     if tf.tokenizer_dir is not None:
         print(f"tokenizer files copied to {tf.tokenizer_dir}")
     if existed:  # (runs trained on the old file refuse this one on resume unless told: --allow-change data)
@@ -780,6 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--messages-field", help="SFT: a field of chat messages [{role, content}, ...]; the assistant's "
                     "replies are the targets (rendered with the tokenizer's chat template when it has one)")
     pr.add_argument("--eos", metavar="TOKEN", help="the token ending each document, when tokenizer_config.json names none")
+    pr.add_argument("--skip-bad-records", action="store_true", help="skip records that cannot be used (a line that is "
+                    "not JSON, a missing or null field, a chat with no assistant reply) and count them in the summary "
+                    "and the token file's header, instead of stopping at the first")
     pr.set_defaults(fn=_cmd_prepare)
 
     c = sub.add_parser("compile", help="trace a model and generate its fused kernels into a plan directory; print the report")

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "BadRecordError",
     "DataError",
     "KernelInputError",
     "MTCError",
@@ -31,6 +32,18 @@ class ConfigError(MTCError):
 
 class DataError(MTCError):
     """A token file, its header or a text corpus is missing or malformed."""
+
+
+class BadRecordError(DataError):
+    """One record of a corpus (a JSONL line, a parquet row, a conversation) cannot be used as asked;
+    `mtc prepare --skip-bad-records` skips and counts such records instead of stopping."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem, self.fix = problem, fix
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # (pickles with both parts, e.g. across processes)
+        return type(self), (self.problem, self.fix)
 
 
 class TraceError(MTCError):

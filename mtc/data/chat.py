@@ -23,7 +23,7 @@ import numpy as np
 
 from mtc.data.sources import Message
 from mtc.data.tokenizer import Tokenizer
-from mtc.errors import DataError
+from mtc.errors import BadRecordError, DataError
 
 __all__ = ["encode_conversation", "simple_template"]
 
@@ -73,7 +73,7 @@ class _Renderer:
         try:
             return self._t.render(messages=messages, add_generation_prompt=gen_prompt, **self._vars)
         except self._error as e:
-            raise DataError(f"the chat template refused a conversation ({e})") from None
+            raise BadRecordError(f"the chat template refused the conversation ({e})", "fix the record") from None
 
 
 def _template_spans(messages: list[Message], render: _Renderer) -> tuple[str, list[tuple[int, int]]]:
@@ -113,5 +113,6 @@ def encode_conversation(messages: list[Message], tok: Tokenizer) -> tuple[np.nda
     for lo, hi in spans:
         mask[(starts >= lo) & (starts < hi)] = 1
     if not mask.any():
-        raise DataError("a conversation has no assistant tokens after tokenization; check the data and the template")
+        raise BadRecordError("the conversation has no assistant tokens after tokenization",
+                             "check the record and the template")
     return np.asarray(ids, dtype=np.int64), mask

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from mtc.data.chat import encode_conversation
-from mtc.data.sources import input_files, iter_conversations, iter_texts
+from mtc.data.sources import RecordFaults, input_files, iter_conversations, iter_texts
 from mtc.data.tokenizer import Tokenizer, get_tokenizer
 from mtc.data.tokens import TokenFile, TokenWriter, token_file_paths
-from mtc.errors import DataError
+from mtc.errors import BadRecordError, DataError
 
 __all__ = ["prepare"]
 
@@ -49,9 +49,20 @@ def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     return batch(texts, special=False) if batch is not None else [tok.encode(t, special=False) for t in texts]
 
 
-def _documents(tok: Tokenizer, pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[np.ndarray, bool]]:
+class _Counts:
+    """Documents read, and those of them that came out empty (no tokens: dropped)."""
+
+    __slots__ = ("empty", "read")
+
+    def __init__(self) -> None:
+        self.read = self.empty = 0
+
+
+def _documents(tok: Tokenizer, pieces: Iterator[tuple[str, bool]],
+               counts: _Counts | None = None) -> Iterator[tuple[np.ndarray, bool]]:
     """(ids, ends_document) of every text piece, with the document's affixes and separator; empty
-    documents are dropped. Short records are tokenized in batches."""
+    documents are dropped (and counted in ``counts``). Short records are tokenized in batches."""
+    counts = counts if counts is not None else _Counts()
     pre, post = _special_affixes(tok)
     sep = np.asarray([tok.eos_id]) if tok.eos_id is not None else tok.encode("\n", special=False)
     if len(post) and tok.eos_id is not None and post[-1] == tok.eos_id:
@@ -69,8 +80,11 @@ def _documents(tok: Tokenizer, pieces: Iterator[tuple[str, bool]]) -> Iterator[t
             out.append(ids)
             started = started or bool(len(ids))
             if end:
+                counts.read += 1
                 if started:
                     out.append(tail)
+                else:
+                    counts.empty += 1
                 started = False
             yield np.concatenate(out).astype(np.int64) if out else ids, end
         pending.clear()
@@ -109,12 +123,16 @@ def prepare(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str], *,
     tokenizer: str | Tokenizer = "byte", fmt: str | None = None, field: str = "text",
     prompt_field: str | None = None, response_field: str | None = None, messages_field: str | None = None,
-    eos_token: str | None = None,
+    eos_token: str | None = None, skip_bad_records: bool = False,
 ) -> TokenFile:
     """Tokenize ``inputs`` (files or directories; text, JSONL or parquet, by suffix or ``fmt``) into
     a token file with document boundaries, streamed. JSONL / parquet records give their ``field``.
     With ``prompt_field`` + ``response_field`` or ``messages_field`` the records are SFT
-    conversations and the file gets a loss mask (targets only in the assistant's replies)."""
+    conversations and the file gets a loss mask (targets only in the assistant's replies).
+
+    A bad record (see `mtc.data.sources`) raises `BadRecordError` naming it, or with
+    ``skip_bad_records`` is skipped. The header's ``source`` counts the documents read, the empty
+    ones (no tokens, so no document) and the skipped ones with the first few reasons."""
     tok = get_tokenizer(tokenizer, eos_token=eos_token) if isinstance(tokenizer, str) else tokenizer
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files = input_files(paths, fmt)
@@ -129,16 +147,25 @@ def prepare(
     with TokenWriter(bin_path, vocab_size=tok.vocab_size, tokenizer=tok.name, with_docs=True, with_mask=sft,
                      tokenizer_spec=tok.spec, tokenizer_sha256=tok.sha256, eos_id=tok.eos_id,
                      tokenizer_dir=tok_dir.name if tok_dir is not None else None) as w:
+        faults, counts = RecordFaults(skip_bad_records), _Counts()
         if sft:
-            for conv in iter_conversations(files, prompt_field=prompt_field, response_field=response_field,
-                                           messages_field=messages_field):
-                ids, mask = encode_conversation(conv, tok)
+            for where, conv in iter_conversations(files, prompt_field=prompt_field, response_field=response_field,
+                                                  messages_field=messages_field, faults=faults):
+                try:
+                    ids, mask = encode_conversation(conv, tok)
+                except BadRecordError as e:
+                    faults.bad(f"{where}: ", e.problem, e.fix)
+                    continue
+                counts.read += 1
                 w.add(ids, mask, end_doc=True)
         else:
-            for ids, end in _documents(tok, iter_texts(files, field)):
+            for ids, end in _documents(tok, iter_texts(files, field, faults), counts):
                 w.add(ids, end_doc=end)
         if w.n_tokens == 0:
-            raise DataError(f"{', '.join(map(str, paths))} contains no text; nothing to tokenize")
+            empty = f" ({counts.empty:,} empty documents)" if counts.empty else ""
+            skipped = f"; {faults.count:,} records were skipped as bad, the first: {faults.examples[0]}" if faults.count else ""
+            raise DataError(f"{', '.join(map(str, paths))} contains no text{empty}; nothing to tokenize{skipped}")
         if tok_dir is not None:
             _copy_tokenizer(tok, tok_dir)
-        return w.finish()
+        return w.finish(source={"read": counts.read, "empty": counts.empty, "skipped": faults.count,
+                                "skipped_examples": faults.examples})

@@ -4,6 +4,11 @@ A *document* is one text file, one JSONL line or one parquet row. Nothing here h
 record (or, for a text file, one piece of about 1 MiB cut after a newline) at a time, so a corpus
 of any size streams through. SFT records become conversations: a list of ``{"role", "content"}``
 messages, from a prompt and a response field or from a ``messages`` field.
+
+A record that cannot be used as asked (a line that is not JSON, a missing or null field, a chat
+without an assistant reply) stops the run by default, naming it; with ``skip_bad_records`` it is
+skipped and counted (`RecordFaults`), so one bad line of a scraped corpus does not cost the rest.
+Problems of a whole file (not UTF-8 text, no such parquet column) always stop.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtc.errors import DataError
+from mtc.errors import BadRecordError, DataError
 
-__all__ = ["FORMATS", "Message", "input_files", "iter_conversations", "iter_texts"]
+__all__ = ["FORMATS", "Message", "RecordFaults", "input_files", "iter_conversations", "iter_texts"]
 
 FORMATS = ("text", "jsonl", "parquet")
 _SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
@@ -24,6 +29,30 @@ _PIECE = 1 << 18  # characters of a text file tokenized at once (see ingest._BAT
 _PARQUET_BATCH = 1024  # rows per parquet read
 
 Message = dict[str, str]
+_SKIP_HINT = "or pass --skip-bad-records to skip such records (they are counted)"
+
+
+class RecordFaults:
+    """Bad records met while reading a corpus: by default the first one stops the run
+    (`BadRecordError` naming it); with ``skip`` each is counted and the first few are kept (where,
+    and what was wrong) for the token file's header and the summary."""
+
+    KEPT = 5  # examples kept: enough to see a pattern, little enough for a header
+
+    def __init__(self, skip: bool = False) -> None:
+        self.skip = skip
+        self.count = 0
+        self.examples: list[str] = []
+
+    def bad(self, where: str, problem: str, fix: str) -> None:
+        """Record (or raise) that the record at ``where`` has ``problem``; ``fix`` says how to
+        repair it, for the error."""
+        if not self.skip:
+            raise BadRecordError(f"{where}{problem}", f"{fix}, {_SKIP_HINT}")
+        self.count += 1
+        if len(self.examples) < self.KEPT:
+            self.examples.append(f"{where}{problem}")
+
 
 
 def _format_of(p: Path) -> str | None:
@@ -105,6 +134,15 @@ def _bad_utf8_offset(path: Path) -> int:
             done += len(block)
 
 
+class _Unreadable:
+    """A JSONL line that does not decode: its problem and fix, for `RecordFaults.bad`."""
+
+    __slots__ = ("fix", "problem")
+
+    def __init__(self, problem: str, fix: str) -> None:
+        self.problem, self.fix = problem, fix
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -113,10 +151,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 rec = json.loads(line)
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n} is not valid UTF-8 (byte {e.start} of the line: {e.reason}); convert the file "
-                                "to UTF-8 first") from None
+                rec = _Unreadable(f" is not valid UTF-8 (byte {e.start} of the line: {e.reason})",
+                                  "convert the file to UTF-8 first")
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n} is not a JSON object ({e}); each line of a JSONL file holds one") from None
+                rec = _Unreadable(f" is not a JSON object ({e})", "each line of a JSONL file holds one")
             yield n, rec
 
 
@@ -140,66 +178,93 @@ def _parquet_records(path: Path, columns: list[str]) -> Iterator[tuple[int, Any]
             yield n, row
 
 
-def _records(path: Path, fmt: str, columns: list[str]) -> Iterator[tuple[str, Any]]:
-    """(where, record) of a JSONL or parquet file."""
+def _records(path: Path, fmt: str, columns: list[str], faults: RecordFaults) -> Iterator[tuple[str, Any]]:
+    """(where, record) of a JSONL or parquet file; lines that do not decode go to ``faults``."""
     if fmt == "jsonl":
         for n, rec in _jsonl_records(path):
-            yield f"{path}:{n}", rec
+            if isinstance(rec, _Unreadable):
+                faults.bad(f"{path}:{n}", rec.problem, rec.fix)
+            else:
+                yield f"{path}:{n}", rec
     else:
         for n, rec in _parquet_records(path, columns):
             yield f"{path} row {n}", rec
 
 
-def _field(rec: Any, name: str, where: str) -> str:
+def _field(rec: Any, name: str, where: str, faults: RecordFaults, flag: str = "--field") -> str | None:
+    """The text of field ``name`` of a record, or None (reported to ``faults``) when it has none."""
     if not isinstance(rec, dict) or name not in rec:
         keys = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
-        raise DataError(f"{where} has no field {name!r} (it has: {keys}); name the text field with --field")
+        faults.bad(where, f" has no field {name!r} (it has: {keys})", f"name the text field with {flag}")
+        return None
     v = rec[name]
     if not isinstance(v, str):
-        raise DataError(f"{where}: field {name!r} is {type(v).__name__}, not text")
+        faults.bad(where, f": field {name!r} is {'null' if v is None else type(v).__name__}, not text",
+                   "give every record text there")
+        return None
     return v
 
 
-def iter_texts(files: list[tuple[Path, str]], field: str = "text") -> Iterator[tuple[str, bool]]:
-    """(text, ends_document) pieces of every document: a text file may come in several pieces."""
+def iter_texts(files: list[tuple[Path, str]], field: str = "text",
+               faults: RecordFaults | None = None) -> Iterator[tuple[str, bool]]:
+    """(text, ends_document) pieces of every document: a text file may come in several pieces.
+    Bad records raise, or are skipped and counted by ``faults`` when it skips."""
+    faults = faults if faults is not None else RecordFaults()
     for path, fmt in files:
         if fmt == "text":
             for piece in _text_pieces(path):
                 yield piece, False
             yield "", True
         else:
-            for where, rec in _records(path, fmt, [field]):
-                yield _field(rec, field, where), True
+            for where, rec in _records(path, fmt, [field], faults):
+                text = _field(rec, field, where, faults)
+                if text is not None:
+                    yield text, True
 
 
-def _messages(v: Any, where: str, name: str) -> list[Message]:
+def _messages(v: Any, where: str, name: str, faults: RecordFaults) -> list[Message] | None:
     if not isinstance(v, list) or not v:
-        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages")
+        faults.bad(where, f": field {name!r} must be a non-empty list of {{role, content}} messages, "
+                   f"not {'null' if v is None else type(v).__name__ if not isinstance(v, list) else 'an empty list'}",
+                   "fix the record")
+        return None
     out = []
     for i, m in enumerate(v):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(f"{where}: message {i} of {name!r} must be an object with string 'role' and 'content'")
+            faults.bad(where, f": message {i} of {name!r} must be an object with string 'role' and 'content'",
+                       "fix the record")
+            return None
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "assistant" for m in out):
-        raise DataError(f"{where}: no 'assistant' message: nothing to train on in this conversation")
+        faults.bad(where, ": no 'assistant' message: nothing to train on in this conversation", "fix the record")
+        return None
     return out
 
 
 def iter_conversations(files: list[tuple[Path, str]], *, prompt_field: str | None, response_field: str | None,
-                       messages_field: str | None) -> Iterator[list[Message]]:
-    """Each SFT record as a conversation: prompt -> user message, response -> assistant message,
-    or the record's chat ``messages`` as they are."""
+                       messages_field: str | None,
+                       faults: RecordFaults | None = None) -> Iterator[tuple[str, list[Message]]]:
+    """(where, conversation) of each SFT record: prompt -> user message, response -> assistant
+    message, or the record's chat ``messages`` as they are. Bad records raise, or are skipped and
+    counted by ``faults`` when it skips."""
+    faults = faults if faults is not None else RecordFaults()
     if messages_field is None and (prompt_field is None or response_field is None):
         raise DataError("SFT data needs --prompt-field and --response-field, or --messages-field")
     cols = [messages_field] if messages_field is not None else [prompt_field, response_field]
     for path, fmt in files:
         if fmt == "text":
             raise DataError(f"{path}: SFT data must be JSONL or parquet records, not plain text")
-        for where, rec in _records(path, fmt, cols):  # type: ignore[arg-type]
+        for where, rec in _records(path, fmt, cols, faults):  # type: ignore[arg-type]
             if messages_field is not None:
                 if not isinstance(rec, dict) or messages_field not in rec:
-                    raise DataError(f"{where} has no field {messages_field!r}; name the chat field with --messages-field")
-                yield _messages(rec[messages_field], where, messages_field)
+                    faults.bad(where, f" has no field {messages_field!r}", "name the chat field with --messages-field")
+                    continue
+                conv = _messages(rec[messages_field], where, messages_field, faults)
             else:
-                yield [{"role": "user", "content": _field(rec, prompt_field, where)},  # type: ignore[arg-type]
-                       {"role": "assistant", "content": _field(rec, response_field, where)}]  # type: ignore[arg-type]
+                prompt = _field(rec, prompt_field, where, faults, "--prompt-field")  # type: ignore[arg-type]
+                reply = None if prompt is None else _field(rec, response_field, where, faults,  # type: ignore[arg-type]
+                                                           "--response-field")
+                conv = None if reply is None else [{"role": "user", "content": prompt},
+                                                   {"role": "assistant", "content": reply}]
+            if conv is not None:
+                yield where, conv

@@ -94,6 +94,9 @@ class TokenHeader:
     tokenizer_dir: str | None = None  # sibling directory holding the tokenizer's files
     docs: dict[str, Any] | None = None  # {"file", "n_docs", "sha256"} of the boundaries sidecar
     mask: dict[str, Any] | None = None  # {"file", "n_targets", "sha256"} of the loss-mask sidecar
+    # what `prepare` read: {"read", "empty", "skipped", "skipped_examples"} (documents read, those
+    # with no tokens, bad records skipped and the first few of them); None: not recorded
+    source: dict[str, Any] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -106,7 +109,8 @@ class TokenHeader:
             "format": self.format, "version": self.version, "dtype": self.dtype,
             "vocab_size": self.vocab_size, "tokenizer": self.tokenizer, "n_tokens": self.n_tokens,
         }
-        for k in ("max_token_id", "sha256", "tokenizer_spec", "tokenizer_sha256", "eos_id", "tokenizer_dir", "docs", "mask"):
+        for k in ("max_token_id", "sha256", "tokenizer_spec", "tokenizer_sha256", "eos_id", "tokenizer_dir", "docs", "mask",
+                  "source"):
             v = getattr(self, k)
             if v is not None:
                 d[k] = dict(v) if isinstance(v, dict) else v
@@ -171,10 +175,19 @@ class TokenHeader:
                 raise DataError(f"{where}: {key} must be an object naming a sibling file, got {v!r}; {fix}")
             sides[key] = {"file": v["file"], count: _int(count, 0, None, v, f"{key}."),
                           "sha256": _sha("sha256", v, f"{key}.")}
+        source = d.get("source")
+        if source is not None:
+            if not isinstance(source, dict):
+                raise DataError(f"{where}: source must be an object, got {source!r}; {fix}")
+            ex = source.get("skipped_examples", [])
+            if not (isinstance(ex, list) and all(isinstance(e, str) for e in ex)):
+                raise DataError(f"{where}: source.skipped_examples must be a list of strings, got {ex!r}; {fix}")
+            source = {k: _int(k, 0, None, source, "source.") for k in ("read", "empty", "skipped")} | {
+                "skipped_examples": list(ex)}
         return cls(dtype=dtype, vocab_size=vocab_size, tokenizer=tokenizer, n_tokens=n_tokens, version=d["version"],
                    max_token_id=max_id, sha256=_sha("sha256"), tokenizer_spec=_str("tokenizer_spec"),
                    tokenizer_sha256=_sha("tokenizer_sha256"), eos_id=eos, tokenizer_dir=tdir,
-                   docs=sides["docs"], mask=sides["mask"])
+                   docs=sides["docs"], mask=sides["mask"], source=source)
 
 
 class TokenFile:
@@ -410,8 +423,9 @@ class TokenWriter:
             self._doc_start = self.n_tokens
             self.n_docs += 1
 
-    def finish(self) -> TokenFile:
-        """Close the last document, rename every file into place (the header last) and open the result."""
+    def finish(self, source: dict[str, Any] | None = None) -> TokenFile:
+        """Close the last document, rename every file into place (the header last) and open the
+        result; ``source`` (what `prepare` read, see `TokenHeader.source`) goes into the header."""
         if self.docs_path is not None and self.n_tokens > self._doc_start:
             self.add(np.empty(0, dtype=np.int64), None if self.mask_path is None else np.empty(0, _MASK_DTYPE), end_doc=True)
         # Drop a stale header first: if we die before the new one lands, open() reports a missing
@@ -439,7 +453,7 @@ class TokenWriter:
             mask = {"file": self.mask_path.name, "n_targets": self.n_targets, "sha256": digests["mask"]}
         header = TokenHeader(dtype=self.dtype_name, vocab_size=self.vocab_size, n_tokens=self.n_tokens,
                              max_token_id=self._max if self._max >= 0 else None, sha256=digests["bin"],
-                             docs=docs, mask=mask, **self._meta)
+                             docs=docs, mask=mask, source=source, **self._meta)
         text = json.dumps(header.to_dict(), indent=1) + "\n"
         _atomic_write(self.json_path, lambda f: f.write(text.encode("utf-8")))
         return TokenFile.open(self.bin_path)

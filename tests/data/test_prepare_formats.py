@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mtc.data import ByteTokenizer, HFTokenizer, TokenFile, get_tokenizer, prepare, sources
-from mtc.errors import DataError
+from mtc.errors import BadRecordError, DataError
 from tests.data.tok_util import SENTENCES, bpe_dir, wordlevel_json
 
 DOCS = ["The fox sat by the lantern.\nIt watched the sea.", "A small boat left the harbour.", "Caf\u00e9 letters \U0001f600 arrived."]
@@ -137,6 +137,32 @@ def test_record_errors(tmp_path):
     assert not list(tmp_path.glob("o.*")) and not list(tmp_path.glob(".o.*"))  # nothing left behind
 
 
+def test_bad_records_stop_by_default_and_are_skipped_and_counted_when_asked(tmp_path):
+    lines = ['{"text": "first"}', '{"text": null}', '{"text": ""}', '{"body": "x"}', '{"text": "cut',
+             '\xff{"text": 1}', '{"text": "last"}']
+    (tmp_path / "a.jsonl").write_bytes("\n".join(lines).encode("latin-1") + b"\n")
+    with pytest.raises(BadRecordError, match=r"a.jsonl:2: field 'text' is null, not text; .*--skip-bad-records"):
+        prepare(tmp_path / "a.jsonl", tmp_path / "o.bin")
+    assert not list(tmp_path.glob("o.*"))
+    tf = prepare(tmp_path / "a.jsonl", tmp_path / "o.bin", skip_bad_records=True)
+    assert [ByteTokenizer().decode(x) for x in _doc_ids(tf)] == ["first\n", "last\n"]
+    src = tf.header.source
+    assert (src["read"], src["empty"], src["skipped"]) == (3, 1, 4)  # "" is read but has no tokens
+    assert [e.split(" ", 1)[0].rsplit("/", 1)[1] for e in src["skipped_examples"]] == [
+        "a.jsonl:2:", "a.jsonl:4", "a.jsonl:5", "a.jsonl:6"]
+    assert "not valid UTF-8" in src["skipped_examples"][3]
+    assert TokenFile.open(tmp_path / "o.bin").header.source == src  # through the header on disk
+    # a skip that leaves nothing says why there is no text
+    (tmp_path / "b.jsonl").write_text('{"body": "x"}\n{"text": ""}\n')
+    with pytest.raises(DataError, match=r"contains no text \(1 empty documents\); nothing to tokenize; 1 records were "
+                       r"skipped as bad, the first: .*b.jsonl:1 has no field 'text'"):
+        prepare(tmp_path / "b.jsonl", tmp_path / "o2.bin", skip_bad_records=True)
+    # only the first few examples are kept, every skip is counted
+    (tmp_path / "c.jsonl").write_text("null\n" * 9 + '{"text": "t"}\n')
+    c = prepare(tmp_path / "c.jsonl", tmp_path / "o3.bin", skip_bad_records=True).header.source
+    assert c["skipped"] == 9 and len(c["skipped_examples"]) == sources.RecordFaults.KEPT
+
+
 def test_a_tokenizer_without_a_named_eos_needs_one(tmp_path):
     p = wordlevel_json(tmp_path)
     (tmp_path / "a.txt").write_text("the fox sat by the sea\n")
@@ -190,9 +216,7 @@ def test_text_pieces_name_the_files_bad_byte_and_cut_long_lines_before_a_space(t
 
 
 def test_a_jsonl_line_that_is_not_utf8_is_named_as_such(tmp_path):
-    from mtc.data.sources import _jsonl_records
-
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    with pytest.raises(DataError, match=r"d.jsonl:2 is not valid UTF-8 \(byte 13 of the line"):
-        list(_jsonl_records(f))
+    with pytest.raises(BadRecordError, match=r"d.jsonl:2 is not valid UTF-8 \(byte 13 of the line"):
+        prepare(f, tmp_path / "o.bin")

@@ -9,7 +9,7 @@ import pytest
 
 from mtc.data import BatchSampler, ByteTokenizer, get_tokenizer, prepare
 from mtc.data.chat import encode_conversation
-from mtc.errors import DataError
+from mtc.errors import BadRecordError, DataError
 from tests.data.tok_util import CHATML, bpe_dir
 
 PAIRS = [("What is at the harbour?", "A small boat."), ("Name a season.", "Winter, with its long nights."),
@@ -98,6 +98,23 @@ def test_batches_ignore_the_prompt(tmp_path):
             assert n == k
             want = np.where(mask[start + 1:start + 1 + n] == 1, tf.tokens[start + 1:start + 1 + n].astype(np.int64), -100)
             assert np.array_equal(row_y[:n], want) and (row_y[n:] == -100).all()
+
+
+def test_sft_bad_records_are_skipped_when_asked(tmp_path):
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    src = _jsonl(tmp_path / "s.jsonl", [{"messages": good}, {"messages": [good[0]]}, {"messages": None},
+                                        {"messages": good}])
+    with pytest.raises(BadRecordError, match=r"s.jsonl:2: no 'assistant' message"):
+        prepare(src, tmp_path / "o.bin", messages_field="messages")
+    tf = prepare(src, tmp_path / "o.bin", messages_field="messages", skip_bad_records=True)
+    assert tf.header.docs["n_docs"] == 2 and tf.header.source["skipped"] == 2
+    assert "must be a non-empty list of {role, content} messages, not null" in tf.header.source["skipped_examples"][1]
+    pr = _jsonl(tmp_path / "p.jsonl", [{"q": "a", "r": None}, {"q": "b", "r": "c"}, {"r": "d"}])
+    tf = prepare(pr, tmp_path / "p.bin", prompt_field="q", response_field="r", skip_bad_records=True)
+    assert tf.header.docs["n_docs"] == 1 and tf.header.source["skipped"] == 2
+    assert "name the text field with --prompt-field" in str(
+        pytest.raises(BadRecordError, prepare, _jsonl(tmp_path / "x.jsonl", [{"r": "d"}]), tmp_path / "x.bin",
+                      prompt_field="q", response_field="r").value)
 
 
 def test_sft_errors(tmp_path):

@@ -31,6 +31,7 @@ def test_prepare_round_trip(tmp_path: Path) -> None:
         "max_token_id": max(text.encode("utf-8")), "sha256": hashlib.sha256(tf.path.read_bytes()).hexdigest(),
         "tokenizer_spec": "byte",
         "docs": {"file": "out.docs", "n_docs": 1, "sha256": hashlib.sha256(docs.read_bytes()).hexdigest()},
+        "source": {"read": 1, "empty": 0, "skipped": 0, "skipped_examples": []},
     }
     assert tf.docs.tolist() == [0, len(tf)] and tf.mask is None and tf.tokenizer_dir is None
     assert ByteTokenizer().decode(tf.tokens) == text + "\n"

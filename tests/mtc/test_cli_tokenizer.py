@@ -63,3 +63,15 @@ def test_prepare_then_train_refuses_a_tokenizer_that_does_not_match(tmp_path, ca
     cfg.write_text(json.dumps(wide.to_dict()))
     code, _, err = _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / "a.bin", "--allow-change", "steps")
     assert code == 2 and len(err) == 1 and "not by the run's tokenizer" in err[0], err
+
+
+def test_prepare_names_a_bad_record_and_skips_and_counts_them_when_asked(tmp_path, capsys):
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "one"}\n{"text": null}\n{"text": ""}\n{"text": "two"}\n')
+    code, _, err = _run(capsys, "prepare", src, "-o", tmp_path / "a.bin")
+    assert code == 2 and len(err) == 1 and "a.jsonl:2: field 'text' is null" in err[0] and "--skip-bad-records" in err[0]
+    code, out, err = _run(capsys, "prepare", src, "-o", tmp_path / "a.bin", "--skip-bad-records")
+    assert code == 0 and "2 documents" in out, out
+    assert err == ["note: 1 of the 3 documents read had no text (no tokens): left out",
+                   "note: skipped 1 bad records (--skip-bad-records); they were:",
+                   f"  {src}:2: field 'text' is null, not text"], err
