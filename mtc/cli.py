@@ -167,7 +167,15 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if not world.is_root:
         return _cmd_train_rank(a, cfg, tokens)
     allow = tuple(f.strip() for f in (a.allow_change or "").split(",") if f.strip())
-    run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow, init_from=a.init_from)
+    try:
+        run = open_run(cfg, a.store, overwrite=a.overwrite, plan=a.plan, data=tokens, allow_change=allow,
+                       init_from=a.init_from)
+    except BaseException as e:
+        if world.distributed:
+            from mtc import dist
+
+            dist.root_failed(world, e)  # the other ranks wait for the store: they stop with this reason
+        raise
     start = run.start_step
     if start >= cfg.steps:
         run.store.close()

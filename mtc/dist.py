@@ -36,7 +36,7 @@ import torch
 from mtc.errors import ConfigError
 
 __all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_ready", "shutdown_world", "world_from_env"]
+           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_failed", "root_ready", "shutdown_world", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +71,18 @@ class _Groups:
 
 
 _GROUPS: _Groups | None = None
+
+
+_ANNOUNCED = False  # rank 0 has told the others how its setup went (once per run)
+
+
+def _startup_errors() -> dict[str, type]:
+    """rank 0's setup errors a follower raises as they are (each takes one message)"""
+    from mtc import errors
+
+    return {c.__name__: c for c in (errors.ConfigError, errors.DataError, errors.PlanError, errors.StoreError,
+                                    errors.StoreLockedError, errors.StoreCorruptionError, errors.CheckpointError,
+                                    errors.TraceError)}
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -169,12 +181,12 @@ def groups() -> _Groups:
 
 def shutdown_world() -> None:
     """Leave the process group (at the end of a distributed run; nothing for one rank)."""
-    global _GROUPS
+    global _GROUPS, _ANNOUNCED
     if _GROUPS is None:
         return
     import torch.distributed as dist
 
-    _GROUPS = None
+    _GROUPS, _ANNOUNCED = None, False
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -285,7 +297,18 @@ def open_follower(cfg: object, store_dir: object) -> object:
     from mtc.store import TensorStore
     from mtc.train import Run
 
-    collective("waiting for rank 0's store", torch.distributed.barrier, group=groups().startup)  # matched by root_ready
+    from mtc.runtime.collectives import PeerLostError
+
+    said: list[object] = [None]
+    try:  # matched by root_ready or root_failed: None, or rank 0's error
+        collective("waiting for rank 0's store", torch.distributed.broadcast_object_list, said, src=0,
+                   group=groups().startup)
+    except PeerLostError as e:  # rank 0 ended without a word (a crash, a signal): its log says why
+        raise PeerLostError(f"rank {current_world().rank}: rank 0 stopped before the run started, without saying why "
+                            "(see its log); fix what it reports and relaunch every rank") from e
+    if said[0] is not None:
+        kind, msg = said[0]  # type: ignore[misc]
+        raise _startup_errors().get(kind, StoreError)(f"rank 0 could not start the run: {msg}")
     path = Path(store_dir)
     if not (path / "commit.json").exists():  # a new run: every rank commits step 0 together (mtc.shards)
         return Run(TensorStore.create(None, io_threads=cfg.io_threads), load_plan(path / "plan"), None, None)
@@ -297,12 +320,34 @@ def open_follower(cfg: object, store_dir: object) -> object:
     return Run(store, load_plan(path / "plan"), last, None)
 
 
+def _announce(said: object) -> None:
+    global _ANNOUNCED
+    from mtc.runtime.collectives import collective
+
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    collective("the start barrier", torch.distributed.broadcast_object_list, [said], src=0, group=groups().startup)
+
+
 def root_ready(world: World) -> None:
     """Rank 0: the store directory and its plan exist (a new run), or the commit resumed from does."""
     if world.distributed:
-        from mtc.runtime.collectives import collective
+        _announce(None)
 
-        collective("the start barrier", torch.distributed.barrier, group=groups().startup)
+
+def root_failed(world: World, error: BaseException) -> None:
+    """Rank 0 could not set the run up (``error``, about to be raised): tell the other ranks,
+    waiting in `open_follower`, so each stops with rank 0's reason, not with a lost peer."""
+    if world.distributed and world.is_root and _GROUPS is not None:
+        from mtc.errors import MTCError
+
+        known = isinstance(error, MTCError) and type(error).__name__ in _startup_errors()
+        try:
+            _announce((type(error).__name__ if known else "StoreError",
+                       str(error) if isinstance(error, MTCError) else f"{type(error).__name__}: {error}"))
+        except MTCError:
+            pass  # the others are gone already: rank 0's own error is what matters
 
 
 def attach(engine: object, tiers: object, world: World, shard_store: object = None, *, device: bool = False) -> None:

@@ -43,7 +43,7 @@ from mtc.models import build, model_config
 from mtc.param_groups import apply_decay_groups
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
-from mtc.runtime.executor import StreamingExecutor
+from mtc.runtime.executor import IGNORE_INDEX, StreamingExecutor
 from mtc.runtime.graph_replay import graph_report, mixed_saves_bytes, replay_graphs
 from mtc.runtime.optimizer import StepStats, StreamingAdamW
 from mtc.runtime.pinned import host_buffer, pinning_report
@@ -80,8 +80,9 @@ class StepRecord:
     lr: float
     grad_norm: float
     seconds: float
-    tokens: int
-    tokens_per_s: float
+    tokens: int  # positions the step computed: grad_accum x micro_batch_size x seq_len, padding included
+    tokens_per_s: float  # of those positions (as throughput is quoted; the loss's share is `targets`)
+    targets: int  # of those positions, the loss targets: not padding, not masked (SFT prompts)
     skipped: bool
     committed: bool
     h2d_bytes: int  # host-to-device bytes issued during the step (weights, optimizer state, activations)
@@ -586,11 +587,15 @@ class _Loader:
     PINNED_SETS = _QUEUED + 2  # the step's own, the queued ones, the one being filled
 
     def __init__(self, sampler: BatchSampler, grad_accum: int, start: int, pin: bool, *, offset: int = 0,
-                 stride: int | None = None) -> None:
+                 stride: int | None = None, count_all: bool = False) -> None:
         # data parallel: this rank's micro-batches are [offset, offset + grad_accum) of each step's
-        # `stride` (the global grad_accum), so the ranks split the global batch contiguously
+        # `stride` (the global grad_accum), so the ranks split the global batch contiguously.
+        # ``count_all``: `targets` counts the whole global step's (rank 0 reports them; the batches
+        # are a pure function of their index, so it reads the other ranks' targets to count them)
         self.sampler, self.n, self.pin = sampler, grad_accum, pin
         self.offset, self.stride = offset, stride if stride is not None else grad_accum
+        self.count_all = count_all
+        self.targets = 0  # loss targets (not IGNORE_INDEX) of the step `next` returned last
         self._sets: list[list[torch.Tensor] | None] = [None] * self.PINNED_SETS
         self.pinned_allocations = 0  # page-locked buffers allocated so far (one set's worth per set, then none)
         self._q: queue.Queue = queue.Queue(maxsize=self._QUEUED)
@@ -617,9 +622,13 @@ class _Loader:
         while not self._stop.is_set():
             try:
                 mbs = [self.sampler.batch(cursor + self.offset + j) for j in range(self.n)]
+                others = [j for j in range(self.stride) if not self.offset <= j < self.offset + self.n] \
+                    if self.count_all else []
+                targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in mbs) + sum(
+                    int((self.sampler.batch(cursor + j)[1] != IGNORE_INDEX).sum()) for j in others)
                 if self.pin:
                     mbs = self._into_pinned(k, mbs)
-                item: object = mbs
+                item: object = (mbs, targets)
             except BaseException as e:  # handed to the consumer, which raises it
                 item = e
             while not self._stop.is_set():
@@ -638,7 +647,8 @@ class _Loader:
         item = self._q.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        mbs, self.targets = item
+        return mbs
 
     def close(self) -> None:
         """Stop the thread."""
@@ -693,8 +703,13 @@ def train(
     tokens = data if isinstance(data, (TokenFile, BatchSource)) else TokenFile.open(data)
     if not world.is_root and run is None:  # the other ranks open rank 0's store once it holds the start state
         run = _dist.open_follower(cfg, store_dir)
-    run = run if run is not None else open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens,
-                                               allow_change=allow_change, init_from=init_from)
+    if run is None:
+        try:
+            run = open_run(cfg, store_dir, model=model, overwrite=overwrite, data=tokens, allow_change=allow_change,
+                           init_from=init_from)
+        except BaseException as e:
+            _dist.root_failed(world, e)  # the other ranks wait for the store: they stop with this reason
+            raise
     if world.is_root:
         _dist.root_ready(world)  # the other ranks may open the run directory and its plan now
     st, program = run.store, run.program
@@ -819,7 +834,8 @@ def train(
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()
         local = cfg.grad_accum // world.world_size
-        loader = _Loader(sampler, local, cursor, pin=device.type == "cuda", offset=world.rank * local, stride=cfg.grad_accum)
+        loader = _Loader(sampler, local, cursor, pin=device.type == "cuda", offset=world.rank * local, stride=cfg.grad_accum,
+                         count_all=world.is_root)
         parts.append(loader)
         losses: list[float] = []
         records: list[StepRecord] = []
@@ -857,7 +873,8 @@ def train(
             tokens_n = cfg.grad_accum * cfg.micro_batch_size * cfg.seq_len
             secs = time.perf_counter() - ts
             rec = StepRecord(step=step, total_steps=cfg.steps, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-                             seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, skipped=stats.skipped,
+                             seconds=secs, tokens=tokens_n, tokens_per_s=tokens_n / secs, targets=loader.targets,
+                             skipped=stats.skipped,
                              committed=commit_now, h2d_bytes=eng.copies.h2d_bytes - b_in, d2h_bytes=eng.copies.d2h_bytes - b_out,
                              **watcher.after_step(step, tokens_n, ts, ts + secs))
             losses.append(stats.loss)

@@ -281,6 +281,30 @@ def test_two_ranks_run_a_compiled_plan_like_one_process_and_compile_nothing_agai
     assert not list(tmp.glob("mtc-kernels-*")), "a rank's private kernel cache was left behind"
     logs = [[json.loads(x) for x in (tmp_path / s / "logs" / "metrics.jsonl").read_text().splitlines()] for s in ("w2", "ref")]
     assert [r["loss"] for r in logs[0]] == pytest.approx([r["loss"] for r in logs[1]], abs=1e-5, rel=1e-5)
+    assert [r["targets"] for r in logs[0]] == [r["targets"] for r in logs[1]]  # rank 0 counts the global step's
     got, ref = load_state_dict(tmp_path / "w2"), load_state_dict(tmp_path / "ref")
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_rank_0s_store_stops_with_rank_0s_reason(tmp_path):
+    """Rank 0 alone opens the store; when it refuses (here: a directory that is not a store), the
+    other ranks used to report a lost peer and say "relaunch to resume", which would fail alike."""
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(_config(steps=2).to_dict()))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("not a store")
+    port, procs = _free_port(), []
+    for r in range(2):
+        e = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                 LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, tmp_path / "junk", tokens.path)], env=e,
+                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1].strip().splitlines() for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    reason = "cannot create a store at"
+    assert errs[0][-1].startswith(f"mtc: error: {reason}"), errs[0]
+    assert errs[1][-1].startswith(f"mtc: error: rank 0 could not start the run: {reason}"), errs[1]
+    assert "Relaunch" not in errs[1][-1]

@@ -419,3 +419,22 @@ def test_generation_stops_at_eos_end_of_turn_markers_and_stop_tokens(gen_run, tm
     k = next(i for i, t in enumerate(free.tokens) if t < 128)  # the first token that is a character on its own
     cut = generate_from_store(store, "The sea at", max_new_tokens=12, temperature=0, stop=[chr(free.tokens[k])])
     assert cut.tokens == free.tokens[:k] and cut.stopped_at_eos and not free.stopped_at_eos
+
+
+def test_metrics_count_the_steps_loss_targets_beside_its_positions(tmp_path):
+    """`tokens` counts the positions a step computed (padding and masked prompts included, as
+    throughput is quoted); `targets` counts those the loss learned from, the whole global step's."""
+    from mtc.data import BatchSampler, prepare
+    from mtc.train import train
+
+    rows = [{"q": "question number %d, a long prompt " % i * 2, "a": "answer %d" % i} for i in range(40)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tf = prepare(tmp_path / "sft.jsonl", tmp_path / "sft.bin", prompt_field="q", response_field="a")
+    cfg = small_config(steps=3, grad_accum=2, seq_len=32)
+    res = train(cfg, tmp_path / "s", tf)
+    res.store.close()
+    s = BatchSampler(tf, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    want = [sum(int((s.batch(k)[1] != -100).sum()) for k in range(2 * i, 2 * i + 2)) for i in range(3)]
+    recs = _metrics(tmp_path / "s")
+    assert [r["targets"] for r in recs] == [r.targets for r in res.records] == want
+    assert all(r["tokens"] == 2 * cfg.micro_batch_size * 32 > r["targets"] > 0 for r in recs), recs
