@@ -243,13 +243,16 @@ class LayerCall:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamSpec:
-    """A trainable parameter: its place in its owner layer's flat state, and whether it decays."""
+    """A parameter: its place in its owner layer's flat state, whether it decays, and whether it is
+    frozen (``requires_grad=False`` on the traced module: its gradient is zeroed where it is made,
+    so it neither moves nor counts in the clipping norm, and it never decays)."""
 
     key: str
     spec: TensorSpec
     layer: int
     offset: int
     decay: bool
+    frozen: bool = False
 
     @property
     def numel(self) -> int:

@@ -225,7 +225,8 @@ def program_to_dict(p: Program) -> dict[str, Any]:
         "aux": [_spec_enc(a) for a in p.aux],
         "constants": {k: _spec_enc(v) for k, v in p.constants.items()},
         "params": [
-            {"key": s.key, "layer": s.layer, "offset": s.offset, "decay": s.decay, **_spec_enc(s.spec)} for s in p.params.values()
+            {"key": s.key, "layer": s.layer, "offset": s.offset, "decay": s.decay, **({"frozen": True} if s.frozen else {}),
+             **_spec_enc(s.spec)} for s in p.params.values()
         ],
         "templates": [template_to_dict(t) for t in p.templates.values()],
         "layers": [
@@ -248,7 +249,8 @@ def program_from_dict(d: dict[str, Any]) -> Program:
         raise SerializeError(f"program format version {d.get('version')} is not supported (this mtc reads {FORMAT_VERSION})")
     templates = {t["id"]: template_from_dict(t) for t in d["templates"]}
     params = {
-        r["key"]: ParamSpec(key=r["key"], spec=_spec_dec(r), layer=r["layer"], offset=r["offset"], decay=r["decay"])
+        r["key"]: ParamSpec(key=r["key"], spec=_spec_dec(r), layer=r["layer"], offset=r["offset"], decay=r["decay"],
+                            frozen=bool(r.get("frozen", False)))
         for r in d["params"]
     }
     layers = [

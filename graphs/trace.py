@@ -6,6 +6,7 @@ named steps over it:
 
 1. ``export_model`` (graphs/export.py): the model and its loss as one exported program;
 2. ``flatten_graph`` (graphs/export.py): grad-mode regions inlined, metadata asserts dropped;
+   ``check_replayable``: no buffer updates, random draws or data-dependent sizes;
 3. ``input_sources``: each graph input becomes a parameter, constant or batch field;
 4. ``assign_stages``: nodes inside ``<blocks>.<i>`` belong to block i, nodes before the first
    block form the embed stage, nodes after the last block the head + loss stage;
@@ -147,6 +148,81 @@ def _extract(
     g.output(tuple(env[o] for o in outputs))
     g.lint()
     return Template(kind=kind, graph=g, inputs=inputs, n_aux_out=max(0, len(outputs) - 1) if kind == "embed" else 0), ext, kinds  # type: ignore[arg-type]
+
+
+def _random_draw(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (dropout with p > 0 while training, rand, bernoulli...)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    # ops that draw only for a dropout argument (dropout, SDPA): random when it is nonzero (and training)
+    names = [a.name for a in target._schema.arguments]
+    given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    p = next((given.get(k, 0.0) for k in ("p", "dropout_p") if k in names), None)
+    if p is None:
+        return True
+    return p != 0 and bool(given.get("train", True))
+
+
+def _draw_text(node: fx.Node) -> str:
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    p = next((given[k] for k in ("p", "dropout_p") if k in given), None)
+    return f"{node.target}" + (f" with dropout p={p}" if p is not None else "")
+
+
+def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph) -> list[str]:
+    """Buffers an in-place op of ``graph`` writes (through views too): export's training IR keeps
+    in-place ops as they are, so `buffers_to_mutate` names none of them."""
+    buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
+               if s.kind == InputKind.BUFFER and hasattr(s.arg, "name")}
+    out: list[str] = []
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for i, a in enumerate(n.target._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            while isinstance(v, fx.Node) and v.op == "call_function" and v.args and isinstance(v.args[0], fx.Node) \
+                    and isinstance(v.target, torch._ops.OpOverload) and v.target.is_view:
+                v = v.args[0]  # a view's base
+            if isinstance(v, fx.Node) and v.op == "placeholder" and v.name in buffers and buffers[v.name] not in out:
+                out.append(buffers[v.name])
+    return out
+
+
+def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
+    """Step 2b: refuse what running each layer as a pure function of fixed-shape inputs, and
+    recomputing its forward in the backward, would silently get wrong: a forward that updates a
+    buffer (the update would be dropped every step), one that draws random numbers (the backward's
+    recompute would draw other ones, so the gradient would not be the reported loss's), and values
+    whose size depends on the data (every layer is compiled for one shape)."""
+    mutated = list(ep.graph_signature.buffers_to_mutate.values()) + _written_buffers(ep, graph)
+    if mutated:
+        names = ", ".join(repr(m.removeprefix(_WRAP + ".")) for m in mutated[:3])
+        raise TraceError(
+            f"the forward updates buffer{'s' if len(mutated) > 1 else ''} {names} in place (running statistics, a step counter): mtc runs each layer "
+            "as a pure function of its parameters and inputs, so the update would be lost every step. Keep such "
+            "state outside the model's forward (or make it a parameter), then trace again")
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in graph.nodes:
+        if _random_draw(n):
+            what = _draw_text(n)
+            raise TraceError(
+                f"module {_module_of(n)!r} draws random numbers in the forward ({what}): mtc recomputes each layer's "
+                "forward during the backward, and a second draw would make the gradient disagree with the loss. Set "
+                "dropout probabilities to 0 (as LLM pre-training and most fine-tuning do), or trace the model in "
+                "eval mode (model.eval())")
+        if free_unbacked_symbols(n.meta.get("val")):
+            raise TraceError(
+                f"module {_module_of(n)!r} makes a value whose size depends on the data ({n.target}, e.g. "
+                "torch.nonzero, torch.where with one argument, boolean-mask indexing or top-k routing that gathers "
+                "tokens): mtc compiles every layer for fixed shapes. Compute it with fixed shapes, e.g. route a "
+                "mixture of experts densely (each expert over every token, weighted by its gate, zero where not routed)")
 
 
 def input_sources(ep: torch.export.ExportedProgram, model: nn.Module) -> tuple[dict[fx.Node, Source], dict[str, torch.Tensor]]:
@@ -333,7 +409,8 @@ def extract_layers(
 
 def lay_out_params(model: nn.Module, calls: list[LayerCall]) -> dict[str, ParamSpec]:
     """Step 7: each parameter lives in the first layer that reads it; inside a layer the
-    weight-decayed (ndim >= 2) parameters come first so decay is one slice."""
+    weight-decayed (ndim >= 2, not frozen) parameters come first so decay is one slice. A
+    parameter with ``requires_grad=False`` is laid out frozen (see `ParamSpec`)."""
     owner: dict[str, int] = {}
     order: list[str] = []
     for call in calls:
@@ -342,16 +419,19 @@ def lay_out_params(model: nn.Module, calls: list[LayerCall]) -> dict[str, ParamS
                 owner[key] = call.index
                 order.append(key)
     pspec = {n: TensorSpec.of(p) for n, p in model.named_parameters()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     unused = [n for n in pspec if n not in owner]
     if unused:
-        raise TraceError(f"parameters never used in forward: {', '.join(unused[:5])}; remove them or freeze them outside mtc")
+        raise TraceError(f"parameters never used in forward: {', '.join(unused[:5])}; remove them from the model "
+                         "(mtc keeps state for every parameter it is given)")
+    decays = {k: len(pspec[k].shape) >= 2 and k not in frozen for k in pspec}
     laid: dict[str, ParamSpec] = {}
     for layer in range(len(calls)):
         keys = [k for k in order if owner[k] == layer]
-        keys.sort(key=lambda k: len(pspec[k].shape) < 2)  # stable: decayed first, first-use order kept
+        keys.sort(key=lambda k: not decays[k])  # stable: decayed first, first-use order kept
         off = 0
         for k in keys:
-            laid[k] = ParamSpec(key=k, spec=pspec[k], layer=layer, offset=off, decay=len(pspec[k].shape) >= 2)
+            laid[k] = ParamSpec(key=k, spec=pspec[k], layer=layer, offset=off, decay=decays[k], frozen=k in frozen)
             off += pspec[k].numel
     # The dict itself follows the module's parameter order: global reductions over parameters
     # (the clipping norm) then round exactly as they do over model.parameters().
@@ -380,6 +460,7 @@ def trace(
     ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=first.device)
     ep = export_model(LossModel(model), ids, ids.clone())
     graph = flatten_graph(ep)
+    check_replayable(ep, graph)
     ph_source, const_values = input_sources(ep, model)
     stage = assign_stages(graph, blocks_path, n_blocks)
     block_out = block_outputs(stage, blocks_path, n_blocks)

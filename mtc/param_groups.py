@@ -21,7 +21,7 @@ from mtc.config import OptimConfig
 from mtc.errors import ConfigError
 from mtc.graphs.program import ParamSpec, Program
 
-__all__ = ["apply_decay_groups", "decay_names", "no_decay_patterns"]
+__all__ = ["apply_decay_groups", "apply_frozen", "decay_names", "no_decay_patterns"]
 
 
 def no_decay_patterns(optim: OptimConfig) -> list[str]:
@@ -46,12 +46,23 @@ def decay_names(shapes: dict[str, tuple[int, ...]], optim: OptimConfig) -> set[s
     return {n for n, s in shapes.items() if _decays(n, len(s), optim.decay_min_ndim, patterns)}
 
 
+def apply_frozen(program: Program, model: object) -> Program:
+    """``program`` with its parameters frozen as ``model``'s are (``requires_grad=False``): the
+    model the run starts from decides, whatever model the plan was traced from. A frozen
+    parameter never decays, so run `apply_decay_groups` after this to lay the groups out again."""
+    frozen = {k for k, p in model.named_parameters() if not p.requires_grad}  # type: ignore[attr-defined]
+    if all((k in frozen) == p.frozen for k, p in program.params.items()):
+        return program
+    params = {k: dataclasses.replace(p, frozen=k in frozen) for k, p in program.params.items()}  # (decay: below)
+    return dataclasses.replace(program, params=params)
+
+
 def apply_decay_groups(program: Program, optim: OptimConfig) -> Program:
     """``program`` with its flat layout re-laid for ``optim``'s decay groups (decayed parameters
     first in each layer, first-use order kept within each group); the program itself is returned
     when nothing changes, so a preset with the default rule keeps the tracer's layout exactly."""
     shapes = {k: p.spec.shape for k, p in program.params.items()}
-    decayed = decay_names(shapes, optim)
+    decayed = decay_names(shapes, optim) - {k for k, p in program.params.items() if p.frozen}  # frozen: never
     if all((k in decayed) == p.decay for k, p in program.params.items()):
         return program
     laid: dict[str, ParamSpec] = {}

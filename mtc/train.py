@@ -40,7 +40,7 @@ from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.metrics import peak_rate
 from mtc.models import build, model_config
-from mtc.param_groups import apply_decay_groups
+from mtc.param_groups import apply_decay_groups, apply_frozen
 from mtc.plan import load_plan, save_plan
 from mtc.runtime import placement as pl
 from mtc.runtime.executor import IGNORE_INDEX, StreamingExecutor
@@ -536,7 +536,7 @@ def open_run(
         traced = build_model(cfg, device="meta") if preset else at_dtype(model, cfg.resolved_compute_dtype)
         program = trace(traced, cfg.micro_batch_size, cfg.seq_len)
     user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
-    program = apply_decay_groups(program, cfg.optim)
+    program = apply_decay_groups(apply_frozen(program, model), cfg.optim)
     if data is not None:
         data.check_vocab(_model_vocab(program))
     placement, gpu_update = plan_placement(cfg, program)

@@ -496,8 +496,11 @@ class StreamingExecutor:
             return
         acc = self._accumulator(owner)
         written = self._written.get(owner, set())
-        for p in self.program.layer_params(owner):  # what no gradient reached (unused, or no visit) is zero
-            if p.key not in written:
+        # what no gradient reached (unused, or no visit) is zero; so is a frozen parameter's: with a
+        # zero gradient and no decay AdamW leaves it exactly as it is (its moments stay zero), and the
+        # clipping norm counts it as torch counts a parameter without .grad
+        for p in self.program.layer_params(owner):
+            if p.key not in written or p.frozen:
                 acc[p.offset : p.offset + p.numel].zero_()
         with self.timeline.span("grad_norms", owner):
             views = [acc[p.offset : p.offset + p.numel] for p in self.program.layer_params(owner)]

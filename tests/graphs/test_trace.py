@@ -171,3 +171,82 @@ def test_no_blocks_error():
 
     with pytest.raises(TraceError, match="ModuleList"):
         trace(Flat(), 1, 2)
+
+
+class _Drop(nn.Module):
+    def __init__(self, p: float = 0.1, attn_p: float = 0.0) -> None:
+        super().__init__()
+        self.lin, self.drop, self.attn_p = nn.Linear(8, 8), nn.Dropout(p), attn_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.unsqueeze(1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.attn_p, is_causal=True)
+        return x + self.drop(self.lin(a.squeeze(1)))
+
+
+class _Stats(nn.Module):  # BatchNorm-like running statistics
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+        return x + self.lin(x)
+
+
+class _Routed(nn.Module):  # top-1 routing that gathers the routed tokens: data-dependent sizes
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.expert = nn.Linear(8, 2), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, 8)
+        rows = torch.nonzero(self.gate(flat).argmax(-1) == 0).squeeze(-1)
+        return x + torch.zeros_like(flat).index_add(0, rows, self.expert(flat[rows])).view_as(x)
+
+
+def test_what_a_streamed_replay_would_get_wrong_is_refused_at_trace_time():
+    # a random draw would differ in the backward's recompute: refused, named; p = 0 or eval mode pass
+    for block, what in ((lambda: _Drop(p=0.1), "aten.dropout.default with dropout p=0.1"),
+                        (lambda: _Drop(p=0.0, attn_p=0.2), "aten.scaled_dot_product_attention.default with dropout p=0.2")):
+        with pytest.raises(TraceError, match=rf"module 'layers.0.*' draws random numbers in the forward \({what}\).*"
+                           r"Set dropout probabilities to 0"):
+            trace(_Toy(block), 2, 4)
+    trace(_Toy(lambda: _Drop(p=0.0)), 2, 4)
+    trace(_Toy(_Drop).eval(), 2, 4)
+    # a buffer updated in the forward (inside no_grad too) would be dropped every step
+
+    class Counted(_Toy):
+        def __init__(self) -> None:
+            super().__init__(lambda: _Drop(p=0.0))
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return super().forward(ids)
+
+    with pytest.raises(TraceError, match=r"the forward updates buffers 'layers.0.ema', 'layers.1.ema' in place"):
+        trace(_Toy(_Stats), 2, 4)
+    with pytest.raises(TraceError, match=r"the forward updates buffer 'calls' in place"):
+        trace(Counted(), 2, 4)
+    # sizes that depend on the data cannot be compiled for one shape
+    with pytest.raises(TraceError, match=r"module 'layers.0' makes a value whose size depends on the data "
+                       r"\(aten.nonzero.default.*route a\s+mixture of experts densely"):
+        trace(_Toy(_Routed), 2, 4)
+
+
+def test_frozen_parameters_are_laid_out_frozen_and_never_decay():
+    model = _Toy(lambda: _Drop(p=0.0))
+    model.emb.weight.requires_grad_(False)
+    model.layers[1].lin.weight.requires_grad_(False)
+    prog = trace(model, 2, 4)
+    assert {k for k, p in prog.params.items() if p.frozen} == {"emb.weight", "layers.1.lin.weight"}
+    assert not prog.params["emb.weight"].decay and prog.params["layers.0.lin.weight"].decay
+    for layer in range(prog.n_layers):  # decayed parameters still first: decay is one slice
+        flags = [p.decay for p in sorted(prog.layer_params(layer), key=lambda p: p.offset)]
+        assert flags == sorted(flags, reverse=True)
+    from mtc.graphs.serialize import program_from_dict, program_to_dict
+
+    assert program_from_dict(program_to_dict(prog)).params == prog.params

@@ -98,6 +98,28 @@ def test_custom_model_trains_like_torch_adamw_with_its_decay_groups(tokens, prog
     assert_close(weights(res), ref)
 
 
+@pytest.mark.parametrize("mode", [{}, {"gpu_update": "1"}, {"placement": "gpu"}])
+def test_frozen_parameters_stay_as_they_are_and_the_rest_trains_like_torch(tokens, program, mode):
+    """requires_grad=False on the module given (the plan was traced unfrozen): those parameters keep
+    their values exactly and count in neither the clipping norm nor weight decay, as in torch."""
+    torch.manual_seed(2)
+    model = TinyLM()
+    frozen = {"tok.weight", "blocks.0.qkv.weight", "blocks.1.norm2.weight"}
+    for k, p in model.named_parameters():
+        p.requires_grad_(k not in frozen)
+    steps = 3
+    res = mtc.train(model=model, plan=program, data=tokens, steps=steps, seed=7, optim=OPTIM, **mode)
+    assert {k for k, p in res.program.params.items() if p.frozen} == frozen
+    decay = {k for k, p in res.program.params.items() if p.decay}
+    assert decay == {k for k in NAMES if (k.endswith("weight") and "norm" not in k or k == "pos") and k not in frozen}
+    ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**OPTIM)) for s in range(steps)],
+                          decay)
+    got = weights(res)
+    assert_close(got, ref)
+    for k in frozen:
+        assert torch.equal(got[k], dict(model.named_parameters())[k].detach()), k
+
+
 def test_a_no_decay_pattern_that_matches_nothing_is_refused(tokens, program):
     with pytest.raises(ConfigError, match=r"optim.no_decay: pattern '\*\.baias' matches no parameter"):
         mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, optim={"no_decay": "*.baias"})
