@@ -49,8 +49,16 @@ class LossModel(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         out = self.model(ids)
         logits = getattr(out, "logits", out)
-        if isinstance(logits, (tuple, list)):
+        if isinstance(logits, dict) and "logits" in logits:
+            logits = logits["logits"]
+        if isinstance(logits, (tuple, list)) and logits:
             logits = logits[0]
+        if not isinstance(logits, torch.Tensor):
+            keys = f" with keys {', '.join(map(repr, logits))}" if isinstance(logits, dict) else ""
+            raise TraceError(
+                f"{type(self.model).__name__}.forward returns a {type(out).__name__}{keys}, and mtc found no logits "
+                "in it; return the logits (batch, seq, vocab), a tuple with them first, or an object or dict with "
+                "'logits'")
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
@@ -95,6 +103,8 @@ def export_model(wrapped: LossModel, ids: torch.Tensor, targets: torch.Tensor) -
         try:
             with _quiet_torch():
                 return torch.export.export(wrapped, (ids, targets), strict=False)
+        except TraceError:  # already says what is wrong (LossModel's own checks)
+            raise
         except Exception as e:  # torch raises many types here; we re-raise one with context
             culprit = stack[-1] if stack else ""
             mod = wrapped.model.get_submodule(culprit) if culprit else wrapped.model

@@ -6,7 +6,8 @@ named steps over it:
 
 1. ``export_model`` (graphs/export.py): the model and its loss as one exported program;
 2. ``flatten_graph`` (graphs/export.py): grad-mode regions inlined, metadata asserts dropped;
-   ``check_replayable``: no buffer updates, random draws or data-dependent sizes;
+   ``check_replayable``: no buffer updates, random draws or data-dependent sizes, no position
+   table shorter than the sequence;
 3. ``input_sources``: each graph input becomes a parameter, constant or batch field;
 4. ``assign_stages``: nodes inside ``<blocks>.<i>`` belong to block i, nodes before the first
    block form the embed stage, nodes after the last block the head + loss stage;
@@ -52,7 +53,8 @@ _WRAP = "model"  # attribute name of the user's model inside LossModel; stripped
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, int]:
     """The path of the repeated-block ModuleList and its length.
 
-    Without ``blocks``, the largest ``nn.ModuleList`` in the model is taken.
+    Without ``blocks``, the largest ``nn.ModuleList`` that no other ``nn.ModuleList`` holds is
+    taken (so a mixture of experts' list inside each block is not mistaken for the blocks).
     """
     if blocks is not None:
         try:
@@ -63,8 +65,12 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, int]:
             raise TraceError(f"blocks={blocks!r} is a {type(ml).__name__}; it must be a non-empty nn.ModuleList")
         return blocks, len(ml)
     best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and (best is None or len(mod) > best[1]):
+    lists = [name for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod) > 0]
+    for name in lists:
+        if any(name.startswith(outer + ".") for outer in lists):
+            continue  # inside an element of another list (experts inside a block)
+        mod = model.get_submodule(name)
+        if best is None or len(mod) > best[1]:
             best = (name, len(mod))
     if best is None:
         raise TraceError(
@@ -194,6 +200,34 @@ def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph) -> list[
     return out
 
 
+def _arange_top(node: object) -> int | None:
+    """The largest value of an ``arange`` with constant bounds that ``node`` is (or views), else None."""
+    while isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.overloadpacket is torch.ops.aten.arange):
+        return None
+    bounds = [a for a in node.args if isinstance(a, (int, float))]
+    if not bounds or not all(isinstance(a, int) for a in bounds):
+        return None
+    start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (bounds + [1])[:3]
+    return None if step <= 0 or end <= start else start + (end - 1 - start) // step * step
+
+
+def _check_position_lookup(n: fx.Node) -> None:
+    """A table looked up at positions 0..T-1 (learned position embeddings) must have T rows: on the
+    device a lookup past its end is an assert deep inside a kernel, at the first step."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
+        return
+    top = _arange_top(n.args[1])
+    rows = n.args[0].meta.get("val").shape[0] if isinstance(n.args[0], fx.Node) and "val" in n.args[0].meta else None
+    if top is not None and rows is not None and top >= rows:
+        raise TraceError(
+            f"module {_module_of(n)!r} looks up rows 0..{top} of a table of {rows} rows (positions of the traced "
+            f"sequence length): the table is too short for this seq_len; make it at least {top + 1} rows, or trace "
+            f"and train at seq_len <= {rows}")
+
+
 def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
     """Step 2b: refuse what running each layer as a pure function of fixed-shape inputs, and
     recomputing its forward in the backward, would silently get wrong: a forward that updates a
@@ -210,6 +244,7 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     for n in graph.nodes:
+        _check_position_lookup(n)
         if _random_draw(n):
             what = _draw_text(n)
             raise TraceError(
@@ -306,10 +341,18 @@ def block_outputs(stage: dict[fx.Node, int], blocks_path: str, n_blocks: int) ->
     block_out: list[fx.Node] = []
     for s in range(n_blocks):
         outs = _used_outside(nodes_of[s], s, stage, n_blocks)
-        if len(outs) != 1 or any(stage.get(u) not in (s + 1,) and u.op != "output" for u in outs[0].users):
+        if len(outs) != 1:
             raise TraceError(
                 f"block {s} of {blocks_path} passes {len(outs)} values ({', '.join(o.name for o in outs)}) to later stages; "
                 "mtc streams one hidden-state tensor from block to block: return a single tensor from each block"
+            )
+        later = sorted({_stage_name(stage.get(u), n_blocks, blocks_path) for u in outs[0].users
+                        if stage.get(u) not in (s + 1,) and u.op != "output"})
+        if later:
+            raise TraceError(
+                f"the output of block {s} of {blocks_path} ({outs[0].name}) is used beyond the next block, by "
+                f"{', '.join(later)}; mtc streams each block's output to the next stage only: a skip connection past "
+                "a block must go through it (take it in, hand it on as part of the one tensor)"
             )
         block_out.append(outs[0])
     return block_out
@@ -438,6 +481,22 @@ def lay_out_params(model: nn.Module, calls: list[LayerCall]) -> dict[str, ParamS
     return {k: laid[k] for k in pspec}
 
 
+def state_dict_names(model: nn.Module, const_values: dict[str, torch.Tensor]) -> dict[str, object]:
+    """What the module's own ``state_dict`` holds beyond the program's parameters, so a run's
+    weights load back into it strictly: ``tied`` (another name of a shared parameter: its
+    canonical one) and ``buffers`` (persistent buffers, which the program keeps as constants)."""
+    canon: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canon:
+            tied[n] = canon[id(p)]
+        else:
+            canon[id(p)] = n
+    keys = set(model.state_dict(keep_vars=True))
+    buffers = [n for n, _ in model.named_buffers() if n in keys and n in const_values]
+    return {k: v for k, v in (("tied", tied), ("buffers", buffers)) if v}
+
+
 def trace(
     model: nn.Module,
     batch_size: int,
@@ -475,7 +534,7 @@ def trace(
         carry=_spec(carry0),
         aux=[_spec(n) for n in aux_nodes],
         model_name=name or type(model).__name__,
-        meta={"blocks": blocks_path, "param_dtype": dtype_name(first.dtype)},
+        meta={"blocks": blocks_path, "param_dtype": dtype_name(first.dtype), **state_dict_names(model, const_values)},
         constant_values=const_values,
     )
 

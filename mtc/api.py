@@ -242,7 +242,8 @@ def train(
     elif isinstance(model, nn.Module):
         from mtc.plan import load_plan as _load
 
-        user_model.check_params_match(model, _load(Path(store) / "plan"), f"the model of store {store}")
+        user_model.check_params_match(model, _load(Path(store) / "plan"), f"the model of store {store}",
+                                      "; or pass overwrite=True to start a new run in this store")
     # a plan directory goes to open_run as a path, so its generated kernels are copied into the store
     run = open_run(cfg, store, model=inst, plan=plan if isinstance(plan, str) else program, data=source, overwrite=overwrite,
                    allow_change=tuple(allow_change))

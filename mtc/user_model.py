@@ -129,8 +129,9 @@ def program_fingerprint(program: Program) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def check_params_match(model: nn.Module, program: Program, where: str) -> None:
-    """ConfigError unless ``model``'s parameters have the names and shapes of ``program``'s."""
+def check_params_match(model: nn.Module, program: Program, where: str, fix: str = "") -> None:
+    """ConfigError unless ``model``'s parameters have the names and shapes of ``program``'s;
+    ``fix`` is a further way out for the message."""
     have = {k: tuple(p.shape) for k, p in model.named_parameters()}
     want = {k: p.spec.shape for k, p in program.params.items()}
     if have == want:
@@ -140,7 +141,7 @@ def check_params_match(model: nn.Module, program: Program, where: str) -> None:
     parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + ([f"not in it {', '.join(extra[:3])}"] if extra else [])
     parts += [f"shape {s}" for s in shapes[:3]]
     raise ConfigError(f"the model's parameters do not match {where} ({'; '.join(parts)}); use the model the plan was "
-                      "traced from, or trace this one")
+                      f"traced from, or trace this one{fix}")
 
 
 def write_model_record(plan_dir: str | Path, fields: dict[str, Any], program: Program) -> None:

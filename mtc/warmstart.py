@@ -289,7 +289,9 @@ def resolve_step(st: TensorStore, step: int | None) -> tuple[int, int]:
 
 
 def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch.Tensor]:
-    """A run's fp32 master weights by parameter name (mtc's names, e.g. ``layers.0.attn.wq.weight``).
+    """A run's fp32 master weights by parameter name (mtc's names, e.g. ``layers.0.attn.wq.weight``),
+    with what the traced module's ``state_dict`` holds besides (the other names of tied
+    parameters, persistent buffers), so ``model.load_state_dict`` of it is strict.
 
     ``step``: one of the available committed steps (default: the last). Reads the store without
     its lock, so it works beside a running trainer. Holds the whole model in host memory: for
@@ -305,6 +307,11 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
                     flat = reader.read(layer, "master", program.layer_numel(layer))
                     out.update({p.key: flat[p.offset : p.offset + p.numel].view(p.spec.shape) for p in program.layer_params(layer)})
     check_untouched(run, step, gen, what=f"load_state_dict of step {step} of run {run}")
+    for alias, key in program.meta.get("tied", {}).items():
+        out[alias] = out[key]
+    for name in program.meta.get("buffers", []):
+        if name in program.constant_values:
+            out[name] = program.constant_values[name].clone()
     return out
 
 

@@ -250,3 +250,59 @@ def test_frozen_parameters_are_laid_out_frozen_and_never_decay():
     from mtc.graphs.serialize import program_from_dict, program_to_dict
 
     assert program_from_dict(program_to_dict(prog)).params == prog.params
+
+
+def test_blocks_are_the_outermost_module_list_and_a_skip_past_a_block_is_named():
+    class Experts(nn.Module):  # a dense mixture of 4 experts: a ModuleList longer than the 2 blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.experts = nn.Linear(8, 4), nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.gate(x).softmax(-1)
+            return x + sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+    prog = trace(_Toy(Experts), 2, 4)
+    assert prog.meta["blocks"] == "layers" and prog.n_layers == 4
+
+    class Skip(_Toy):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            first = self.layers[0](self.emb(ids))
+            return self.out(self.layers[1](first) + first)
+
+    with pytest.raises(TraceError, match=r"the output of block 0 of layers \(\w+\) is used beyond the next block, by "
+                       r"the head; .*skip connection past a block"):
+        trace(Skip(lambda: _Drop(p=0.0)), 2, 4)
+
+
+def test_a_forward_without_logits_in_its_output_says_what_to_return():
+    class Dict(_Toy):
+        def forward(self, ids: torch.Tensor) -> dict:
+            return {"scores": super().forward(ids)}
+
+    class Named(_Toy):
+        def forward(self, ids: torch.Tensor) -> dict:
+            return {"logits": super().forward(ids), "aux": ids}
+
+    with pytest.raises(TraceError, match=r"Dict.forward returns a dict with keys 'scores', and mtc found no logits in "
+                       r"it; return the logits"):
+        trace(Dict(lambda: _Drop(p=0.0)), 2, 4)
+    trace(Named(lambda: _Drop(p=0.0)), 2, 4)
+
+
+def test_a_position_table_shorter_than_the_sequence_is_refused_at_trace_time():
+    class Learned(_Toy):
+        def __init__(self, rows: int) -> None:
+            super().__init__(lambda: _Drop(p=0.0))
+            self.pos = nn.Embedding(rows, 8)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x)
+
+    with pytest.raises(TraceError, match=r"module 'pos' looks up rows 0..5 of a table of 4 rows .* make it at least 6 "
+                       r"rows, or trace and train at seq_len <= 4"):
+        trace(Learned(4), 2, 6)
+    trace(Learned(6), 2, 6)

@@ -212,7 +212,7 @@ def test_changes_that_would_corrupt_the_state_are_refused_with_the_reason(tokens
         mtc.train(data=tokens, store=store, seq_len=8)
     with pytest.raises(ConfigError, match="optim.no_decay: the weight-decay groups decide the flat layout"):
         mtc.train(data=tokens, store=store, allow_change=["optim.no_decay"], optim={"no_decay": "*.bias"})
-    with pytest.raises(ConfigError, match="do not match the model of store"):
+    with pytest.raises(ConfigError, match="do not match the model of store.*or pass overwrite=True to start a new run in this store"):
         mtc.train(model=TinyLM(d=8), data=tokens, store=store)
 
 
@@ -285,3 +285,25 @@ def test_a_compiled_plan_prints_as_one_line(program, tmp_path):
     compiled = mtc.compile(build, tmp_path / "plan", batch_size=2, seq_len=16)
     line = repr(compiled)
     assert line.startswith("Compiled(") and "layers, batch 2x16" in line and len(line) < 200, line
+
+
+def test_a_runs_weights_load_strictly_into_the_users_module_with_tied_names_and_buffers(tokens, tmp_path):
+    class Tied(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head.weight = self.tok.weight  # tied: named_parameters gives it once, state_dict twice
+            self.register_buffer("scale", torch.tensor(0.5))  # persistent
+            self.register_buffer("scratch", torch.ones(1), persistent=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * self.scale * self.scratch
+
+    torch.manual_seed(3)
+    model = Tied()
+    mtc.train(model=model, data=tokens, store=tmp_path / "run", steps=2, seed=7, optim=OPTIM, **SHAPE).close()
+    sd = mtc.load_state_dict(tmp_path / "run")
+    assert sd.keys() == Tied().state_dict().keys() and sd["head.weight"] is sd["tok.weight"]
+    again = Tied()
+    again.load_state_dict(sd)  # strict
+    assert again.head.weight is again.tok.weight and float(again.scale) == 0.5
+    assert not torch.equal(again.tok.weight, model.tok.weight)  # trained
