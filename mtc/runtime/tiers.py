@@ -55,6 +55,21 @@ def _read_arrays(store: TensorStore, into: dict[str, torch.Tensor]) -> None:
         raise errors[0]
 
 
+def _zero_moments(store: TensorStore, layer: int, generation: int) -> None:
+    """A disk layer resumed from a commit without moments (durability ``weights``): its m and v in
+    that generation are zeros, as a ram layer's start. The disk tier reads its state from the
+    store, and what the arrays hold there is no commit's: an older step's moments, or chunks never
+    written (the layer was in RAM then). The commit does not name these arrays, so a crash
+    midway only makes the next resume write them again."""
+    for kind in ("m", "v"):
+        name = state_array_name(layer, kind, generation)
+        info = store.array_info(name)
+        rows = max(info.chunk_rows, 1) * max(1, (1 << 22) // max(info.chunk_rows, 1))  # whole chunks, ~16 MiB
+        zeros = torch.zeros(min(info.shape[0], rows), dtype=STATE_DTYPE)
+        for lo in range(0, info.shape[0], zeros.numel()):
+            store.write_rows(name, lo, zeros[: min(zeros.numel(), info.shape[0] - lo)])
+
+
 def state_kinds(tier: str, durability: str) -> tuple[str, ...]:
     """Which state arrays of a layer the store holds (both generations) for this tier and mode."""
     if tier == "disk" or durability == "full":
@@ -327,6 +342,8 @@ class StateTiers:
             if s.tier == "disk":  # the store is its tier: only a compute copy kept in RAM is filled
                 if s.compute is not None:
                     self.set_layer(s.layer, store.read(state_array_name(s.layer, "master", generation)))
+                if durability != "full":
+                    _zero_moments(store, s.layer, generation)
                 continue
             if "master" not in kinds:
                 raise StoreError(f"layer {s.layer}'s weights are not in the store (durability {durability!r}); "

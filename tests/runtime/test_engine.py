@@ -165,6 +165,28 @@ def test_durability_weights_keeps_only_master_arrays(tokens, tmp_path):
         res.store.close()
 
 
+def test_a_weights_commit_resumed_on_disk_layers_restarts_their_moments_as_ram_layers_do(tokens, tmp_path):
+    """Moments in the store that no commit names (an older full commit's, or chunks never written)
+    must not be read: a disk-layer resume of a weights commit equals a ram-layer resume of it."""
+    import shutil
+
+    full = small_config(steps=8, commit_every=2, placement="ram", grad_accum=1)
+    train(full, tmp_path / "a", tokens, stop_after=4).store.close()  # full commits 2 (gen 1) and 4 (gen 0)
+    weights = small_config(steps=8, commit_every=2, placement="ram", grad_accum=1, durability="weights")
+    train(weights, tmp_path / "a", tokens, stop_after=6).store.close()  # gen 1: master
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    ram = train(weights, tmp_path / "a", tokens)
+    disk = train(small_config(steps=8, commit_every=2, placement="disk", grad_accum=1, durability="weights"),
+                 tmp_path / "b", tokens)
+    try:
+        assert ram.start_step == disk.start_step == 6
+        assert ram.losses == disk.losses
+        assert_weights_close(_final_weights(disk), _final_weights(ram), atol=0.0)
+    finally:
+        ram.store.close()
+        disk.store.close()
+
+
 def test_durability_none_writes_no_state_and_no_commit(tokens, tmp_path):
     res = train(small_config(steps=2, durability="none"), tmp_path / "s", tokens)
     try:
