@@ -13,14 +13,15 @@ class TensorBoardSink:
     """Writes each step's scalars as TensorBoard events under ``log_dir`` (needs the tensorboard package)."""
 
     def __init__(self, log_dir: str | Path, *, start_step: int = 0) -> None:
-        """``start_step``: the first step this run records; a resumed run redoes the steps after its
-        last commit, so the events an interrupted run logged from there on are dropped (not doubled)."""
+        """``start_step``: the step this run starts from (its last commit; records count completed
+        steps, so its first is ``start_step + 1``); a resumed run redoes the steps after that
+        commit, so the events an interrupted run logged for them are dropped (not doubled)."""
         try:
             import tensorboard  # noqa: F401  (torch's writer imports it lazily; fail here, in one line)
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step or None)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
 
     def write(self, rec: object) -> None:
         """Add one `mtc.train.StepRecord` (loss, val loss, lr, grad norm, throughput, memory, phases)."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from mtc.runtime.tiers import StateTiers, state_kinds
 from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
+from mtc.store.directory import os_error_reason
 from mtc.tracer import trace
 from mtc.watch import RunWatcher, check_eval_data
 from mtc.weight_sources import record_write_start
@@ -656,6 +657,27 @@ class _Loader:
         self._thread.join(timeout=5)
 
 
+def _open_metrics(path: Path) -> TextIO:
+    """``logs/metrics.jsonl`` for appending, its last line whole: a line a crash tore is cut off, so
+    the next record starts a line of its own (the step it was for is redone and logged again)."""
+    try:
+        with open(path, "ab+") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(max(0, end - (1 << 16)))
+                tail = f.read()
+                start, cut = end - len(tail), tail.rfind(b"\n")
+                if tail and not tail.endswith(b"\n"):
+                    if cut >= 0 or start == 0:
+                        f.truncate(start + cut + 1)  # (cut -1 at the file's start: the file was one torn line)
+                    else:  # no line end in the last 64 KiB: not a record; end it rather than guess
+                        f.write(b"\n")
+        return open(path, "a")
+    except OSError as e:
+        raise StoreError(f"opening {path} failed ({os_error_reason(e)}); the store's last commit is intact: free space "
+                         "(or fix the file system), then resume with the same command") from e
+
+
 def set_matmul_precision(cfg: TrainConfig, device: torch.device) -> tuple[bool, bool]:
     """On CUDA, let fp32 matmuls (and cuDNN's convolutions) run in TF32 as ``cfg.allow_tf32`` says
     (on by default: fp32 compute without it runs at a fraction of the tensor cores' rate); the CPU's
@@ -773,7 +795,7 @@ def train(
                             resolved_compute_dtype=cfg.resolved_compute_dtype,
                             mfu_denominator=peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32).source)
             (logs / f"config-step{last.step}.json").write_text(json.dumps(resolved, indent=1))
-            metrics = open(logs / "metrics.jsonl", "a")
+            metrics = _open_metrics(logs / "metrics.jsonl")
             parts.append(metrics)
         _set_rng_state(last.rng_state)
         if isinstance(tokens, BatchSource):
@@ -884,8 +906,13 @@ def train(
                 if msg is not None and notify is not None:
                     notify(msg)
             if metrics is not None:  # rank 0's only
-                metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
-                metrics.flush()
+                try:
+                    metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+                    metrics.flush()
+                except OSError as e:
+                    raise StoreError(f"writing {metrics.name} failed after step {step} ({os_error_reason(e)}); the "
+                                     "store's last commit is intact: free space (or fix the file system), then resume "
+                                     "with the same command") from e
             if on_step is not None:
                 on_step(rec)
             if bad_run >= max_bad:

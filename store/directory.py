@@ -55,6 +55,7 @@ __all__ = [
     "CommitRecord",
     "DirState",
     "HistoryLine",
+    "append_line",
     "check_creatable",
     "dir_state",
     "lock_store",
@@ -478,14 +479,32 @@ def parse_node(read: Callable[[], bytes]) -> dict[str, Any] | str:
     return doc if isinstance(doc, dict) else f"a JSON {type(doc).__name__}, not an object"
 
 
-def record_write_start(store_dir: str | Path, step: int, generation: int) -> None:
-    """Note durably that writes of ``step``'s state into ``generation`` begin now (before they do)."""
-    logs = Path(store_dir) / "logs"
-    logs.mkdir(exist_ok=True)
-    with open(logs / WRITES_LOG, "a") as f:
-        f.write(json.dumps({"step": step, "generation": generation}) + "\n")
+def append_line(path: Path, line: str, *, sync: bool = False) -> None:
+    """Append ``line`` and a newline to a log, on a line of its own: a crash mid-write leaves a torn
+    last line, and the next record must not be glued onto it (a reader skips the torn line, and
+    would lose the record with it)."""
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        lead = b""
+        if end:
+            f.seek(end - 1)
+            lead = b"" if f.read(1) == b"\n" else b"\n"
+        f.write(lead + line.encode("utf-8") + b"\n")  # (append mode: at the end, wherever the seek was)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+
+
+def record_write_start(store_dir: str | Path, step: int, generation: int) -> None:
+    """Note durably that writes of ``step``'s state into ``generation`` begin now (before they do);
+    StoreError when it cannot be noted (then nothing of that step is written)."""
+    logs = Path(store_dir) / "logs"
+    try:
+        logs.mkdir(exist_ok=True)
+        append_line(logs / WRITES_LOG, json.dumps({"step": step, "generation": generation}), sync=True)
+    except OSError as e:
+        raise StoreError(f"writing {logs / WRITES_LOG} failed ({os_error_reason(e)}) before step {step}'s state was "
+                         f"written: the last commit is intact; {_fix(e)}") from e
 
 
 def read_write_starts(store_dir: str | Path) -> list[dict[str, Any]] | None:

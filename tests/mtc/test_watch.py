@@ -351,8 +351,9 @@ def test_a_step_overwritten_while_it_is_read_is_never_reported(run, tmp_path, mo
 
 
 def test_tensorboard_events_of_a_resumed_run_replace_the_redone_steps(tmp_path):
-    """An interrupted run logged steps 0-4 but committed at 2; the resumed run redoes 2-3: the
-    events read back hold each step once, the resumed run's values for 2 and 3."""
+    """An interrupted run logged steps 1-5 (records count completed steps) but committed at 2; the
+    resumed run starts from step 2 and redoes steps 3-4: the events read back hold each step once,
+    the committed step 2 kept, the resumed run's values for 3 and 4."""
     pytest.importorskip("tensorboard")
     from types import SimpleNamespace
 
@@ -361,16 +362,16 @@ def test_tensorboard_events_of_a_resumed_run_replace_the_redone_steps(tmp_path):
     from mtc.tensorboard import TensorBoardSink
 
     first = TensorBoardSink(tmp_path / "tb")
-    for s in range(5):
+    for s in range(1, 6):
         first.write(SimpleNamespace(step=s, loss=10.0 + s))
     first.close()
     resumed = TensorBoardSink(tmp_path / "tb", start_step=2)
-    for s in (2, 3):
+    for s in (3, 4):
         resumed.write(SimpleNamespace(step=s, loss=20.0 + s))
     resumed.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
 
 
 def test_a_plain_copy_of_a_store_keeps_its_previous_commit(run, tmp_path):
@@ -438,3 +439,57 @@ def test_metrics_count_the_steps_loss_targets_beside_its_positions(tmp_path):
     recs = _metrics(tmp_path / "s")
     assert [r["targets"] for r in recs] == [r.targets for r in res.records] == want
     assert all(r["tokens"] == 2 * cfg.micro_batch_size * 32 > r["targets"] > 0 for r in recs), recs
+
+
+def test_logs_torn_by_a_crash_do_not_swallow_the_next_record(tmp_path):
+    """A kill -9 mid-append leaves a torn last line; the next record must start a line of its own
+    (the write log decides whether eval may trust a generation: a lost record there is a wrong loss)."""
+    from mtc.store.directory import read_write_starts, record_write_start
+    from mtc.train import _open_metrics
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    record_write_start(tmp_path, 3, 1)
+    with open(logs / "writes.jsonl", "a") as f:
+        f.write('{"step": 5, "gener')  # torn
+    record_write_start(tmp_path, 6, 0)
+    assert [(r["step"], r["generation"]) for r in read_write_starts(tmp_path)] == [(3, 1), (6, 0)]
+    # metrics: the torn line is cut off (its step is redone and logged again)
+    (logs / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
+    with _open_metrics(logs / "metrics.jsonl") as f:
+        f.write('{"step": 2}\n')
+    assert (logs / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    (logs / "metrics.jsonl").write_text('{"st')
+    with _open_metrics(logs / "metrics.jsonl") as f:
+        f.write('{"step": 1}\n')
+    assert (logs / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_full_disk_while_logging_a_step_stops_in_one_line_with_the_commit_intact(tmp_path, monkeypatch):
+    import errno
+
+    import importlib
+
+    from mtc.errors import StoreError
+
+    train_mod = importlib.import_module("mtc.train")  # (the module: mtc.train is also the API function)
+
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+
+    class Full(io.StringIO):
+        name = str(tmp_path / "s" / "logs" / "metrics.jsonl")
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_mod, "_open_metrics", lambda path: Full())
+    with pytest.raises(StoreError, match=r"writing .*metrics.jsonl failed after step 1 \(no space left on device\); the "
+                       r"store's last commit is intact"):
+        train_mod.train(small_config(steps=3, commit_every=1), tmp_path / "s", tokens)
+    with TensorStore.open(tmp_path / "s", read_only=True) as st:
+        assert st.last_commit().step in (0, 1)  # step 1's commit may or may not have landed; nothing torn
+    assert main(["verify", str(tmp_path / "s")]) == 0
+    monkeypatch.undo()
+    res = train_mod.train(small_config(steps=3, commit_every=1), tmp_path / "s", tokens)  # resumes
+    res.store.close()
+    assert res.end_step == 3
