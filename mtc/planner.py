@@ -329,11 +329,12 @@ def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool
 
 
 def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_update: set[int], store_dir: Path | None, *,
-              new_run: bool, seeded_written: int | None = None) -> None:
+              new_run: bool, seeded_written: int | None = None, resumed_held: int | None = None) -> None:
     """`mtc train`'s refusal, before anything is written: every check that fails, one line each.
     ``seeded_written``: the store holds a seeded generation (`mtc import`, --init-from) the run
     starts from, and this many bytes an earlier attempt wrote beyond it: the disk check counts
-    what the run adds to the seed."""
+    what the run adds to the seed. ``resumed_held``: a resumed run's store holds this many bytes
+    of state, which the run writes over: they count as free."""
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     shape = shape_from_program(program, cfg.model, cbytes)
     cuda = cfg.device.startswith("cuda") and torch.cuda.is_available()
@@ -351,7 +352,7 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
             raise ConfigError(str(e)) from None
         mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, kept, placement))
     disk_free, where = None, ""
-    if store_dir is not None and (new_run or seeded_written is not None):
+    if store_dir is not None and (new_run or seeded_written is not None or resumed_held is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
         disk_free = int(os.environ[DISK_FREE_ENV]) if os.environ.get(DISK_FREE_ENV) else shutil.disk_usage(probe).free
         where = f"free at {probe}"
@@ -361,6 +362,9 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
         if disk_free is not None:  # an earlier attempt of the same run wrote some of it already
             disk_free += seeded_written
         where += ", beyond the seeded generation the run starts from"
+    if resumed_held is not None and disk_free is not None:
+        disk_free += resumed_held
+        where += f" and {resumed_held / 1e9:.3g} GB of state the store holds already"
     gpu_total = torch.cuda.mem_get_info(torch.device(cfg.device))[1] if cuda else None
     from mtc.dist_plan import check_fit_ranks, world_from_env
 

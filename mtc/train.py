@@ -414,22 +414,28 @@ def _gpu_workspace(cfg: TrainConfig, program: Program, cbytes: int) -> int:
 
 
 def preflight(cfg: TrainConfig, program: Program, placement: list[str], store_dir: Path | None, *, new_run: bool,
-              gpu_update: set[int] | None = None, seeded: TensorStore | None = None) -> None:
+              gpu_update: set[int] | None = None, seeded: TensorStore | None = None,
+              resumed: TensorStore | None = None) -> None:
     """Refuse, before anything is written, a run this machine cannot hold: the plan's fit checks
     (`mtc.planner.check_fit`: disk for both generations, host RAM, GPU memory), one line each.
-    ``seeded``: a store seeded by `mtc import` or --init-from, which the run starts from."""
+    ``seeded``: a store seeded by `mtc import` or --init-from, which the run starts from.
+    ``resumed``: the store a run resumes in (its durability or placement may have changed: the
+    state it holds already is written over, so it counts as free)."""
     from mtc.planner import check_fit
 
-    written = _written_beyond_seed(seeded, program) if seeded is not None else None
-    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run, seeded_written=written)
+    written = _state_bytes(seeded, program, (1,)) if seeded is not None else None
+    held = _state_bytes(resumed, program, (0, 1)) if resumed is not None else None
+    check_fit(cfg, program, placement, gpu_update or set(), store_dir, new_run=new_run, seeded_written=written,
+              resumed_held=held)
 
 
-def _written_beyond_seed(st: TensorStore, program: Program) -> int:
-    """Bytes of chunk data in a seeded store's generation 1 and gradient scratch (the seed is
-    generation 0): what an earlier attempt of the run wrote."""
+def _state_bytes(st: TensorStore, program: Program, generations: tuple[int, ...]) -> int:
+    """Bytes of chunk data in the store's state arrays of ``generations`` and its gradient scratch:
+    a seeded store's generation 1 is what an earlier attempt of the run wrote (the seed is
+    generation 0); both generations are what a resumed run writes over."""
     from mtc.runtime.grad_spill import grad_scratch_name
 
-    names = [state_array_name(i, k, 1) for i in range(program.n_layers) for k in ("master", "m", "v")]
+    names = [state_array_name(i, k, g) for i in range(program.n_layers) for k in ("master", "m", "v") for g in generations]
     names += [grad_scratch_name(i) for i in range(program.n_layers)]
     total = 0
     for name in names:
@@ -522,6 +528,9 @@ def open_run(
                 user_model.check_same_plan(plan, program, str(path))
             if data is not None:
                 data.check_vocab(_model_vocab(program))
+            if not _dist.current_world().distributed:  # (a data-parallel rank's fit: its own shard, checked by mtc.shards)
+                placement, gpu_update = plan_placement(cfg, program)
+                preflight(cfg, program, placement, path, new_run=False, gpu_update=gpu_update, resumed=store)
         except BaseException:
             store.close()
             raise

@@ -43,6 +43,22 @@ def test_train_refuses_a_small_disk_before_creating_the_store(tmp_path, data, ca
     assert (tmp_path / "s" / "commit.json").exists()
 
 
+def test_a_resume_is_checked_too_counting_the_state_the_store_holds(tmp_path, data, capsys, monkeypatch):
+    """A weights run resumed with durability full needs moments on disk too: refused with the
+    numbers before any array is created; the same resume in weights mode fits (its state is there)."""
+    monkeypatch.setenv(DISK_FREE_ENV, str(7 * 2**20))
+    assert _train(tmp_path, data, "--durability", "weights", "--steps", "4", "--stop-after", "2") == 0
+    capsys.readouterr()
+    arrays = sorted(p.name for p in (tmp_path / "s" / "layers" / "0000").iterdir())
+    monkeypatch.setenv(DISK_FREE_ENV, str(1 * 2**20))  # the store's own 6 MiB of master count as free
+    assert _train(tmp_path, data, "--durability", "full", "--steps", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtc: error: this run does not fit: disk"), err
+    assert "needs 18.4 MiB" in err[0] and "of state the store holds already" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "s" / "layers" / "0000").iterdir()) == arrays  # nothing created
+    assert _train(tmp_path, data, "--durability", "weights", "--steps", "4") == 0
+
+
 def test_train_refuses_a_small_ram_budget_and_names_a_placement_that_fits(tmp_path, data, capsys, monkeypatch):
     # 14 blocks: deep enough that disk layers (4 B/param on the CPU, plus fixed pipeline buffers)
     # need less host RAM than ram layers (16 B/param): all-disk ~24 MiB, all-ram ~45 MiB
