@@ -147,13 +147,26 @@ _DURABILITY = {"full": "exact resume from the last commit", "weights": "a resume
                "none": "nothing committed: no resume"}
 
 
-def _durability_text(cfg: object) -> str:
-    """The run's durability mode for its log, with what it means and how often it commits."""
+def _durability_text(cfg: object, program: object = None) -> str:
+    """The run's durability mode for its log, with what it means and how often it commits (with
+    ``program``: as the run's placement decides, which `auto` may put on disk)."""
     every = "" if cfg.durability == "none" else f", a commit every {cfg.commit_every} steps" if cfg.commit_every \
         else ", commits paced to the disk (commit_every 0)"
-    if every and "disk" in cfg.placement:  # disk layers write their state every step, into the other generation
+    if every and "disk" in _placement_of(cfg, program):  # disk layers write their state every step, into the other generation
         every = ", a commit every step (layers' state on disk)"
     return f"durability {cfg.durability} ({_DURABILITY[cfg.durability]}{every})"
+
+
+def _placement_of(cfg: object, program: object) -> list[str] | str:
+    """The tiers the run will use (as `mtc.train.train` plans them), or the config's text without a program."""
+    if program is None or cfg.placement.strip() != "auto":
+        return cfg.placement
+    from mtc.train import plan_placement, run_disk_compute
+
+    try:
+        return plan_placement(cfg, program, disk_compute=run_disk_compute(cfg, program))[0]
+    except MTCError:  # (train reports it, in its own words)
+        return cfg.placement
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
@@ -182,7 +195,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print(f"store {a.store} is already at step {start} of {cfg.steps}; nothing to do")
         return 0
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, "
-          f"store {a.store}, device {cfg.device}, {_durability_text(cfg)}")
+          f"store {a.store}, device {cfg.device}, {_durability_text(cfg, run.program)}")
     print(json.dumps(cfg.to_dict()))
     sink = None
     if a.tensorboard:

@@ -193,3 +193,12 @@ def test_the_durability_line_says_how_often_a_run_commits():
     # disk layers write their state every step, so such a run commits every step whatever commit_every says
     assert _durability_text(TrainConfig(placement="ram:0-1,disk:2-3", durability="weights", commit_every=5)).endswith(
         "a resume restarts Adam's moments, a commit every step (layers' state on disk))")
+    # `auto` says what the planner decides: a RAM budget too small for every layer puts some on disk
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    small = TrainConfig(model="tiny", model_overrides={"n_layers": 14}, micro_batch_size=2, seq_len=16, commit_every=5)
+    program = trace(build_model(small, device="meta"), 2, 16)
+    assert _durability_text(small, program).endswith("a commit every 5 steps)")
+    small.ram_budget_gb = 0.03
+    assert _durability_text(small, program).endswith("a commit every step (layers' state on disk))")
