@@ -157,6 +157,26 @@ def _durability_text(cfg: object, program: object = None) -> str:
     return f"durability {cfg.durability} ({_DURABILITY[cfg.durability]}{every})"
 
 
+def _say_schedule_change(run: object, cfg: object, start: int) -> None:
+    """A resume that changed the schedule's fields (--allow-change steps, optim.lr, ...) follows
+    the new curve from here: say where the learning rate goes at once, beside the old curve's."""
+    fields = {"steps", "optim.lr", "optim.min_lr", "optim.warmup_steps"} & set(run.changes)
+    if not fields:
+        return
+    import dataclasses
+
+    from mtc.runtime.schedule import lr_at
+
+    old_cfg = cfg.optim
+    for f in fields - {"steps"}:
+        old_cfg = dataclasses.replace(old_cfg, **{f.split(".", 1)[1]: run.change_values[f][0]})
+    old_steps = run.change_values["steps"][0] if "steps" in fields else cfg.steps
+    old, new = lr_at(start, old_steps, old_cfg), lr_at(start, cfg.steps, cfg.optim)
+    if old != new:
+        print(f"note: the schedule follows the changed {', '.join(sorted(fields))} from step {start}: the learning rate "
+              f"goes from {old:.4g} (the old curve's) to {new:.4g}", file=sys.stderr)
+
+
 def _placement_of(cfg: object, program: object) -> list[str] | str:
     """The tiers the run will use (as `mtc.train.train` plans them), or the config's text without a program."""
     if program is None or cfg.placement.strip() != "auto":
@@ -194,9 +214,14 @@ def _cmd_train(a: argparse.Namespace) -> int:
         run.store.close()
         print(f"store {a.store} is already at step {start} of {cfg.steps}; nothing to do")
         return 0
+    if a.stop_after is not None and a.stop_after <= start:
+        run.store.close()
+        print(f"store {a.store} is already at step {start}, at or past --stop-after {a.stop_after}; nothing to do")
+        return 0
     print(f"mtc train: {cfg.model} from step {start} to {cfg.steps if a.stop_after is None else min(cfg.steps, a.stop_after)}, "
           f"store {a.store}, device {cfg.device}, {_durability_text(cfg, run.program)}")
     print(json.dumps(cfg.to_dict()))
+    _say_schedule_change(run, cfg, start)
     sink = None
     if a.tensorboard:
         from mtc.tensorboard import TensorBoardSink
@@ -260,7 +285,8 @@ def _cmd_train_rank(a: argparse.Namespace, cfg: object, tokens: object) -> int:
 
     try:
         start = last_committed_step(a.store)
-        if start is not None and start >= cfg.steps and not a.overwrite:
+        if start is not None and not a.overwrite and (start >= cfg.steps or (a.stop_after is not None
+                                                                            and a.stop_after <= start)):
             return 0  # rank 0 says so
         res = train(cfg, a.store, tokens, stop_after=a.stop_after)
         res.store.close()

@@ -222,6 +222,8 @@ def _comparable(d: dict) -> dict:
     """The fields that must agree on resume; fields added since the store was made take their defaults."""
     defaults = TrainConfig().to_dict()
     full = {**defaults, **d, "optim": {**defaults["optim"], **(d.get("optim") or {})}}
+    if full.get("compute_dtype") == "auto":  # what it means on the run's device: 'auto' on the CPU is float32
+        full["compute_dtype"] = "bfloat16" if str(full.get("device", "")).startswith("cuda") else "float32"
     return {k: v for k, v in full.items() if k not in _EXECUTION_FIELDS and k in defaults}
 
 

@@ -75,6 +75,26 @@ def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
     assert "differs in: steps" in capsys.readouterr().err
     assert main([*common, "--steps", "2"]) == 0  # same config: already done, nothing to do
     assert "already at step 2" in capsys.readouterr().out
+    # a --stop-after the store is past: nothing to do, no state loaded, no log rewritten
+    logs = sorted((tmp_path / "s" / "logs").iterdir())
+    assert main([*common, "--steps", "4", "--allow-change", "steps", "--stop-after", "1"]) == 0
+    assert capsys.readouterr().out.strip() == f"store {tmp_path / 's'} is already at step 2, at or past --stop-after 1; nothing to do"
+    assert sorted((tmp_path / "s" / "logs").iterdir()) == logs
+    # 'auto' on the CPU is float32: naming it is the same run
+    assert main([*common, "--steps", "2", "--compute-dtype", "float32"]) == 0
+    assert "already at step 2" in capsys.readouterr().out
+    # extending the run re-plans the schedule: the jump is said, with both curves' values
+    from mtc.config import OptimConfig
+    from mtc.runtime.schedule import lr_at
+
+    other = [*common[:4], str(tmp_path / "s2"), *common[5:], "--warmup-steps", "1"]
+    assert main([*other, "--steps", "3"]) == 0
+    capsys.readouterr()
+    assert main([*other, "--steps", "20", "--allow-change", "steps", "--stop-after", "4"]) == 0
+    o = OptimConfig(warmup_steps=1)
+    assert lr_at(3, 3, o) != lr_at(3, 20, o)
+    assert f"note: the schedule follows the changed steps from step 3: the learning rate goes from {lr_at(3, 3, o):.4g} " \
+           f"(the old curve's) to {lr_at(3, 20, o):.4g}" in capsys.readouterr().err
 
 
 def test_cli_compile_reports_and_caches(tmp_path, capsys):
