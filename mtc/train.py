@@ -863,6 +863,12 @@ def train(
             meta["world_size"] = world.world_size
         if run.changes:  # what --allow-change let differ, recorded in every later commit
             meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
+        # Adam restarts where the commit kept no moments (durability weights): zero moments (the
+        # tiers' start) and bias correction counted from this step, as a new AdamW over the saved
+        # weights would; a full commit carries the step its moments started at on to the next run
+        opt.moments_from = int(last.meta.get("moments_from", 0)) if last.durability == "full" else last.step
+        if opt.moments_from:
+            meta["moments_from"] = opt.moments_from
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()

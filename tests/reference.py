@@ -11,9 +11,11 @@ from mtc.tracer import LossModel
 from mtc.train import build_model
 
 
-def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module | None = None, *,
+                    start_step: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train cfg's model (or ``model``, in place) with torch.optim.AdamW + clip_grad_norm_; return
-    per-step losses and weights."""
+    per-step losses and weights. ``start_step``: steps from there on, with a new AdamW (a run
+    resumed from weights alone: ``model`` holds that step's weights)."""
     model = build_model(cfg) if model is None else model
     lm = LossModel(model)
     params = dict(model.named_parameters())
@@ -25,8 +27,8 @@ def reference_train(cfg: TrainConfig, tokens: TokenFile, model: torch.nn.Module 
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
     )
     sampler = BatchSampler(tokens, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    losses, cursor = [], 0
-    for step in range(cfg.steps):
+    losses, cursor = [], start_step * cfg.grad_accum
+    for step in range(start_step, cfg.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.steps, o)
         # the step's loss: sum over its targets that are not ignored / their count in the whole step

@@ -98,6 +98,9 @@ class StreamingAdamW:
         handoff: bool = True,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
+        # the step Adam's moments started from (0; a resume of a commit without moments: its step):
+        # bias correction counts the updates since then
+        self.moments_from = 0
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
         self.device = tiers.device
         self.gpu_update = {i for i in (gpu_update or set()) if tiers[i].tier == "ram" and tiers[i].numel}
@@ -251,7 +254,7 @@ class StreamingAdamW:
             if not s.numel:
                 s.update = _done()
                 continue
-            hp = dict(lr=self._lr, step=step + 1, decay_numel=s.decay_numel)
+            hp = dict(lr=self._lr, step=step + 1 - self.moments_from, decay_numel=s.decay_numel)
             deps = (s.write, s.grad_ready, s.last_read)  # captured now: the fields are reassigned below
             if s.tier == "gpu":
                 if not skipped:

@@ -187,6 +187,31 @@ def test_a_weights_commit_resumed_on_disk_layers_restarts_their_moments_as_ram_l
         disk.store.close()
 
 
+@pytest.mark.parametrize("placement", ["ram", "disk"])
+def test_a_weights_commit_resumes_as_a_new_adamw_over_its_weights(tokens, tmp_path, placement):
+    """No moments were committed: the resumed run is torch's AdamW made afresh over the step's
+    weights (zero moments, bias correction from its first update), on the same schedule and data;
+    a later full commit carries that start on, so resuming it changes nothing."""
+    from mtc.train import build_model
+    from mtc.warmstart import load_state_dict
+
+    cfg = small_config(steps=7, commit_every=3, durability="weights", placement=placement)
+    train(cfg, tmp_path / "s", tokens, stop_after=3).store.close()
+    model = build_model(cfg)
+    model.load_state_dict(load_state_dict(tmp_path / "s"))
+    ref_losses, ref_weights = reference_train(cfg, tokens, model, start_step=3)
+    full = small_config(steps=7, commit_every=3, durability="full", placement=placement)
+    first = train(full, tmp_path / "s", tokens, stop_after=5)  # commits 5 in full: moments from step 3 kept
+    first.store.close()
+    res = train(full, tmp_path / "s", tokens)
+    try:
+        assert first.start_step == 3 and res.start_step == 5
+        assert_losses_close(first.losses + res.losses, ref_losses)
+        assert_weights_close(_final_weights(res), ref_weights)
+    finally:
+        res.store.close()
+
+
 def test_durability_none_writes_no_state_and_no_commit(tokens, tmp_path):
     res = train(small_config(steps=2, durability="none"), tmp_path / "s", tokens)
     try:
