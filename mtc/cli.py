@@ -85,8 +85,9 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     device_note = ""
     if "device" not in given and "device" not in (file_fields or {}):
         cfg.device, device_note = _unnamed_device(a)
-    if "optim.lr" in given and "optim.min_lr" not in given:
-        cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip min_lr <= lr
+    named_min = "min_lr" in ((file_fields or {}).get("optim") or {})  # a config file's own min_lr is kept (and checked)
+    if "optim.lr" in given and "optim.min_lr" not in given and not named_min:
+        cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip the default min_lr <= lr
     if a.stop_after is not None and a.stop_after < 1:
         raise ConfigError(
             f"--stop-after: expected a step number >= 1 (stop once that step is committed), got {a.stop_after}; "
@@ -159,7 +160,11 @@ def _durability_text(cfg: object, program: object = None) -> str:
 
 def _say_schedule_change(run: object, cfg: object, start: int) -> None:
     """A resume that changed the schedule's fields (--allow-change steps, optim.lr, ...) follows
-    the new curve from here: say where the learning rate goes at once, beside the old curve's."""
+    the new curve from here: say where the learning rate goes at once, beside the old curve's
+    (and that a new seed draws new validation batches)."""
+    if "seed" in run.changes and cfg.eval_every:
+        print(f"note: the validation batches are drawn with the seed too: val_loss from step {start} on is taken on "
+              "other batches than before", file=sys.stderr)
     fields = {"steps", "optim.lr", "optim.min_lr", "optim.warmup_steps"} & set(run.changes)
     if not fields:
         return

@@ -166,6 +166,14 @@ def test_cli_flags_reach_the_config(tmp_path):
     assert (cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.durability, cfg.compute_dtype) == (0, 0.0, "weights", "float32")
 
 
+def test_a_lower_lr_flag_keeps_a_config_files_own_min_lr_and_says_when_they_clash(tmp_path):
+    (tmp_path / "c.toml").write_text('[optim]\nlr = 0.01\nmin_lr = 0.001\n')
+    args = ["train", "--config", str(tmp_path / "c.toml"), "--store", "s", "--data", "d", "--device", "cpu"]
+    assert _train_config(build_parser().parse_args([*args, "--lr", "0.002"])).optim.min_lr == 0.001
+    with pytest.raises(ConfigError, match=r"optim.min_lr: expected at most optim.lr \(0.0005\), got 0.001"):
+        _train_config(build_parser().parse_args([*args, "--lr", "0.0005"]))
+
+
 def test_cli_flags_override_config_file(tmp_path):
     (tmp_path / "c.toml").write_text('steps = 9\nplacement = "ram"\n[optim]\nlr = 0.01\n')
     a = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--store", "s", "--data", "d",
