@@ -95,6 +95,10 @@ def test_cli_train_refuses_bad_data_and_changed_config(tmp_path, capsys):
     assert lr_at(3, 3, o) != lr_at(3, 20, o)
     assert f"note: the schedule follows the changed steps from step 3: the learning rate goes from {lr_at(3, 3, o):.4g} " \
            f"(the old curve's) to {lr_at(3, 20, o):.4g}" in capsys.readouterr().err
+    # a new seed draws other validation batches: said when the run logs val_loss
+    assert main([*other, "--steps", "20", "--allow-change", "steps,seed", "--seed", "9", "--eval-every", "1",
+                 "--eval-batches", "1", "--stop-after", "5"]) == 0
+    assert "note: the validation batches are drawn with the seed too: val_loss from step 4 on" in capsys.readouterr().err
 
 
 def test_cli_compile_reports_and_caches(tmp_path, capsys):
