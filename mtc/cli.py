@@ -194,7 +194,7 @@ def _placement_of(cfg: object, program: object) -> list[str] | str:
         return cfg.placement
 
 
-def _cmd_train(a: argparse.Namespace) -> int:
+def _cmd_train_run(a: argparse.Namespace) -> int:
     from mtc.data import TokenFile
     from mtc.progress import ProgressBar
     from mtc.train import open_run, train
@@ -246,8 +246,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
             sink.write(r)
 
     try:
-        res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run,
-                    on_step=on_step, notify=lambda m: print(f"mtc: {m}", file=sys.stderr), watch=watch)
+        res = train(cfg, a.store, tokens, stop_after=a.stop_after, run=run, on_step=on_step,
+                    notify=lambda m: print(f"mtc: {m}", file=sys.stderr), watch=watch)
     except (KeyboardInterrupt, _Terminated) as e:
         bar.close()
         code = 143 if isinstance(e, _Terminated) else 130
@@ -319,6 +319,46 @@ def _stage_watch(cfg: object, program: object) -> object:
         return StageWatch(make_plan(cfg, prof, program=program))
     except MTCError:  # the comparison is advice: a profile that cannot plan this run must not stop it
         return None
+
+
+class _ReaderMayGo:
+    """A text stream whose reader may go away (``mtc train | head``, a closed pipe): training goes
+    on, and what it prints from then on goes to /dev/null instead of raising BrokenPipeError."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def _gone(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._inner.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._inner.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    """`mtc train`, its output surviving a reader that goes away (see `_ReaderMayGo`)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderMayGo(out), _ReaderMayGo(err)
+    try:
+        return _cmd_train_run(a)
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def _show_step(bar: object, r: object) -> None:

@@ -92,3 +92,19 @@ def test_ctrl_c_during_a_slow_commit_says_it_finishes_it(tmp_path):
     assert len(lines) == 2 and "finishing the commit in flight" in lines[0], err
     last = json.loads((store / "commit.json").read_text())["step"]
     assert last >= 2 and f"step {last}:" in lines[1], err
+
+
+def test_a_reader_that_goes_away_does_not_stop_training(tmp_path):
+    """`mtc train ... 2>&1 | head -2`: once the pipe closes, the run goes on to its last step."""
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=40, commit_every=5).to_dict()))
+    store = tmp_path / "s"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "mtc", "train", "--config", str(cfg), "--store", str(store),
+                             "--data", str(tokens.path)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().startswith(b"mtc train: ")
+    proc.stdout.close()  # the reader is gone: the next progress line meets a broken pipe
+    assert proc.wait(timeout=180) == 0
+    assert json.loads((store / "commit.json").read_text())["step"] == 40
