@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,13 @@ class LossModel(nn.Module):
         if isinstance(logits, dict) and "logits" in logits:
             logits = logits["logits"]
         if isinstance(logits, (tuple, list)) and logits:
+            aux = [i for i, t in enumerate(logits[1:], 1)
+                   if isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point() and t.requires_grad]
+            if aux:  # an auxiliary loss (a mixture of experts' balancing loss) would silently not be trained
+                warnings.warn(f"{type(self.model).__name__}.forward returns a scalar that depends on the parameters at "
+                              f"position {', '.join(map(str, aux))} of its output (an auxiliary loss?): mtc trains the "
+                              "cross-entropy of the logits (position 0) only, and ignores it; add it to what the model "
+                              "computes if it must be trained", stacklevel=2)
             logits = logits[0]
         if not isinstance(logits, torch.Tensor):
             keys = f" with keys {', '.join(map(repr, logits))}" if isinstance(logits, dict) else ""

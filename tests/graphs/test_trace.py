@@ -306,3 +306,14 @@ def test_a_position_table_shorter_than_the_sequence_is_refused_at_trace_time():
                        r"rows, or trace and train at seq_len <= 4"):
         trace(Learned(4), 2, 6)
     trace(Learned(6), 2, 6)
+
+
+def test_an_auxiliary_loss_in_the_output_is_said_to_be_ignored():
+    class Aux(_Toy):
+        def forward(self, ids: torch.Tensor) -> tuple:
+            logits = super().forward(ids)
+            return logits, (self.out.weight ** 2).mean()
+
+    with pytest.warns(UserWarning, match=r"Aux.forward returns a scalar that depends on the parameters at position 1 of "
+                      r"its output \(an auxiliary loss\?\): mtc trains the\s+cross-entropy of the logits"):
+        trace(Aux(lambda: _Drop(p=0.0)), 2, 4)
