@@ -755,6 +755,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                             top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
                             tokenizer=a.tokenizer, device=a.device, device_budget_bytes=budget, stop=a.stop)
     print(a.prompt + r.text)
+    if r.prompt_dropped:
+        print(f"note: the prompt's first {r.prompt_dropped} of {r.prompt_tokens} tokens do not fit the context "
+              f"({r.context} tokens) and were left out", file=sys.stderr)
     print(f"generated {len(r.tokens)} tokens from step {r.step} in {r.prefill_s + r.decode_s:.2f} s: "
           f"{r.tokens_per_s:.1f} tokens/s ("
           + (f"{r.decode_tokens_per_s:.1f} after the first; " if len(r.tokens) > 1 else "")

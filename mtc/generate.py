@@ -13,6 +13,7 @@ of it. `generate` is the plain version over a resident `nn.Module` (no cache, th
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,7 +53,8 @@ def generate(
     top_k: int | None = 40,
     seed: int = 0,
 ) -> list[int]:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens with a resident model, re-running the window each token."""
+    """Continue ``prompt`` by ``max_new_tokens`` tokens with a resident model, re-running the window
+    each token (the windows of `stream_generate`: a full one restarts from its last half)."""
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     gen = torch.Generator().manual_seed(seed)
@@ -60,8 +62,11 @@ def generate(
     ids = [int(t) for t in prompt]
     was_training = model.training
     model.eval()
+    start = max(0, len(ids) - context)
     for _ in range(max_new_tokens):
-        x = torch.tensor([ids[-context:]], dtype=torch.long, device=device)
+        if len(ids) - start > context:
+            start = len(ids) - max(1, context // 2)
+        x = torch.tensor([ids[start:]], dtype=torch.long, device=device)
         out = model(x)
         ids.append(sample_next(getattr(out, "logits", out)[0, -1], temperature=temperature, top_k=top_k, gen=gen))
     model.train(was_training)
@@ -82,6 +87,8 @@ class GenerationResult:
     stopped_at_eos: bool = False
     resident_layers: int = 0  # state layers kept on the device
     streamed_layers: int = 0  # state layers read again for every token
+    prompt_dropped: int = 0  # the prompt's first tokens that did not fit the context
+    context: int = 0  # the window attended to (a longer generation slides it: see `stream_generate`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -142,7 +149,11 @@ def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_to
                     device: torch.device | str = "cpu", temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
                     kv_cache: bool = True, eos_id: int | None = None, stop: frozenset[int] = frozenset()) -> GenerationResult:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if ``eos_id`` or a token of
-    ``stop`` comes; it is not kept), weights from ``weights``."""
+    ``stop`` comes; it is not kept), weights from ``weights``.
+
+    The model attends to a window of at most ``context`` tokens, at positions from 0. When the
+    window is full it restarts from its last ``context // 2`` tokens (the KV cache is refilled
+    from them), with and without the cache alike, so the uncached path checks the cached one."""
     stop = stop | ({eos_id} if eos_id is not None else set())
     if not prompt:
         raise ConfigError("the prompt encodes to no tokens; give some text")
@@ -155,21 +166,22 @@ def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_to
     ids = [int(t) for t in prompt]
     new: list[int] = []
     cache = KVCache(dec.n_blocks, context) if kv_cache else None
-    filled = 0
+    start = max(0, len(ids) - context)  # the window is ids[start:]
+    dropped = start
     t0 = time.perf_counter()
     t_first = t0
     eos = False
     for n in range(max_new_tokens):
+        refill = len(ids) - start > context
+        if refill:  # the window is full: restart it from its last half
+            start = len(ids) - max(1, context // 2)
         if cache is None:
-            logits = _forward(dec, weights, ids[-context:], 0, None, device)
-        elif n == 0 or filled + 1 > context:  # (re)fill the cache from the window's tail
-            keep = ids[-context:] if n == 0 else ids[-max(1, context // 2):]
+            logits = _forward(dec, weights, ids[start:], 0, None, device)
+        elif n == 0 or refill:  # (re)fill the cache from the window
             cache = KVCache(dec.n_blocks, context)
-            logits = _forward(dec, weights, keep, 0, cache, device)
-            filled = len(keep)
+            logits = _forward(dec, weights, ids[start:], 0, cache, device)
         else:
-            logits = _forward(dec, weights, ids[-1:], filled, cache, device)
-            filled += 1
+            logits = _forward(dec, weights, ids[-1:], len(ids) - 1 - start, cache, device)
         tok = sample_next(logits, temperature=temperature, top_k=top_k, gen=gen)
         if n == 0:
             t_first = time.perf_counter()
@@ -180,7 +192,26 @@ def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_to
         new.append(tok)
     t1 = time.perf_counter()
     return GenerationResult(tokens=new, prompt_tokens=len(prompt), prefill_s=t_first - t0, decode_s=t1 - t_first,
-                            kv_cache=kv_cache, stopped_at_eos=eos)
+                            kv_cache=kv_cache, stopped_at_eos=eos, prompt_dropped=dropped, context=context)
+
+
+def _checkpoint_eos(store_dir: str | Path, vocab: int) -> frozenset[int]:
+    """The EOS ids an imported checkpoint names (``RUN/hf/generation_config.json``, else its
+    config.json): instruction-tuned models list several (Llama 3's <|eot_id|> and <|end_of_text|>),
+    and transformers stops at any of them."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(store_dir) / "hf" / name
+        if not f.is_file():
+            continue
+        try:
+            eos = json.loads(f.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            return frozenset()
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        return frozenset(int(i) for i in ids if isinstance(i, int) and 0 <= i < vocab)
+    return frozenset()
 
 
 def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: str | None, vocab_size: int) -> Any:
@@ -234,10 +265,11 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         vocab = dec.cfg.vocab_size
         tok = resolve_tokenizer(store_dir, at.record.meta.get("data"), tokenizer, vocab)
         ids = [int(i) for i in tok.encode(prompt)]
-        stops = stop_ids(tok, stop)  # (a bad --stop is refused before any weight is read)
+        stops = stop_ids(tok, stop) | _checkpoint_eos(store_dir, vocab)  # (a bad --stop is refused before any weight is read)
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
-        ctx = context or cfg.get("seq_len", 128)
+        # the whole prompt and continuation when the model takes them (no window to slide), else its longest
+        ctx = context or min(dec.cfg.max_seq_len, max(cfg.get("seq_len", 1), len(ids) + max_new_tokens))
         dev_budget, host_budget = default_budgets(dev)
         if dev.type == "cuda":
             # beside the resident weights: the KV cache (every block's keys and values for the whole
@@ -258,6 +290,9 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         streamed = sum(1 for i in range(program.n_layers) if program.layer_numel(i)) - len(src.resident_layers)
     # (streamed layers are read again for every token: a trainer overwriting the step meanwhile is caught here)
     check_untouched(store_dir, at.step, at.generation, what=f"sampling from step {at.step} of run {store_dir}")
-    return dataclasses.replace(res, step=at.step, text=tok.decode(res.tokens), resident_layers=len(src.resident_layers),
+    # a vocabulary padded beyond the tokenizer's (Qwen2.5 ships so): ids without a token decode to
+    # nothing, as the tokenizers library's own decode skips them
+    text = tok.decode([t for t in res.tokens if t < tok.vocab_size])
+    return dataclasses.replace(res, step=at.step, text=text, resident_layers=len(src.resident_layers),
                                streamed_layers=streamed)
 

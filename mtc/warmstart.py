@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -221,6 +222,12 @@ def init_from(source: str | Path, store_dir: str | Path, cfg: TrainConfig, *, ov
 
             create_seeded_store(dst, seed, program, fill, {"kind": "run", "source": str(src), "step": step},
                                 overwrite=overwrite, io_threads=cfg.io_threads)
+    # what the source run knows besides its weights, as `mtc import` wrote it there: the tokenizer
+    # (a later run refuses data from another one) and the Hugging Face config (export's architecture,
+    # EOS ids, generation config)
+    for sub in ("tokenizer", "hf"):
+        if (src / sub).is_dir():
+            shutil.copytree(src / sub, dst / sub, dirs_exist_ok=True)
 
 
 # -- reading weights back ----------------------------------------------------------------------

@@ -151,6 +151,11 @@ def test_cli_import_train_export_loads_in_transformers_with_mtcs_logits(tmp_path
     code = main(["train", "--store", str(run), "--data", str(_tokens(tmp_path / "bytes.bin")), "--steps", "3", "--unfused",
                  "--micro-batch-size", "1", "--seq-len", "64"])
     assert code == 2 and "not by the run's tokenizer" in capsys.readouterr().err
+    # a run started from this one (--init-from RUN) holds the tokenizer too, and refuses alike
+    code = main(["train", "--store", str(tmp_path / "warm"), "--init-from", str(run), "--data",
+                 str(_tokens(tmp_path / "bytes.bin")), "--steps", "3", "--unfused", "--micro-batch-size", "1",
+                 "--seq-len", "64"])
+    assert code == 2 and "not by the run's tokenizer" in capsys.readouterr().err
     (tmp_path / "text.txt").write_text("hello world hello hello world\n" * 3000)
     assert main(["prepare", str(tmp_path / "text.txt"), "-o", str(data), "--tokenizer", str(run / "tokenizer"), "--eos", "[UNK]"]) == 0
     assert main(["verify", str(run)]) == 0  # zero Adam state is written: a healthy store
@@ -246,6 +251,11 @@ def test_init_from_a_run_and_from_hf_starts_with_its_weights_and_fresh_moments(t
     with TensorStore.open(tmp_path / "new", read_only=True) as st:
         assert st.last_commit().step == 0
         assert not st.read(state_array_name(1, "m", 0)).any() and not st.read(state_array_name(1, "v", 0)).any()
+    # what the source run knew of its Hugging Face origin comes along (export's architecture, EOS ids)
+    assert (tmp_path / "new" / "hf" / "config.json").read_bytes() == (src / "hf" / "config.json").read_bytes()
+    if (src / "tokenizer").is_dir():
+        assert sorted(p.name for p in (tmp_path / "new" / "tokenizer").iterdir()) == \
+            sorted(p.name for p in (src / "tokenizer").iterdir())
     # the same command again resumes the seeded store instead of refusing it
     argv = ["train", "--store", str(tmp_path / "new"), "--init-from", str(src), "--steps", "2", *common]
     assert main(argv) == 0, capsys.readouterr().err

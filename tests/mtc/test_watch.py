@@ -198,10 +198,34 @@ def test_generate_with_kv_cache_equals_without_and_the_resident_model(gen_run):
     assert a.tokens == b.tokens
 
 
-def test_generate_past_the_window_refills_the_cache(gen_run):
-    store, _ = gen_run
+def test_generate_past_the_window_refills_the_cache_with_and_without_it_alike(gen_run):
+    store, cfg = gen_run
     r = generate_from_store(store, "abc", max_new_tokens=20, temperature=0, context=12)
-    assert len(r.tokens) == 20
+    assert len(r.tokens) == 20 and r.context == 12 and r.prompt_dropped == 0
+    # the uncached path checks the cached one: the same windows, so the same tokens; so does the
+    # resident model's plain forward
+    assert generate_from_store(store, "abc", max_new_tokens=20, temperature=0, context=12, kv_cache=False).tokens == r.tokens
+    with TensorStore.open(store, read_only=True) as st:
+        model = build_model(cfg)
+        load_into_module(model, load_plan(store / "plan"), st, st.last_commit().generation)
+    assert generate(model, list(ByteTokenizer().encode("abc")), max_new_tokens=20, context=12, temperature=0) == r.tokens
+    long = generate_from_store(store, "a longer prompt than that", max_new_tokens=3, temperature=0, context=12)
+    assert long.prompt_dropped == len("a longer prompt than that") - 12
+    # no context named: the whole prompt and continuation (no window), up to the model's max_seq_len
+    assert generate_from_store(store, "abc", max_new_tokens=40, temperature=0).context == 43
+
+
+def test_generate_stops_at_the_eos_ids_an_imported_checkpoint_names(gen_run, tmp_path):
+    import shutil
+
+    store, _ = gen_run
+    first = generate_from_store(store, "The sea at", max_new_tokens=6, temperature=0).tokens
+    copy = tmp_path / "run"
+    shutil.copytree(store, copy)
+    (copy / "hf").mkdir()
+    (copy / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, first[2]]}))
+    r = generate_from_store(copy, "The sea at", max_new_tokens=6, temperature=0)
+    assert r.tokens == first[: first.index(first[2])] and r.stopped_at_eos
 
 
 def test_cli_generate_prints_text_and_speed_and_refuses_a_missing_step(gen_run, capsys):
