@@ -97,6 +97,20 @@ def _rope(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     raise _refuse(arch, f"rope type {kind!r} (mtc implements default, linear and llama3)")
 
 
+def _window(cfg: dict[str, Any], model_type: str | None) -> int | None:
+    """The sliding attention window a config puts on some layer, or None: Mistral's
+    ``sliding_window``; Qwen2's with ``use_sliding_window``, on the layers from
+    ``max_window_layers`` on (none when that is every layer)."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "mistral":
+        return int(window)
+    if cfg.get("use_sliding_window") and int(cfg.get("max_window_layers", 0)) < int(cfg.get("num_hidden_layers", 0)):
+        return int(window)
+    return None
+
+
 def from_hf_config(cfg: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     """(architecture, mtc family, model_overrides) of a Hugging Face config.json's contents."""
     arch = architecture(cfg)
@@ -112,17 +126,20 @@ def from_hf_config(cfg: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
         raise _refuse(arch, f"hidden_act {act!r} (mtc's MLP is SwiGLU with silu)")
     max_len = int(cfg.get("max_position_embeddings", 2048))
     # mtc attends to the whole causal prefix: a sliding window is exact for sequences within it
-    window = cfg.get("sliding_window")
-    if window is not None and (model_type == "mistral" or cfg.get("use_sliding_window")):
-        max_len = min(max_len, int(window))
-    bias = bool(cfg.get("attention_bias", False))
+    window = _window(cfg, model_type)
+    if window is not None:
+        max_len = min(max_len, window)
+    # only Llama's config reads attention_bias / mlp_bias (Mistral's layers have no biases whatever
+    # the config says; Qwen2's q, k and v always have one, its o and MLP none)
+    bias = bool(cfg.get("attention_bias", False)) if model_type == "llama" else False
     out: dict[str, Any] = {
         "vocab_size": int(_need(cfg, "vocab_size", arch)), "dim": hidden,
         "n_layers": int(_need(cfg, "num_hidden_layers", arch)), "n_heads": heads,
         "n_kv_heads": int(cfg.get("num_key_value_heads") or heads), "ffn_dim": int(_need(cfg, "intermediate_size", arch)),
         "max_seq_len": max_len, "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "qkv_bias": model_type == "qwen2" or bias, "out_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "qkv_bias": model_type == "qwen2" or bias, "out_bias": bias,
+        "mlp_bias": bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
         "init_std": float(cfg.get("initializer_range", 0.02)),
     }
     return arch, family, {**out, **_rope(cfg, arch)}
@@ -178,7 +195,7 @@ def to_hf_config(family: str, f: dict[str, Any], base: dict[str, Any] | None, dt
                 "num_key_value_heads": f["n_kv_heads"], "intermediate_size": f["ffn_dim"], "head_dim": f["dim"] // f["n_heads"],
                 "rms_norm_eps": f["norm_eps"], "tie_word_embeddings": f["tie_embeddings"], "hidden_act": "silu",
                 "initializer_range": f["init_std"], "torch_dtype": dtype})
-    if not (base or {}).get("sliding_window") or arch == "Qwen2ForCausalLM":
+    if base is None or _window(base, base.get("model_type")) is None:  # (a window capped max_seq_len: keep the config's)
         out["max_position_embeddings"] = f["max_seq_len"]
     if arch != "Qwen2ForCausalLM":
         out.update({"attention_bias": f["out_bias"], "mlp_bias": f["mlp_bias"]})
