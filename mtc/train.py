@@ -36,6 +36,7 @@ from mtc import user_model
 from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
 from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits, check_store_tokenizer, check_tokenizer_identity
+from mtc.data.tokens import check_tokenizer_file
 from mtc.errors import ConfigError, DataError, MTCError, StoreError
 from mtc.graphs.program import Program
 from mtc.metrics import peak_rate
@@ -489,6 +490,11 @@ def open_run(
             raise ConfigError("init_from needs a store directory to write the starting weights into")
         if isinstance(data, TokenFile):
             data.check_vocab(model_config(cfg.model, **cfg.model_overrides).vocab_size)
+            # the source's tokenizer (a run's RUN/tokenizer/, a checkpoint's own) must have made the
+            # data: refused before the new store is seeded
+            src = Path(init_from)
+            check_tokenizer_file(src / "tokenizer" / "tokenizer.json" if (src / "commit.json").is_file()
+                                 else src / "tokenizer.json", data)
         seed_store(init_from, path, cfg, overwrite=overwrite)
         overwrite = False
     if path is not None and (path / "commit.json").exists() and not overwrite:

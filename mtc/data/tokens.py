@@ -539,7 +539,11 @@ def check_store_tokenizer(store_dir: str | os.PathLike[str] | None, data: TokenF
     `mtc import`) and ``data`` was made by another one (compared by tokenizer.json's sha256)."""
     if store_dir is None:
         return
-    f = Path(store_dir) / "tokenizer" / "tokenizer.json"
+    check_tokenizer_file(Path(store_dir) / "tokenizer" / "tokenizer.json", data)
+
+
+def check_tokenizer_file(f: Path, data: TokenFile) -> None:
+    """Raise DataError when ``f`` (a tokenizer.json) exists and ``data`` was made by another tokenizer."""
     if not f.is_file():
         return
     want = hashlib.sha256(f.read_bytes()).hexdigest()

@@ -156,6 +156,7 @@ def test_cli_import_train_export_loads_in_transformers_with_mtcs_logits(tmp_path
                  str(_tokens(tmp_path / "bytes.bin")), "--steps", "3", "--unfused", "--micro-batch-size", "1",
                  "--seq-len", "64"])
     assert code == 2 and "not by the run's tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "warm").exists()  # refused before the new store was seeded
     (tmp_path / "text.txt").write_text("hello world hello hello world\n" * 3000)
     assert main(["prepare", str(tmp_path / "text.txt"), "-o", str(data), "--tokenizer", str(run / "tokenizer"), "--eos", "[UNK]"]) == 0
     assert main(["verify", str(run)]) == 0  # zero Adam state is written: a healthy store
