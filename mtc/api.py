@@ -205,6 +205,10 @@ def train(
         if not resuming:  # the plan fixes the dtype as `mtc train --plan` does (a resume keeps the store's)
             pfields["compute_dtype"] = fields.get("compute_dtype", _traced_dtype(program))
         rec = user_model.read_model_record(plan) if plan is not None and not isinstance(plan, Program) else None
+        if rec is not None and not resuming:  # the kernels' options the plan was compiled with (as `mtc train --plan`)
+            from mtc.plan import PLAN_KERNEL_FIELDS
+
+            pfields.update({k: fields.get(k, rec[k]) for k in PLAN_KERNEL_FIELDS if k in rec})
         if model is None and rec is not None:
             model = rec.get("factory") or (rec["model"] if rec.get("model") != user_model.CUSTOM else None)
     if model is not None:

@@ -188,6 +188,19 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: 
     return model.to(want)
 
 
+def _check_factory_unchanged(cfg: TrainConfig, program: Program, plan: object) -> None:
+    """ConfigError when the factory a plan records now builds another model than the plan's (its
+    code changed, its shapes not: the plan would silently train the old graph). The factory is
+    traced again on the meta device, at the plan's shape and dtype, and the fingerprints compared."""
+    b, t = program.batch["ids"].shape
+    traced = trace(build_model(cfg, device="meta"), b, t)
+    if user_model.program_fingerprint(traced) != user_model.program_fingerprint(program):
+        src = plan if not isinstance(plan, Program) else "the plan given"
+        raise ConfigError(f"factory {cfg.model} now builds another model than {src} was traced from (same parameters, "
+                          f"other computation); compile it again: `mtc compile --model {cfg.model} -o {src}`, or "
+                          "restore the factory's code")
+
+
 def at_dtype(model: nn.Module, dtype: str) -> nn.Module:
     """``model`` in ``dtype`` for tracing; a copy when it is in another dtype (the caller's model is not changed)."""
     want = getattr(torch, dtype)
@@ -554,6 +567,8 @@ def open_run(
         traced = build_model(cfg, device="meta") if preset else at_dtype(model, cfg.resolved_compute_dtype)
         program = trace(traced, cfg.micro_batch_size, cfg.seq_len)
     user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
+    if plan is not None and user_model.is_factory_path(cfg.model):
+        _check_factory_unchanged(cfg, program, plan)
     program = apply_decay_groups(apply_frozen(program, model), cfg.optim)
     if data is not None:
         data.check_vocab(_model_vocab(program))

@@ -307,3 +307,15 @@ def test_a_runs_weights_load_strictly_into_the_users_module_with_tied_names_and_
     again.load_state_dict(sd)  # strict
     assert again.head.weight is again.tok.weight and float(again.scale) == 0.5
     assert not torch.equal(again.tok.weight, model.tok.weight)  # trained
+
+
+def test_a_plan_directory_gives_the_run_its_kernel_options(tokens, program, tmp_path):
+    """As `mtc train --plan`: the options the plan was compiled with (matmul_fusion) become the
+    run's, so its templates load instead of recompiling as stale."""
+    import json
+
+    d = mtc.save_plan(program, tmp_path / "plan", factory=build)
+    rec = json.loads((d / "model.json").read_text())
+    (d / "model.json").write_text(json.dumps({**rec, "matmul_fusion": "on"}))
+    with mtc.train(plan=d, data=tokens, store=tmp_path / "s", steps=1) as res:
+        assert res.store.last_commit().config["matmul_fusion"] == "on"

@@ -98,3 +98,38 @@ def test_train_model_by_import_path_matches_the_python_api(tmp_path, tokens, cap
             got.append(read_params(res.program, st, st.last_commit().generation))
     for k in got[1]:
         assert torch.equal(got[0][k], got[1][k]), k
+
+
+def test_a_factory_whose_code_changed_is_refused_before_training_its_old_plan(tmp_path, tokens, capsys, monkeypatch):
+    """Same parameter names and shapes, other computation: the plan's old graph would train."""
+    import sys
+    import textwrap
+
+    mod = tmp_path / "mine_models.py"
+    src = textwrap.dedent("""
+        import torch.nn.functional as F
+        from tests.mtc import custom_models
+
+        class Block(custom_models.Block):
+            def forward(self, x):
+                q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+                att = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal=True)
+                x = x + self.proj(att.squeeze(1))
+                return x + self.down(F.ACT(self.up(self.norm2(x))))
+
+        def build():
+            m = custom_models.TinyLM()
+            m.blocks = type(m.blocks)(Block(16) for _ in range(2))
+            return m
+    """)
+    mod.write_text(src.replace("ACT", "gelu"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = mtc.save_plan(mtc.trace(sys.modules.setdefault("mine_models", __import__("mine_models")).build(), 2, 16),
+                         tmp_path / "plan", factory="mine_models:build")
+    common = ["train", "--plan", plan, "--data", tokens.path, "--unfused", "--steps", 1]
+    assert _run(capsys, *common, "--store", tmp_path / "a")[0] == 0
+    mod.write_text(src.replace("ACT", "relu"))
+    sys.modules.pop("mine_models")
+    code, _, err = _run(capsys, *common, "--store", tmp_path / "b")
+    assert code == 2 and "factory mine_models:build now builds another model than" in err and "mtc compile --model" in err, err
+    assert not (tmp_path / "b").exists()
