@@ -76,10 +76,14 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             given[path] = parse_field(path, raw, flag=_flag(path))
     for path, val in given.items():
         if plan_fields is not None and path in plan_fields and val != plan_fields[path]:
+            if path == "compute_dtype" and val == "auto":
+                probe = TrainConfig(compute_dtype="auto", device=given.get("device", cfg.device))
+                if probe.resolved_compute_dtype == plan_fields[path]:
+                    continue  # auto means the plan's dtype on this device: the same run
             flag = _flag(path)
             raise ConfigError(
                 f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
-                f"with `mtc compile {_compile_source(plan_fields['model'])} {_COMPILE_FLAGS.get(path, flag)} {val} -o {a.plan}`"
+                f"with `{_recompile_command(a.plan, plan_fields, path, val)}`"
             )
         set_field(cfg, path, val)
     device_note = ""
@@ -137,6 +141,17 @@ def _stored_model(a: argparse.Namespace) -> dict:
         raise ConfigError(f"store {a.store} holds no run to take the model from; give --preset, --config or --plan "
                           "(or --init-from a run or Hugging Face checkpoint)")
     return fields
+
+
+def _recompile_command(plan: str, fields: dict, path: str, val: object) -> str:
+    """The `mtc compile` command that makes ``plan`` again with ``path`` = ``val`` and every other
+    setting it was compiled with (shape, dtype, matmul fusion)."""
+    if path == "compute_dtype" and val == "auto":
+        val = "bfloat16"  # (`mtc compile --dtype` names the dtype: auto would be the CPU's float32)
+    want = {"micro_batch_size": fields.get("micro_batch_size"), "seq_len": fields.get("seq_len"),
+            "compute_dtype": fields.get("compute_dtype"), "matmul_fusion": fields.get("matmul_fusion"), path: val}
+    flags = " ".join(f"{_COMPILE_FLAGS.get(k, _flag(k))} {v}" for k, v in want.items() if v is not None)
+    return f"mtc compile {_compile_source(fields['model'])} {flags} -o {plan}"
 
 
 def _compile_source(model: str) -> str:

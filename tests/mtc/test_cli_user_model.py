@@ -133,3 +133,13 @@ def test_a_factory_whose_code_changed_is_refused_before_training_its_old_plan(tm
     code, _, err = _run(capsys, *common, "--store", tmp_path / "b")
     assert code == 2 and "factory mine_models:build now builds another model than" in err and "mtc compile --model" in err, err
     assert not (tmp_path / "b").exists()
+
+
+def test_train_plan_flags_that_differ_from_the_plan_are_refused_with_the_whole_recompile_command(tmp_path, tokens, capsys):
+    plan = mtc.save_plan(mtc.trace(TinyLM(), 2, 16), tmp_path / "plan", factory=build)
+    common = ["train", "--plan", plan, "--store", tmp_path / "s", "--data", tokens.path, "--unfused", "--steps", 1,
+              "--device", "cpu"]
+    code, _, err = _run(capsys, *common, "--seq-len", 8)
+    assert code == 2 and f"recompile with `mtc compile --model {FACTORY} --micro-batch-size 2 --seq-len 8 --dtype " \
+        f"float32 -o {plan}`" in err, err
+    assert _run(capsys, *common, "--compute-dtype", "auto")[0] == 0  # auto is float32 on the CPU: the plan's dtype
