@@ -37,7 +37,9 @@ import importlib.util
 import itertools
 import math
 import operator
+import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -750,7 +752,7 @@ def compile_group(group: FusionGroup, cache_dir: Path) -> FusedKernel:
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{name}.py"
     if not path.exists() or path.read_text() != src:
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # (own name: writers may race)
         tmp.write_text(src)
         tmp.replace(path)
     return FusedKernel.of_group(_import(path, name), group, mode, src)

@@ -62,6 +62,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -732,7 +733,7 @@ def compile_program(
         ct = compile_template(t, cache_dir, attention=attention, grad_aux=grad_aux, matmul_fusion=matmul_fusion)
         ct.seconds = time.perf_counter() - t0  # the stale record's reading included
         records.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # (own name: writers may race)
         tmp.write_text(json.dumps(_record(ct, key)))
         os.replace(tmp, path)
         out[tid] = ct

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -38,7 +39,7 @@ def save_plan(program: Program, path: str | Path) -> Path:
         doc = program_to_dict(program)
     except SerializeError as e:
         raise PlanError(f"cannot write plan {root}: {e}") from None
-    tmp = root / (PROGRAM_FILE + ".tmp")
+    tmp = root / f".{PROGRAM_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"  # (own name: writers may race)
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, root / PROGRAM_FILE)
     if program.constant_values:

@@ -10,9 +10,10 @@ so a run stopped (or killed) after a commit continues exactly as if it had not s
 
 from __future__ import annotations
 
+import atexit
 import base64
-import copy
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -1119,6 +1120,8 @@ def _compile(cfg: TrainConfig, program: Program, st: TensorStore, plan_kernels: 
         cache = st.path / "plan" / "kernels"
     else:
         cache = Path(tempfile.mkdtemp(prefix="mtc-kernels-"))
+        # removed when the process ends (not the run: kernels imported from it may be specialised again later)
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
         if plan_kernels is not None and plan_kernels.is_dir():
             shutil.copytree(plan_kernels, cache, dirs_exist_ok=True)
     return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
