@@ -140,10 +140,10 @@ def profiled_kernels(fn: Callable[[], Any]) -> int:
 
 
 def second_stage_launches(graph: Any) -> int:
-    """Launches a compiled graph's column kernels add after their own (their combines), beyond
-    the proxy's one per kernel-invoking node (on the GPU, where their rows split into chunks)."""
-    return sum(n.target.second_stage_launches for n in graph.nodes
-               if n.op == "call_function" and hasattr(n.target, "second_stage_launches"))
+    """Launches a compiled graph's column kernels add after their own (`mtc.compiler.second_stage_launches`)."""
+    from mtc.compiler import second_stage_launches as count
+
+    return count(graph)
 
 
 def generated_bytes(graph: Any) -> int:

@@ -107,7 +107,8 @@ from mtc.kernels.tuning import Decisions, tuning_input
 
 __all__ = [
     "PASSES", "CompiledTemplate", "GraphReport", "Pass", "PlanTimes", "Work", "cache_key", "compile_program",
-    "compile_template", "format_plan_times", "format_report", "launches", "plan_times", "staleness_key", "toolchain_key",
+    "compile_template", "format_plan_times", "format_report", "launches", "plan_times", "second_stage_launches",
+    "staleness_key", "toolchain_key",
     "write_report",
 ]
 
@@ -145,7 +146,7 @@ class CompiledTemplate:
     save_graph: fx.Graph | None = None
     backward_graph: fx.Graph | None = None
     saved: list[tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
-    split_reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)  # 'save', 'backward'
+    split_reports: dict[str, GraphReport] = dataclasses.field(default_factory=dict)  # 'save', 'backward_saved'
     split_note: str = ""  # why a block has no split graphs, when it has none
     _modules: dict[tuple[str, str], fx.GraphModule] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -764,13 +765,30 @@ def format_plan_times(t: PlanTimes) -> str:
             f"in {t.compile_s:.2f} s, tuning {t.tuning_s:.2f} s")
 
 
+def second_stage_launches(graph: fx.Graph | None) -> int:
+    """Launches a compiled graph's column kernels add after their own (their combines), beyond one
+    per kernel-invoking node (on the GPU, where their rows split into chunks)."""
+    return 0 if graph is None else sum(n.target.second_stage_launches for n in graph.nodes
+                                       if n.op == "call_function" and hasattr(n.target, "second_stage_launches"))
+
+
 def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> str:
-    """Per template: ATen ops vs kernel launches, forward and backward, and what stays on ATen."""
-    lines = [f"{'template':26s} {'calls':>5s} {'fwd ATen ops':>12s} {'fwd kernels':>11s} {'bwd ATen ops':>12s} {'bwd kernels':>11s}"]
+    """Per template: core ATen ops vs kernel launches, forward and backward (and the graphs a block
+    keeping its activations runs), and what stays on ATen."""
+    lines = [f"{'template':26s} {'calls':>5s} {'fwd core ATen':>13s} {'fwd kernels':>11s} {'bwd core ATen':>13s} "
+             f"{'bwd kernels':>11s}"]
     for tid, ct in compiled.items():
         calls = sum(1 for c in program.layers if c.template == tid)
         f, b = ct.forward_report, ct.backward_report
-        lines.append(f"{tid:26s} {calls:5d} {f.aten_ops:12d} {f.kernels:11d} {b.aten_ops:12d} {b.kernels:11d}")
+        lines.append(f"{tid:26s} {calls:5d} {f.aten_ops:13d} {f.kernels:11d} {b.aten_ops:13d} {b.kernels:11d}")
+        extra = second_stage_launches(ct.forward_graph) + second_stage_launches(ct.joint_graph)
+        if extra:
+            lines.append(f"    + {second_stage_launches(ct.forward_graph)} / {second_stage_launches(ct.joint_graph)} "
+                         "second-stage combines of column kernels (fwd / bwd, on the GPU)")
+        if ct.split_reports:
+            sv, bk = ct.split_reports.get("save"), ct.split_reports.get("backward_saved")
+            lines.append(f"    keeping its activations: forward-and-save {sv.kernels if sv else '-'} kernels, backward "
+                         f"from the saved values {bk.kernels if bk else '-'} kernels")
         ht = Counter(f.hand_tuned) + Counter(b.hand_tuned)
         if ht:
             lines.append("    hand-tuned kernels: " + ", ".join(f"{k} x{v}" for k, v in sorted(ht.items())))
@@ -780,6 +798,8 @@ def format_report(program: Program, compiled: dict[str, CompiledTemplate]) -> st
         ng = Counter(f.not_generated) + Counter(b.not_generated)
         if ng:
             lines.append("    groups left unfused: " + "; ".join(f"{k} x{v}" for k, v in sorted(ng.items())))
+    lines.append("(core ATen: the decomposed ops the generated kernels replace; a composite op such as layer_norm, "
+                 "gelu or cross_entropy counts as its parts, so unfused execution dispatches fewer, larger ops)")
     return "\n".join(lines)
 
 
@@ -789,6 +809,9 @@ def write_report(program: Program, compiled: dict[str, CompiledTemplate], plan_d
     doc: dict[str, Any] = {
         tid: {"calls": sum(1 for c in program.layers if c.template == tid),
               "forward": dataclasses.asdict(ct.forward_report), "backward": dataclasses.asdict(ct.backward_report),
+              "split": {k: dataclasses.asdict(r) for k, r in ct.split_reports.items()},
+              "second_stage_launches": {"forward": second_stage_launches(ct.forward_graph),
+                                        "backward": second_stage_launches(ct.joint_graph)},
               "loaded": ct.loaded, "compile_s": ct.seconds, "tuning_s": ct.tuning_s, "tuning": ct.tuning}
         for tid, ct in compiled.items()
     }

@@ -113,6 +113,11 @@ def test_cli_compile_reports_and_caches(tmp_path, capsys):
     assert block["forward"]["kernels"] < block["forward"]["aten_ops"]
     assert block["backward"]["kernels"] < block["backward"]["aten_ops"]
     assert "fwd kernels" in out and "block-" in out
+    # what a block keeping its activations runs, and the column kernels' second stages, are reported too
+    assert block["split"]["save"]["kernels"] > 0 and block["split"]["backward_saved"]["kernels"] > 0
+    assert block["second_stage_launches"]["backward"] >= 1
+    assert (f"keeping its activations: forward-and-save {block['split']['save']['kernels']} kernels, backward from the "
+            f"saved values {block['split']['backward_saved']['kernels']} kernels") in out
     # one line of totals, also in the report: compile and tuning seconds, templates compiled / loaded
     assert rep["plan"]["compiled"] == 3 and rep["plan"]["loaded"] == 0 and rep["plan"]["compile_s"] >= block["compile_s"] > 0
     assert block["loaded"] is False and block["tuning_s"] >= 0 and set(block["tuning"]) == {"attention", "generated", "matmul_fusion"}
