@@ -17,6 +17,8 @@ one ``<|role|>`` line before each message's content; an assistant reply ends wit
 
 from __future__ import annotations
 
+import datetime
+import json
 from typing import Any
 
 import numpy as np
@@ -60,8 +62,16 @@ class _Renderer:
         def raise_exception(msg: str) -> None:
             raise TemplateError(msg)
 
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:
+            # plain JSON, as the templates expect (jinja2's own filter HTML-escapes <, >, & and ')
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        # what transformers' apply_chat_template gives templates besides (Llama 3.x dates its system prompt)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         self._error = TemplateError
         try:
             self._t = env.from_string(template)

@@ -51,6 +51,20 @@ def test_chat_template_marks_every_assistant_turn(tmp_path):
     assert got == ["By the lantern.<|im_end|>\n", "In the harbour.<|im_end|>\n"]
 
 
+def test_chat_templates_get_what_transformers_gives_them(tmp_path):
+    """strftime_now (Llama 3.x dates its system prompt) and a tojson that does not HTML-escape."""
+    pytest.importorskip("jinja2")
+    import datetime
+
+    from mtc.data.chat import _Renderer
+
+    tmpl = "{{ strftime_now('%Y') }}|{% for m in messages %}{{ m | tojson }}{% endfor %}"
+    tok = get_tokenizer("byte")
+    msgs = [{"role": "user", "content": "a <b> & 'c'"}]
+    out = _Renderer(tmpl, tok)(msgs, False)
+    assert out == f"{datetime.datetime.now().year}|" + json.dumps(msgs[0], ensure_ascii=False)
+
+
 def test_chat_template_from_chat_template_jinja_and_parquet_messages(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pytest.importorskip("jinja2")
