@@ -38,7 +38,7 @@ from mtc.batch_source import BatchSource
 from mtc.config import TrainConfig, check_device
 from mtc.data import BatchSampler, TokenFile, check_data_identity, check_fits, check_store_tokenizer, check_tokenizer_identity
 from mtc.data.tokens import check_tokenizer_file
-from mtc.errors import ConfigError, DataError, MTCError, StoreError
+from mtc.errors import ConfigError, DataError, MTCError, PlanError, StoreError
 from mtc.graphs.program import Program
 from mtc.metrics import peak_rate
 from mtc.models import build, model_config
@@ -564,6 +564,10 @@ def open_run(
         program = plan
     elif plan is not None:
         program = load_plan(plan)
+        rec = user_model.read_model_record(plan)
+        if rec and rec.get("program_sha256") not in (None, user_model.program_fingerprint(program)):
+            raise PlanError(f"plan {plan}: its program.json is not the program its model.json was written for (a "
+                            "compile into the directory still running, or files of two plans); compile the plan again")
     else:  # a preset's trace needs only its shapes: on meta (the same program), no second copy of the weights
         traced = build_model(cfg, device="meta") if preset else at_dtype(model, cfg.resolved_compute_dtype)
         program = trace(traced, cfg.micro_batch_size, cfg.seq_len)

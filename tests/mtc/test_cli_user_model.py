@@ -143,3 +143,15 @@ def test_train_plan_flags_that_differ_from_the_plan_are_refused_with_the_whole_r
     assert code == 2 and f"recompile with `mtc compile --model {FACTORY} --micro-batch-size 2 --seq-len 8 --dtype " \
         f"float32 -o {plan}`" in err, err
     assert _run(capsys, *common, "--compute-dtype", "auto")[0] == 0  # auto is float32 on the CPU: the plan's dtype
+
+
+def test_a_plan_whose_program_and_model_record_disagree_is_refused_before_a_store_exists(tmp_path, tokens, capsys):
+    import shutil
+
+    a = mtc.save_plan(mtc.trace(TinyLM(), 2, 16), tmp_path / "a", factory=build)
+    b = mtc.save_plan(mtc.trace(TinyLM(n_layers=3), 2, 16), tmp_path / "b", factory=build)
+    shutil.copy(b / "program.json", a / "program.json")  # as read while a compile rewrites the directory
+    code, _, err = _run(capsys, "train", "--plan", a, "--store", tmp_path / "s", "--data", tokens.path, "--unfused",
+                        "--steps", 1)
+    assert code == 2 and "its program.json is not the program its model.json was written for" in err, err
+    assert not (tmp_path / "s").exists()
