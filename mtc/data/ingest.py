@@ -135,13 +135,14 @@ def prepare(
     ones (no tokens, so no document) and the skipped ones with the first few reasons."""
     tok = get_tokenizer(tokenizer, eos_token=eos_token) if isinstance(tokenizer, str) else tokenizer
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
-    files = input_files(paths, fmt)
+    bin_path, json_path = token_file_paths(out_path)
+    stem = bin_path.with_suffix("")
+    ours = [bin_path, json_path] + [stem.with_name(stem.name + s) for s in (".docs", ".mask", ".tokenizer")]
+    files = input_files(paths, fmt, skip=ours)
     sft = prompt_field is not None or response_field is not None or messages_field is not None
     if not sft and tok.eos_id is None and tok.name != "byte":
         raise DataError(f"tokenizer {tok.name!r} names no EOS token to separate documents; pass --eos TOKEN "
                         "(one of its special tokens), or add eos_token to its tokenizer_config.json")
-    bin_path, _ = token_file_paths(out_path)
-    stem = bin_path.with_suffix("")
     tok_dir = stem.with_name(stem.name + ".tokenizer") if tok.files else None
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     with TokenWriter(bin_path, vocab_size=tok.vocab_size, tokenizer=tok.name, with_docs=True, with_mask=sft,

@@ -59,27 +59,54 @@ def _format_of(p: Path) -> str | None:
     return next((f for f, sfx in _SUFFIXES.items() if p.suffix in sfx), None)
 
 
-def input_files(inputs: Sequence[str | Path], fmt: str | None) -> list[tuple[Path, str]]:
-    """Each input file with its format: files as given, directories expanded (sorted by name) to
-    the files of the format (``fmt``, or every known suffix when None)."""
+def input_files(inputs: Sequence[str | Path], fmt: str | None,
+                skip: Sequence[Path] = ()) -> list[tuple[Path, str]]:
+    """Each input file with its format: files as given, directories expanded to the files of the
+    format (``fmt``, or every known suffix when None), sorted by name. Hidden entries
+    (a name starting with ".": temporary files, .git) and ``skip`` (the output's own files, which
+    would otherwise come back as input on a re-run into the input directory) are left out of
+    directories."""
     if fmt is not None and fmt not in FORMATS:
         raise DataError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not inputs:
         raise DataError("no input given; pass text files, JSONL or parquet files, or directories of them")
+    skipped = {s.resolve() for s in skip}
     out: list[tuple[Path, str]] = []
     for raw in inputs:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.is_file() and (_format_of(f) if fmt is None else _format_of(f) == fmt))
+            found = [f for f in _walk(p, skipped) if (_format_of(f) if fmt is None else _format_of(f) == fmt)]
             if not found:
                 want = ", ".join(f"*{s}" for s in (_SUFFIXES[fmt] if fmt else sum(_SUFFIXES.values(), ())))
                 raise DataError(f"no input files ({want}) in directory {p}; pass files, or --format for their kind")
             out += [(f, fmt or _format_of(f) or "text") for f in found]
         elif p.is_file():
+            if p.resolve() in skipped:
+                raise DataError(f"input {p} is part of the token file being written; leave it out of the inputs")
             out.append((p, fmt or _format_of(p) or "text"))
         else:
             raise DataError(f"input {p} does not exist; pass text, JSONL or parquet files, or directories of them")
     return out
+
+
+def _walk(d: Path, skipped: set[Path]) -> list[Path]:
+    """The files in directory ``d``, sorted by name, without hidden entries, ``skipped`` ones or
+    token files `prepare` wrote (a header beside a NAME.bin)."""
+    return [e for e in sorted(d.iterdir())
+            if e.is_file() and not e.name.startswith(".") and e.resolve() not in skipped and not _is_token_file_part(e)]
+
+
+def _is_token_file_part(e: Path) -> bool:
+    """Whether ``e`` is the header or the tokenizer directory of a token file NAME.bin beside it."""
+    if e.suffix not in (".json", ".tokenizer") or not e.with_suffix(".bin").is_file():
+        return False
+    if e.suffix == ".tokenizer":
+        return e.is_dir()
+    try:
+        with open(e, "rb") as f:
+            return b'"mtc-tokens"' in f.read(256)
+    except OSError:
+        return False
 
 
 def _text_pieces(path: Path) -> Iterator[str]:

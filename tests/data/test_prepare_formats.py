@@ -220,3 +220,19 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_as_such(tmp_path):
     f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(BadRecordError, match=r"d.jsonl:2 is not valid UTF-8 \(byte 13 of the line"):
         prepare(f, tmp_path / "o.bin")
+
+
+def test_preparing_into_the_input_directory_again_reads_the_same_inputs(tmp_path):
+    """The token file's own header (a .json) and other token files beside the inputs are not inputs."""
+    d = bpe_dir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text(DOCS[0])
+    (data / "b.jsonl").write_text(json.dumps({"text": DOCS[1]}) + "\n")
+    first = prepare(data, data / "corpus.bin", tokenizer=str(d))
+    prepare(data / "b.jsonl", data / "other.bin", tokenizer=str(d))  # another token file in the directory
+    again = prepare(data, data / "corpus.bin", tokenizer=str(d))
+    assert again.header.docs["n_docs"] == 2 and again.header.source["read"] == 2
+    assert again.header.sha256 == first.header.sha256
+    with pytest.raises(DataError, match="corpus.json is part of the token file being written"):
+        prepare([data / "b.jsonl", data / "corpus.json"], data / "corpus.bin", tokenizer=str(d))
