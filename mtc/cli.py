@@ -889,7 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Each text file, JSONL line or parquet row is one document, followed by the "
                         "tokenizer's EOS token; SFT records (--prompt-field/--response-field or --messages-field) get "
                         "a loss mask so only the responses are trained on.")
-    pr.add_argument("inputs", nargs="+", metavar="INPUT", help="files, or directories of *.txt / *.jsonl / *.parquet")
+    pr.add_argument("inputs", nargs="+", metavar="INPUT", help="files, or directories of *.txt / *.jsonl / *.parquet (read at any depth)")
     pr.add_argument("-o", "--output", required=True, help="the token file to write (OUT.bin, with OUT.json beside it)")
     pr.add_argument("--tokenizer", default="byte", help="'byte' (default), a tokenizer.json, or a Hugging Face "
                     "tokenizer directory; its files are copied to OUT.tokenizer/")

@@ -62,7 +62,7 @@ def _format_of(p: Path) -> str | None:
 def input_files(inputs: Sequence[str | Path], fmt: str | None,
                 skip: Sequence[Path] = ()) -> list[tuple[Path, str]]:
     """Each input file with its format: files as given, directories expanded to the files of the
-    format (``fmt``, or every known suffix when None), sorted by name. Hidden entries
+    format (``fmt``, or every known suffix when None) at any depth, sorted by path. Hidden entries
     (a name starting with ".": temporary files, .git) and ``skip`` (the output's own files, which
     would otherwise come back as input on a re-run into the input directory) are left out of
     directories."""
@@ -89,11 +89,23 @@ def input_files(inputs: Sequence[str | Path], fmt: str | None,
     return out
 
 
-def _walk(d: Path, skipped: set[Path]) -> list[Path]:
-    """The files in directory ``d``, sorted by name, without hidden entries, ``skipped`` ones or
-    token files `prepare` wrote (a header beside a NAME.bin)."""
-    return [e for e in sorted(d.iterdir())
-            if e.is_file() and not e.name.startswith(".") and e.resolve() not in skipped and not _is_token_file_part(e)]
+def _walk(d: Path, skipped: set[Path], seen: set[Path] | None = None) -> list[Path]:
+    """The files under directory ``d``, sorted by path, without hidden entries, ``skipped`` ones or
+    token files `prepare` wrote (a header and tokenizer directory beside a NAME.bin)."""
+    seen = set() if seen is None else seen
+    real = d.resolve()
+    if real in seen:  # a symlink back up the tree
+        return []
+    seen.add(real)
+    out: list[Path] = []
+    for e in sorted(d.iterdir()):
+        if e.name.startswith(".") or e.resolve() in skipped or _is_token_file_part(e):
+            continue
+        if e.is_dir():
+            out += _walk(e, skipped, seen)
+        elif e.is_file():
+            out.append(e)
+    return out
 
 
 def _is_token_file_part(e: Path) -> bool:

@@ -236,3 +236,16 @@ def test_preparing_into_the_input_directory_again_reads_the_same_inputs(tmp_path
     assert again.header.sha256 == first.header.sha256
     with pytest.raises(DataError, match="corpus.json is part of the token file being written"):
         prepare([data / "b.jsonl", data / "corpus.json"], data / "corpus.bin", tokenizer=str(d))
+
+
+def test_a_directory_is_read_at_every_depth(tmp_path):
+    """Files in subdirectories are inputs (they were silently left out); hidden ones are not."""
+    data = tmp_path / "data"
+    for rel, text in (("b.txt", "top"), ("a/x.txt", "nested"), ("a/deeper/y.jsonl", '{"text": "deep"}\n'),
+                      (".git/z.txt", "hidden")):
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_text(text)
+    (data / "a" / "loop").symlink_to(data, target_is_directory=True)  # a link back up is followed once
+    tf = prepare(data, tmp_path / "o.bin")
+    assert bytes(tf.tokens.astype(np.uint8)) == b"deep\nnested\n\ntop\n\n"
+    assert tf.header.docs["n_docs"] == 3 and tf.header.source["read"] == 3
