@@ -94,9 +94,11 @@ def _template_spans(messages: list[Message], render: _Renderer) -> tuple[str, li
             continue
         before, upto = render(messages[:i], True), render(messages[: i + 1], False)
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise DataError("the chat template renders a conversation differently from its prefixes, so the "
-                            "assistant replies cannot be located; use --prompt-field/--response-field data with "
-                            "a tokenizer without a chat template, or fix the template")
+            # a conversation's fault as much as the template's (one that drops earlier turns'
+            # reasoning renders single-turn chats fine): name the record, and let it be skipped
+            raise BadRecordError(f"the chat template renders this conversation differently from its prefixes "
+                                 f"(e.g. it rewrites earlier turns), so assistant message {i} cannot be located",
+                                 "keep such conversations to one assistant turn, or fix the template")
         spans.append((len(before), len(upto)))
     return text, spans
 

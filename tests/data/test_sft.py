@@ -156,3 +156,22 @@ def test_rewriting_a_token_file_drops_its_old_sidecars(tmp_path):
     assert (tmp_path / "x.mask").is_file()
     tf = prepare(src, tmp_path / "x.bin", field="a")  # the same path, now plain text: no mask
     assert tf.mask is None and not (tmp_path / "x.mask").exists()
+
+
+def test_a_conversation_the_template_rewrites_is_named_and_can_be_skipped(tmp_path):
+    """A template that rewrites earlier turns (drops their reasoning, as Qwen3's does) cannot have its
+    replies located in a multi-turn chat: that record is named, and --skip-bad-records skips it."""
+    pytest.importorskip("jinja2")
+    t = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+         "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+         "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    d = bpe_dir(tmp_path, config={"eos_token": "<|im_end|>", "chat_template": t})
+    one = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    two = [one[0], {"role": "assistant", "content": "<think>x</think>b"}, {"role": "user", "content": "c"},
+           {"role": "assistant", "content": "d"}]
+    src = _jsonl(tmp_path / "s.jsonl", [{"messages": one}, {"messages": two}])
+    with pytest.raises(BadRecordError, match=r"s.jsonl:2: the chat template renders this conversation differently"):
+        prepare(src, tmp_path / "o.bin", tokenizer=str(d), messages_field="messages")
+    tf = prepare(src, tmp_path / "o.bin", tokenizer=str(d), messages_field="messages", skip_bad_records=True)
+    assert tf.header.docs["n_docs"] == 1 and tf.header.source["skipped"] == 1
