@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mtc.data.sources import Message
-from mtc.data.tokenizer import Tokenizer
+from mtc.data.tokenizer import Tokenizer, special_affixes
 from mtc.errors import BadRecordError, DataError
 
 __all__ = ["encode_conversation", "simple_template"]
@@ -127,4 +127,10 @@ def encode_conversation(messages: list[Message], tok: Tokenizer) -> tuple[np.nda
     if not mask.any():
         raise BadRecordError("the conversation has no assistant tokens after tokenization",
                              "check the record and the template")
-    return np.asarray(ids, dtype=np.int64), mask
+    ids = np.asarray(ids, dtype=np.int64)
+    if template is None:
+        # a chat template writes the BOS token itself; mtc's simple template starts the way every
+        # pretraining document does, with the tokenizer's leading special tokens (Llama's BOS)
+        pre, _ = special_affixes(tok)
+        ids, mask = np.concatenate([pre.astype(np.int64), ids]), np.concatenate([np.zeros(len(pre), np.uint8), mask])
+    return ids, mask

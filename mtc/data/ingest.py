@@ -21,7 +21,7 @@ import numpy as np
 
 from mtc.data.chat import encode_conversation
 from mtc.data.sources import RecordFaults, input_files, iter_conversations, iter_texts
-from mtc.data.tokenizer import Tokenizer, get_tokenizer
+from mtc.data.tokenizer import Tokenizer, get_tokenizer, special_affixes
 from mtc.data.tokens import TokenFile, TokenWriter, token_file_paths
 from mtc.errors import BadRecordError, DataError
 
@@ -30,18 +30,6 @@ __all__ = ["prepare"]
 # records are tokenized in batches of about 256 Ki characters (encode_batch): the library holds
 # about 90 bytes per character of a batch while it works (offsets, token strings), 4 Mi cost 370 MB
 _BATCH_CHARS = 1 << 18
-
-
-def _special_affixes(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """The ids a tokenizer's post-processor puts before and after a text (e.g. BOS), found by
-    encoding a word with and without them; pieces are then encoded without, once per document."""
-    plain = tok.encode("a", special=False)
-    full = tok.encode("a", special=True)
-    n = len(plain)
-    for i in range(len(full) - n + 1):
-        if np.array_equal(full[i:i + n], plain):
-            return full[:i], full[i + n:]
-    return full[:0], full[:0]
 
 
 def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
@@ -63,7 +51,7 @@ def _documents(tok: Tokenizer, pieces: Iterator[tuple[str, bool]],
     """(ids, ends_document) of every text piece, with the document's affixes and separator; empty
     documents are dropped (and counted in ``counts``). Short records are tokenized in batches."""
     counts = counts if counts is not None else _Counts()
-    pre, post = _special_affixes(tok)
+    pre, post = special_affixes(tok)
     sep = np.asarray([tok.eos_id]) if tok.eos_id is not None else tok.encode("\n", special=False)
     if len(post) and tok.eos_id is not None and post[-1] == tok.eos_id:
         sep = sep[:0]  # the post-processor already ends a text with EOS

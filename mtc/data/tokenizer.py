@@ -21,7 +21,7 @@ import numpy as np
 
 from mtc.errors import DataError
 
-__all__ = ["TOKENIZER_FILES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "get_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "get_tokenizer", "special_affixes"]
 
 # The files of a Hugging Face tokenizer directory that `prepare` copies beside a token file.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -173,6 +173,18 @@ class HFTokenizer:
     def token(self, token_id: int) -> str | None:
         """The token's string, or None when the id is not in the vocabulary."""
         return self._tok.id_to_token(int(token_id))
+
+
+def special_affixes(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """The ids a tokenizer's post-processor puts before and after a text (e.g. BOS), found by
+    encoding a word with and without them; pieces are then encoded without, once per document."""
+    plain = tok.encode("a", special=False)
+    full = tok.encode("a", special=True)
+    n = len(plain)
+    for i in range(len(full) - n + 1):
+        if np.array_equal(full[i:i + n], plain):
+            return full[:i], full[i + n:]
+    return full[:0], full[:0]
 
 
 def _hub_cache_dir(name: str) -> Path | None:

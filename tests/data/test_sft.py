@@ -175,3 +175,24 @@ def test_a_conversation_the_template_rewrites_is_named_and_can_be_skipped(tmp_pa
         prepare(src, tmp_path / "o.bin", tokenizer=str(d), messages_field="messages")
     tf = prepare(src, tmp_path / "o.bin", tokenizer=str(d), messages_field="messages", skip_bad_records=True)
     assert tf.header.docs["n_docs"] == 1 and tf.header.source["skipped"] == 1
+
+
+def test_the_simple_template_starts_with_the_tokenizers_bos_as_pretraining_documents_do(tmp_path):
+    """A tokenizer whose post-processor puts BOS before a text (Llama's): an SFT conversation
+    rendered by mtc's simple template starts with it (not a target), as every pretraining document does."""
+    from tokenizers import Tokenizer, processors
+
+    d = bpe_dir(tmp_path)
+    t = Tokenizer.from_file(str(d / "tokenizer.json"))
+    t.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    t.save(str(d / "tokenizer.json"))
+    src = _jsonl(tmp_path / "sft.jsonl", [{"q": p, "a": r} for p, r in PAIRS])
+    tf = prepare(src, tmp_path / "sft.bin", tokenizer=str(d), prompt_field="q", response_field="a")
+    pre = prepare(_jsonl(tmp_path / "pt.jsonl", [{"text": p} for p, _ in PAIRS]), tmp_path / "pt.bin", tokenizer=str(d))
+    tok = get_tokenizer(str(d))
+    for i, (p, r) in enumerate(PAIRS):
+        lo, hi = int(tf.docs[i]), int(tf.docs[i + 1])
+        ids, m = np.asarray(tf.tokens[lo:hi]), np.asarray(tf.mask[lo:hi])
+        assert ids[0] == 1 == pre.tokens[int(pre.docs[i])] and m[0] == 0
+        assert np.array_equal(ids[1:], tok.encode(f"<|user|>\n{p}\n<|assistant|>\n{r}<|endoftext|>", special=False))
+        assert tok.decode(ids[m == 1]) == r
