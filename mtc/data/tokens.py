@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -428,6 +429,7 @@ class TokenWriter:
         result; ``source`` (what `prepare` read, see `TokenHeader.source`) goes into the header."""
         if self.docs_path is not None and self.n_tokens > self._doc_start:
             self.add(np.empty(0, dtype=np.int64), None if self.mask_path is None else np.empty(0, _MASK_DTYPE), end_doc=True)
+        stale_tok = self._stale_tokenizer_dir()
         # Drop a stale header first: if we die before the new one lands, open() reports a missing
         # header instead of pairing the new .bin with the old header.
         self.json_path.unlink(missing_ok=True)
@@ -456,7 +458,22 @@ class TokenWriter:
                              docs=docs, mask=mask, source=source, **self._meta)
         text = json.dumps(header.to_dict(), indent=1) + "\n"
         _atomic_write(self.json_path, lambda f: f.write(text.encode("utf-8")))
+        if stale_tok is not None:
+            shutil.rmtree(stale_tok, ignore_errors=True)
         return TokenFile.open(self.bin_path)
+
+    def _stale_tokenizer_dir(self) -> Path | None:
+        """The tokenizer directory the header being replaced names, when the new one names none
+        (a byte-level file written over one from `--tokenizer DIR`): its files would only mislead."""
+        if self._meta["tokenizer_dir"] is not None or not self.json_path.is_file():
+            return None
+        try:
+            old = json.loads(self.json_path.read_text(encoding="utf-8")).get("tokenizer_dir")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            return None
+        stem = self.bin_path.with_suffix("")
+        mine = stem.with_name(stem.name + ".tokenizer")
+        return mine if old == mine.name and mine.is_dir() else None
 
     def abort(self) -> None:
         """Remove the temporary files (nothing was renamed into place)."""

@@ -196,3 +196,15 @@ def test_the_simple_template_starts_with_the_tokenizers_bos_as_pretraining_docum
         assert ids[0] == 1 == pre.tokens[int(pre.docs[i])] and m[0] == 0
         assert np.array_equal(ids[1:], tok.encode(f"<|user|>\n{p}\n<|assistant|>\n{r}<|endoftext|>", special=False))
         assert tok.decode(ids[m == 1]) == r
+
+
+def test_rewriting_a_token_file_with_the_byte_tokenizer_drops_its_old_tokenizer_copy(tmp_path):
+    d = bpe_dir(tmp_path)
+    src = _jsonl(tmp_path / "a.jsonl", [{"text": p} for p, _ in PAIRS])
+    assert prepare(src, tmp_path / "x.bin", tokenizer=str(d)).tokenizer_dir == tmp_path / "x.tokenizer"
+    tf = prepare(src, tmp_path / "x.bin")  # the same path, now byte-level: no tokenizer files beside it
+    assert tf.tokenizer_dir is None and not (tmp_path / "x.tokenizer").exists()
+    (tmp_path / "y.tokenizer").mkdir()  # a directory no header of ours named is left alone
+    prepare(src, tmp_path / "y.bin")
+    prepare(src, tmp_path / "y.bin")
+    assert (tmp_path / "y.tokenizer").is_dir()
