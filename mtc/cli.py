@@ -43,7 +43,6 @@ _TRAIN_FLAGS = (
     "save_activations",
 )
 _BOOL_FLAGS = ("allow_tf32", "update_handoff")  # --X / --no-X
-_COMPILE_FLAGS = {"compute_dtype": "--dtype"}  # where `mtc compile` names a field differently
 
 
 def _flag(path: str) -> str:
@@ -57,6 +56,7 @@ def _dest(path: str) -> str:
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
     from mtc.config import TrainConfig, check_device, config_file_fields, parse_field, set_field
     from mtc.errors import ConfigError
+    from mtc.plan import compile_command
 
     plan_fields = None
     file_fields = config_file_fields(a.config) if a.config else None
@@ -83,7 +83,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             flag = _flag(path)
             raise ConfigError(
                 f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
-                f"with `{_recompile_command(a.plan, plan_fields, path, val)}`"
+                f"with `{compile_command(a.plan, plan_fields, **{path: val})}`"
             )
         set_field(cfg, path, val)
     device_note = ""
@@ -111,8 +111,8 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
               "templates (--kernels fused would run them in Triton's interpreter, slowly)", file=sys.stderr)
     if plan_fields is not None and cfg.device.startswith("cuda") and cfg.compute_dtype == "float32":
         print(f"note: plan {a.plan} was compiled for float32: this run computes in fp32 (TF32 matmuls); on CUDA bf16 "
-              f"is the default and several times faster: `mtc compile {_compile_source(plan_fields['model'])} --dtype "
-              f"bfloat16 -o {a.plan}`", file=sys.stderr)
+              f"is the default and several times faster: `{compile_command(a.plan, plan_fields, compute_dtype='bfloat16')}`",
+              file=sys.stderr)
     return cfg
 
 
@@ -141,22 +141,6 @@ def _stored_model(a: argparse.Namespace) -> dict:
         raise ConfigError(f"store {a.store} holds no run to take the model from; give --preset, --config or --plan "
                           "(or --init-from a run or Hugging Face checkpoint)")
     return fields
-
-
-def _recompile_command(plan: str, fields: dict, path: str, val: object) -> str:
-    """The `mtc compile` command that makes ``plan`` again with ``path`` = ``val`` and every other
-    setting it was compiled with (shape, dtype, matmul fusion)."""
-    if path == "compute_dtype" and val == "auto":
-        val = "bfloat16"  # (`mtc compile --dtype` names the dtype: auto would be the CPU's float32)
-    want = {"micro_batch_size": fields.get("micro_batch_size"), "seq_len": fields.get("seq_len"),
-            "compute_dtype": fields.get("compute_dtype"), "matmul_fusion": fields.get("matmul_fusion"), path: val}
-    flags = " ".join(f"{_COMPILE_FLAGS.get(k, _flag(k))} {v}" for k, v in want.items() if v is not None)
-    return f"mtc compile {_compile_source(fields['model'])} {flags} -o {plan}"
-
-
-def _compile_source(model: str) -> str:
-    """How `mtc compile` names ``model``: a preset positionally, a factory as --model."""
-    return f"--model {model}" if ":" in model else model
 
 
 _DURABILITY = {"full": "exact resume from the last commit", "weights": "a resume restarts Adam's moments",
@@ -550,9 +534,10 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 
 def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.config import TrainConfig
-    from mtc.plan import save_plan, save_plan_model
+    from mtc.plan import save_plan
     from mtc.tracer import trace
     from mtc.train import build_model
+    from mtc.user_model import write_model_record
 
     a.dtype, said = _compile_dtype(a)
     cfg = TrainConfig(model=a.preset, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype)
@@ -562,7 +547,7 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     model = build_model(cfg, device="meta" if a.meta else "cpu")
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
     save_plan(program, a.output)
-    save_plan_model(a.output, cfg.to_dict())  # what `mtc train --plan` and `mtc plan` read: the preset, shapes, dtype
+    write_model_record(a.output, cfg.to_dict(), program)  # what `mtc train --plan` and `mtc plan` read: the preset, shapes, dtype
     print(program.summary())
     print(f"plan written to {a.output}")
     return 0
@@ -590,9 +575,10 @@ def _cmd_compile(a: argparse.Namespace) -> int:
                           "(mtc compile --model package.module:function -o DIR)")
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
-    from mtc.plan import save_plan, save_plan_model
+    from mtc.plan import save_plan
     from mtc.tracer import trace
     from mtc.train import build_model
+    from mtc.user_model import write_model_record
 
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype,
                       matmul_fusion=a.matmul_fusion)
@@ -603,7 +589,7 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
     out = Path(a.output)
     save_plan(program, out)
-    save_plan_model(out, cfg.to_dict())
+    write_model_record(out, cfg.to_dict(), program)
     compiled = compile_program(program, out / "kernels", matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
     print(write_report(program, compiled, out))
     print(f"plan and kernels written to {out}")
@@ -650,8 +636,9 @@ _PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "pl
 def _cmd_plan(a: argparse.Namespace) -> int:
     from mtc.calibrate import load_machine
     from mtc.config import TrainConfig, load_config, parse_field, set_field
-    from mtc.plan import load_plan, load_plan_model
+    from mtc.plan import load_plan
     from mtc.planner import extrapolations, largest_fit, make_plan, stateless_alternative
+    from mtc.user_model import plan_train_fields
 
     program = None
     if a.config:
@@ -660,7 +647,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         raise MTCError("mtc plan needs a preset, a plan directory or --config FILE; e.g. `mtc plan 8b --machine h100-box`")
     elif Path(a.target).is_dir():
         program = load_plan(a.target)
-        cfg = TrainConfig(**load_plan_model(a.target))
+        cfg = TrainConfig(**plan_train_fields(a.target))  # (a user model's plan too: its model.json names a factory)
     else:
         cfg = TrainConfig(model=a.target)
     for path in _PLAN_FLAGS:

@@ -104,6 +104,7 @@ from mtc.kernels.swaps import (
     use_linear_cross_entropy,
 )
 from mtc.kernels.tuning import Decisions, tuning_input
+from mtc.plan import REPORT_FILE, write_atomic
 
 __all__ = [
     "PASSES", "CompiledTemplate", "GraphReport", "Pass", "PlanTimes", "Work", "cache_key", "compile_program",
@@ -818,5 +819,5 @@ def write_report(program: Program, compiled: dict[str, CompiledTemplate], plan_d
     doc["cache_key"] = cache_key()
     times = plan_times(compiled)
     doc["plan"] = dataclasses.asdict(times)
-    Path(plan_dir, "compile_report.json").write_text(json.dumps(doc, indent=1))
+    write_atomic(Path(plan_dir, REPORT_FILE), json.dumps(doc, indent=1))
     return format_report(program, compiled) + "\n" + format_plan_times(times)

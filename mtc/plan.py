@@ -20,11 +20,12 @@ from mtc.errors import PlanError
 from mtc.graphs.program import Program
 from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
 
-__all__ = ["PLAN_KERNEL_FIELDS", "PLAN_MODEL_FIELDS", "load_plan", "load_plan_model", "save_plan", "save_plan_model"]
+__all__ = ["PLAN_KERNEL_FIELDS", "PLAN_MODEL_FIELDS", "compile_command", "load_plan", "save_plan"]
 
 PROGRAM_FILE = "program.json"
 CONSTANTS_FILE = "constants.safetensors"
 MODEL_FILE = "model.json"
+REPORT_FILE = "compile_report.json"
 # the TrainConfig fields a traced program depends on
 PLAN_MODEL_FIELDS = ("model", "model_overrides", "micro_batch_size", "seq_len", "compute_dtype")
 # the TrainConfig fields its compiled kernels depend on (optional: plans written before them lack them)
@@ -32,22 +33,43 @@ PLAN_KERNEL_FIELDS = ("matmul_fusion",)
 
 
 def save_plan(program: Program, path: str | Path) -> Path:
-    """Write ``program`` into the plan directory ``path`` (created if needed) and return it."""
+    """Write ``program`` into the plan directory ``path`` (created if needed) and return it. Files
+    of another program there go: its constants (this one has none) and its compile report (the
+    next compile writes this program's)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     try:
         doc = program_to_dict(program)
     except SerializeError as e:
         raise PlanError(f"cannot write plan {root}: {e}") from None
-    tmp = root / f".{PROGRAM_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"  # (own name: writers may race)
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, root / PROGRAM_FILE)
+    text = json.dumps(doc, indent=1)
+    replaced = _read_text(root / PROGRAM_FILE)
+    write_atomic(root / PROGRAM_FILE, text)
+    if replaced is not None and replaced != text:
+        (root / REPORT_FILE).unlink(missing_ok=True)  # it described the program replaced
     if program.constant_values:
         vals = {k: v.detach().cpu().contiguous() for k, v in program.constant_values.items()}
         if any(v.is_meta for v in program.constant_values.values()):
             raise PlanError("the model's constants are on the meta device; trace a model with real buffers to save them")
         save_file(vals, str(root / CONSTANTS_FILE))
+    else:
+        (root / CONSTANTS_FILE).unlink(missing_ok=True)
     return root
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file of this writer's own (two writers into
+    one plan directory must not remove each other's): a reader sees the old file or the new."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
 
 
 def load_plan(path: str | Path) -> Program:
@@ -68,27 +90,21 @@ def load_plan(path: str | Path) -> Program:
     return program
 
 
-def save_plan_model(path: str | Path, fields: dict) -> None:
-    """Record in the plan directory which preset and shapes its program was traced for."""
-    missing = [k for k in PLAN_MODEL_FIELDS if k not in fields]
-    if missing:
-        raise PlanError(f"plan model record lacks {', '.join(missing)}")
-    doc = {k: fields[k] for k in PLAN_MODEL_FIELDS} | {k: fields[k] for k in PLAN_KERNEL_FIELDS if k in fields}
-    Path(path, MODEL_FILE).write_text(json.dumps(doc, indent=1))
+# where `mtc compile` names a TrainConfig field otherwise than `mtc train` does
+_COMPILE_FLAGS = {"compute_dtype": "--dtype"}
 
 
-def load_plan_model(path: str | Path) -> dict:
-    """The preset and shapes a plan was compiled for (see `save_plan_model`)."""
-    f = Path(path, MODEL_FILE)
-    if not Path(path, PROGRAM_FILE).is_file():
-        raise PlanError(f"{path} is not a plan directory (no {PROGRAM_FILE}); create one with `mtc compile`")
-    if not f.is_file():
-        raise PlanError(f"plan {path} has no {MODEL_FILE} (written by `mtc compile`); recompile it with `mtc compile MODEL -o {path}`")
-    try:
-        doc = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{f} is not valid JSON ({e}); recompile the plan") from None
-    missing = [k for k in PLAN_MODEL_FIELDS if k not in doc]
-    if missing:
-        raise PlanError(f"{f} lacks {', '.join(missing)}; recompile the plan")
-    return doc
+def compile_command(plan: str | Path, fields: dict, **override: object) -> str:
+    """The command that compiles the plan directory ``plan`` again with the settings ``fields``
+    (its model record: model, shape, dtype, matmul fusion), ``override`` changing some of them:
+    `mtc compile` for a preset or a factory, ``mtc.compile`` for a model given from Python."""
+    want = {k: fields.get(k) for k in ("micro_batch_size", "seq_len", "compute_dtype", "matmul_fusion")} | override
+    if want.get("compute_dtype") == "auto":
+        want["compute_dtype"] = "bfloat16"  # (`mtc compile --dtype` names the dtype: auto would be the CPU's float32)
+    model = str(fields["model"])
+    if model == "custom":  # (mtc.user_model.CUSTOM: no import path to name)
+        return (f"mtc.compile(model, {str(plan)!r}, batch_size={want['micro_batch_size']}, seq_len={want['seq_len']}, "
+                f"dtype={want['compute_dtype']!r}) from Python")
+    flags = " ".join(f"{_COMPILE_FLAGS.get(k, '--' + k.replace('_', '-'))} {v}" for k, v in want.items() if v is not None)
+    source = f"--model {model}" if ":" in model else model
+    return f"mtc compile {source} {flags} -o {plan}"

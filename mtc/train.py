@@ -114,6 +114,8 @@ class Run:
     # an in-memory run opened from a plan directory: its compiled templates (`mtc compile`,
     # `mtc.compile`), copied into the run's kernel cache so they load instead of compiling
     plan_kernels: Path | None = None
+    # a new run's plan directory (None: a resume, or a Program): where its compiled templates came from
+    plan_source: Path | None = None
 
     @property
     def start_step(self) -> int:
@@ -595,7 +597,9 @@ def open_run(
         raise
     # an in-memory store has no plan dir to copy a plan's kernels into now: train() seeds its cache from them
     kernels = Path(plan, "kernels") if path is None and plan is not None and not isinstance(plan, Program) else None
-    return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()}, plan_kernels=kernels)
+    source = Path(plan) if plan is not None and not isinstance(plan, Program) else None
+    return Run(store, program, None, {k: v.detach() for k, v in model.named_parameters()}, plan_kernels=kernels,
+               plan_source=source)
 
 
 def last_committed_step(store_dir: str | Path) -> int | None:
@@ -850,6 +854,9 @@ def train(
         else:
             compiled = _compile(cfg, program, st, run.plan_kernels)
         compile_s = time.perf_counter() - compile_s
+        if compiled is not None and run.plan_source is not None and notify is not None and world.is_root:
+            if (note := plan_refresh_note(run.plan_source, compiled)) is not None:
+                notify(note)
         run_tuning_s = _attention_tuning_s() if compiled is not None else 0.0  # the run's share is measured from here
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:
@@ -1129,6 +1136,24 @@ def _compile(cfg: TrainConfig, program: Program, st: TensorStore, plan_kernels: 
         if plan_kernels is not None and plan_kernels.is_dir():
             shutil.copytree(plan_kernels, cache, dirs_exist_ok=True)
     return compile_program(program, cache, matmul_fusion=cfg.matmul_fusion, allow_tf32=cfg.allow_tf32)
+
+
+def plan_refresh_note(plan: Path, compiled: dict) -> str | None:
+    """For a new run from the plan directory ``plan``: when templates had to be compiled (the plan
+    held none, or stale ones), how many, and the command that refreshes the plan so that later runs
+    load them (the run compiled into its own copy: the plan directory is never written). None when
+    everything loaded."""
+    from mtc.plan import compile_command
+    from mtc.user_model import plan_train_fields
+
+    fresh = [tid for tid, ct in compiled.items() if not ct.loaded]
+    if not fresh:
+        return None
+    why = ("it holds none: traced, not compiled" if not Path(plan, "kernels", "compiled").is_dir()
+           else "stale or missing: the lines above say which")
+    secs = sum(compiled[t].seconds for t in fresh)
+    return (f"plan {plan}: {len(fresh)} of {len(compiled)} templates compiled for this run ({why}; {secs:.1f} s); "
+            f"`{compile_command(plan, plan_train_fields(plan))}` refreshes the plan so later runs load them")
 
 
 def _attention_tuning_s() -> float:

@@ -146,12 +146,12 @@ def check_params_match(model: nn.Module, program: Program, where: str, fix: str 
 
 def write_model_record(plan_dir: str | Path, fields: dict[str, Any], program: Program) -> None:
     """Write ``model.json`` into ``plan_dir``: the traced-for config fields, factory and fingerprint."""
-    from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS
+    from mtc.plan import PLAN_KERNEL_FIELDS, PLAN_MODEL_FIELDS, write_atomic
 
     doc = {k: fields[k] for k in PLAN_MODEL_FIELDS} | {k: fields[k] for k in PLAN_KERNEL_FIELDS if k in fields}
     doc["factory"] = fields["model"] if is_factory_path(str(fields["model"])) else None
     doc["program_sha256"] = program_fingerprint(program)
-    Path(plan_dir, MODEL_FILE).write_text(json.dumps(doc, indent=1))
+    write_atomic(Path(plan_dir, MODEL_FILE), json.dumps(doc, indent=1))
 
 
 def read_model_record(plan_dir: str | Path) -> dict[str, Any] | None:

@@ -155,3 +155,12 @@ def test_a_plan_whose_program_and_model_record_disagree_is_refused_before_a_stor
                         "--steps", 1)
     assert code == 2 and "its program.json is not the program its model.json was written for" in err, err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("factory", [build, None])
+def test_mtc_plan_reads_a_plan_saved_from_python(tmp_path, capsys, factory):
+    # its model.json names the factory (or it has none): `mtc plan` took the record as config fields
+    plan = mtc.save_plan(mtc.trace(TinyLM(), 2, 16), tmp_path / "plan", factory=factory)
+    code, out, err = _run(capsys, "plan", plan, "--machine", "h100-box", "--no-extrapolate")
+    assert code == 0, err
+    assert (FACTORY if factory else "custom") in out, out

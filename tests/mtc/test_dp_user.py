@@ -254,9 +254,10 @@ def test_reshard_with_a_rank_dir_then_to_one_process_keeps_the_state_and_exports
 @pytest.mark.slow
 def test_two_ranks_run_a_compiled_plan_like_one_process_and_compile_nothing_again(tmp_path):
     from mtc.compiler import compile_program
-    from mtc.plan import save_plan, save_plan_model
+    from mtc.plan import save_plan
     from mtc.tracer import trace
     from mtc.train import build_model
+    from mtc.user_model import write_model_record
 
     # the smallest Llama that has every template kind (embed, block, head)
     cfg = small_config(model_overrides={"n_layers": 1, "dim": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64},
@@ -264,7 +265,7 @@ def test_two_ranks_run_a_compiled_plan_like_one_process_and_compile_nothing_agai
     plan = tmp_path / "plan"
     program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len, name=cfg.model)
     save_plan(program, plan)
-    save_plan_model(plan, cfg.to_dict())
+    write_model_record(plan, cfg.to_dict(), program)
     compile_program(program, plan / "kernels")  # what `mtc compile` does
     made = {p.relative_to(plan): p.stat().st_mtime_ns for p in (plan / "kernels").rglob("*") if p.is_file()}
     tokens = skewed_tokens(tmp_path / "tok.bin")
