@@ -108,7 +108,7 @@ from mtc.plan import REPORT_FILE, write_atomic
 
 __all__ = [
     "PASSES", "CompiledTemplate", "GraphReport", "Pass", "PlanTimes", "Work", "cache_key", "compile_program",
-    "compile_template", "format_plan_times", "format_report", "launches", "plan_times", "second_stage_launches",
+    "compile_template", "format_plan_times", "format_report", "launches", "log_stderr", "plan_times", "second_stage_launches",
     "staleness_key", "toolchain_key",
     "write_report",
 ]
@@ -678,7 +678,8 @@ def _stale_fields(old: dict[str, str], new: dict[str, str]) -> str:
     return "; ".join(diffs)
 
 
-def _stderr(msg: str) -> None:
+def log_stderr(msg: str) -> None:
+    """Print ``mtc: msg`` on stderr (the compiler's log when none is given)."""
     print(f"mtc: {msg}", file=sys.stderr, flush=True)
 
 
@@ -688,7 +689,7 @@ def aux_param_dependence(program: Program) -> tuple[bool, ...]:
 
 
 def compile_program(
-    program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = _stderr,
+    program: Program, cache_dir: str | Path, *, attention: str = "flash", log: Callable[[str], None] | None = log_stderr,
     matmul_fusion: str = "auto", allow_tf32: bool | None = None,
 ) -> dict[str, CompiledTemplate]:
     """Every template of ``program`` compiled: loaded from ``cache_dir`` where a stored record's

@@ -854,9 +854,11 @@ def train(
         else:
             compiled = _compile(cfg, program, st, run.plan_kernels)
         compile_s = time.perf_counter() - compile_s
-        if compiled is not None and run.plan_source is not None and notify is not None and world.is_root:
+        if compiled is not None and run.plan_source is not None and world.is_root:
             if (note := plan_refresh_note(run.plan_source, compiled)) is not None:
-                notify(note)
+                from mtc.compiler import log_stderr
+
+                (notify or log_stderr)(note)  # (from Python too: the stale templates' lines went to stderr)
         run_tuning_s = _attention_tuning_s() if compiled is not None else 0.0  # the run's share is measured from here
         runners: dict[str, LayerRunner] | None = None
         if compiled is not None:

@@ -244,9 +244,10 @@ def test_mtc_train_is_the_api_function_after_importing_the_submodule():
     assert np.all(np.array([callable(getattr(mtc, n)) for n in ("trace", "save_plan", "load_plan")]))
 
 
-def test_an_in_memory_run_loads_the_plan_it_was_given(tokens, tmp_path, monkeypatch):
+def test_an_in_memory_run_loads_the_plan_it_was_given(tokens, tmp_path, monkeypatch, capsys):
     """A compiled plan directory trained without a store: its compiled templates are loaded, not
-    compiled again, and the plan directory is left as it was."""
+    compiled again, and the plan directory is left as it was. One missing from it is compiled for
+    the run, which says how to refresh the plan."""
     from mtc import compiler
 
     plan = mtc.compile(TinyLM(n_layers=1), tmp_path / "plan", batch_size=1, seq_len=8).path
@@ -261,6 +262,15 @@ def test_an_in_memory_run_loads_the_plan_it_was_given(tokens, tmp_path, monkeypa
     assert res.compiled and all(ct.loaded for ct in res.compiled.values())
     assert res.compile_s is not None and res.compile_s > 0 and math.isfinite(res.losses[0])
     assert {p: p.stat().st_mtime_ns for p in plan.rglob("*") if p.is_file()} == before
+    assert "refreshes the plan" not in capsys.readouterr().err
+    head = next(t for t in res.compiled if t.startswith("head"))
+    (plan / "kernels" / "compiled" / f"{head}.json").unlink()
+    torch.manual_seed(0)
+    mtc.train(model=TinyLM(n_layers=1), plan=plan, data=tokens, steps=1, kernels="fused", optim=OPTIM).store.close()
+    assert compiled == [head]
+    err = capsys.readouterr().err
+    assert f"plan {plan}: 1 of {len(res.compiled)} templates compiled for this run (stale or missing" in err, err
+    assert f"`mtc.compile(model, '{plan}', batch_size=1, seq_len=8" in err, err
 
 
 def test_a_result_closes_its_store_and_an_open_one_is_named_in_the_lock_error(tokens, program, tmp_path):
