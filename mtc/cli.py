@@ -509,7 +509,8 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
     existed = token_file_paths(a.output)[0].is_file()
     tf = prepare([Path(p) for p in a.inputs], Path(a.output), tokenizer=a.tokenizer, fmt=a.format, field=a.field,
                  prompt_field=a.prompt_field, response_field=a.response_field, messages_field=a.messages_field,
-                 eos_token=a.eos, skip_bad_records=a.skip_bad_records)
+                 eos_token=a.eos, skip_bad_records=a.skip_bad_records,
+                 log=lambda m: print(f"note: {m}", file=sys.stderr))
     h = tf.header
     docs = f", {h.docs['n_docs']:,} documents" if h.docs else ""
     mask = f", {h.mask['n_targets']:,} of them loss targets" if h.mask else ""

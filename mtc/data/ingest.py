@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +111,7 @@ def prepare(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str], *,
     tokenizer: str | Tokenizer = "byte", fmt: str | None = None, field: str = "text",
     prompt_field: str | None = None, response_field: str | None = None, messages_field: str | None = None,
-    eos_token: str | None = None, skip_bad_records: bool = False,
+    eos_token: str | None = None, skip_bad_records: bool = False, log: Callable[[str], None] | None = None,
 ) -> TokenFile:
     """Tokenize ``inputs`` (files or directories; text, JSONL or parquet, by suffix or ``fmt``) into
     a token file with document boundaries, streamed. JSONL / parquet records give their ``field``.
@@ -120,7 +120,8 @@ def prepare(
 
     A bad record (see `mtc.data.sources`) raises `BadRecordError` naming it, or with
     ``skip_bad_records`` is skipped. The header's ``source`` counts the documents read, the empty
-    ones (no tokens, so no document) and the skipped ones with the first few reasons."""
+    ones (no tokens, so no document) and the skipped ones with the first few reasons. ``log`` hears
+    of temporary files an earlier, killed prepare of the same output left and this one removed."""
     tok = get_tokenizer(tokenizer, eos_token=eos_token) if isinstance(tokenizer, str) else tokenizer
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     bin_path, json_path = token_file_paths(out_path)
@@ -136,6 +137,10 @@ def prepare(
     with TokenWriter(bin_path, vocab_size=tok.vocab_size, tokenizer=tok.name, with_docs=True, with_mask=sft,
                      tokenizer_spec=tok.spec, tokenizer_sha256=tok.sha256, eos_id=tok.eos_id,
                      tokenizer_dir=tok_dir.name if tok_dir is not None else None) as w:
+        if w.removed_leftovers and log is not None:
+            size = sum(n for _, n in w.removed_leftovers)
+            log(f"removed {len(w.removed_leftovers)} temporary files ({size:,} bytes) an interrupted prepare of "
+                f"{bin_path} left in {bin_path.parent}")
         faults, counts = RecordFaults(skip_bad_records), _Counts()
         if sft:
             for where, conv in iter_conversations(files, prompt_field=prompt_field, response_field=response_field,

@@ -2,7 +2,7 @@
 
 A *document* is one text file, one JSONL line or one parquet row. Nothing here holds more than one
 record (or, for a text file, one piece of about 1 MiB cut after a newline) at a time, so a corpus
-of any size streams through. SFT records become conversations: a list of ``{"role", "content"}``
+of any size streams through; a long record's text goes to the tokenizer in pieces cut the same way. SFT records become conversations: a list of ``{"role", "content"}``
 messages, from a prompt and a response field or from a ``messages`` field.
 
 A record that cannot be used as asked (a line that is not JSON, a missing or null field, a chat
@@ -121,6 +121,28 @@ def _is_token_file_part(e: Path) -> bool:
         return False
 
 
+def _cut(buf: str) -> int:
+    """Where a piece of ``buf`` ends: after its last blank line, else after its last newline, else
+    (a line longer than a piece) before its last space, where word-level pre-tokenizers (a space
+    starts the next word's token) split anyway; else at its end."""
+    cut = buf.rfind("\n\n", 0, len(buf) - 1)
+    cut = cut + 2 if cut >= 0 else buf.rfind("\n") + 1
+    if cut <= 0:
+        cut = buf.rfind(" ")
+        cut = cut if cut > 0 else len(buf)
+    return cut
+
+
+def _record_pieces(text: str) -> Iterator[tuple[str, bool]]:
+    """(piece, ends_document) of one record's text, in pieces of at most about `_PIECE` characters
+    cut as a text file's are: a tokenizer given a record of 100 MB whole holds ~20 GB for it."""
+    while len(text) > _PIECE:
+        cut = _cut(text[:_PIECE])
+        yield text[:cut], False
+        text = text[cut:]
+    yield text, True
+
+
 def _text_pieces(path: Path) -> Iterator[str]:
     """A UTF-8 text file in pieces of about 1 MiB, each cut after a blank line or a newline when
     there is one, so a tokenizer rarely sees a word cut in two; ends with a newline."""
@@ -134,13 +156,7 @@ def _text_pieces(path: Path) -> Iterator[str]:
                 if not chunk:
                     break
                 buf = tail + chunk
-                cut = buf.rfind("\n\n", 0, len(buf) - 1)
-                cut = cut + 2 if cut >= 0 else buf.rfind("\n") + 1
-                if cut <= 0:
-                    # a line longer than a piece: cut before its last space, where word-level
-                    # pre-tokenizers (a space starts the next word's token) split anyway
-                    cut = buf.rfind(" ")
-                    cut = cut if cut > 0 else len(buf)
+                cut = _cut(buf)
                 piece, tail = buf[:cut], buf[cut:]
                 if piece:
                     last = piece
@@ -258,7 +274,7 @@ def iter_texts(files: list[tuple[Path, str]], field: str = "text",
             for where, rec in _records(path, fmt, [field], faults):
                 text = _field(rec, field, where, faults)
                 if text is not None:
-                    yield text, True
+                    yield from _record_pieces(text)
 
 
 def _messages(v: Any, where: str, name: str, faults: RecordFaults) -> list[Message] | None:

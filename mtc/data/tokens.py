@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -334,9 +335,44 @@ def _open_sidecar(p: Path, dtype: np.dtype, n: int, bin_path: Path) -> np.ndarra
     return np.memmap(p, dtype=dtype, mode="r", shape=(n,))
 
 
+def _temporary(final: Path) -> tuple[int, str]:
+    """A temporary file beside ``final``, named with this process's id (see `remove_dead_temporaries`)."""
+    return tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_temporaries(final: Path) -> list[tuple[Path, int]]:
+    """Remove the temporary files a writer of ``final`` left behind when it was killed (kill -9, an
+    out-of-memory kill, a power cut: no cleanup ran), and return them with their sizes. Each names
+    its writer's process id; a file whose process still runs on this machine is another writer's
+    and stays (so does one named otherwise)."""
+    head = f".{final.name}."
+    gone = []
+    for p in final.parent.glob(f"{glob.escape(head)}*.tmp"):
+        pid = p.name[len(head):].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            size = p.stat().st_size
+            p.unlink()
+        except FileNotFoundError:  # (its writer's own cleanup, or another reader of this directory)
+            continue
+        gone.append((p, size))
+    return gone
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temporary file in the same directory, fsync, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -373,9 +409,12 @@ class TokenWriter:
         self.docs_path = stem.with_name(stem.name + ".docs") if with_docs else None
         self.mask_path = stem.with_name(stem.name + ".mask") if with_mask else None
         self._files: dict[str, tuple[Path, Path, BinaryIO, Any]] = {}
+        # an earlier writer of these files that was killed left its temporaries: as large as its output
+        self.removed_leftovers = [x for final in (self.bin_path, self.json_path, self.docs_path, self.mask_path)
+                                  if final is not None for x in remove_dead_temporaries(final)]
         for kind, final in (("bin", self.bin_path), ("docs", self.docs_path), ("mask", self.mask_path)):
             if final is not None:
-                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+                fd, tmp = _temporary(final)
                 self._files[kind] = (final, Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256())
         self.n_tokens = 0
         self.n_docs = 0

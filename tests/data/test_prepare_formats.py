@@ -249,3 +249,46 @@ def test_a_directory_is_read_at_every_depth(tmp_path):
     tf = prepare(data, tmp_path / "o.bin")
     assert bytes(tf.tokens.astype(np.uint8)) == b"deep\nnested\n\ntop\n\n"
     assert tf.header.docs["n_docs"] == 3 and tf.header.source["read"] == 3
+
+
+def test_a_long_record_is_tokenized_in_pieces_as_one_document(tmp_path, monkeypatch):
+    # a tokenizer handed a 100 MB record whole holds ~20 GB for it: records are cut like text files
+    d = bpe_dir(tmp_path)
+    text = "\n".join(SENTENCES) + "\n\n" + " ".join(SENTENCES)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "short one"}) + "\n")
+    whole = prepare(tmp_path / "a.jsonl", tmp_path / "whole.bin", tokenizer=str(d))
+    monkeypatch.setattr(sources, "_PIECE", 50)
+    pieces = list(sources._record_pieces(text))
+    assert len(pieces) > 10 and "".join(p for p, _ in pieces) == text
+    assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert all(len(p) <= 50 for p, _ in pieces)
+    cut = prepare(tmp_path / "a.jsonl", tmp_path / "cut.bin", tokenizer=str(d))
+    assert cut.header.docs["n_docs"] == 2 and cut.header.source["read"] == 2
+    tok = get_tokenizer(str(d))
+    assert tok.decode(cut.tokens) == tok.decode(whole.tokens) and abs(len(cut) - len(whole)) < len(whole) // 10
+    byte = prepare(tmp_path / "a.jsonl", tmp_path / "byte.bin")  # bytes: pieces change nothing
+    assert ByteTokenizer().decode(byte.tokens) == text + "\n" + "short one" + "\n"
+
+
+def test_a_killed_prepares_temporaries_are_removed_by_the_next_and_others_are_left(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process id no longer running
+    (tmp_path / "a.txt").write_text("some text\n")
+    left = [tmp_path / f".out.bin.{dead}.k3j2.tmp", tmp_path / f".out.docs.{dead}.x9.tmp", tmp_path / f".out.json.{dead}.q.tmp"]
+    for p in left:
+        p.write_bytes(b"x" * 3000)
+    live = tmp_path / f".out.bin.{os.getpid()}.other.tmp"  # a writer still running: not ours to remove
+    old = tmp_path / ".out.bin.abcdef.tmp"  # no process id in its name: cannot tell
+    for p in (live, old):
+        p.write_bytes(b"y")
+    said: list[str] = []
+    tf = prepare(tmp_path / "a.txt", tmp_path / "out.bin", log=said.append)
+    assert len(tf) > 0 and not any(p.exists() for p in left) and live.exists() and old.exists()
+    assert said == [f"removed 3 temporary files (9,000 bytes) an interrupted prepare of {tmp_path / 'out.bin'} left in {tmp_path}"]
+    said.clear()
+    prepare(tmp_path / "a.txt", tmp_path / "out.bin", log=said.append)
+    assert said == [] and sorted(p.name for p in tmp_path.glob(".out*")) == sorted([live.name, old.name])
