@@ -56,7 +56,7 @@ class RecordFaults:
 
 
 def _format_of(p: Path) -> str | None:
-    return next((f for f, sfx in _SUFFIXES.items() if p.suffix in sfx), None)
+    return next((f for f, sfx in _SUFFIXES.items() if p.suffix.lower() in sfx), None)
 
 
 def input_files(inputs: Sequence[str | Path], fmt: str | None,

@@ -292,3 +292,13 @@ def test_a_killed_prepares_temporaries_are_removed_by_the_next_and_others_are_le
     said.clear()
     prepare(tmp_path / "a.txt", tmp_path / "out.bin", log=said.append)
     assert said == [] and sorted(p.name for p in tmp_path.glob(".out*")) == sorted([live.name, old.name])
+
+
+def test_a_directorys_files_are_recognised_whatever_the_case_of_their_suffix(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "A.TXT").write_text("upper text\n")
+    (d / "b.JSONL").write_text(json.dumps({"text": "upper jsonl"}) + "\n")
+    assert [(p.name, f) for p, f in sources.input_files([d], None)] == [("A.TXT", "text"), ("b.JSONL", "jsonl")]
+    tf = prepare(d, tmp_path / "o.bin")
+    assert tf.header.docs["n_docs"] == 2 and ByteTokenizer().decode(tf.tokens) == "upper text\n\nupper jsonl\n"
