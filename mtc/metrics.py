@@ -2,9 +2,12 @@
 
 Model FLOPs follow the PaLM convention (Chowdhery et al. 2022, appendix B), written down once in
 `model_flops`: per token, ``6 * N`` for the matmuls of forward and backward over ``N`` parameters,
-plus ``12 * n_blocks * seq_len * width`` for attention's two matmuls (QK^T and AV, forward and
-backward, the full square although causal attention needs half of it: the usual convention, so
-figures compare with other trainers). ``N`` counts every parameter except the tables the embed
+plus ``12 * seq_len * width`` for attention's two matmuls (QK^T and AV, forward and backward, the
+full square although causal attention needs half of it: the usual convention, so figures compare
+with other trainers), ``width`` summed over the model's attentions: each one's query heads times
+head size, read off the traced program (``n_blocks * hidden`` for a transformer whose heads span
+its hidden width; not for one whose heads are wider or narrower, as Qwen3's or Gemma's, or a
+custom model with attention in some blocks only). ``N`` counts every parameter except the tables the embed
 stage only looks up (an untied token embedding, learned positions): a lookup does no matmul. The
 recompute of each block in the backward is not counted: these are model FLOPs, not hardware FLOPs.
 
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mtc.graphs.program import Program
+from mtc.graphs.program import Program, Template
 
 __all__ = [
     "PROFILE_PATH", "FlopCounter", "PeakRate", "gpu_peak_bytes", "host_rss_bytes", "model_flops", "peak_rate", "phase_seconds",
@@ -50,12 +53,13 @@ _DATASHEET: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def model_flops(tokens: int, *, n_params: int, n_blocks: int, width: int, seq_len: int) -> float:
+def model_flops(tokens: int, *, n_params: int, attention_width: int, seq_len: int) -> float:
     """Model FLOPs of training on ``tokens`` tokens (forward + backward): the one formula mtc uses.
 
-    ``tokens * (6 * n_params + 12 * n_blocks * seq_len * width)``; see the module docstring.
+    ``tokens * (6 * n_params + 12 * seq_len * attention_width)``, ``attention_width`` summed over
+    the model's attentions (query heads x head size each); see the module docstring.
     """
-    return float(tokens) * (6.0 * n_params + 12.0 * n_blocks * seq_len * width)
+    return float(tokens) * (6.0 * n_params + 12.0 * seq_len * attention_width)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ class FlopCounter:
 
     n_params: int  # parameters that take part in matmuls (all but lookup-only tables)
     n_blocks: int
-    width: int  # the carried hidden state's width, taken as attention's width (n_heads * head_dim)
+    attention_width: int  # query heads x head size, summed over every attention of one pass through the model
     seq_len: int
 
     @classmethod
@@ -73,12 +77,27 @@ class FlopCounter:
         head_keys = set(program.layers[-1].param_keys())
         lookup = sum(p.numel for p in program.layer_params(0) if p.key not in head_keys)
         total = sum(p.numel for p in program.params.values())
-        return cls(n_params=total - lookup, n_blocks=max(0, program.n_layers - 2), width=program.carry.shape[-1],
-                   seq_len=seq_len)
+        batch = int(program.batch["ids"].shape[0])
+        widths = {tid: _attention_width(t, batch) for tid, t in program.templates.items()}
+        return cls(n_params=total - lookup, n_blocks=max(0, program.n_layers - 2),
+                   attention_width=sum(widths[c.template] for c in program.layers), seq_len=seq_len)
 
     def flops(self, tokens: int) -> float:
         """Model FLOPs of ``tokens`` training tokens."""
-        return model_flops(tokens, n_params=self.n_params, n_blocks=self.n_blocks, width=self.width, seq_len=self.seq_len)
+        return model_flops(tokens, n_params=self.n_params, attention_width=self.attention_width, seq_len=self.seq_len)
+
+
+def _attention_width(tmpl: Template, batch: int) -> int:
+    """Query heads x head size, summed over the template's attentions (a micro-batch of ``batch``)."""
+    width = 0
+    for n in tmpl.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or schema.name.split("::")[-1] != "scaled_dot_product_attention":
+            continue
+        q = getattr(n.args[0], "meta", {}).get("val")
+        if isinstance(q, torch.Tensor) and q.dim() >= 2:  # (..., heads, T, D): the leading dims are batch x heads
+            width += q.numel() // q.shape[-2] // batch
+    return width
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

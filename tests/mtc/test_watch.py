@@ -127,8 +127,8 @@ def test_model_flops_formula_and_counter():
     m = build_model(cfg)
     total = sum(p.numel() for p in m.parameters())
     assert c.n_params == total - m.embed.weight.numel()  # an untied embedding is a lookup
-    assert (c.n_blocks, c.width) == (2, 128)
-    assert model_flops(10, n_params=100, n_blocks=2, width=8, seq_len=16) == 10 * (600 + 12 * 2 * 16 * 8)
+    assert (c.n_blocks, c.attention_width) == (2, 2 * 128)  # two blocks, each one attention of 128 = heads x head size
+    assert model_flops(10, n_params=100, attention_width=16, seq_len=16) == 10 * (600 + 12 * 16 * 16)
     tied = small_config(model="gpt2-tiny", model_overrides={})
     ct = FlopCounter.of(load_plan_of(tied), tied.seq_len)
     mt = build_model(tied)
@@ -517,3 +517,42 @@ def test_a_full_disk_while_logging_a_step_stops_in_one_line_with_the_commit_inta
     res = train_mod.train(small_config(steps=3, commit_every=1), tmp_path / "s", tokens)  # resumes
     res.store.close()
     assert res.end_step == 3
+
+
+def test_attention_flops_count_each_attentions_own_width():
+    """Heads wider than the hidden state (as Qwen3's), and a block without attention: the attention
+    term sums what each attention computes, not blocks x hidden width."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from mtc.tracer import trace
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int, attend: bool) -> None:
+            super().__init__()
+            self.heads, self.attend = heads, attend
+            self.qkv = nn.Linear(d, 3 * heads * 8) if attend else None
+            self.proj = nn.Linear(heads * 8, d) if attend else nn.Linear(d, d)
+
+        def forward(self, x):
+            if not self.attend:
+                return x + self.proj(x)
+            b, t, _ = x.shape
+            q, k, v = (z.view(b, t, self.heads, 8).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+            return x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 16)
+            self.blocks = nn.ModuleList([Block(16, 4, True), Block(16, 4, False), Block(16, 2, True)])
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(x)
+
+    c = FlopCounter.of(trace(Model(), 2, 8), 8)
+    assert (c.n_blocks, c.attention_width) == (3, 4 * 8 + 2 * 8)
