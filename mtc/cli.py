@@ -80,11 +80,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
                 probe = TrainConfig(compute_dtype="auto", device=given.get("device", cfg.device))
                 if probe.resolved_compute_dtype == plan_fields[path]:
                     continue  # auto means the plan's dtype on this device: the same run
-            flag = _flag(path)
-            raise ConfigError(
-                f"plan {a.plan} was compiled for {path}={plan_fields[path]}, not {val}; drop {flag} or recompile "
-                f"with `{compile_command(a.plan, plan_fields, **{path: val})}`"
-            )
+            raise _plan_conflict(a.plan, plan_fields, path, val)
         set_field(cfg, path, val)
     device_note = ""
     if "device" not in given and "device" not in (file_fields or {}):
@@ -141,6 +137,16 @@ def _stored_model(a: argparse.Namespace) -> dict:
         raise ConfigError(f"store {a.store} holds no run to take the model from; give --preset, --config or --plan "
                           "(or --init-from a run or Hugging Face checkpoint)")
     return fields
+
+
+def _plan_conflict(plan: str, fields: dict, path: str, val: object) -> MTCError:
+    """The refusal of a flag that sets ``path`` to ``val`` where plan directory ``plan`` fixed it
+    (its shape and dtype are the program's: `mtc train` and `mtc plan` refuse alike)."""
+    from mtc.errors import ConfigError
+    from mtc.plan import compile_command
+
+    return ConfigError(f"plan {plan} was compiled for {path}={fields[path]}, not {val}; drop {_flag(path)} or recompile "
+                       f"with `{compile_command(plan, fields, **{path: val})}`")
 
 
 _DURABILITY = {"full": "exact resume from the last commit", "weights": "a resume restarts Adam's moments",
@@ -641,22 +647,34 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from mtc.planner import extrapolations, largest_fit, make_plan, stateless_alternative
     from mtc.user_model import plan_train_fields
 
-    program = None
+    program, plan_fields = None, None
     if a.config:
         cfg = load_config(a.config)
     elif a.target is None:
         raise MTCError("mtc plan needs a preset, a plan directory or --config FILE; e.g. `mtc plan 8b --machine h100-box`")
     elif Path(a.target).is_dir():
         program = load_plan(a.target)
-        cfg = TrainConfig(**plan_train_fields(a.target))  # (a user model's plan too: its model.json names a factory)
+        # as `mtc train --plan` reads it (a plan saved from Python may record a factory, or no model.json)
+        plan_fields = plan_train_fields(a.target)
+        cfg = TrainConfig(**plan_fields)
     else:
         cfg = TrainConfig(model=a.target)
+    auto_dtype = False
     for path in _PLAN_FLAGS:
         raw = getattr(a, _dest(path))
-        if raw is not None:
-            set_field(cfg, path, parse_field(path, raw, flag=_flag(path)))
+        if raw is None:
+            continue
+        val = parse_field(path, raw, flag=_flag(path))
+        if plan_fields is not None and path in plan_fields and val != plan_fields[path]:
+            if path == "compute_dtype" and val == "auto":
+                auto_dtype = True  # the plan's dtype if auto means it on the planned machine (below)
+                continue
+            raise _plan_conflict(a.target, plan_fields, path, val)  # `mtc train --plan` would refuse it
+        set_field(cfg, path, val)
     cfg.validate()  # (an unknown preset is the first thing to hear about, before any measuring)
     profile = load_machine(a.machine, quick=_measure_machine)
+    if auto_dtype and ("bfloat16" if profile.accelerator == "cuda" else "float32") != plan_fields["compute_dtype"]:
+        raise _plan_conflict(a.target, plan_fields, "compute_dtype", "auto")
     if a.world_size != 1 or a.nodes != 1:
         return _plan_world(a, cfg, profile, program)
     plan = make_plan(cfg, profile, program=program)

@@ -157,10 +157,17 @@ def test_a_plan_whose_program_and_model_record_disagree_is_refused_before_a_stor
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("factory", [build, None])
-def test_mtc_plan_reads_a_plan_saved_from_python(tmp_path, capsys, factory):
-    # its model.json names the factory (or it has none): `mtc plan` took the record as config fields
-    plan = mtc.save_plan(mtc.trace(TinyLM(), 2, 16), tmp_path / "plan", factory=factory)
-    code, out, err = _run(capsys, "plan", plan, "--machine", "h100-box", "--no-extrapolate")
-    assert code == 0, err
-    assert (FACTORY if factory else "custom") in out, out
+def test_plan_of_a_plan_saved_from_python_with_or_without_a_factory(tmp_path, capsys):
+    """`mtc plan DIR` reads the plan as `mtc train --plan` does (its model.json records a factory,
+    or none), and refuses the shape flags train would refuse, in one line."""
+    program = mtc.trace(TinyLM(), 2, 16)
+    for name, factory in (("with", build), ("without", None)):
+        plan = mtc.save_plan(program, tmp_path / name, factory=factory)
+        code, out, err = _run(capsys, "plan", plan, "--machine", "256gb-4tb-nvme", "--no-extrapolate")
+        assert code == 0 and "2 x 16 tokens" in out and "compute float32" in out, err
+    code, _, err = _run(capsys, "plan", tmp_path / "with", "--machine", "256gb-4tb-nvme", "--seq-len", 32)
+    assert code == 2 and "was compiled for seq_len=16, not 32; drop --seq-len" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _run(capsys, "plan", tmp_path / "with", "--machine", "256gb-4tb-nvme", "--compute-dtype", "auto")
+    assert code == 2 and "compute_dtype=float32, not auto" in err, err  # auto is bf16 on that GPU machine
+    assert _run(capsys, "plan", tmp_path / "with", "--machine", "256gb-4tb-nvme", "--seq-len", 16, "--grad-accum", 4,
+                "--no-extrapolate")[0] == 0
