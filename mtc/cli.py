@@ -763,14 +763,9 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from mtc.errors import ConfigError
     from mtc.generate import generate_from_store
 
-    if a.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
-    if a.top_k is not None and a.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 1, or 0 for the whole vocabulary; got {a.top_k}")
-    a.top_k = a.top_k or None  # 0: no top-k cut
+    a.top_k = a.top_k or None  # 0: no top-k cut (the settings are checked in generate_from_store)
     budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
     r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,
@@ -864,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default: 40; 0: the whole vocabulary)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--step", type=int, help="committed step to sample from (default: the last commit)")
-    g.add_argument("--context", type=int, help="tokens the model sees (default: the run's seq_len; at most max_seq_len)")
+    g.add_argument("--context", type=int, help="tokens the model sees (default: the prompt and the continuation, at least the run's seq_len; at most max_seq_len)")
     g.add_argument("--tokenizer", help="tokenizer.json or Hugging Face tokenizer directory (default: the run's)")
     g.add_argument("--device", help="cpu or cuda[:N] (default: the run's device when available, else cpu)")
     g.add_argument("--weights-budget-gb", type=float, help="device memory for resident weights; the rest is read "

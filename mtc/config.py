@@ -25,6 +25,7 @@ __all__ = [
     "TrainConfig",
     "auto_device",
     "check_device",
+    "check_device_name",
     "config_file_fields",
     "field_help",
     "field_metavar",
@@ -464,15 +465,23 @@ def set_field(cfg: TrainConfig, path: str, value: Any) -> None:
 
 def check_device(cfg: TrainConfig) -> None:
     """Raise ConfigError when ``cfg.device`` names a CUDA device this machine does not have."""
-    if not cfg.device.startswith("cuda"):
+    check_device_name(cfg.device)
+
+
+def check_device_name(device: str) -> None:
+    """Raise ConfigError unless ``device`` is 'cpu', 'cuda' or 'cuda:N' and this machine has it
+    (`mtc eval` and `mtc generate` take a device outside a config)."""
+    if device not in ("cpu", "cuda") and not _CUDA_INDEX.fullmatch(device):
+        raise ConfigError(f"--device {device!r}: a device is 'cpu', 'cuda' or 'cuda:N'")
+    if not device.startswith("cuda"):
         return
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"--device {cfg.device}: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
+            f"--device {device}: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
         )
-    m = _CUDA_INDEX.fullmatch(cfg.device)
+    m = _CUDA_INDEX.fullmatch(device)
     n = torch.cuda.device_count()
     if m is not None and int(m[1]) >= n:
-        raise ConfigError(f"--device {cfg.device}: this machine has {n} CUDA device(s), cuda:0-cuda:{n - 1}; use --device cuda:0")
+        raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0-cuda:{n - 1}; use --device cuda:0")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from mtc.data import BatchSampler, TokenFile, check_fits, check_store_tokenizer, check_tokenizer_identity
+from mtc.config import check_device_name
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.executor import IGNORE_INDEX
@@ -138,6 +139,8 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
     (the dtype its templates were traced in).
     """
     t0 = time.perf_counter()
+    if device is not None:
+        check_device_name(device)  # (one line, not torch's traceback, for a device this machine lacks)
     tokens = data if isinstance(data, TokenFile) else TokenFile.open(data)
     # beside a running trainer the step read may be overwritten meanwhile: the check after the
     # reads says so, and the newest commit (no step named) is evaluated again

@@ -5,15 +5,16 @@ model on the meta device (`mtc.decoders.Decoder`) and decodes: each token runs e
 and the head, each unit's weights fetched from the store (kept resident on the device while they
 fit its budget, as a small model's all do; beyond it they are read again for every token, the next
 unit's read overlapping the current unit's compute). With the KV cache (`mtc.kv_cache`) the prompt
-is run once and each new token costs one position per layer; the window is the run's training
-``seq_len`` unless ``context`` says otherwise; when it fills, the cache restarts from the last half
-of it. `generate` is the plain version over a resident `nn.Module` (no cache, the reference).
+is run once and each new token costs one position per layer; the window holds the prompt and the
+continuation (at least the run's training ``seq_len``, at most the model's ``max_seq_len``) unless
+``context`` says otherwise; when it fills, the cache restarts from the last half of it. `generate` is the plain version over a resident `nn.Module` (no cache, the reference).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from mtc.decoders import Decoder
 from mtc.errors import ConfigError, DataError
 from mtc.kv_cache import KVCache
 
-__all__ = ["END_OF_TURN", "GenerationResult", "generate", "generate_from_store", "resolve_tokenizer", "sample_next", "stop_ids",
+__all__ = ["END_OF_TURN", "GenerationResult", "check_sampling", "generate", "generate_from_store", "resolve_tokenizer", "sample_next", "stop_ids",
            "stream_generate"]
 
 
@@ -195,6 +196,20 @@ def stream_generate(dec: Decoder, weights: Any, prompt: list[int], *, max_new_to
                             kv_cache=kv_cache, stopped_at_eos=eos, prompt_dropped=dropped, context=context)
 
 
+def check_sampling(*, temperature: float, top_k: int | None, context: int | None = None,
+                   device_budget_bytes: int | None = None) -> None:
+    """ConfigError for sampling settings that mean nothing (a NaN temperature made torch's
+    multinomial raise mid-run; a context of 0 was taken as the default)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"--top-k must be >= 1, or 0 for the whole vocabulary; got {top_k}")
+    if context is not None and context < 1:
+        raise ConfigError(f"--context must be >= 1 token (omit it for the prompt and the continuation), got {context}")
+    if device_budget_bytes is not None and device_budget_bytes < 0:
+        raise ConfigError(f"--weights-budget-gb must be >= 0 (0: stream every layer), got {device_budget_bytes / 2**30:g}")
+
+
 def _checkpoint_eos(store_dir: str | Path, vocab: int) -> frozenset[int]:
     """The EOS ids an imported checkpoint names (``RUN/hf/generation_config.json``, else its
     config.json): instruction-tuned models list several (Llama 3's <|eot_id|> and <|end_of_text|>),
@@ -244,7 +259,12 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
                         device_budget_bytes: int | None = None, stop: Sequence[str] = ()) -> GenerationResult:
     """Sample a continuation of ``prompt`` from committed step ``step`` (default: the last) of a run,
     until ``max_new_tokens``, or a token of `stop_ids` (EOS, an end-of-turn marker, ``stop``)."""
+    from mtc.config import check_device_name
     from mtc.evaluate import _compute_dtype, _default_device
+
+    check_sampling(temperature=temperature, top_k=top_k, context=context, device_budget_bytes=device_budget_bytes)
+    if device is not None:
+        check_device_name(device)
     from mtc.models import build
     from mtc.plan import load_plan
     from mtc.store import TensorStore
@@ -269,7 +289,7 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         dev = torch.device(device if device is not None else _default_device(cfg.get("device", "cpu")))
         dtype = getattr(torch, _compute_dtype(cfg, dev))
         # the whole prompt and continuation when the model takes them (no window to slide), else its longest
-        ctx = context or min(dec.cfg.max_seq_len, max(cfg.get("seq_len", 1), len(ids) + max_new_tokens))
+        ctx = context if context is not None else min(dec.cfg.max_seq_len, max(cfg.get("seq_len", 1), len(ids) + max_new_tokens))
         dev_budget, host_budget = default_budgets(dev)
         if dev.type == "cuda":
             # beside the resident weights: the KV cache (every block's keys and values for the whole

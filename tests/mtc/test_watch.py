@@ -240,6 +240,28 @@ def test_cli_generate_prints_text_and_speed_and_refuses_a_missing_step(gen_run, 
     assert "max_seq_len" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--context", "0"], "--context must be >= 1"),  # (0 was taken as the default window)
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),  # (torch's multinomial raised)
+    (["--weights-budget-gb", "-1"], "--weights-budget-gb must be >= 0"),
+    (["--device", "foo"], "a device is 'cpu', 'cuda' or 'cuda:N'"),  # (torch's RuntimeError)
+])
+def test_cli_generate_refuses_settings_that_mean_nothing_in_one_line(gen_run, capsys, flags, says):
+    store, _ = gen_run
+    assert main(["generate", str(store), "--prompt", "Once", "--max-new-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_eval_and_generate_on_a_missing_cuda_device_are_one_line(run, gen_run, capsys):
+    store, data = run
+    assert main(["eval", str(store), "--data", str(data), "--device", "cuda"]) == 2
+    assert main(["generate", str(gen_run[0]), "--prompt", "Once", "--device", "cuda:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("this machine has no CUDA device" in e for e in err), err
+
+
 def test_plot_writes_a_png(run, tmp_path, capsys):
     store, _ = run
     out = tmp_path / "run.png"
