@@ -141,7 +141,9 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
         else:
             d[k] = v
     given = fields.get("optim") or {}
-    if isinstance(given, dict) and "lr" in given and "min_lr" not in given and "min_lr" in d["optim"]:
+    lr = given.get("lr") if isinstance(given, dict) else None
+    # (an lr of another type is left for the config's check to name)
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and "min_lr" not in given and "min_lr" in d["optim"]:
         d["optim"]["min_lr"] = min(d["optim"]["min_lr"], given["lr"])  # a lower lr alone must not trip min_lr <= lr
     return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
 

@@ -37,7 +37,13 @@ def save_plan(program: Program, path: str | Path) -> Path:
     of another program there go: its constants (this one has none) and its compile report (the
     next compile writes this program's)."""
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the path, or a folder above it, is a file
+        raise PlanError(f"cannot write plan {root}: it or a folder above it is a file, not a directory; "
+                        "pick a directory path for the plan") from None
+    except OSError as e:
+        raise PlanError(f"cannot write plan {root}: {e.strerror or e}; pick another directory for the plan") from None
     try:
         doc = program_to_dict(program)
     except SerializeError as e:

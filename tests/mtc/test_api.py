@@ -225,6 +225,15 @@ def test_a_plan_needs_weights_and_fixes_the_shape(tokens, program):
         mtc.train(model=TinyLM(d=8), plan=program, data=tokens, steps=1)
 
 
+def test_bad_arguments_are_mtc_errors_not_tracebacks(tokens, program, tmp_path):
+    with pytest.raises(ConfigError, match=r"optim.lr: expected a finite number > 0, got 'x'"):  # (was a TypeError)
+        mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, optim={"lr": "x"})
+    (tmp_path / "f").write_text("")
+    for where in (tmp_path / "f", tmp_path / "f" / "plan"):  # (was FileExistsError / NotADirectoryError)
+        with pytest.raises(mtc.errors.MTCError, match="is a file, not a directory; pick a directory path"):
+            mtc.save_plan(program, where)
+
+
 def test_a_model_alone_is_traced_at_the_configured_shape(tokens):
     torch.manual_seed(4)
     model = TinyLM()
