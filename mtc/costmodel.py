@@ -566,6 +566,14 @@ class StepTime:
     disk_bytes_written: int  # per step, commits averaged in
     bottleneck: str
     stage_s: dict[str, float] = dataclasses.field(default_factory=dict)  # busy seconds per stage, per step
+    # disk layers' gradients spilled to the store's scratch arrays (rewritten every step; not
+    # write-behind, so not in ``disk_bytes_written``, which the stage watch times as such)
+    spill_bytes_written: int = 0
+
+    @property
+    def disk_wear_bytes(self) -> int:
+        """Every byte the step writes to the disk: state, commits and spilled gradients."""
+        return self.disk_bytes_written + self.spill_bytes_written
 
     def stages(self) -> dict[str, float]:
         """Each stage's busy time per step (the bottleneck is the largest)."""
@@ -859,4 +867,5 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
         disk_bytes_written=int(12 * n_disk + (vol // commits.every if commits.every else 0)),
         # the shared-cores total is a bound, not a stage: the bottleneck is the busiest stage
         bottleneck=max((k for k in stages if not k.startswith("CPU cores")), key=lambda k: stages[k]), stage_s=stages,
+        spill_bytes_written=4 * n_disk if grad_spill else 0,
     )

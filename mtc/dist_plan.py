@@ -498,9 +498,9 @@ class DistPlan:
                    f"{'GPU' if pr.accelerator == 'cuda' else 'rank'}, {tokens / st.step_s:,.0f} tokens/s in all; bottleneck: {st.bottleneck}")
         for k, v in st.stages().items():
             out.append(f"  {k:40s} {v * 1e3:10,.1f} ms busy per step")
-        per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
+        per_day = st.disk_wear_bytes * 86400 / st.step_s if st.step_s > 0 else 0.0
         who = f"each rank (x {r} per host)"
-        out.append(f"disk writes by {who}: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day")
+        out.append(f"disk writes by {who}: {_size(st.disk_wear_bytes)} per step, {_size(per_day)} per day")
         return out
 
 

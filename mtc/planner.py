@@ -452,12 +452,13 @@ class Plan:
             out.append(f"  {k:28s} {v * 1e3:10,.1f} ms busy per step")
         if pr.accelerator == "cuda" and st.step_s > 0:
             out.append(f"  model TFLOP/s {6 * sh.n_params * tokens / st.step_s / 1e12:,.0f} (6 x params x tokens / step)")
-        per_day = st.disk_bytes_written * 86400 / st.step_s if st.step_s > 0 else 0.0
+        per_day = st.disk_wear_bytes * 86400 / st.step_s if st.step_s > 0 else 0.0
         commits = ("" if not st.commits.every else
                    f" (commits of {_size(st.commits.bytes_per_commit)} every {st.commits.every} steps included)" if st.commits.bytes_per_commit
                    # all state on disk: each step writes it, and a commit only records which generation is whole
                    else f" (a commit every {st.commits.every} steps adds no state writes: the disk layers' state is written every step)")
-        out.append(f"disk writes: {_size(st.disk_bytes_written)} per step, {_size(per_day)} per day of training{commits}")
+        spill = f"; the disk layers' gradients waiting in the store add {_size(st.spill_bytes_written)}" if st.spill_bytes_written else ""
+        out.append(f"disk writes: {_size(st.disk_wear_bytes)} per step, {_size(per_day)} per day of training{commits}{spill}")
         return out
 
 

@@ -357,6 +357,10 @@ def test_disk_gradients_the_gpu_cannot_hold_are_planned_in_the_store():
     assert kept.memory.gpu_state == 4 * n and spilled.memory.gpu_state == 0
     assert spilled.step.disk_read_s == pytest.approx(kept.step.disk_read_s * 16 / 12)
     assert spilled.step.disk_write_s > kept.step.disk_write_s
+    # the disk written per step (and per day: wear) counts the spilled gradients, rewritten every step
+    assert kept.step.disk_wear_bytes == 12 * n and spilled.step.disk_wear_bytes == 16 * n
+    line = [ln for ln in spilled.lines() if ln.startswith("disk writes:")][0]
+    assert "gradients waiting in the store add" in line
     # without --gpu-budget-gb the planned machine's GPU memory decides (not this machine's)
     small = dataclasses.replace(prof, gpu_memory_bytes=2**30)  # less than the workspace alone
     assert make_plan(base, small).memory.grad_spill and not make_plan(base, prof).memory.grad_spill
