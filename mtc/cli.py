@@ -414,10 +414,11 @@ def _last_commit_text(store_dir: str) -> str:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from mtc.store import TensorStore, verify
+    from mtc.store import verify
+    from mtc.weight_sources import open_run_store
 
     # read-only: no lock, so it works while a training run holds the store
-    with TensorStore.open(a.store, read_only=True) as st:
+    with open_run_store(a.store) as st:
         report = verify(st, check_chunks=a.verify)
         damaged = {p.array for p in report.problems if p.array is not None and p.chunk is None}
         names = st.array_names()

@@ -25,7 +25,8 @@ from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.executor import IGNORE_INDEX
 from mtc.runtime.runners import AutogradRunner, LayerRunner
-from mtc.weight_sources import CommittedStep, StoreWeights, WeightsOverwritten, check_untouched, default_budgets, pick_step
+from mtc.weight_sources import (CommittedStep, StoreWeights, WeightsOverwritten, check_untouched, default_budgets, open_run_store,
+                                pick_step)
 
 __all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
 
@@ -165,9 +166,8 @@ def _evaluate_once(store_dir: str | Path, tokens: TokenFile, step: int | None, b
                    device: str | None, device_budget_bytes: int | None) -> tuple[float, CommittedStep, list]:
     """One evaluation of `evaluate_store`: (loss, the step read, the batches)."""
     from mtc.plan import load_plan
-    from mtc.store import TensorStore
 
-    with TensorStore.open(store_dir, read_only=True) as st:
+    with open_run_store(store_dir) as st:
         at = pick_step(st, step)
         cfg = at.record.config
         program = load_plan(Path(store_dir) / "plan")

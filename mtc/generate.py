@@ -267,10 +267,9 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
         check_device_name(device)
     from mtc.models import build
     from mtc.plan import load_plan
-    from mtc.store import TensorStore
-    from mtc.weight_sources import StoreWeights, check_untouched, default_budgets, pick_step
+    from mtc.weight_sources import StoreWeights, check_untouched, default_budgets, open_run_store, pick_step
 
-    with TensorStore.open(store_dir, read_only=True) as st:
+    with open_run_store(store_dir) as st:
         at = pick_step(st, step)
         cfg = at.record.config
         program = load_plan(Path(store_dir) / "plan")

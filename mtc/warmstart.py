@@ -33,7 +33,7 @@ from mtc.plan import load_plan, save_plan
 from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
 from mtc.store.directory import read_commit_file, read_write_starts
-from mtc.weight_sources import check_untouched
+from mtc.weight_sources import check_untouched, open_run_store
 
 __all__ = ["INIT_ATTR", "available_steps", "create_seeded_store", "init_from", "is_seeded", "load_state_dict", "open_seeded",
            "run_model", "source_model"]
@@ -304,7 +304,7 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
     its lock, so it works beside a running trainer. Holds the whole model in host memory: for
     models larger than RAM, use `mtc.export_hf` (streamed) instead.
     """
-    with TensorStore.open(run, read_only=True) as st:
+    with open_run_store(run) as st:
         step, gen = resolve_step(st, step)
         program = load_plan(Path(run) / "plan")
         out: dict[str, torch.Tensor] = {}

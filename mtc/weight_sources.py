@@ -36,9 +36,37 @@ from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.store.directory import read_write_starts, record_write_start, written_since
 
 __all__ = ["CommittedStep", "StoreWeights", "TierWeights", "WeightsOverwritten", "check_untouched", "committed_steps",
-           "default_budgets", "pick_step", "record_write_start", "wait_for_updates"]
+           "default_budgets", "open_run_store", "pick_step", "record_write_start", "wait_for_updates"]
 
 # -- which steps a store holds ------------------------------------------------------------------
+
+
+def open_run_store(store_dir: str | Path) -> TensorStore:
+    """A run's store opened read-only (eval, generate, export, load_state_dict, inspect). A run
+    trained with ``--durability none`` commits nothing, and its store keeps the set-up marker of a
+    run killed during set-up: StoreError then says there are no weights by design, not that the
+    set-up stopped and the same command would start the store over."""
+    try:
+        return TensorStore.open(store_dir, read_only=True)
+    except StoreError as e:
+        if "has no commit yet" in str(e) and _trained_without_commits(Path(store_dir)):
+            raise StoreError(f"run {store_dir} was trained with --durability none, which commits nothing: it kept no weights "
+                             "to read; train with --durability weights (or full) to keep them") from None
+        raise
+
+
+def _trained_without_commits(root: Path) -> bool:
+    """Whether the run in ``root`` logged its config (it got past set-up) with durability 'none'."""
+    import json
+
+    for f in sorted((root / "logs").glob("config-step*.json")):
+        try:
+            if json.loads(f.read_text()).get("durability") == "none":
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -91,9 +91,8 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
     from mtc.models import family_of, model_config
     from mtc.plan import load_plan
     from mtc.shards import read_layer
-    from mtc.store import TensorStore
     from mtc.warmstart import resolve_step
-    from mtc.weight_sources import check_untouched
+    from mtc.weight_sources import check_untouched, open_run_store
 
     t0 = time.perf_counter()
     if dtype not in _DTYPES:
@@ -102,7 +101,7 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
     run, out = Path(run), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output {out} exists and is not an empty directory; pick a new directory or remove it")
-    with TensorStore.open(run, read_only=True) as st:
+    with open_run_store(run) as st:
         step, gen = resolve_step(st, step)
         last = st.last_commit()
         config = next((r.config for r in reversed(st.commit_history()) if r.step == step), last.config)

@@ -578,3 +578,23 @@ def test_attention_flops_count_each_attentions_own_width():
 
     c = FlopCounter.of(trace(Model(), 2, 8), 8)
     assert (c.n_blocks, c.attention_width) == (3, 4 * 8 + 2 * 8)
+
+
+def test_readers_of_a_run_trained_with_durability_none_say_it_kept_no_weights(tmp_path, capsys):
+    """A finished --durability none run commits nothing; its store keeps the set-up marker, and the
+    readers said the set-up had stopped and the same command would start the store over."""
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=1, durability="none").to_dict()))
+    store = tmp_path / "s"
+    assert main(["train", "--config", str(cfg), "--store", str(store), "--data", str(tokens.path)]) == 0
+    capsys.readouterr()
+    for argv in (["eval", str(store), "--data", str(tokens.path)], ["generate", str(store), "--prompt", "a"],
+                 ["inspect", str(store)], ["export", str(store), "-o", str(tmp_path / "hf")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "trained with --durability none, which commits nothing" in err, (argv, err)
+    import mtc
+
+    with pytest.raises(mtc.errors.StoreError, match="--durability weights"):
+        mtc.load_state_dict(store)
