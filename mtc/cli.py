@@ -870,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="draw a run's loss, validation loss, learning rate and throughput against step")
     pl.add_argument("store")
-    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
+    pl.add_argument("-o", "--output", required=True, help="file to write: PNG, or PDF / SVG by its suffix")
     pl.set_defaults(fn=_cmd_plot)
 
     i = sub.add_parser("inspect", help="list a store's arrays, its last commit and any damage (read-only; exit 1 if damaged)")

@@ -33,7 +33,8 @@ def read_metrics(store_dir: str | Path) -> list[dict]:
 
 
 def plot_run(store_dir: str | Path, output: str | Path) -> Path:
-    """Draw loss and val loss, lr, and tokens/s (with TFLOP/s) against step into ``output`` (PNG)."""
+    """Draw loss and val loss, lr, and tokens/s (with TFLOP/s) against step into ``output`` (PNG, or
+    the format its suffix names: .pdf, .svg, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
@@ -62,8 +63,12 @@ def plot_run(store_dir: str | Path, output: str | Path) -> Path:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(output)
+    # the file's suffix names the format where matplotlib writes it (run.pdf, run.svg); PNG otherwise
+    # (a PNG was written under any name: run.pdf held PNG bytes)
+    fmt = out.suffix[1:].lower()
+    fmt = fmt if fmt in fig.canvas.get_supported_filetypes() else "png"
     try:
-        fig.savefig(out, format="png", dpi=100)
+        fig.savefig(out, format=fmt, dpi=100)
     except OSError as e:
         raise PlotError(f"cannot write {out}: {e.strerror or e}; choose another -o path") from None
     finally:

@@ -268,6 +268,10 @@ def test_plot_writes_a_png(run, tmp_path, capsys):
     assert main(["plot", str(store), "-o", str(out)]) == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    # a suffix names the format (a .pdf held PNG bytes); one matplotlib cannot write gives a PNG
+    for name, magic in (("run.pdf", b"%PDF"), ("run.svg", b"<?xml"), ("run.plot", b"\x89PNG")):
+        assert main(["plot", str(store), "-o", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(magic), name
     assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
