@@ -60,7 +60,7 @@ from mtc.config import TrainConfig
 from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
-from mtc.planner import MODES, Check, Memory, Plan, _size, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
+from mtc.planner import MODES, Check, Memory, Plan, _count, _size, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
 from mtc.runtime import placement as pl
 from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
@@ -452,7 +452,7 @@ class DistPlan:
         dtype = {2: "bfloat16", 4: "float32"}.get(sh.compute_bytes, f"{sh.compute_bytes} B")
         pad = sum(w * s - n for s, n in zip(self.dist.shard_numels, sh.numels, strict=True))
         out = [
-            (f"model {sh.name}: {sh.n_params / 1e9:.3f}B parameters, {sh.n_layers} layers (embed, {sh.n_layers - 2} blocks, head); "
+            (f"model {sh.name}: {_count(sh.n_params)} parameters, {sh.n_layers} layers (embed, {sh.n_layers - 2} blocks, head); "
              f"global batch {cfg.micro_batch_size} x {cfg.seq_len} tokens x grad_accum {cfg.grad_accum} = {tokens:,} tokens/step, "
              f"{self.rank_cfg.grad_accum} micro-batch(es) per rank; compute {dtype}, state fp32"),
             f"machine {pr.name} (one host): {pr.device}",
@@ -473,8 +473,8 @@ class DistPlan:
         link = self.dist.link
         out.append(f"  {link.name}: {link.gbps:g} GB/s bus bandwidth per rank, {link.latency_us:g} us per ring step")
         per_tier = {t: sum(n for n, p in zip(sh.numels, self.placement, strict=True) if p == t) for t in ("gpu", "ram", "disk")}
-        out.append(f"placement per rank {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
-                   f"disk {per_tier['disk'] / 1e9:.3f}B params (each rank holds 1/{w} of their state)"
+        out.append(f"placement per rank {pl.describe(self.placement)}: gpu {_count(per_tier['gpu'])}, ram {_count(per_tier['ram'])}, "
+                   f"disk {_count(per_tier['disk'])} params (each rank holds 1/{w} of their state)"
                    + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
         disk_host = r * m.disk[cfg.durability]

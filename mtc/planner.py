@@ -42,6 +42,13 @@ def _size(b: float) -> str:
     return f"{b / GiB:,.1f} GiB" if b < 1e12 else f"{b / 1e12:,.2f} TB"
 
 
+def _count(n: float) -> str:
+    """A parameter count as a plan prints it: 1.234B, 45.9M, 45,888 (0.000B said nothing of a small model)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.3f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{int(n):,}"
+
+
 def compute_bytes(cfg: TrainConfig, profile: MachineProfile) -> int:
     """Bytes per element of the compute dtype the run would use on ``profile``'s machine."""
     dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bfloat16" if profile.accelerator == "cuda" else "float32")
@@ -416,13 +423,13 @@ class Plan:
         dtype = {2: "bfloat16", 4: "float32"}.get(sh.compute_bytes, f"{sh.compute_bytes} B")
         per_tier = {t: sum(n for n, p in zip(sh.numels, self.placement, strict=True) if p == t) for t in ("gpu", "ram", "disk")}
         out = [
-            (f"model {sh.name}: {sh.n_params / 1e9:.3f}B parameters, {sh.n_layers} layers (embed, {sh.n_layers - 2} blocks, head); "
+            (f"model {sh.name}: {_count(sh.n_params)} parameters, {sh.n_layers} layers (embed, {sh.n_layers - 2} blocks, head); "
              f"{cfg.micro_batch_size} x {cfg.seq_len} tokens x grad_accum {cfg.grad_accum} = {tokens:,} tokens/step; compute {dtype}, state fp32"),
             f"machine {pr.name}: {pr.device}",
         ]
         out += [f"  assumed: {a}" for a in pr.assumed]
-        out.append(f"placement {pl.describe(self.placement)}: gpu {per_tier['gpu'] / 1e9:.3f}B, ram {per_tier['ram'] / 1e9:.3f}B, "
-                   f"disk {per_tier['disk'] / 1e9:.3f}B params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
+        out.append(f"placement {pl.describe(self.placement)}: gpu {_count(per_tier['gpu'])}, ram {_count(per_tier['ram'])}, "
+                   f"disk {_count(per_tier['disk'])} params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
                    + (f" ({self.prefetch} loading their state during the backward{self._handoff_text()})" if self.prefetch else "")
                    + (f"; {len(self.saves)} of {sh.n_layers - 2} blocks keep their activations between visits "
                       f"({_size(m.gpu_saved)} on the GPU)" if self.saves else "")

@@ -625,3 +625,9 @@ def test_plan_says_what_durability_keeps_when_layers_live_on_disk():
     ram = make_plan(TrainConfig(model="8b", placement="ram", durability="weights"), builtin("h100-box")).lines()
     assert any("two generations of the weights: resume restarts Adam's moments" in ln for ln in ram)
     assert any(ln.startswith("disk writes:") and "(commits of " in ln for ln in ram)
+
+
+def test_parameter_counts_read_at_any_size():
+    from mtc.planner import _count
+
+    assert [_count(n) for n in (45_888, 1_250_000, 4_600_000_000, 0)] == ["45,888", "1.2M", "4.600B", "0"]
