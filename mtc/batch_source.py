@@ -54,6 +54,17 @@ class BatchSource:
         """Remember the model's vocabulary: every batch drawn is checked against it."""
         self.vocab_size = vocab_size
 
+    def check_length(self, cursor: int, steps: int, per_step: int) -> None:
+        """DataError now, before any step runs, when a sequence is too short for ``steps`` steps of
+        ``per_step`` batches from batch ``cursor`` (a plain iterable's length is not known ahead)."""
+        if self._seq is None:
+            return
+        need = cursor + steps * per_step
+        if len(self._seq) < need:
+            start = f" from batch {cursor} (where the last commit stopped)" if cursor else ""
+            raise DataError(f"the data sequence has {len(self._seq)} batches; {steps} steps of {per_step} batches"
+                            f"{start} need {need}: give more batches or train fewer steps")
+
     def sampler(self, batch_size: int, seq_len: int) -> BatchSource:
         """This source, expecting micro-batches of (batch_size, seq_len)."""
         self.shape = (batch_size, seq_len)

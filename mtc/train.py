@@ -776,6 +776,15 @@ def train(
     if world.is_root:
         _dist.root_ready(world)  # the other ranks may open the run directory and its plan now
     st, program = run.store, run.program
+    if isinstance(tokens, BatchSource):  # a list too short is known now, not after the steps it can feed
+        first_step = run.start_step
+        try:
+            tokens.check_length(run.last.data_cursor if run.last is not None else 0,
+                                max(0, (cfg.steps if stop_after is None else min(cfg.steps, stop_after)) - first_step),
+                                cfg.grad_accum)
+        except BaseException:
+            st.close()
+            raise
     timeline = timeline if timeline is not None else Timeline()
     device = torch.device(cfg.device)
     cdtype = getattr(torch, cfg.resolved_compute_dtype)

@@ -163,11 +163,21 @@ def test_iterable_data_resumes_by_skipping_consumed_batches(tokens, program, tmp
     res = mtc.train(data=gen(), store=store)  # resume: config and model from the store
     assert res.start_step == 2 and drawn[:4] == [0, 1, 2, 3] and 4 in drawn
     assert_close(weights(res), full)
+    # a list is indexed from the commit's cursor: one too short for the steps asked is refused before any step runs
+    steps_run: list[int] = []
+    res.close()
+    with pytest.raises(DataError, match=r"the data sequence has 10 batches; 2 steps of 2 batches from batch 8 \(where the "
+                                        r"last commit stopped\) need 12: give more batches or train fewer steps"):
+        mtc.train(data=batches(tokens, 10), store=store, steps=6, allow_change=["steps"],
+                  on_step=lambda r: steps_run.append(r.step))
+    assert steps_run == []
 
 
 def test_iterable_data_errors_are_one_line(tokens, program):
     with pytest.raises(DataError, match="ended after 2 batches"):
         mtc.train(model=build, plan=program, data=iter(batches(tokens, 2)), steps=2, grad_accum=2)
+    with pytest.raises(DataError, match="the data sequence has 2 batches; 2 steps of 2 batches need 4"):
+        mtc.train(model=build, plan=program, data=batches(tokens, 2), steps=2, grad_accum=2)
     bad = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))]
     with pytest.raises(DataError, match=r"shape \(2, 8\), the model was traced for \(2, 16\)"):
         mtc.train(model=build, plan=program, data=bad, steps=1)
