@@ -415,7 +415,10 @@ class TensorStore:
         except TypeError as e:
             raise StoreError(f"root attribute {key!r} is not JSON-serialisable: {e}") from e
         with self._meta_lock:
-            self._root.attrs[key] = value
+            try:
+                self._root.attrs[key] = value
+            except OSError as e:  # a read-only directory, a full disk: one clear line, not zarr's traceback
+                raise StoreError(f"cannot write root attribute {key!r} of store {self._where()}: {os_error_message(e)}") from e
             if self._path is not None:
                 self._unsynced.update({self._path / "zarr.json", self._path})
 

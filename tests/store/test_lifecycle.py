@@ -218,6 +218,33 @@ def test_read_only_directory_as_a_user_sees_it(tmp_path):
     assert lines[2].startswith("StoreError cannot create store directory") and "permission denied" in lines[2]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("capsh") is None, reason="needs root and capsh to drop CAP_DAC_OVERRIDE")
+def test_writing_a_read_only_directory_through_a_writable_lock_is_a_store_error(tmp_path):
+    # the lock file is writable (the owner left it so), everything else read-only: opening works,
+    # and the first metadata write (a resume sets the layout attribute) must be one clear line
+    p = tmp_path / "s"
+    make_run(p).close()
+    for q in [p, *p.rglob("*")]:
+        q.chmod(0o555 if q.is_dir() else 0o444)
+    (p / ".lock").chmod(0o666)
+    code = textwrap.dedent(f"""
+        from mtc.store import TensorStore
+        with TensorStore.open({str(p)!r}) as st:
+            try:
+                st.set_attribute("mtc_layers", {{"numels": [1]}})
+            except Exception as e:
+                print(type(e).__name__, e)
+    """)
+    cmd = ["capsh", "--drop=cap_dac_override,cap_dac_read_search,cap_fowner", "--", "-c", f'exec "{sys.executable}" -c "$0"', code]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        for q in [p, *p.rglob("*")]:
+            q.chmod(0o755 if q.is_dir() else 0o644)
+    assert out.stdout.startswith("StoreError cannot write root attribute 'mtc_layers'"), out.stdout + out.stderr
+    assert "permission denied" in out.stdout and "fix the permissions" in out.stdout
+
+
 def test_permission_errors_are_store_errors(tmp_path, monkeypatch):
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied")
