@@ -24,6 +24,7 @@ forward run ahead of read-ahead, which runs ahead of write-behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import itertools
 import mmap
@@ -132,6 +133,30 @@ def _readv_full(fd: int, views: list[memoryview], want: int, direct: bool) -> in
             break
         got += n
     return got
+
+
+def _pwritev_full(fd: int, views: list[memoryview], path: str | Path) -> int:
+    """Write ``views`` from offset 0 of ``fd``, all of them; bytes written.
+
+    A short write (the file system filled up part-way) is continued, so the call that cannot
+    write raises its own OSError (ENOSPC, EDQUOT: a cause the caller can name and say how to fix)
+    instead of a bare byte count.
+    """
+    want = sum(len(v) for v in views)
+    done = os.pwritev(fd, views, 0)
+    while done < want:
+        rest, skip = [], done
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.pwritev(fd, rest, done)
+        if n == 0:
+            raise OSError(errno.EIO, f"short write to {path}: {done} of {want} bytes, and no progress")
+        done += n
+    return want
 
 
 def read_chunk_file(path: str | Path, chunk_bytes: int, dst: np.ndarray, offset: int = 0) -> str | None:
@@ -251,9 +276,7 @@ def _overwrite_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes,
         whole[:n] = data
         whole[n:] = 0
         views = [memoryview(whole)]
-    done = os.pwritev(fd, views, 0)
-    if done != chunk_bytes:
-        raise OSError(f"short write to {path}: {done} of {chunk_bytes} bytes")
+    _pwritev_full(fd, views, path)
     tail = os.open(path, os.O_WRONLY)
     try:
         if os.pwrite(tail, crc_bytes, chunk_bytes) != _CRC:
@@ -280,10 +303,7 @@ def _write_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes, dir
         whole[n:chunk_bytes] = 0
         whole[chunk_bytes:total] = np.frombuffer(crc_bytes, dtype=np.uint8)
         views = [memoryview(whole)]
-    want = sum(len(v) for v in views)
-    done = os.pwritev(fd, views, 0)
-    if done != want:
-        raise OSError(f"short write to {path}: {done} of {want} bytes")
+    want = _pwritev_full(fd, views, path)
     if want != total:
         os.ftruncate(fd, total)  # O_DIRECT wrote whole pages: cut the padding after the CRC
     os.fsync(fd)

@@ -551,7 +551,8 @@ class TensorStore:
                 done_in_place = write_chunk_file(path, _chunk_nbytes(arr), np.ascontiguousarray(block).reshape(-1).view(np.uint8),
                                                  in_place=in_place)
             except OSError as e:
-                raise StoreError(f"writing chunk {c} of array {name!r} in store {self._where()} failed: {e}") from e
+                raise StoreError(f"writing chunk {c} of array {name!r} ({path}) in store {self._where()} failed: "
+                                 f"{os_error_message(e)}") from e
             if not done_in_place and renamed is not None:
                 renamed.append(True)
             return

@@ -3,7 +3,9 @@ and fall back to temp + rename where in-place does not apply."""
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import zarr
 from mtc.store import TensorStore, fastio
 from mtc.store.fastio import aligned_empty, read_chunk_file, write_chunk_file
 
-from mtc.errors import StoreCorruptionError
+from mtc.errors import StoreCorruptionError, StoreError
 
 CH = 64 * 1024  # a small page-multiple chunk: fast, and the O_DIRECT path still applies
 
@@ -111,3 +113,26 @@ def test_default_writes_still_replace_the_chunk_file(local_store):
     st.write("w", torch.zeros(2**16))
     assert os.stat(st.chunk_path("w", 0)).st_ino != ino  # atomic replacement unless the caller asks for in place
     assert not st.read("w").any()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_chunk_write_that_fills_the_disk_part_way_says_no_space_left(tmp_path):
+    # a few blocks free: the first write is short, not refused; the error must still say why
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        st = TensorStore.create(mnt / "s")
+        st.create_array("layers/0000/master/g0", (CH // 4,), torch.float32)
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        (mnt / "filler").write_bytes(b"\0" * (free - 16384))  # leave 4 pages: less than the 64 KiB chunk
+        with pytest.raises(OSError) as e:
+            write_chunk_file(mnt / "raw", CH, _aligned(CH, 8))
+        assert e.value.errno == errno.ENOSPC, e.value
+        with pytest.raises(StoreError, match=r"writing chunk 0 of array 'layers/0000/master/g0' .* no space left on device; free space"):
+            st.write("layers/0000/master/g0", torch.randn(CH // 4))
+        assert [p.name for p in (mnt / "s/layers/0000/master/g0").rglob("*.partial")] == []  # the temp file is gone
+        st.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
