@@ -449,8 +449,8 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
         for p in report.problems:
             print(f"damaged: {p}")
         if not report.ok:
-            print(f"{len(report.problems)} problem(s); `mtc verify {a.store}` checks every chunk, "
-                  f"`mtc repair {a.store}` restores commit.json")
+            # the fix depends on the damage: a lost commit.json is restored, damaged state rolled back
+            print(f"{len(report.problems)} problem(s); `mtc verify {a.store}` checks every chunk; " + "; ".join(report.fixes()))
     return 0 if report.ok else 1
 
 

@@ -92,14 +92,18 @@ class VerifyReport:
         if self.ok:
             out.append("healthy")
             return out
-        fixes = []
+        out.append(f"{len(self.problems)} problem(s); " + "; ".join(self.fixes()))
+        return out
+
+    def fixes(self) -> list[str]:
+        """What to do about the problems found, one phrase per kind of damage."""
+        out = []
         if any(p.where in (COMMIT_FILE, HISTORY_FILE) for p in self.problems):
-            fixes.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
+            out.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
         if any(p.array is not None for p in self.problems):
-            fixes.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
-                         "steps since), if there is one; else restore the store from a copy, or start over with "
-                         "`mtc train ... --overwrite`")
-        out.append(f"{len(self.problems)} problem(s); " + "; ".join(fixes))
+            out.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
+                       "steps since), if there is one; else restore the store from a copy, or start over with "
+                       "`mtc train ... --overwrite`")
         return out
 
 

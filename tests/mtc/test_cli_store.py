@@ -57,6 +57,18 @@ def test_inspect_prints_one_line_per_problem(store_dir, capsys):
     assert not any(line.startswith("last commit") for line in lines)
 
 
+def test_inspect_names_the_fix_for_the_damage_it_found(store_dir, capsys):
+    # a missing array of the committed generation: repair rolls back, it does not "restore commit.json"
+    shutil.rmtree(store_dir / "layers/0002/m/g1")
+    code, lines = _run(capsys, "inspect", str(store_dir))
+    assert code == 1 and "rolls back to the newest earlier commit" in lines[-1] and "restores commit.json" not in lines[-1], lines
+    # a lost commit.json alone: repair restores it
+    make_run(store_dir.parent / "t").close()
+    (store_dir.parent / "t" / "commit.json").unlink()
+    code, lines = _run(capsys, "inspect", str(store_dir.parent / "t"))
+    assert code == 1 and "restores commit.json from commits.jsonl" in lines[-1] and "rolls back" not in lines[-1], lines
+
+
 def test_damaged_chunk_shows_with_verify_only(store_dir, capsys):
     with TensorStore.open(store_dir, read_only=True) as st:
         chunk = st.chunk_path(state_array_name(0, "master", 1), 2)
