@@ -80,7 +80,7 @@ from mtc.store.directory import (
 )
 from mtc.store.fastio import PRIORITY_READ, PRIORITY_WRITE, PriorityPool, read_chunk_file, write_chunk_file
 
-from mtc.errors import StoreCorruptionError, StoreError
+from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
 
 __all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore"]  # CommitRecord: from mtc.store.directory
 
@@ -186,7 +186,11 @@ class TensorStore:
         p = Path(path)
         if p.exists() and not p.is_dir():
             raise StoreError(f"cannot create a store at {p}: it is a file, not a directory; pick a directory path")
-        check_creatable(p, overwrite)
+        try:
+            check_creatable(p, overwrite)
+        except StoreError:
+            _raise_if_held(p)  # a run holding the store (the same command started twice) is the real answer
+            raise
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -942,6 +946,24 @@ class TensorStore:
     @staticmethod
     def _wait(fut: Future[None]) -> None:
         fut.result()
+
+
+def _raise_if_held(p: Path) -> None:
+    """Raise StoreLockedError when another handle holds the lock of the mtc store in ``p``.
+
+    `create` refuses a committed store before it locks (so a foreign directory gets no lock
+    file), but a run that committed it a moment ago and still holds it must be reported as the
+    holder: "resume it with the same command" would be wrong advice while that run goes on.
+    """
+    if dir_state(p) not in ("committed", "uncommitted") or not (p / LOCK_FILE).is_file():
+        return
+    try:
+        fd = lock_store(p)
+    except StoreLockedError:
+        raise
+    except StoreError:
+        return  # cannot even try the lock (permissions): the caller's own refusal says enough
+    unlock_store(fd)
 
 
 def _chunk_nbytes(arr: zarr.Array) -> int:

@@ -281,6 +281,25 @@ def test_chunk_path(store):
 # -- creating, opening, locking ------------------------------------------------------------------
 
 
+def test_creating_a_store_another_run_just_committed_and_holds_names_the_holder(tmp_path):
+    # `mtc train` started twice: the second decided "new run" before the first committed step 0;
+    # "resume it with the same command" would be wrong while the first still runs
+    held = TensorStore.create(tmp_path / "s")
+    held.commit(_record(0))
+    code = "import sys\nfrom mtc.store import TensorStore\ntry:\n TensorStore.create(sys.argv[1])\nexcept Exception as e:\n print(type(e).__name__, e)"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.startswith("StoreLockedError") and f"locked by pid {os.getpid()}" in out.stdout, out.stdout + out.stderr
+    held.close()
+    with pytest.raises(StoreError, match="already holds a committed mtc store; resume it") as e:  # no holder: resume
+        TensorStore.create(tmp_path / "s")
+    assert not isinstance(e.value, StoreLockedError)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "x").write_text("x")
+    with pytest.raises(StoreError, match="not empty"):
+        TensorStore.create(tmp_path / "foreign")
+    assert not (tmp_path / "foreign" / ".lock").exists()  # no lock file left in a directory that is not ours
+
+
 def test_second_handle_and_second_process_are_refused(tmp_path):
     st = TensorStore.create(tmp_path / "s")
     with pytest.raises(StoreLockedError, match=f"{tmp_path / 's'} is locked by this process \\(pid {os.getpid()}\\)"):
