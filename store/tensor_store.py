@@ -242,10 +242,7 @@ class TensorStore:
         try:
             state = dir_state(p)
             if state == "uncommitted":
-                raise StoreError(
-                    f"store {p} has no commit yet: the run that created it stopped during set-up (or is still setting it up); "
-                    f"run the same `mtc train ... --store {p}` command again: it starts the store over"
-                )
+                raise StoreError(f"store {p} has no commit yet: {_why_uncommitted(p)}")
             if state != "committed":
                 raise StoreError(
                     f"store {p} has no commit record (no {COMMIT_FILE}, no {HISTORY_FILE}, no set-up marker): an older mtc "
@@ -946,6 +943,24 @@ class TensorStore:
     @staticmethod
     def _wait(fut: Future[None]) -> None:
         fut.result()
+
+
+def _why_uncommitted(p: Path) -> str:
+    """Why the uncommitted store ``p`` has no commit, and what to do.
+
+    A run with durability 'none' commits nothing, also when it trains to the end; the trainer's
+    config log (``logs/config-step0.json``, written once set-up is done) tells it from a set-up
+    that never finished, which the same command starts over.
+    """
+    try:
+        config = json.loads((p / "logs" / "config-step0.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and config.get("durability") == "none":
+        return ("its run trained with durability 'none', which commits nothing: there are no weights to read or resume "
+                f"(to keep them, train with `--durability weights` or `full`: `mtc train ... --store {p}` starts the store over)")
+    return (f"the run that created it stopped during set-up (or is still setting it up); run the same `mtc train ... --store {p}` "
+            "command again: it starts the store over")
 
 
 def _raise_if_held(p: Path) -> None:

@@ -104,3 +104,15 @@ def test_uncommitted_store_says_to_rerun_train(tmp_path, capsys):
     for cmd in ("inspect", "verify"):
         code, lines = _run(capsys, cmd, str(tmp_path / "u"))
         assert code == 2 and len(lines) == 1 and "has no commit yet" in lines[0] and "mtc train" in lines[0]
+
+
+def test_a_finished_durability_none_run_is_not_called_a_stopped_set_up(tmp_path, capsys):
+    from mtc.train import train
+    from tests.runtime.engine_util import skewed_tokens, small_config
+
+    res = train(small_config(steps=2, grad_accum=1, durability="none"), tmp_path / "n", skewed_tokens(tmp_path / "t.bin"))
+    res.store.close()
+    for cmd in ("inspect", "verify"):
+        code, lines = _run(capsys, cmd, str(tmp_path / "n"))
+        assert code == 2 and len(lines) == 1 and "durability 'none', which commits nothing" in lines[0], lines
+        assert "stopped during set-up" not in lines[0]
