@@ -625,6 +625,10 @@ class TensorStore:
         if fault is not None:
             kind, what = fault
             fix = "the store is damaged: restore it from a copy, or re-import the weights into a new store"
+            if self._path is not None:  # a run's store: its previous commit may still be whole
+                fix = (f"the store is damaged: `mtc verify {self._path}` lists the damage and `mtc repair {self._path}` "
+                       "rolls back to the newest commit whose state is whole, if there is one; else restore the store "
+                       "from a copy, or re-import the weights into a new store")
             raise kind(f"array {info.name!r} chunk {c} {what}" + (f"; {fix}" if kind is StoreCorruptionError else ""))
 
     def _decode_chunk(
