@@ -42,31 +42,10 @@ __all__ = ["CommittedStep", "StoreWeights", "TierWeights", "WeightsOverwritten",
 
 
 def open_run_store(store_dir: str | Path) -> TensorStore:
-    """A run's store opened read-only (eval, generate, export, load_state_dict, inspect). A run
-    trained with ``--durability none`` commits nothing, and its store keeps the set-up marker of a
-    run killed during set-up: StoreError then says there are no weights by design, not that the
-    set-up stopped and the same command would start the store over."""
-    try:
-        return TensorStore.open(store_dir, read_only=True)
-    except StoreError as e:
-        if "has no commit yet" in str(e) and _trained_without_commits(Path(store_dir)):
-            raise StoreError(f"run {store_dir} was trained with --durability none, which commits nothing: it kept no weights "
-                             "to read; train with --durability weights (or full) to keep them") from None
-        raise
-
-
-def _trained_without_commits(root: Path) -> bool:
-    """Whether the run in ``root`` logged its config (it got past set-up) with durability 'none'."""
-    import json
-
-    for f in sorted((root / "logs").glob("config-step*.json")):
-        try:
-            if json.loads(f.read_text()).get("durability") == "none":
-                return True
-        except (OSError, ValueError, AttributeError):
-            continue
-    return False
-
+    """A run's store opened read-only (eval, generate, export, load_state_dict, inspect). One with
+    no commit says why (`TensorStore.open`): a set-up that stopped, or a run trained with
+    ``--durability none``, which keeps no weights by design."""
+    return TensorStore.open(store_dir, read_only=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

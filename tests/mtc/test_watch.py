@@ -597,7 +597,7 @@ def test_readers_of_a_run_trained_with_durability_none_say_it_kept_no_weights(tm
                  ["inspect", str(store)], ["export", str(store), "-o", str(tmp_path / "hf")]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "trained with --durability none, which commits nothing" in err, (argv, err)
+        assert len(err.splitlines()) == 1 and "trained with durability 'none', which commits nothing" in err, (argv, err)
     import mtc
 
     with pytest.raises(mtc.errors.StoreError, match="--durability weights"):
