@@ -68,7 +68,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     elif a.config or a.preset or getattr(a, "model", None):
         cfg = TrainConfig.from_dict(file_fields) if file_fields is not None else TrainConfig(model=a.preset or a.model)
     else:
-        cfg = TrainConfig(**_stored_model(a))
+        cfg = _stored_config(a)
     given = {}
     for path in _TRAIN_FLAGS:
         raw = getattr(a, _dest(path))
@@ -125,18 +125,27 @@ def _unnamed_device(a: argparse.Namespace) -> tuple[str, str]:
     return dev, f"mtc: computing on {dev} (this machine has one; --device cpu for the CPU)" if dev != "cpu" else ""
 
 
-def _stored_model(a: argparse.Namespace) -> dict:
-    """The model of a train command that names none: the store's run (e.g. an import), else --init-from's."""
-    from mtc.errors import ConfigError
-    from mtc.warmstart import run_model, source_model
+def _stored_config(a: argparse.Namespace):  # -> TrainConfig
+    """The config of a train command that names no model: the resumed run's whole config (as
+    ``mtc.train(store=...)`` takes it: a resume given only --data and the flags it changes); else
+    the model of the store's seed (an import) or of --init-from's source, on the defaults."""
+    import dataclasses
 
+    from mtc.config import TrainConfig
+    from mtc.errors import ConfigError
+    from mtc.warmstart import run_config, run_model, source_model
+
+    saved = run_config(a.store) if not a.overwrite else None
+    if saved is not None:
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        return TrainConfig.from_dict({k: v for k, v in saved.items() if k in known})
     fields = run_model(a.store) if not a.overwrite else None
     if fields is None and a.init_from:
         fields = source_model(a.init_from)
     if fields is None:
         raise ConfigError(f"store {a.store} holds no run to take the model from; give --preset, --config or --plan "
                           "(or --init-from a run or Hugging Face checkpoint)")
-    return fields
+    return TrainConfig(**fields)
 
 
 def _plan_conflict(plan: str, fields: dict, path: str, val: object) -> MTCError:

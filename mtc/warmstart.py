@@ -154,6 +154,18 @@ def run_model(store_dir: str | Path) -> dict[str, Any] | None:
         raise StoreError(f"commit record {f} is malformed ({e}); see `mtc verify` and `mtc repair`") from None
 
 
+def run_config(store_dir: str | Path) -> dict[str, Any] | None:
+    """The whole config of the run committed in ``store_dir``, which a resume that names no model
+    starts from (as ``mtc.train(store=...)`` does); None without a run's commit there (none, a
+    damaged record: `open_run` says so, or a seeded store's step-0 record, which only carries the
+    model and a small plan shape: training it starts a new run on the defaults)."""
+    try:
+        rec = read_commit_file(Path(store_dir))
+    except (OSError, ValueError, TypeError):
+        return None
+    return None if rec is None or is_seeded(rec) else dict(rec.config)
+
+
 def run_device(store_dir: str | Path | None) -> str | None:
     """The device of the run committed in ``store_dir``; None when there is none to resume there
     (no store, no commit, a damaged record: `open_run` says so, or a seeded store, whose step-0

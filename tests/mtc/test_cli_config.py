@@ -231,3 +231,28 @@ def test_the_durability_line_says_how_often_a_run_commits():
     assert _durability_text(small, program).endswith("a commit every 5 steps)")
     small.ram_budget_gb = 0.03
     assert _durability_text(small, program).endswith("a commit every step (layers' state on disk))")
+
+
+def test_a_resume_that_names_no_model_takes_the_whole_committed_config(tmp_path, capsys):
+    """`mtc train --store RUN --data X` resumes with the run's own settings, as mtc.train(store=...)
+    does (it took the model from the store and the defaults for the rest, so a run made with
+    another shape or lr was refused as changed), and a flag still changes what --allow-change lets."""
+    import numpy as np
+
+    from mtc.data import write_token_file
+    from mtc.store import TensorStore
+
+    tok = write_token_file(tmp_path / "t.bin", np.arange(4000, dtype=np.uint16) % 256, vocab_size=256, tokenizer="byte")
+    run = ["--store", str(tmp_path / "s"), "--data", str(tok.path), "--device", "cpu"]
+    assert main(["train", "--preset", "tiny", *run, "--micro-batch-size", "2", "--seq-len", "32", "--lr", "1e-3",
+                 "--steps", "3", "--stop-after", "1", "--durability", "weights"]) == 0
+    capsys.readouterr()
+    assert main(["train", *run]) == 0, capsys.readouterr().err
+    with TensorStore.open(tmp_path / "s", read_only=True) as st:
+        last = st.last_commit()
+        assert last.step == 3 and (last.config["micro_batch_size"], last.config["seq_len"]) == (2, 32)
+        assert (last.config["optim"]["lr"], last.durability) == (1e-3, "weights")
+    capsys.readouterr()
+    assert main(["train", *run, "--steps", "4"]) == 2  # a changed field is still a change
+    assert "steps 3 -> 4" in capsys.readouterr().err
+    assert main(["train", *run, "--steps", "4", "--allow-change", "steps"]) == 0
