@@ -98,8 +98,10 @@ class VerifyReport:
     def fixes(self) -> list[str]:
         """What to do about the problems found, one phrase per kind of damage."""
         out = []
-        if any(p.where in (COMMIT_FILE, HISTORY_FILE) for p in self.problems):
+        if any(p.where == COMMIT_FILE for p in self.problems):
             out.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
+        elif any(p.where == HISTORY_FILE for p in self.problems):  # commit.json is whole: the history lacks it
+            out.append(f"`mtc repair {self.store}` writes {COMMIT_FILE}'s record back into {HISTORY_FILE}")
         if any(p.array is not None for p in self.problems):
             out.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
                        "steps since), if there is one; else restore the store from a copy, or start over with "
@@ -268,9 +270,9 @@ def _check_commit_files(p: Path, problems: list[Problem], notes: list[str]) -> C
         )
     else:
         last = records[-1]
-        problems.append(
+        problems.append(  # (the history's damage: repair keeps commit.json, whose state it checks, and writes it back)
             Problem(
-                COMMIT_FILE,
+                HISTORY_FILE,
                 f"{COMMIT_FILE} (step {current.step}, generation {current.generation}) disagrees with the last record of "
                 f"{HISTORY_FILE} (step {last.step}, generation {last.generation})",
             )

@@ -112,8 +112,8 @@ def test_commit_files_agree_or_say_why(run, tmp_path):
     # the history lost the last commit: damage (repair appends it)
     hist.write_text(lines[0])
     rep = verify(run)
-    assert [p.where for p in rep.problems] == ["commit.json"] and "disagrees" in rep.problems[0].message
-    assert "`mtc repair" in rep.lines()[-1]
+    assert [p.where for p in rep.problems] == ["commits.jsonl"] and "disagrees" in rep.problems[0].message
+    assert rep.lines()[-1].endswith("`mtc repair " + str(p) + "` writes commit.json's record back into commits.jsonl"), rep.lines()
     done = repair(run)
     assert "appended it to commits.jsonl" in done.actions[0] and verify(run).ok
 
