@@ -465,9 +465,22 @@ def scan_nodes(root: Path) -> dict[str, dict[str, Any] | str]:
         if "zarr.json" not in files:
             continue
         doc = out[rel] = parse_node((Path(d) / "zarr.json").read_bytes)
-        if not (isinstance(doc, dict) and doc.get("node_type") == "group"):
-            dirs[:] = []
+        if isinstance(doc, dict) and doc.get("node_type") == "group":
+            continue
+        if isinstance(doc, str) and looks_like_group(Path(d), dirs):
+            continue  # a group whose metadata is garbled: the nodes below it are still there, and checked
+        dirs[:] = []
     return out
+
+
+def looks_like_group(d: Path, subdirs: list[str] | None = None) -> bool:
+    """Whether the node directory ``d`` holds child nodes (a directory with a ``zarr.json``) and
+    no chunk directory: a group, whatever its own metadata says."""
+    subdirs = [x.name for x in d.iterdir() if x.is_dir()] if subdirs is None else subdirs
+    return "c" not in subdirs and any((d / x / "zarr.json").is_file() for x in subdirs)
+
+
+GROUP_METADATA = {"attributes": {}, "zarr_format": 3, "node_type": "group"}  # what zarr writes for a plain group
 
 
 def parse_node(read: Callable[[], bytes]) -> dict[str, Any] | str:

@@ -25,14 +25,18 @@ damaged (a roll-back: the steps since the restored commit are lost, nothing else
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 from pathlib import Path
 
 from mtc.store.directory import (
     COMMIT_FILE,
+    GROUP_METADATA,
     HISTORY_FILE,
     CommitRecord,
     HistoryLine,
+    looks_like_group,
     read_commit_file,
     read_history,
     read_write_starts,
@@ -102,6 +106,9 @@ class VerifyReport:
             out.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
         elif any(p.where == HISTORY_FILE for p in self.problems):  # commit.json is whole: the history lacks it
             out.append(f"`mtc repair {self.store}` writes {COMMIT_FILE}'s record back into {HISTORY_FILE}")
+        if any(p.where.startswith("group ") for p in self.problems):
+            out.append(f"`mtc repair {self.store}` rewrites a group's garbled metadata (mtc's groups below the root hold "
+                       "no attributes: nothing is lost)")
         if any(p.array is not None for p in self.problems):
             out.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
                        "steps since), if there is one; else restore the store from a copy, or start over with "
@@ -144,7 +151,11 @@ def verify(store: TensorStore, *, check_chunks: bool = True) -> VerifyReport:
                     f"the store was committed again while it was checked (now step {now.step}); this report is about step {record.step}"
                 )
     reported = {p.array for p in problems}
-    problems += [Problem(name, msg, array=name) for name, msg in bad_nodes.items() if name not in reported]
+    for name, msg in bad_nodes.items():
+        if name in reported:
+            continue
+        group = store.path is not None and name != "<root group>" and looks_like_group(store.path.joinpath(*name.split("/")))
+        problems.append(Problem(f"group {name}", msg) if group else Problem(name, msg, array=name))
     return VerifyReport(str(store.path or "<memory>"), record, tuple(problems), tuple(notes), arrays, chunks)
 
 
@@ -161,6 +172,11 @@ def repair(store: TensorStore) -> RepairReport:
         raise StoreError("repair works on store directories; an in-memory store has no commit files")
     if store.read_only:
         raise StoreError(f"store {p} was opened read-only; repair needs TensorStore.open({str(p)!r}) (it takes the lock)")
+    rewritten = _rewrite_group_metadata(store)
+    if rewritten:
+        report = repair(store)  # (then what else there is to do, if anything)
+        rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
+        return RepairReport(tuple(rewritten) + rest, report.restored)
     history = [h for h in read_history(p) if h.record is not None]
     try:
         current = read_commit_file(p)
@@ -223,6 +239,24 @@ def repair(store: TensorStore) -> RepairReport:
 def _first(found: list[Problem]) -> str:
     """The first problem, and how many more there are."""
     return str(found[0]) + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+
+
+def _rewrite_group_metadata(store: TensorStore) -> list[str]:
+    """Rewrite the garbled ``zarr.json`` of groups below the root that still hold their child nodes
+    (mtc's groups below the root carry no attributes: the plain group's metadata is all they had);
+    what was done, one line each. A garbled root keeps the store's attributes: not rewritten here."""
+    assert store.path is not None
+    done = []
+    for name, why in store.metadata_problems():
+        d = store.path.joinpath(*name.split("/"))
+        if name == "<root group>" or "does not parse" not in why or not looks_like_group(d):
+            continue
+        f = d / "zarr.json"
+        tmp = f.with_name(f".zarr.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(GROUP_METADATA, indent=2))
+        os.replace(tmp, f)
+        done.append(f"rewrote {f}, a group's metadata that did not parse (the nodes below it were whole)")
+    return done
 
 
 def _reconcile_history(store: TensorStore, current: CommitRecord, history: list[HistoryLine]) -> RepairReport:

@@ -196,3 +196,18 @@ def test_repair_rolls_back_from_a_damaged_last_commit_to_the_whole_one_before(tm
         _flip(st.chunk_path(state_array_name(0, "master", 1), 0))  # now step 1's too: step 0's generation was rewritten
         with pytest.raises(StoreError, match=r"cannot repair store .*step 1's state is damaged.*skipped step 0"):
             repair(st)
+
+
+def test_a_groups_garbled_metadata_is_named_as_such_and_repair_rewrites_it(run, tmp_path):
+    # the arrays below a group whose zarr.json does not parse were reported missing (the walk
+    # stopped there) and repair refused, although a run still resumes from them
+    g = tmp_path / "s" / "layers" / "zarr.json"
+    g.write_text("{x")
+    rep = verify(run)
+    assert [p.where for p in rep.problems] == ["group layers"] and rep.arrays_checked == 6, rep.lines()
+    assert "`mtc repair" in rep.lines()[-1] and "rewrites a group's garbled metadata" in rep.lines()[-1]
+    done = repair(run)
+    assert done.actions[0] == f"rewrote {g}, a group's metadata that did not parse (the nodes below it were whole)"
+    assert done.restored is None and verify(run).ok
+    (tmp_path / "s" / "layers" / "0000" / "master" / "g1" / "zarr.json").write_text("{x")  # an array's: not a group
+    assert [p.where for p in verify(run).problems] == [M1.replace("/m/", "/master/")]
