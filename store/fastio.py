@@ -142,6 +142,7 @@ def _pwritev_full(fd: int, views: list[memoryview], path: str | Path) -> int:
     write raises its own OSError (ENOSPC, EDQUOT: a cause the caller can name and say how to fix)
     instead of a bare byte count.
     """
+    views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]  # (sliced by bytes below)
     want = sum(len(v) for v in views)
     done = os.pwritev(fd, views, 0)
     while done < want:

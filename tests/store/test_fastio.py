@@ -136,3 +136,26 @@ def test_a_chunk_write_that_fills_the_disk_part_way_says_no_space_left(tmp_path)
         st.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(tmp_path, monkeypatch):
+    real = os.pwritev
+
+    def short(fd, views, offset):  # a file system that takes at most 100 bytes a call
+        head, left = [], 100
+        for v in views:
+            b = memoryview(v).cast("B")[:left]
+            head.append(b)
+            left -= len(b)
+            if not left:
+                break
+        return real(fd, head, offset)
+
+    monkeypatch.setattr(fastio.os, "pwritev", short)
+    data = np.arange(300, dtype=np.float32)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert fastio._pwritev_full(fd, [memoryview(data), memoryview(np.full(7, 9, np.uint8))], tmp_path / "f") == 1207
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data.tobytes() + bytes([9] * 7)
