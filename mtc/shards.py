@@ -424,7 +424,7 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
     from mtc.dist import groups
     from mtc.runtime.collectives import collective
     from mtc.runtime.state import flatten_layer
-    from mtc.runtime.tiers import DISK_CHUNK_NUMEL
+    from mtc.runtime.tiers import DISK_CHUNK_NUMEL, zero_moments
 
     numels = [program.layer_numel(i) for i in range(program.n_layers)]
     durability = first.durability if last is None else last.durability
@@ -441,6 +441,10 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             check_shard(root, last, rank, st)
             for s in tiers.layers:
                 lo, hi = s.shard if s.shard is not None else (0, 0)
+                if s.numel and s.tier == "disk" and durability != "full" and hi > lo:
+                    # a commit without moments restarts Adam (`StreamingAdamW.moments_from`): a disk
+                    # layer's m and v start at zero, as in RAM (and as a single process's: `zero_moments`)
+                    zero_moments(st, s.layer, last.generation)
                 if not s.numel or s.tier == "disk":  # a disk layer's shard is read from the store each step
                     continue
                 for t in (s.master, s.m, s.v):

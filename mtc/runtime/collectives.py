@@ -303,7 +303,7 @@ class DataParallel:
                 continue
             lo, hi = s.shard
             decay = min(max(s.decay_numel - lo, 0), hi - lo)
-            hp = {"lr": opt._lr, "step": step + 1, "decay_numel": decay}
+            hp = {"lr": opt._lr, "step": opt.adam_step(step), "decay_numel": decay}
             if s.tier == "gpu":
                 self._step_gpu_layer(opt, i, coef, hp, skipped, kinds, write_generation, prev_commit, step, writes)
                 continue

@@ -72,7 +72,7 @@ class DiskShards:
         s = self.tiers[i]
         w_gen = self.tiers.disk_write_generation()
         s.write = written = Future()
-        hp = {"lr": opt._lr, "step": step + 1}
+        hp = {"lr": opt._lr, "step": opt.adam_step(step)}
         upd = opt._cpu.submit(self._update, dp, opt, i, coef, hp, (s.grad_ready, s.last_read), w_gen, prev_commit, step,
                               skipped, written)
         # a skipped step changes no weight: nothing to gather (its state is still carried over)

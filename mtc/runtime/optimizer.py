@@ -209,6 +209,11 @@ class StreamingAdamW:
         first = sorted(self.gpu_update)[: self.prefetch]
         self._prefetching = self._gpu.submit(self._prefetch_states, first)
 
+    def adam_step(self, step: int) -> int:
+        """AdamW's step count (from 1) for the update of training step ``step`` (from 0): the updates
+        since Adam's moments started (`moments_from`), which its bias correction counts."""
+        return step + 1 - self.moments_from
+
     def finish_step(
         self,
         loss: torch.Tensor,
@@ -254,7 +259,7 @@ class StreamingAdamW:
             if not s.numel:
                 s.update = _done()
                 continue
-            hp = dict(lr=self._lr, step=step + 1 - self.moments_from, decay_numel=s.decay_numel)
+            hp = dict(lr=self._lr, step=self.adam_step(step), decay_numel=s.decay_numel)
             deps = (s.write, s.grad_ready, s.last_read)  # captured now: the fields are reassigned below
             if s.tier == "gpu":
                 if not skipped:

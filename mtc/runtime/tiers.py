@@ -37,7 +37,7 @@ from mtc.runtime.pinned import host_buffer, host_nbytes
 from mtc.runtime.transfer import Marker, Transfer
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, TensorStore, state_array_name
 
-__all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "DISK_SLOTS", "TIERS", "LayerState", "StateTiers", "state_kinds"]
+__all__ = ["DISK_CHUNK_NUMEL", "DISK_COMPUTE", "DISK_SLOTS", "TIERS", "LayerState", "StateTiers", "state_kinds", "zero_moments"]
 
 TIERS = ("gpu", "ram", "disk")
 # a disk layer's update moves through host RAM this many elements at a time (16 MiB per fp32 array:
@@ -55,7 +55,7 @@ def _read_arrays(store: TensorStore, into: dict[str, torch.Tensor]) -> None:
         raise errors[0]
 
 
-def _zero_moments(store: TensorStore, layer: int, generation: int) -> None:
+def zero_moments(store: TensorStore, layer: int, generation: int) -> None:
     """A disk layer resumed from a commit without moments (durability ``weights``): its m and v in
     that generation are zeros, as a ram layer's start. The disk tier reads its state from the
     store, and what the arrays hold there is no commit's: an older step's moments, or chunks never
@@ -343,7 +343,7 @@ class StateTiers:
                 if s.compute is not None:
                     self.set_layer(s.layer, store.read(state_array_name(s.layer, "master", generation)))
                 if durability != "full":
-                    _zero_moments(store, s.layer, generation)
+                    zero_moments(store, s.layer, generation)
                 continue
             if "master" not in kinds:
                 raise StoreError(f"layer {s.layer}'s weights are not in the store (durability {durability!r}); "
