@@ -252,12 +252,20 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
                 "forward during the backward, and a second draw would make the gradient disagree with the loss. Set "
                 "dropout probabilities to 0 (as LLM pre-training and most fine-tuning do), or trace the model in "
                 "eval mode (model.eval())")
-        if free_unbacked_symbols(n.meta.get("val")):
+        if free_unbacked_symbols(_shaped(n.meta.get("val"))):
             raise TraceError(
                 f"module {_module_of(n)!r} makes a value whose size depends on the data ({n.target}, e.g. "
                 "torch.nonzero, torch.where with one argument, boolean-mask indexing or top-k routing that gathers "
                 "tokens): mtc compiles every layer for fixed shapes. Compute it with fixed shapes, e.g. route a "
                 "mixture of experts densely (each expert over every token, weighted by its gate, zero where not routed)")
+
+
+def _shaped(val: object) -> object:
+    """The tensors and symbolic sizes of a node's value, the rest left out (some torch versions'
+    `free_unbacked_symbols` assert on a str or dict value rather than skip it)."""
+    if isinstance(val, (list, tuple)):
+        return [x for v in val if (x := _shaped(v)) is not None]
+    return val if isinstance(val, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) else None
 
 
 def input_sources(ep: torch.export.ExportedProgram, model: nn.Module) -> tuple[dict[fx.Node, Source], dict[str, torch.Tensor]]:

@@ -317,3 +317,14 @@ def test_an_auxiliary_loss_in_the_output_is_said_to_be_ignored():
     with pytest.warns(UserWarning, match=r"Aux.forward returns a scalar that depends on the parameters at position 1 of "
                       r"its output \(an auxiliary loss\?\): mtc trains the\s+cross-entropy of the logits"):
         trace(Aux(lambda: _Drop(p=0.0)), 2, 4)
+
+
+def test_the_data_dependent_size_check_sees_only_tensors_and_sizes():
+    # some torch versions' free_unbacked_symbols assert on a str or dict node value instead of skipping it
+    import torch
+
+    from mtc.graphs.trace import _shaped
+
+    t = torch.zeros(2)
+    assert _shaped("x") is None and _shaped({"a": t}) is None and _shaped(3) is None
+    assert _shaped([t, "x", (t, None, {"k": 1})]) == [t, [t]]
