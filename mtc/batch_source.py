@@ -1,7 +1,9 @@
 """Training data from Python: any iterable (or sequence) of ``(ids, targets)`` micro-batches.
 
 Each item is one micro-batch at the traced shape: two integer tensors (or arrays) of shape
-``(micro_batch_size, seq_len)``; a step takes ``grad_accum`` items. The run's data cursor counts
+``(micro_batch_size, seq_len)``; a step takes ``grad_accum`` items. They are read on the host
+(checked, then staged in pinned memory by the loader thread): give CPU tensors, as a GPU tensor
+is copied back to the host first. The run's data cursor counts
 the items its committed steps consumed, and resuming follows one rule:
 
 - a **sequence** (``__getitem__`` and ``__len__``, e.g. a list) is indexed: batch ``k`` is
@@ -102,7 +104,9 @@ class BatchSource:
             raise DataError(f"data batch {cursor} is a {type(item).__name__}; each item must be a pair (ids, targets)")
         out = []
         for what, x in zip(("ids", "targets"), item):
-            t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+            # checked and staged on the host (the loader thread pins them for the copy to the device):
+            # a batch on the GPU comes back once here, rather than syncing the device check by check
+            t = x.cpu() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
             if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                 raise DataError(f"data batch {cursor}: {what} have dtype {t.dtype}; token ids must be integers")
             if self.shape is not None and tuple(t.shape) != self.shape:
