@@ -265,13 +265,22 @@ def generate_from_store(store_dir: str | Path, prompt: str, *, step: int | None 
     check_sampling(temperature=temperature, top_k=top_k, context=context, device_budget_bytes=device_budget_bytes)
     if device is not None:
         check_device_name(device)
-    from mtc.models import build
+    from mtc.models import build, model_names
     from mtc.plan import load_plan
     from mtc.weight_sources import StoreWeights, check_untouched, default_budgets, open_run_store, pick_step
 
     with open_run_store(store_dir) as st:
         at = pick_step(st, step)
         cfg = at.record.config
+        if cfg["model"] not in model_names():
+            # a user's module (traced from Python, or a factory): the decoder rebuilds the built-in
+            # families only, and only the user's code knows what the module computes
+            raise ConfigError(
+                f"run {store_dir} was trained from a user's model ({cfg['model']!r}), which `mtc generate` cannot rebuild "
+                "(it builds the built-in model families only); load the weights into your module with "
+                f"`model.load_state_dict(mtc.load_state_dict({str(store_dir)!r}))` and sample with it, e.g. "
+                "`mtc.generate.generate(model, prompt_ids, max_new_tokens=..., context=...)`"
+            )
         program = load_plan(Path(store_dir) / "plan")
         with torch.device("meta"):
             model = build(cfg["model"], **(cfg.get("model_overrides") or {}))

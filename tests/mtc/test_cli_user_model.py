@@ -171,3 +171,19 @@ def test_plan_of_a_plan_saved_from_python_with_or_without_a_factory(tmp_path, ca
     assert code == 2 and "compute_dtype=float32, not auto" in err, err  # auto is bf16 on that GPU machine
     assert _run(capsys, "plan", tmp_path / "with", "--machine", "256gb-4tb-nvme", "--seq-len", 16, "--grad-accum", 4,
                 "--no-extrapolate")[0] == 0
+
+
+def test_generate_on_a_users_model_says_to_load_the_weights_into_it(tmp_path, tokens, capsys):
+    torch.manual_seed(2)
+    model, store = TinyLM(), tmp_path / "s"
+    res = mtc.train(model=model, data=tokens, store=store, steps=1, micro_batch_size=2, seq_len=16, kernels="unfused")
+    res.store.close()
+    code, _, err = _run(capsys, "generate", store, "--prompt", "ab", "--max-new-tokens", 2)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "cannot rebuild" in err and "mtc.load_state_dict" in err, err
+    # what it says to do works: the run's weights in the user's module, sampled with it
+    from mtc.generate import generate
+
+    fresh = TinyLM()
+    fresh.load_state_dict(mtc.load_state_dict(store))
+    assert len(generate(fresh, [97, 98], max_new_tokens=2, context=16, temperature=0)) == 2
