@@ -182,6 +182,7 @@ def train(
     stop_after: int | None = None,
     overwrite: bool = False,
     on_step: Callable[[Any], None] | None = None,
+    init_from: str | os.PathLike[str] | None = None,
     **fields: Any,
 ) -> Any:
     """Train ``model`` (or ``plan``) on ``data`` into ``store`` (None: in memory), or resume the store.
@@ -189,7 +190,10 @@ def train(
     Returns `mtc.train.TrainResult` (its ``store`` is open: read weights from it, then close it).
     A traced ``plan`` is used as it is (no re-trace); its micro-batch shape and dtype become the
     run's. New runs need initial weights: ``model`` (an instance, a factory, an import path), or a
-    plan directory that records a factory. ConfigError (one line) for anything that does not fit.
+    plan directory that records a factory, or ``init_from``: a run's store or a Hugging Face
+    checkpoint directory whose weights (and model, tokenizer/ and hf/) a new run in ``store``
+    starts from with fresh optimizer state, as ``mtc train --init-from``. ConfigError (one line)
+    for anything that does not fit.
     """
     from mtc.plan import load_plan
     from mtc.train import at_dtype, open_run
@@ -199,6 +203,9 @@ def train(
         plan = os.fspath(plan)  # a directory, or what `compile` returned
     saved = _saved_config(store) if not overwrite else None
     resuming = saved is not None
+    if init_from is not None and model is not None and not isinstance(model, str):
+        raise ConfigError(f"init_from={os.fspath(init_from)!r} takes the weights and the model from there; drop model= (to "
+                          "start from a module's own weights, load them into it and pass it as model= without init_from)")
     program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else None
     pfields: dict[str, Any] = {}
     if program is not None:
@@ -215,7 +222,7 @@ def train(
             model = rec.get("factory") or (rec["model"] if rec.get("model") != user_model.CUSTOM else None)
     if model is not None:
         pfields["model"] = _model_name(model)
-    elif program is not None and not resuming:
+    elif program is not None and not resuming and init_from is None:
         raise ConfigError("a plan gives the program but not the initial weights: pass model= (an nn.Module, a factory or "
                           "an import path), or save the plan with a factory (mtc.save_plan(program, DIR, factory=...))")
     for k, v in pfields.items():
@@ -225,6 +232,11 @@ def train(
         pfields.setdefault("model", saved.get("model"))
         if saved.get("model_overrides"):
             pfields.setdefault("model_overrides", saved["model_overrides"])
+    elif init_from is not None and model is None:  # a new run of the source's model (`mtc train --init-from`)
+        from mtc.warmstart import source_model
+
+        for k, v in source_model(init_from).items():
+            pfields.setdefault(k, v)
     from mtc.warmstart import run_device
 
     stored_device = run_device(store) if resuming else None
@@ -237,7 +249,7 @@ def train(
                           f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")
     source = _data(data)
     inst = None
-    if not resuming:
+    if not resuming and init_from is None:  # (open_run seeds the store from init_from and takes its program)
         if model is None:
             model = cfg.model  # a preset (or a factory path) named in the config
         inst = _instance(model, cfg, dtype="float32")  # the initial master state: the fp32 initialisation
@@ -252,7 +264,7 @@ def train(
                                       "; or pass overwrite=True to start a new run in this store")
     # a plan directory goes to open_run as a path, so its generated kernels are copied into the store
     run = open_run(cfg, store, model=inst, plan=plan if isinstance(plan, str) else program, data=source, overwrite=overwrite,
-                   allow_change=tuple(allow_change))
+                   allow_change=tuple(allow_change), init_from=os.fspath(init_from) if init_from is not None else None)
     del inst  # a model built here: its weights go into the tiers layer by layer and need not outlive that
     return _train(cfg, store, source, run=run, stop_after=stop_after, on_step=on_step)
 

@@ -28,7 +28,7 @@ import torch
 from mtc.config import TrainConfig
 from mtc.errors import ConfigError, PlanError, StoreError
 from mtc.graphs.program import Program
-from mtc.models import model_config
+from mtc.models import model_config, model_names
 from mtc.plan import load_plan, save_plan
 from mtc.shards import StateReader, is_sharded
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
@@ -183,6 +183,11 @@ def source_model(source: str | Path) -> dict[str, Any]:
     """The model fields of an ``--init-from`` source: a run's store or a Hugging Face checkpoint directory."""
     p = Path(source)
     fields = run_model(p)
+    if fields is not None and fields["model"] not in model_names():
+        # a user's module: only its own code builds it (the seeded run is traced from a built-in family)
+        raise ConfigError(f"--init-from {p}: that run trained a user's model ({fields['model']!r}), and --init-from starts "
+                          "built-in model families only; load its weights into your module "
+                          f"(`model.load_state_dict(mtc.load_state_dict({str(p)!r}))`) and pass it as mtc.train(model=...)")
     if fields is not None:
         return fields
     if (p / "config.json").is_file():

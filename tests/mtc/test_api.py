@@ -348,3 +348,36 @@ def test_a_plan_directory_gives_the_run_its_kernel_options(tokens, program, tmp_
     (d / "model.json").write_text(json.dumps({**rec, "matmul_fusion": "on"}))
     with mtc.train(plan=d, data=tokens, store=tmp_path / "s", steps=1) as res:
         assert res.store.last_commit().config["matmul_fusion"] == "on"
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights_as_the_cli_does(tokens, program, tmp_path):
+    from mtc.store import TensorStore
+
+    src, new = tmp_path / "src", tmp_path / "new"
+    run = dict(SHAPE, kernels="unfused", device="cpu")
+    mtc.train(model="tiny", model_overrides={"n_layers": 2}, data=tokens, store=src, steps=2, **run).store.close()
+    # what `mtc import` leaves beside a run's weights, which --init-from carries along
+    (src / "hf").mkdir()
+    (src / "hf" / "generation_config.json").write_text('{"eos_token_id": 3}')
+    (src / "tokenizer").mkdir()
+    (src / "tokenizer" / "special_tokens_map.json").write_text("{}")
+    with pytest.raises(ConfigError, match="drop model="):
+        mtc.train(model=TinyLM(), init_from=src, data=tokens, store=new, steps=1, **run)
+    assert not new.exists()
+    # no model given: the source's (tiny, two blocks), its last weights, fresh Adam moments
+    res = mtc.train(init_from=src, data=tokens, store=new, steps=1, **run)
+    res.store.close()
+    with TensorStore.open(new, read_only=True) as st:
+        first, last = st.commit_history()[0], st.last_commit()
+    assert first.step == 0 and first.meta["init"]["kind"] == "run" and first.meta["init"]["step"] == 2
+    assert last.step == 1 and last.config["model"] == "tiny" and last.config["model_overrides"] == {"n_layers": 2}
+    a, b = mtc.load_state_dict(src), mtc.load_state_dict(new, step=0)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for sub in ("hf/generation_config.json", "tokenizer/special_tokens_map.json"):
+        assert (new / sub).read_bytes() == (src / sub).read_bytes(), sub
+    # a run of a user's module cannot be rebuilt from its record: one line saying what to do instead
+    mine = tmp_path / "mine"
+    mtc.train(model=TinyLM(), plan=program, data=tokens, store=mine, steps=1, **run).store.close()
+    with pytest.raises(ConfigError, match="user's model.*mtc.load_state_dict"):
+        mtc.train(init_from=mine, data=tokens, store=tmp_path / "w", steps=1, **run)
+    assert not (tmp_path / "w").exists()
