@@ -19,7 +19,9 @@ read. The other generation is not checked: it is the one the running step writes
 skipping a record whose generation a later record rewrote, or whose chunk files are newer than
 the next commit (a later step's write-behind had begun overwriting them). It does so when
 ``commit.json`` is lost or garbled, and when it is intact but names a generation whose state is
-damaged (a roll-back: the steps since the restored commit are lost, nothing else).
+damaged (a roll-back: the steps since the restored commit are lost, nothing else). A record older
+than the history's last is appended to ``commits.jsonl`` again, so the history ends with the
+commit a resume uses, as after any commit.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ def repair(store: TensorStore) -> RepairReport:
     Picks the newest intact history record whose arrays verify; raises StoreError when there is
     none. When ``commit.json`` is intact its state is checked (every chunk's CRC): when that state
     is damaged it rolls back the same way to the newest earlier record whose state is whole;
-    otherwise it only appends ``commit.json`` to a history that lacks it.
+    otherwise it only appends ``commit.json`` to a history that lacks it. A restored record older
+    than the history's last is appended to the history too.
     """
     p = store.path
     if p is None:
@@ -178,6 +181,7 @@ def repair(store: TensorStore) -> RepairReport:
         rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
         return RepairReport(tuple(rewritten) + rest, report.restored)
     history = [h for h in read_history(p) if h.record is not None]
+    newest = history[-1].record if history else None
     try:
         current = read_commit_file(p)
         damage = "missing" if current is None else ""
@@ -222,11 +226,17 @@ def repair(store: TensorStore) -> RepairReport:
         if found:
             actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {_first(found)}")
             continue
-        store.restore_commit(rec)
+        # a roll-back past the history's last record appends the restored one, so that the history
+        # ends with the commit a resume uses (else `verify` took the record rolled back from for an
+        # interrupted commit)
+        back = rec != newest
+        store.restore_commit(rec, append_to_history=back)
+        lost = max(r.step for r in (current, newest) if r is not None) - rec.step
         actions.append(
             f"{COMMIT_FILE} was {damage}: restored it from {HISTORY_FILE} line {line}: step {rec.step}, "
             f"generation {rec.generation}, durability {rec.durability}"
-            + (f"; training resumes from step {rec.step} (the {current.step - rec.step} step(s) since are lost)" if current is not None else "")
+            + (f"; training resumes from step {rec.step} (the {lost} step(s) since are lost)" if lost > 0 else "")
+            + (f"; appended it to {HISTORY_FILE}, which ends with the commit a resume uses again" if back else "")
         )
         return RepairReport(tuple(actions), rec)
     why = "; ".join(actions) if actions else f"{HISTORY_FILE} has no intact record"

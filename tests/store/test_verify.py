@@ -143,18 +143,26 @@ def test_repair_restores_commit_json(run, tmp_path, damage):
         assert verify(ro).ok and ro.last_commit() == good and [r.step for r in ro.commit_history()] == [0, 1]
 
 
+def _history(p):
+    with TensorStore.open(p, read_only=True) as ro:
+        return ro.commit_history()
+
+
 def test_repair_falls_back_only_to_a_generation_nobody_rewrote(tmp_path):
     p = tmp_path / "s"
     st = make_run(p, steps=3)  # steps 0 (g0), 1 (g1), 2 (g0)
     st.close()
     (p / "commit.json").unlink()
+    history = (p / "commits.jsonl").read_text()
     with TensorStore.open(p) as st:
         st.chunk_path(state_array_name(2, "v", 0), 0).unlink()  # step 2's state is damaged
         done = repair(st)
     # step 1 (g1) is intact; step 0 (g0) was rewritten by step 2 and is never a candidate
     assert done.restored.step == 1
     assert "skipped step 2" in done.actions[0] and "is missing" in done.actions[0]
+    assert "the 1 step(s) since are lost" in done.actions[-1] and [r.step for r in _history(p)] == [0, 1, 2, 1]
     (p / "commit.json").unlink()
+    (p / "commits.jsonl").write_text(history)  # as the run left it (repair appended the record it restored)
     with TensorStore.open(p) as st:
         time.sleep(0.05)  # file times are coarser than time.time()
         write_generation(st, 1)  # the write-behind of step 3 had begun overwriting generation 1 after step 2 committed
@@ -190,7 +198,10 @@ def test_repair_rolls_back_from_a_damaged_last_commit_to_the_whole_one_before(tm
         assert done.restored.step == 1 and st.last_commit().step == 1
         assert "commit.json was intact, but step 2's state is damaged" in done.actions[-1]
         assert "training resumes from step 1 (the 1 step(s) since are lost)" in done.actions[-1]
-        assert verify(st).ok
+        # the history ends with the restored commit again: verify reports no interrupted commit
+        assert st.commit_history()[-1] == done.restored and [r.step for r in st.commit_history()] == [0, 1, 2, 1]
+        rep = verify(st)
+        assert rep.ok and rep.notes == (), rep.lines()
         assert repair(st).actions == ("commit.json is intact (step 1); nothing to repair",)
     with TensorStore.open(p) as st:
         _flip(st.chunk_path(state_array_name(0, "master", 1), 0))  # now step 1's too: step 0's generation was rewritten
