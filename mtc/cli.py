@@ -103,13 +103,28 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     if device_note:
         print(device_note, file=sys.stderr)
     if plan_fields is not None and cfg.device == "cpu" and cfg.kernels == "auto":
-        print(f"note: plan {a.plan}'s generated kernels are for CUDA: on the CPU this run uses the unfused (ATen) "
-              "templates (--kernels fused would run them in Triton's interpreter, slowly)", file=sys.stderr)
+        print(_plan_on_cpu_note(a.plan), file=sys.stderr)
     if plan_fields is not None and cfg.device.startswith("cuda") and cfg.compute_dtype == "float32":
         print(f"note: plan {a.plan} was compiled for float32: this run computes in fp32 (TF32 matmuls); on CUDA bf16 "
               f"is the default and several times faster: `{compile_command(a.plan, plan_fields, compute_dtype='bfloat16')}`",
               file=sys.stderr)
     return cfg
+
+
+def _plan_on_cpu_note(plan: str) -> str:
+    """What a CPU run with --kernels auto does with plan directory ``plan``'s kernels (it runs the
+    unfused templates), in the words that fit what the plan holds."""
+    from mtc.plan import kernels_target
+
+    target = kernels_target(plan)
+    if target is None:
+        what = f"plan {plan} holds no generated kernels"
+    elif target == "cpu-interpreter":
+        what = f"plan {plan}'s generated kernels were compiled on the CPU, for Triton's interpreter"
+    else:
+        what = f"plan {plan}'s generated kernels were compiled for CUDA ({target})"
+    return (f"note: {what}: on the CPU this run uses the unfused (ATen) templates (--kernels fused would run generated "
+            "kernels in Triton's interpreter, slowly)")
 
 
 def _unnamed_device(a: argparse.Namespace) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from mtc.errors import PlanError
 from mtc.graphs.program import Program
 from mtc.graphs.serialize import SerializeError, program_from_dict, program_to_dict
 
-__all__ = ["PLAN_KERNEL_FIELDS", "PLAN_MODEL_FIELDS", "compile_command", "load_plan", "save_plan"]
+__all__ = ["PLAN_KERNEL_FIELDS", "PLAN_MODEL_FIELDS", "compile_command", "kernels_target", "load_plan", "save_plan"]
 
 PROGRAM_FILE = "program.json"
 CONSTANTS_FILE = "constants.safetensors"
@@ -94,6 +94,21 @@ def load_plan(path: str | Path) -> Program:
             raise PlanError(f"plan {root} names constants but {CONSTANTS_FILE} is missing; re-trace the model")
         program.constant_values = load_file(str(cf))
     return program
+
+
+def kernels_target(path: str | Path) -> str | None:
+    """What the generated kernels of plan directory ``path`` were compiled for: ``"cpu-interpreter"``
+    (Triton's interpreter), a CUDA capability such as ``"sm90"``, or None when it holds none (a
+    plan written by `save_plan` alone, e.g. ``mtc.save_plan``). Read from the compile report's cache
+    key (`mtc.compiler.cache_key`)."""
+    root = Path(path)
+    try:
+        key = json.loads((root / REPORT_FILE).read_text()).get("cache_key")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(key, str) or not (root / "kernels").is_dir():
+        return None
+    return "cpu-interpreter" if key.endswith("-cpu-interpreter") else key.rpartition("-")[2]
 
 
 # where `mtc compile` names a TrainConfig field otherwise than `mtc train` does

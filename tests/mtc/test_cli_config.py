@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 
-from mtc.cli import main
+from mtc.cli import _plan_on_cpu_note, main
 from mtc.config import OptimConfig, TrainConfig, load_config
 from mtc.errors import ConfigError
 from mtc.runtime.schedule import lr_at
@@ -146,9 +147,20 @@ def test_cli_train_runs_a_compiled_plan(tmp_path, capsys, monkeypatch):
     common = ["train", "--plan", str(plan), "--store", str(tmp_path / "s"), "--data", str(tok.path), "--steps", "2"]
     assert main([*common, "--seq-len", "32"]) == 2
     assert "compiled for seq_len=16" in capsys.readouterr().err
-    # on the CPU with --kernels auto the plan's kernels go unused: said, not silently
+    # on the CPU with --kernels auto the plan's kernels go unused: said, not silently, and truly of
+    # this plan (compiled here, on the CPU: it said they were for CUDA)
     assert main(["train", "--plan", str(plan), "--store", str(tmp_path / "s0"), "--data", str(tok.path), "--steps", "1"]) == 0
-    assert "generated kernels are for CUDA: on the CPU this run uses the unfused (ATen) templates" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "generated kernels were compiled on the CPU, for Triton's interpreter: on the CPU this run uses the unfused " \
+           "(ATen) templates" in err and "CUDA" not in err, err
+    other = tmp_path / "other"
+    shutil.copytree(plan, other)
+    report = json.loads((other / "compile_report.json").read_text())
+    (other / "compile_report.json").write_text(json.dumps({**report, "cache_key": "torch2.9.0_cu128-triton3.6.0-sm90"}))
+    assert "generated kernels were compiled for CUDA (sm90): on the CPU this run uses the unfused" in _plan_on_cpu_note(str(other))
+    shutil.rmtree(other / "kernels")
+    (other / "compile_report.json").unlink()
+    assert f"plan {other} holds no generated kernels: on the CPU" in _plan_on_cpu_note(str(other))
     # kernel options are part of the plan: train takes the plan's (no recompile below), another is refused
     assert main([*common, "--matmul-fusion", "on"]) == 2
     assert "compiled for matmul_fusion=off" in capsys.readouterr().err
