@@ -203,9 +203,11 @@ class TrainConfig:
     grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
     # >= 0: the data sampler keys numpy's SeedSequence with it
     seed: int = field(0, ge=0, help="seed of the initial weights and the data order")
+    # cpu here, but mtc train and mtc.train fill in a device named nowhere (`auto_device`)
     device: str = field("cpu", choices=("cpu", "cuda"), syntax=_cuda_index, syntax_doc="'cuda:N'",
-                        help="device to compute on (mtc train and mtc.train, when no config names one: the resumed "
-                        "run's, else cuda where this machine has one)")
+                        help="device to compute on",
+                        default_doc="when neither this flag nor a config file names one, a resumed run's device, else "
+                        "cuda where this machine has one, else cpu")
     # "auto": bfloat16 on CUDA (fp32 master), float32 on the CPU (the parity contract)
     compute_dtype: str = field("auto", choices=("auto", "float32", "bfloat16"),
                                help="dtype of the forward and backward; auto: bfloat16 on CUDA, float32 on the CPU")
@@ -426,7 +428,7 @@ def _show(value: Any) -> str:
 def field_help(path: str) -> str:
     """Help text of field ``path``: what it does, what it accepts, and its default."""
     tp, rule, default = _lookup(path)
-    return f"{rule.help}; {describe(tp, rule)} (default: {_show(default)})"
+    return f"{rule.help}; {describe(tp, rule)} (default: {rule.default_doc or _show(default)})"
 
 
 def field_metavar(path: str) -> str:

@@ -33,6 +33,8 @@ class Rule:
 
     ``syntax`` receives a string that is not one of ``choices`` and raises ValueError with the
     reason when it is malformed; ``syntax_doc`` says in a few words what it accepts.
+    ``default_doc`` says what the default is where the field's own default is not what a run gets
+    (a command fills the field in when it is not given).
     """
 
     ge: float | None = None
@@ -42,6 +44,7 @@ class Rule:
     syntax: Callable[[str], object] | None = None
     syntax_doc: str = ""
     help: str = ""
+    default_doc: str = ""
 
 
 _NO_RULE = Rule()
@@ -50,7 +53,7 @@ _NO_RULE = Rule()
 def field(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, help: str = "",
           rule: Rule | None = None, **bounds: Any) -> Any:
     """A dataclass field carrying its help text and a `Rule`: ``rule`` (shared with other code), or
-    one built from ``bounds`` (ge, gt, lt, choices, syntax, syntax_doc)."""
+    one built from ``bounds`` (ge, gt, lt, choices, syntax, syntax_doc, default_doc)."""
     r = dataclasses.replace(rule, help=help) if rule is not None else Rule(help=help, **bounds)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"rule": r})
 

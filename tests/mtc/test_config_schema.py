@@ -192,6 +192,10 @@ def test_train_help_lists_presets_and_defaults(capsys):
     for text in ("--compute-dtype", "--no-allow-tf32", "--clip-norm X|none", "(default: 1.0)", "(default: 200)",
                  "--max-nonfinite-steps", "(default: 3)", "--gpu-update", "--io-threads", "(default: full)"):
         assert text in out, text
+    # a new run that names no device takes CUDA where there is one (see the test below): not "default: cpu"
+    at = out.index("--device SPEC device")
+    device = out[at:out.index("--compute-dtype {", at)]
+    assert "(default: cpu)" not in device and "else cuda where this machine has one, else cpu)" in device, device
 
 
 def test_closed_stdout_exits_quietly(tmp_path):
