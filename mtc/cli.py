@@ -907,7 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("store")
     v.set_defaults(fn=_cmd_verify)
 
-    r = sub.add_parser("repair", help="restore a missing or garbled commit.json from the store's commit history")
+    r = sub.add_parser("repair", help="restore a missing or garbled commit.json from the store's commit history, or roll "
+                       "back to the newest earlier commit whose state is whole when the last one's is damaged")
     r.add_argument("store")
     r.set_defaults(fn=_cmd_repair)
 

@@ -8,15 +8,18 @@ split by rank, grad_accum / N micro-batches each. The layer's gradient is reduce
 rank has its shard, and after the update the compute-dtype shards are all-gathered into every
 rank's compute copy before the layer's next visit.
 
-Two ways of doing that are modelled (`ENGINES`): ``engine``, what `torchrun ... mtc train` does
+Three ways of doing that are modelled (`ENGINES`): ``engine``, what `torchrun ... mtc train` does
 today (`mtc.runtime.collectives`, `mtc.runtime.device_comm`): on CUDA NCCL reduce-scatters each
 layer's gradient on the GPUs (only the rank's shard crosses PCIe) and all-gathers the updated
 shards there (the shard goes up, the gathered layer comes down into the host compute copy), the
-gpu and ram tiers are sharded (auto: the GPU first, from the rank's budget, then RAM; no disk),
-each rank writes its shard into its own store; on CPU machines gloo reduce-scatters and
-all-gathers in host memory; and ``design``, issue 13's whole target: the same, every tier (disk
-included, not built yet). ``host`` models ``dp_collectives = "host"`` on CUDA: the whole
-gradient crosses to the host and gloo reduces and gathers in host memory; ram tier only.
+gpu, ram and disk tiers are sharded (auto: the GPU first, from the rank's budget, then RAM, the
+rest on disk; a disk shard is read from and written to the rank's store each step, its compute
+copy whole in RAM), each rank writes its shard into its own store; on CPU machines gloo
+reduce-scatters and all-gathers in host memory. ``host`` models ``dp_collectives = "host"`` on
+CUDA: the whole gradient crosses to the host and gloo reduces and gathers in host memory; ram and
+disk tiers. Both refuse durability 'none' (the other ranks start from rank 0's step-0 commit).
+``design`` is issue 13's whole target, not built: NCCL on the GPUs, every tier, a disk layer's
+gradient kept on the GPU.
 
 What a rank needs, per layer of n parameters and shard s (c: compute-dtype bytes):
 
@@ -24,7 +27,7 @@ What a rank needs, per layer of n parameters and shard s (c: compute-dtype bytes
 |---|---|---|---|
 | gpu  | 16 s (+ c s, bf16) + 4 n (gradient) + c n (gathered copy) | 0 | full 24 s, weights 8 s, none 0 |
 | ram  | 0 | 12 s + 4 n (4 s: NCCL reduce-scatter) + c n | full 24 s, weights 8 s, none 0 |
-| disk | 4 n (gradient, CUDA) | c n (+ 4 n on the CPU device) | 24 s |
+| disk | 0 (design: 4 n, the gradient, CUDA) | c n + 4 n (4 s: NCCL reduce-scatter; design: c n, + 4 n on the CPU device) | 24 s |
 
 plus the disk tier's read-ahead ring of the largest shard and, on the CPU device, the executor's
 buffers of the largest layer (as `mtc.runtime.placement.pipeline_host_bytes`). The compute copy is
