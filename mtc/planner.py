@@ -446,7 +446,8 @@ class Plan:
                    if per_tier["disk"] else "two generations of the weights")
         for mode in MODES:
             what = {"full": "two generations of master, m, v: exact crash-safe resume",
-                    "weights": f"{weights}: resume restarts the other layers' Adam moments" if per_tier["disk"]
+                    # a weights resume zeroes every layer's moments, the disk layers' kept ones too
+                    "weights": f"{weights}: resume restarts Adam's moments (the disk layers' too)" if per_tier["disk"]
                     else f"{weights}: resume restarts Adam's moments",
                     "none": "nothing kept (disk layers hold one generation, updated in place): no resume"}[mode]
             fit = "fits" if m.disk[mode] <= pr.disk_free_bytes else "DOES NOT FIT"

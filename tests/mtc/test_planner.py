@@ -620,7 +620,7 @@ def test_plan_says_what_durability_keeps_when_layers_live_on_disk():
 
     lines = make_plan(TrainConfig(model="8b", placement="disk", durability="weights"), builtin("h100-box")).lines()
     weights = next(ln for ln in lines if ln.startswith("  durability weights"))
-    assert "and of the disk layers' m and v, which live there: resume restarts the other layers' Adam moments" in weights
+    assert "and of the disk layers' m and v, which live there: resume restarts Adam's moments (the disk layers' too)" in weights
     assert any("adds no state writes: the disk layers' state is written every step" in ln for ln in lines)
     ram = make_plan(TrainConfig(model="8b", placement="ram", durability="weights"), builtin("h100-box")).lines()
     assert any("two generations of the weights: resume restarts Adam's moments" in ln for ln in ram)
