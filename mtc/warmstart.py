@@ -104,7 +104,7 @@ def create_seeded_store(path: str | Path, cfg: TrainConfig, program: Program, fi
         st.close()
 
 
-def open_seeded(cfg: TrainConfig, path: Path, last: CommitRecord, *, plan: str | Path | None = None) -> Program:
+def open_seeded(cfg: TrainConfig, path: Path, last: CommitRecord, *, plan: str | Path | Program | None = None) -> Program:
     """The program a new run on seeded store ``path`` trains: ``cfg``'s batch shape, the stored layout.
 
     Refuses a model other than the stored one. The caller saves it into the store once every
@@ -124,7 +124,8 @@ def open_seeded(cfg: TrainConfig, path: Path, last: CommitRecord, *, plan: str |
     seeded = TrainConfig.from_dict(last.config)
     if plan is None and all(getattr(seeded, k) == getattr(cfg, k) for k in ("micro_batch_size", "seq_len", "resolved_compute_dtype")):
         return old  # traced for this very shape
-    program = load_plan(plan) if plan is not None else trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    # a plan: a directory (mtc train --plan) or a traced Program (mtc.train(plan=...) from Python)
+    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
     mine = {k: (p.layer, p.offset, p.spec.shape) for k, p in program.params.items()}
     theirs = {k: (p.layer, p.offset, p.spec.shape) for k, p in old.params.items()}
     if mine != theirs:

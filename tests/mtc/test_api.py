@@ -375,6 +375,15 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_as_the_cli_does(to
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     for sub in ("hf/generation_config.json", "tokenizer/special_tokens_map.json"):
         assert (new / sub).read_bytes() == (src / sub).read_bytes(), sub
+    # a traced program as the plan (it loaded a Program as if it were a directory: a TypeError)
+    from mtc.config import TrainConfig
+    from mtc.train import build_model
+
+    cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 2}, **SHAPE)
+    traced = mtc.trace(build_model(cfg, device="meta"), SHAPE["micro_batch_size"], SHAPE["seq_len"])
+    mtc.train(init_from=src, plan=traced, data=tokens, store=tmp_path / "p", steps=1, **run).store.close()
+    b = mtc.load_state_dict(tmp_path / "p", step=0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
     # a run of a user's module cannot be rebuilt from its record: one line saying what to do instead
     mine = tmp_path / "mine"
     mtc.train(model=TinyLM(), plan=program, data=tokens, store=mine, steps=1, **run).store.close()
