@@ -866,7 +866,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("store")
     ev.add_argument("--data", required=True, help="token file (see `mtc prepare`)")
     ev.add_argument("--step", type=int, help="committed step to evaluate (default: the last commit)")
-    ev.add_argument("--batches", type=int, default=8, help="batches of the run's micro_batch_size x seq_len (default: 8)")
+    ev.add_argument("--batches", type=int, help="batches of the run's micro_batch_size x seq_len (default: the run's "
+                    "eval_batches, so the val loss is the one --eval-every logged)")
     ev.add_argument("--split", default="val", choices=["val", "train", "all"],
                     help="val: the held-out last 5%% of the tokens (what --eval-every measures); all: the whole file")
     ev.add_argument("--seed", type=int, help="seed of the batch positions (default: the run's)")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mtc.data import BatchSampler, TokenFile, check_fits, check_store_tokenizer, check_tokenizer_identity
-from mtc.config import check_device_name
+from mtc.config import TrainConfig, check_device_name
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime.executor import IGNORE_INDEX
@@ -45,7 +45,7 @@ class WeightSource(Protocol):
 class EvalResult:
     """What an evaluation measured."""
 
-    loss: float  # mean over the eval batches of each batch's mean token loss
+    loss: float  # mean per-token loss over every target of the eval batches (`forward_loss`)
     step: int
     batches: int
     tokens: int  # positions read (micro-batches x seq_len), padding included
@@ -130,12 +130,13 @@ def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: Wei
     return float(total)  # the one sync
 
 
-def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step: int | None = None, batches: int = 8,
+def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step: int | None = None, batches: int | None = None,
                    split: str = "val", seed: int | None = None, device: str | None = None,
                    device_budget_bytes: int | None = None) -> EvalResult:
     """Loss of a committed step of the run in ``store_dir`` on ``data`` (read-only: works beside training).
 
-    ``seed`` defaults to the run's (so the val split gives what ``--eval-every`` logged);
+    ``seed`` and ``batches`` default to the run's (``seed``, ``eval_batches``), so the val split gives
+    what ``--eval-every`` logged;
     ``device`` to the run's when it is available here, else the CPU. The compute dtype is the plan's
     (the dtype its templates were traced in).
     """
@@ -160,9 +161,10 @@ def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step:
 
 
 READ_ATTEMPTS = 3
+_DEFAULT_EVAL_BATCHES = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "eval_batches")
 
 
-def _evaluate_once(store_dir: str | Path, tokens: TokenFile, step: int | None, batches: int, split: str, seed: int | None,
+def _evaluate_once(store_dir: str | Path, tokens: TokenFile, step: int | None, batches: int | None, split: str, seed: int | None,
                    device: str | None, device_budget_bytes: int | None) -> tuple[float, CommittedStep, list]:
     """One evaluation of `evaluate_store`: (loss, the step read, the batches)."""
     from mtc.plan import load_plan
@@ -181,7 +183,9 @@ def _evaluate_once(store_dir: str | Path, tokens: TokenFile, step: int | None, b
         # the plan's ATen templates were traced in one dtype and take weights in it only (a store
         # trained or imported on the CPU in fp32, evaluated on a GPU, is evaluated in fp32)
         dtype = getattr(torch, str(program.meta.get("param_dtype", "float32")))
-        bs = eval_batches(tokens, program, n=batches, seed=cfg.get("seed", 0) if seed is None else seed, split=split)
+        # the run's own count by default: another count averages other batches than --eval-every did
+        n = cfg.get("eval_batches", _DEFAULT_EVAL_BATCHES) if batches is None else batches
+        bs = eval_batches(tokens, program, n=n, seed=cfg.get("seed", 0) if seed is None else seed, split=split)
         dev_budget, host_budget = default_budgets(dev)  # past the GPU's memory, layers stream
         src = StoreWeights(program, st, at.generation, device=dev, dtype=dtype,
                            device_budget_bytes=dev_budget if device_budget_bytes is None else device_budget_bytes,

@@ -54,6 +54,18 @@ def test_eval_every_logs_the_val_loss_of_each_steps_weights(run):
     assert val[4] != val[5]
 
 
+def test_mtc_eval_defaults_to_the_runs_eval_batches(run, capsys):
+    # the run validated on 2 batches: `mtc eval` with no --batches must average the same ones
+    store, data = run
+    val = {r["step"]: r["val_loss"] for r in _metrics(store)}
+    capsys.readouterr()
+    assert main(["eval", str(store), "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "(2 batches" in out, out
+    assert float(out.split(" loss ")[1].split()[0]) == pytest.approx(val[5], abs=2e-6)
+    assert evaluate_store(store, data).loss == pytest.approx(val[5], rel=1e-6, abs=1e-7)
+
+
 def test_eval_every_on_disk_layers_reads_the_updated_weights(tmp_path):
     tokens = skewed_tokens(tmp_path / "tok.bin")
     cfg = small_config(steps=3, eval_every=1, eval_batches=1, placement="ram:0-1,disk:2-3", grad_accum=1)
