@@ -909,10 +909,9 @@ def train(
             meta["changes"].append({"from_step": last.step, "fields": run.changes, "values": run.change_values})
         # Adam restarts where the commit kept no moments (durability weights): zero moments (the
         # tiers' start) and bias correction counted from this step, as a new AdamW over the saved
-        # weights would; a full commit carries the step its moments started at on to the next run
+        # weights would; a full commit carries the step its moments started at (and the skipped steps
+        # since, which Adam does not count) on to the next run: `_commit_meta`
         opt.moments_from = int(last.meta.get("moments_from", 0)) if last.durability == "full" else last.step
-        if opt.moments_from:
-            meta["moments_from"] = opt.moments_from
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         every = 1 if any(t == "disk" for t in placement) else cfg.commit_every  # disk layers write every step
         pacer = _CommitPacer()
@@ -941,8 +940,9 @@ def train(
                 commit_now = _dist.agree(commit_now)
             commit_fn = None
             if commit_now:  # in a data-parallel run rank 0 writes the store and its commit records
-                commit_fn = (_committer(st, next_step, next_cursor, cfg, meta) if not world.distributed
-                             else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, meta))
+                step_meta = _commit_meta(meta, opt, next_step)
+                commit_fn = (_committer(st, next_step, next_cursor, cfg, step_meta) if not world.distributed
+                             else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, step_meta))
             if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
                 gens = ({1 - committed_gen} if commit_now else set()) | ({tiers.disk_write_generation()} if disk_layers else set())
                 for g in sorted(gens):
@@ -1106,26 +1106,37 @@ class _CommitPacer:
         return fut.done() and time.perf_counter() - self._start >= 20 * self._took
 
 
+def _commit_meta(meta: dict, opt: StreamingAdamW, steps_done: int) -> Callable[[], dict]:
+    """The meta of the commit after ``steps_done`` steps, read when the record is written (after
+    `finish_step` has learned whether the step was skipped): ``meta`` with the Adam offset
+    (`StreamingAdamW.moments_offset`) a resume from it needs, as ``moments_from``."""
+    def at() -> dict:
+        offset = opt.moments_offset(steps_done)
+        return dict(meta, moments_from=offset) if offset else meta
+
+    return at
+
+
 def _shard_committer(st: TensorStore, shard_st: TensorStore, world: _dist.World, step: int, cursor: int, cfg: TrainConfig,
-                     meta: dict) -> Callable[[int, BaseException | None], None]:
+                     meta: Callable[[], dict]) -> Callable[[int, BaseException | None], None]:
     """A data-parallel step's commit: every rank's shard record, then rank 0's global record (`mtc.shards`)."""
     rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
     config = cfg.to_dict()
 
     def record(gen: int) -> CommitRecord:
         return CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state=rng, config=config,
-                            time_unix=time.time(), durability=cfg.durability, meta=meta)
+                            time_unix=time.time(), durability=cfg.durability, meta=meta())
 
     return _shards.committer(st, shard_st, world.rank, world.world_size, record)
 
 
-def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: dict) -> Callable[[int], None]:
+def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: Callable[[], dict]) -> Callable[[int], None]:
     rng = _rng_state()  # captured now, on the training thread: the state after this step's batches
     config = cfg.to_dict()
 
     def commit(gen: int) -> None:
         st.commit(CommitRecord(step=step, generation=gen, data_cursor=cursor, rng_state=rng, config=config,
-                               time_unix=time.time(), durability=cfg.durability, meta=meta))
+                               time_unix=time.time(), durability=cfg.durability, meta=meta()))
 
     return commit
 

@@ -289,6 +289,8 @@ class DataParallel:
         opt._step, step = None, opt._step
         total_f = float(total)
         skipped = not (math.isfinite(loss_f) and math.isfinite(total_f))
+        if skipped:
+            opt.note_skipped(step)
         stats = StepStats(loss=loss_f, lr=opt._lr, grad_norm=total_f, clip_coef=float(coef_t), skipped=skipped)
         writes: list[Future[None]] = []
         prev_commit = opt.commit_future

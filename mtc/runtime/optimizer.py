@@ -23,7 +23,9 @@ and clipping stays exact. Per layer, by tier:
   ring once its writes are durable.
 
 A step whose loss or gradient norm is not finite updates nothing (its batches are consumed and
-it counts as a step); `StepStats.skipped` says so. Write-behind: on a commit step each layer's new
+it counts as a step of the schedule, but not as one of Adam's: bias correction counts the updates
+that reached the moments, as torch's AdamW does when a non-finite step skips ``optimizer.step()``);
+`StepStats.skipped` says so. Write-behind: on a commit step each layer's new
 state is written to the store right after its update, into the generation that the previous
 commit made stale, and the commit record follows once every layer is on disk; the next update of
 a layer waits for its write. The AdamW math is `mtc.kernels.adamw`'s (one implementation).
@@ -31,6 +33,7 @@ a layer waits for its write. The AdamW math is `mtc.kernels.adamw`'s (one implem
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import math
@@ -98,9 +101,11 @@ class StreamingAdamW:
         handoff: bool = True,
     ) -> None:
         self.program, self.tiers, self.cfg = program, tiers, cfg
-        # the step Adam's moments started from (0; a resume of a commit without moments: its step):
-        # bias correction counts the updates since then
+        # the step Adam's moments started from (0; a resume of a commit without moments: its step),
+        # plus the steps skipped before this process started: bias correction counts the updates
+        # since then that reached the moments
         self.moments_from = 0
+        self._skipped: list[int] = []  # steps skipped in this process, ascending (`note_skipped`)
         self.engine, self.timeline, self.store, self.durability = engine, timeline, store, durability
         self.device = tiers.device
         self.gpu_update = {i for i in (gpu_update or set()) if tiers[i].tier == "ram" and tiers[i].numel}
@@ -211,8 +216,19 @@ class StreamingAdamW:
 
     def adam_step(self, step: int) -> int:
         """AdamW's step count (from 1) for the update of training step ``step`` (from 0): the updates
-        since Adam's moments started (`moments_from`), which its bias correction counts."""
-        return step + 1 - self.moments_from
+        since Adam's moments started (`moments_from`) less the skipped steps, which its bias
+        correction counts (a skipped step leaves m and v as they were)."""
+        return step + 1 - self.moments_offset(step)
+
+    def moments_offset(self, steps_done: int) -> int:
+        """`moments_from` as a commit after ``steps_done`` steps records it: the steps before
+        ``steps_done`` that did not update Adam's moments."""
+        return self.moments_from + bisect.bisect_left(self._skipped, steps_done)
+
+    def note_skipped(self, step: int) -> None:
+        """Training step ``step`` (from 0) was skipped: later updates do not count it (called
+        before the step's commit is queued, which records `moments_offset`)."""
+        self._skipped.append(step)
 
     def finish_step(
         self,
@@ -243,6 +259,8 @@ class StreamingAdamW:
         coef = host[2] if clip is not None else None  # a 0-dim fp32 tensor, as clip_grad_norm_ multiplies by
         self._step, step = None, self._step
         skipped = not (math.isfinite(loss_f) and math.isfinite(total_f))
+        if skipped:
+            self.note_skipped(step)
         stats = StepStats(loss=loss_f, lr=self._lr, grad_norm=total_f, clip_coef=float(host[2]), skipped=skipped)
         # A skipped step changes no state, but is a step like any other: a commit it was due
         # still writes the (unchanged) state into the next generation and records the step.

@@ -46,6 +46,17 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class PoisonedLM(TinyLM):
+    """TinyLM whose logits are NaN wherever the input is ``POISON``: a batch holding it makes its
+    step's loss non-finite, so the step is skipped (the tests place it)."""
+
+    POISON = VOCAB - 1
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(ids)
+        return torch.where((ids == self.POISON)[..., None], torch.full_like(logits, float("nan")), logits)
+
+
 def build() -> TinyLM:
     """The factory `mtc compile --model tests.mtc.custom_models:build` imports."""
     return TinyLM()

@@ -17,7 +17,7 @@ from mtc.errors import ConfigError, DataError
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.tracer import LossModel
-from tests.mtc.custom_models import TinyLM, build
+from tests.mtc.custom_models import PoisonedLM, TinyLM, build
 from tests.runtime.engine_util import skewed_tokens
 
 SHAPE = {"micro_batch_size": 2, "seq_len": 16}
@@ -193,6 +193,51 @@ def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
     res = mtc.train(data=tokens, store=tmp_path / "s")
     assert res.start_step == 4
     assert_close(weights(res), full)
+
+
+def test_a_skipped_step_is_not_counted_by_adams_bias_correction_and_resumes_so(tmp_path):
+    # steps 0 and 2 see a NaN loss and are skipped: torch's AdamW, whose step() a skipped step never
+    # reaches (as under GradScaler), counts 3 updates where the run took 5 steps; the schedule
+    # still counts every step. It was one update per step: the first real update came out ~0.7x.
+    rng = np.random.default_rng(0)
+    data = []
+    for k in range(5):
+        ids = torch.from_numpy(rng.integers(0, PoisonedLM.POISON, (SHAPE["micro_batch_size"], SHAPE["seq_len"] + 1)))
+        if k in (0, 2):
+            ids[0, 3] = PoisonedLM.POISON
+        data.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    torch.manual_seed(2)
+    model = PoisonedLM()
+    base = {"model": model, "data": data, "steps": 5, "optim": OPTIM, "commit_every": 1, **SHAPE}
+    res = mtc.train(**base, store=tmp_path / "full")
+    assert [r.skipped for r in res.records] == [True, False, True, False, False]
+    full = weights(res)
+
+    ref = copy.deepcopy(model)
+    lm = LossModel(ref)
+    params = dict(ref.named_parameters())
+    decay = {k for k, p in params.items() if p.ndim >= 2}
+    opt = torch.optim.AdamW([{"params": [p for k, p in params.items() if k in decay], "weight_decay": OPTIM["weight_decay"]},
+                             {"params": [p for k, p in params.items() if k not in decay], "weight_decay": 0.0}],
+                            lr=OPTIM["lr"], betas=(0.9, 0.95), eps=1e-8)
+    for step, (ids, tg) in enumerate(data):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, 5, OptimConfig(**OPTIM))
+        loss = lm(ids, tg)
+        loss.backward()
+        if math.isfinite(loss.item()):
+            torch.nn.utils.clip_grad_norm_(list(params.values()), OPTIM["clip_norm"])
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_close(full, {k: v.detach() for k, v in params.items()})
+
+    # stopped after the first skip and after the second, resumed in new calls: the same weights
+    mtc.train(**base, store=tmp_path / "s", stop_after=1).store.close()
+    mtc.train(data=data, store=tmp_path / "s", stop_after=3).store.close()
+    res = mtc.train(data=data, store=tmp_path / "s")
+    assert res.start_step == 3
+    got = weights(res)
+    assert all(torch.equal(got[k], full[k]) for k in full)
 
 
 def test_extending_steps_replans_the_schedule_and_is_recorded(tokens, program, tmp_path, capsys):
