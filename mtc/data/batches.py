@@ -2,7 +2,9 @@
 
 Batch ``k`` is a pure function of ``(seed, k, split)``: its windows are drawn from
 ``np.random.default_rng([seed, k, split_id])``. There is no sampler state to checkpoint; a run that
-stores its data cursor replays exactly the batches it would have seen.
+stores its data cursor replays exactly the batches it would have seen. Windows are drawn
+independently, with replacement: there are no epochs (a run never runs out of data, and a window
+may be drawn twice before another is drawn once).
 
 Two ways to cut sequences, chosen by the file:
 
