@@ -269,8 +269,8 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
 
     A reduction's output (…, 1) joins its input's group (the row kernel broadcasts it back); two
     groups merge only if the merged group still has one iteration shape and no cycle forms
-    through non-fusible nodes (checked by topological position: a group must not both feed and
-    consume an outside node).
+    through the nodes and groups outside it (a group must not both feed and consume an outside
+    node, directly or through another group).
     """
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     kind = {n: classify(n, fusible) for n in nodes}
@@ -300,7 +300,7 @@ def partition(graph: fx.Graph, fusible: FusibleOps) -> Partition:
                 continue
             if any(m.target in red for m in merged) and not _reductions_ok(merged, shape, red, fusible.row_and_column):
                 continue
-            if _creates_cycle(set(merged), order):
+            if _creates_cycle(set(merged), group_of, members):
                 continue
             for m in members[gn]:
                 group_of[m] = ga
@@ -333,6 +333,7 @@ def _merge_siblings(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple
     """Merge pairs of ``candidates`` over one shape that are ``related`` (they share an input),
     where the merged group is ``ok`` over that shape and forms no cycle. Unconnected groups are
     siblings only here; everything else merges through a shared node in `partition`."""
+    group_of = {m: g for g, ms in members.items() for m in ms}
     for i, ga in enumerate(candidates):
         if ga not in members:
             continue
@@ -340,8 +341,10 @@ def _merge_siblings(members: dict[int, list[fx.Node]], shape_of: dict[int, tuple
             if gb not in members or shape_of[gb] != shape_of[ga] or not related(ga, gb):
                 continue
             merged = sorted(members[ga] + members[gb], key=order.__getitem__)
-            if not ok(merged, shape_of[ga]) or _creates_cycle(set(merged), order):
+            if not ok(merged, shape_of[ga]) or _creates_cycle(set(merged), group_of, members):
                 continue
+            for m in members[gb]:
+                group_of[m] = ga
             members[ga] = merged
             del members[gb], shape_of[gb]
 
@@ -475,20 +478,29 @@ def _per_column(s: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return 0 < len(s) <= len(shape) and s[-1] == shape[-1] and all(d == 1 for d in s[:-1])
 
 
-def _creates_cycle(group: set[fx.Node], order: dict[fx.Node, int]) -> bool:
-    """True if some path leaves the group and comes back (the group could not run as one kernel)."""
-    lo = min(order[n] for n in group)
-    hi = max(order[n] for n in group)
-    frontier = [u for n in group for u in n.users if u not in group and order[u] < hi]
+def _creates_cycle(group: set[fx.Node], group_of: dict[fx.Node, int], members: dict[int, list[fx.Node]]) -> bool:
+    """True if some path leaves ``group`` and comes back (it could not run as one kernel).
+
+    The other groups (``members``, found through ``group_of``) count as the kernels they become:
+    each runs once all of its inputs are ready, so a path that enters one at any of its nodes
+    leaves from all of them. A group joined from siblings, or through one edge, may hold two nodes
+    with no path between them, so a path through it may come back where the graph's own edges do
+    not (a parallel block's gated sum beside the gate's gradient; q and k norms before rotary
+    embeddings). Topological position bounds nothing: a group's nodes may lie anywhere.
+    """
+    frontier = [u for n in group for u in n.users if u not in group]
     seen: set[fx.Node] = set()
     while frontier:
         x = frontier.pop()
-        if x in seen or order[x] > hi:
+        if x in seen:
             continue
-        seen.add(x)
-        for u in x.users:
-            if u in group:
-                return True
-            frontier.append(u)
-    del lo
+        g = group_of.get(x)
+        unit = members[g] if g is not None and g in members else [x]
+        seen.update(unit)
+        for y in unit:
+            for u in y.users:
+                if u in group:
+                    return True
+                if u not in seen:
+                    frontier.append(u)
     return False
