@@ -14,6 +14,7 @@ import os
 import threading
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from mtc.errors import PlanError
@@ -54,13 +55,26 @@ def save_plan(program: Program, path: str | Path) -> Path:
     if replaced is not None and replaced != text:
         (root / REPORT_FILE).unlink(missing_ok=True)  # it described the program replaced
     if program.constant_values:
-        vals = {k: v.detach().cpu().contiguous() for k, v in program.constant_values.items()}
         if any(v.is_meta for v in program.constant_values.values()):
             raise PlanError("the model's constants are on the meta device; trace a model with real buffers to save them")
-        save_file(vals, str(root / CONSTANTS_FILE))
+        save_file(_unshared(program.constant_values), str(root / CONSTANTS_FILE))
     else:
         (root / CONSTANTS_FILE).unlink(missing_ok=True)
     return root
+
+
+def _unshared(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` on the CPU, each in memory of its own: safetensors refuses tensors that share
+    memory, and one buffer registered in every block (a rotary table made once for the model) is
+    a constant under each block's name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, v in values.items():
+        t = v.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import mtc
 from mtc.config import OptimConfig
@@ -17,7 +18,7 @@ from mtc.errors import ConfigError, DataError
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.tracer import LossModel
-from tests.mtc.custom_models import PoisonedLM, TinyLM, build
+from tests.mtc.custom_models import Block, PoisonedLM, TinyLM, build
 from tests.runtime.engine_util import skewed_tokens
 
 SHAPE = {"micro_batch_size": 2, "seq_len": 16}
@@ -435,3 +436,39 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_as_the_cli_does(to
     with pytest.raises(ConfigError, match="user's model.*mtc.load_state_dict"):
         mtc.train(init_from=mine, data=tokens, store=tmp_path / "w", steps=1, **run)
     assert not (tmp_path / "w").exists()
+
+
+class TableBlock(Block):
+    """custom_models.Block scaled by a table the model makes once and hands to every block (as a
+    rotary table often is), registered as each block's buffer."""
+
+    def __init__(self, d: int, table: torch.Tensor, persistent: bool) -> None:
+        super().__init__(d)
+        self.register_buffer("table", table, persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.table
+
+
+class SharedTable(TinyLM):
+    """TinyLM whose blocks share one buffer tensor; ``repeat``: one block module listed twice (ALBERT)."""
+
+    def __init__(self, persistent: bool = False, repeat: bool = False) -> None:
+        super().__init__()
+        table = torch.linspace(0.5, 1.5, 16)
+        blocks = [TableBlock(16, table, persistent) for _ in range(2)]
+        self.blocks = nn.ModuleList([blocks[0]] * 2 if repeat else blocks)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_blocks_sharing_one_buffer_tensor_train_into_a_store(tokens, tmp_path, persistent):
+    # The plan's constants went to safetensors as they were, and it refuses tensors that share
+    # memory: training such a model into a store (or saving its plan) failed with safetensors'
+    # 'Some tensors share memory' before the first step.
+    torch.manual_seed(3)
+    model = SharedTable(persistent)
+    mtc.train(model=model, data=tokens, store=tmp_path / "run", steps=2, seed=7, optim=OPTIM, **SHAPE).close()
+    consts = mtc.load_plan(tmp_path / "run" / "plan").constant_values
+    assert {k for k in consts if k.endswith("table")} == {"blocks.0.table", "blocks.1.table"}
+    assert all(torch.equal(consts[f"blocks.{i}.table"], model.blocks[i].table) for i in range(2))
+    assert not torch.equal(mtc.load_state_dict(tmp_path / "run")["tok.weight"], model.tok.weight)  # trained
