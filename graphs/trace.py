@@ -492,7 +492,8 @@ def lay_out_params(model: nn.Module, calls: list[LayerCall]) -> dict[str, ParamS
 def state_dict_names(model: nn.Module, const_values: dict[str, torch.Tensor]) -> dict[str, object]:
     """What the module's own ``state_dict`` holds beyond the program's parameters, so a run's
     weights load back into it strictly: ``tied`` (another name of a shared parameter: its
-    canonical one) and ``buffers`` (persistent buffers, which the program keeps as constants)."""
+    canonical one; also another name of a persistent buffer) and ``buffers`` (persistent buffers,
+    which the program keeps as constants)."""
     canon: dict[int, str] = {}
     tied: dict[str, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -501,7 +502,12 @@ def state_dict_names(model: nn.Module, const_values: dict[str, torch.Tensor]) ->
         else:
             canon[id(p)] = n
     keys = set(model.state_dict(keep_vars=True))
-    buffers = [n for n, _ in model.named_buffers() if n in keys and n in const_values]
+    named = [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in keys]
+    buffers = [n for n, _ in named if n in const_values]
+    # one buffer under several names (a block module repeated in the list, or one table
+    # registered in every block): the names the trace kept no constant for are its aliases
+    kept = {id(b): n for n, b in reversed(named) if n in const_values}
+    tied.update({n: kept[id(b)] for n, b in named if n not in const_values and id(b) in kept})
     return {k: v for k, v in (("tied", tied), ("buffers", buffers)) if v}
 
 

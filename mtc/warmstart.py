@@ -332,11 +332,11 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
                     flat = reader.read(layer, "master", program.layer_numel(layer))
                     out.update({p.key: flat[p.offset : p.offset + p.numel].view(p.spec.shape) for p in program.layer_params(layer)})
     check_untouched(run, step, gen, what=f"load_state_dict of step {step} of run {run}")
-    for alias, key in program.meta.get("tied", {}).items():
-        out[alias] = out[key]
     for name in program.meta.get("buffers", []):
         if name in program.constant_values:
             out[name] = program.constant_values[name].clone()
+    for alias, key in program.meta.get("tied", {}).items():  # after the buffers: an alias may name one
+        out[alias] = out[key]
     return out
 
 

@@ -472,3 +472,23 @@ def test_blocks_sharing_one_buffer_tensor_train_into_a_store(tokens, tmp_path, p
     assert {k for k in consts if k.endswith("table")} == {"blocks.0.table", "blocks.1.table"}
     assert all(torch.equal(consts[f"blocks.{i}.table"], model.blocks[i].table) for i in range(2))
     assert not torch.equal(mtc.load_state_dict(tmp_path / "run")["tok.weight"], model.tok.weight)  # trained
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["one-tensor-in-each-block", "one-block-listed-twice"])
+def test_a_buffer_under_several_names_loads_strictly_and_a_repeated_block_trains_like_torch(tokens, tmp_path, repeat):
+    # state_dict names a persistent buffer once per module that holds it; load_state_dict gave it
+    # under the first name only (named_buffers drops repeats), so the strict load of such a run's
+    # weights failed with 'Missing key(s): blocks.1.table'. A block listed twice shares its
+    # parameters across both layers: their gradients add up, as in torch.
+    torch.manual_seed(3)
+    model = SharedTable(persistent=True, repeat=repeat)
+    steps = 3
+    res = mtc.train(model=model, data=tokens, store=tmp_path / "run", steps=steps, seed=7, optim=OPTIM, **SHAPE)
+    res.close()
+    sd = mtc.load_state_dict(tmp_path / "run")
+    assert sd.keys() == model.state_dict().keys()
+    again = SharedTable(persistent=True, repeat=repeat)
+    again.load_state_dict(sd)  # strict
+    decay = {k for k, p in model.named_parameters() if p.ndim >= 2}
+    ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**OPTIM)) for s in range(steps)], decay)
+    assert_close(dict(again.named_parameters()), ref)
