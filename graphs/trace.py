@@ -179,11 +179,12 @@ def _draw_text(node: fx.Node) -> str:
     return f"{node.target}" + (f" with dropout p={p}" if p is not None else "")
 
 
-def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph) -> list[str]:
-    """Buffers an in-place op of ``graph`` writes (through views too): export's training IR keeps
-    in-place ops as they are, so `buffers_to_mutate` names none of them."""
+def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph, kind: InputKind = InputKind.BUFFER) -> list[str]:
+    """Buffers (or the inputs of another ``kind``: parameters) an in-place op of ``graph`` writes
+    (through views too): export's training IR keeps in-place ops as they are, so
+    `buffers_to_mutate` names none of them."""
     buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
-               if s.kind == InputKind.BUFFER and hasattr(s.arg, "name")}
+               if s.kind == kind and hasattr(s.arg, "name")}
     out: list[str] = []
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
@@ -231,7 +232,7 @@ def _check_position_lookup(n: fx.Node) -> None:
 def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
     """Step 2b: refuse what running each layer as a pure function of fixed-shape inputs, and
     recomputing its forward in the backward, would silently get wrong: a forward that updates a
-    buffer (the update would be dropped every step), one that draws random numbers (the backward's
+    buffer or a parameter (the update would be dropped every step), one that draws random numbers (the backward's
     recompute would draw other ones, so the gradient would not be the reported loss's), and values
     whose size depends on the data (every layer is compiled for one shape)."""
     mutated = list(ep.graph_signature.buffers_to_mutate.values()) + _written_buffers(ep, graph)
@@ -241,6 +242,14 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
             f"the forward updates buffer{'s' if len(mutated) > 1 else ''} {names} in place (running statistics, a step counter): mtc runs each layer "
             "as a pure function of its parameters and inputs, so the update would be lost every step. Keep such "
             "state outside the model's forward (or make it a parameter), then trace again")
+    written = _written_buffers(ep, graph, InputKind.PARAMETER)
+    if written:  # nn.Embedding(max_norm=...) renormalises the rows it looks up, inside the forward
+        names = ", ".join(repr(m.removeprefix(_WRAP + ".")) for m in written[:3])
+        raise TraceError(
+            f"the forward writes parameter{'s' if len(written) > 1 else ''} {names} in place (e.g. nn.Embedding with "
+            "max_norm renormalising the rows it looks up): mtc runs each layer as a pure function of its parameters, so "
+            "the write would be lost every step and training would differ from torch's. Drop max_norm (or clamp the "
+            "looked-up vectors' norms out of place), then trace again")
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     for n in graph.nodes:

@@ -237,6 +237,20 @@ def test_what_a_streamed_replay_would_get_wrong_is_refused_at_trace_time():
         trace(_Toy(_Routed), 2, 4)
 
 
+def test_a_forward_that_writes_a_parameter_in_place_is_refused():
+    # nn.Embedding(max_norm=...) renormalises the rows it looks up in place during the forward;
+    # a run dropped the write (each layer runs as a pure function of its weights), so its
+    # embedding drifted from torch's from the first step
+    class Renormed(_Toy):
+        def __init__(self) -> None:
+            super().__init__(lambda: _Drop(p=0.0))
+            self.emb = nn.Embedding(16, 8, max_norm=1.0)
+
+    with pytest.raises(TraceError, match=r"the forward writes parameter 'emb.weight' in place .*Drop max_norm"):
+        trace(Renormed(), 2, 4)
+    trace(_Toy(lambda: _Drop(p=0.0)), 2, 4)  # the same model without max_norm
+
+
 def test_frozen_parameters_are_laid_out_frozen_and_never_decay():
     model = _Toy(lambda: _Drop(p=0.0))
     model.emb.weight.requires_grad_(False)
