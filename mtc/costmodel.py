@@ -268,7 +268,9 @@ def shape_from_program(program: Program, name: str, compute_bytes: int, *, n_blo
         numels.append(own)
         fetch.append(own + tied)
         costs.append(tcost[call.template])
-    width = max(program.params[k].spec.shape[0] for k in program.layers[-1].param_keys())
+    # (a scalar the head reads, such as a learned logit scale, has no dim 0)
+    width = max((program.params[k].spec.shape[0] for k in program.layers[-1].param_keys() if program.params[k].spec.shape),
+                default=1)
     b, t = program.batch["ids"].shape
     return ModelShape(name=name, numels=tuple(numels), fetch_numels=tuple(fetch), costs=tuple(costs),
                       sparse_tables=tuple(tables), hidden=_hidden(program),

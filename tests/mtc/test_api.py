@@ -492,3 +492,26 @@ def test_a_buffer_under_several_names_loads_strictly_and_a_repeated_block_trains
     decay = {k for k, p in model.named_parameters() if p.ndim >= 2}
     ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**OPTIM)) for s in range(steps)], decay)
     assert_close(dict(again.named_parameters()), ref)
+
+
+def test_a_learned_scalar_in_the_head_trains_like_torch(tokens):
+    # The planner's model shape took every head parameter's dim 0 for the vocabulary width, and a
+    # 0-dim parameter (a learned logit scale or temperature) has none: mtc.train failed with an
+    # IndexError from costmodel.shape_from_program before the first step.
+    class ScaledLogits(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logit_scale = nn.Parameter(torch.tensor(0.7))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * self.logit_scale
+
+    torch.manual_seed(3)
+    model = ScaledLogits()
+    steps = 3
+    res = mtc.train(model=model, data=tokens, steps=steps, seed=7, optim=OPTIM, **SHAPE)
+    decay = {k for k, p in model.named_parameters() if p.ndim >= 2}
+    ref = torch_reference(model, batches(tokens, steps, seed=7), [lr_at(s, steps, OptimConfig(**OPTIM)) for s in range(steps)], decay)
+    got = weights(res)
+    assert not torch.equal(got["logit_scale"], model.logit_scale.detach())  # it trained
+    assert_close(got, ref)
