@@ -116,3 +116,22 @@ def test_the_whole_model_line_is_printed_as_bench_fusion_prints_it_with_each_var
     out = _summary([str(path)])
     assert "model/1.5b  1.53B, 16384 tokens per step: fused vs unfused 1.25x (issue 9 states no goal" in out
     assert "model/1.5b  ms per step: unfused 500.0, mtc_fused 400.0\n" in out
+
+
+def test_a_tests_log_whose_closing_line_counts_no_pass_or_failure_is_reported_as_it_ended(tmp_path):
+    """Every gpu test skipped (a box whose torch does not see its GPU) or none selected: the run
+    ended and its closing line says how, not that the log was cut off."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from session_summary import tests_outcome
+
+    for closing in ("============================= 75 skipped in 45.88s =============================",
+                    "=================== 1269 deselected in 10.14s ===================",
+                    "============================ no tests ran in 0.01s ============================"):
+        log = tmp_path / "gpu_tests.log"
+        log.write_text("============================= slowest 8 durations ==============================\n"
+                       "0.01s teardown tests/a.py::test_x\n" + closing + "\n")
+        assert tests_outcome(log) == [closing]
+    # the slowest-durations header alone is no closing line: a run cut off before pytest finished
+    log.write_text("============================= slowest 8 durations ==============================\n")
+    assert tests_outcome(log) == ["gpu tests: no closing line in the log (cut off?)"]
