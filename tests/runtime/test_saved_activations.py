@@ -243,11 +243,13 @@ def test_replayed_backward_from_saved_values_matches_eager(tokens, tmp_path):
     run = open_run(cfg, None)
     hb_prog = run.program
     run.store.close()
-    losses, weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2), wrap=wrap), cfg, tokens, 3)
-    want, want_weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2)), cfg, tokens, 3)
+    # two steps: the second replays over buffers the first step's replays wrote (interpreter kernels:
+    # each step here costs ~25 s of the suite)
+    losses, weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2), wrap=wrap), cfg, tokens, 2)
+    want, want_weights = _run(hand_built_engine(cfg, tmp_path / "k", saves=(1, 2)), cfg, tokens, 2)
     assert losses == want and torch.equal(weights, want_weights)
     block = next(r for r in wrapped.values() if r.template.kind == "block")
-    assert block.stats["backward"].replays == 3 * 2 * cfg.grad_accum and block.stats["joint"].replays == 0
+    assert block.stats["backward"].replays == 2 * 2 * cfg.grad_accum and block.stats["joint"].replays == 0
     assert block.stats["save"].skipped and block.stats["save"].captured == 0
     assert any("block" in line and "save: not replayed" in line for line in graph_report(wrapped))
 
@@ -274,7 +276,7 @@ def test_streamed_blocks_that_save_beside_ones_that_recompute_take_what_the_plan
     hb = hand_built_engine(cfg, tmp_path / "k", saves=(2,), wrap=wrap)
     assert hb.placement[1:3] == ["ram", "ram"]
     saved_bytes = hb.compiled[prog.layers[2].template].saved_bytes()
-    _run(hb, cfg, tokens, 3)
+    _run(hb, cfg, tokens, 2)  # the second step visits the other ring slot: a capture in each
     block = next(r for r in wrapped.values() if r.template.kind == "block")
     assert block.stats["joint"].captured == block.stats["backward"].captured == 2  # a graph of each per ring slot
     st = block.stats["backward"]
