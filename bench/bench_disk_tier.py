@@ -234,6 +234,9 @@ def main() -> int:
                               "disk_dir": str(root), "disk_compute": disk_compute, "grad_accum": accum,
                               "grad_accum_rule": "compute at --target-tflops as long as the step's disk traffic at the raw mix GB/s, <= 1M tokens",
                               "tokens_per_step": accum * mbs * seq, "durability": a.durability}
+    # the disk's figures on record before the training run: a run the session's time limit kills
+    # (gpu_session.sh's timeout sends TERM) still leaves them; rewritten whole at the end
+    path = write_record("bench_disk_tier", dict(record, train={"pending": "the training run did not finish (killed?)"}))
     if need > free:
         record["train"] = {"skipped": f"{gens} generation(s) need {need / 1e9:.1f} GB, {root} has {free / 1e9:.1f} GB free"}
     else:
@@ -296,7 +299,7 @@ def main() -> int:
         for f in (tokens, tokens.with_suffix(".json")):
             f.unlink(missing_ok=True)
         shutil.rmtree(root / "store", ignore_errors=True)
-    path = write_record("bench_disk_tier", record)
+    write_record("bench_disk_tier", record, path=path)
     tr = record["train"]
     if "error" in tr or "skipped" in tr:
         print(f"train: {tr.get('error') or tr.get('skipped')}")
