@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from mtc.errors import MTCError
@@ -40,7 +41,8 @@ def plot_run(store_dir: str | Path, output: str | Path) -> Path:
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    recs = read_metrics(store_dir)
+    # a skipped step's non-finite loss is null in the log: a gap in the line
+    recs = [dict(r, loss=math.nan if r.get("loss") is None else r["loss"]) for r in read_metrics(store_dir)]
     steps = [r["step"] for r in recs]
     fig, (ax_loss, ax_lr, ax_tp) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     ax_loss.plot(steps, [r["loss"] for r in recs], label="train loss", lw=1)

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import queue
 import shutil
@@ -698,6 +699,17 @@ class _Loader:
         self._thread.join(timeout=5)
 
 
+def _strict(rec: dict) -> dict:
+    """``rec`` with non-finite floats as None: metrics.jsonl is strict JSON (Python's NaN / Infinity
+    tokens are not JSON; jq and JSON.parse reject the line). A skipped step says so in ``skipped``."""
+    def value(v: object) -> object:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return _strict(v) if isinstance(v, dict) else v
+
+    return {k: value(v) for k, v in rec.items()}
+
+
 def _open_metrics(path: Path) -> TextIO:
     """``logs/metrics.jsonl`` for appending, its last line whole: a line a crash tore is cut off, so
     the next record starts a line of its own (the step it was for is redone and logged again)."""
@@ -968,7 +980,7 @@ def train(
                     notify(msg)
             if metrics is not None:  # rank 0's only
                 try:
-                    metrics.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+                    metrics.write(json.dumps(_strict(dataclasses.asdict(rec)), allow_nan=False) + "\n")
                     metrics.flush()
                 except OSError as e:
                     raise StoreError(f"writing {metrics.name} failed after step {step} ({os_error_reason(e)}); the "

@@ -4,6 +4,7 @@ the schedule against plain PyTorch / transformers, iterable data, and runs that 
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ import mtc
 from mtc.config import OptimConfig
 from mtc.data import BatchSampler
 from mtc.errors import ConfigError, DataError
+from mtc.plot import plot_run
 from mtc.runtime.schedule import lr_at
 from mtc.runtime.state import read_params
 from mtc.tracer import LossModel
@@ -213,6 +215,14 @@ def test_a_skipped_step_is_not_counted_by_adams_bias_correction_and_resumes_so(t
     res = mtc.train(**base, store=tmp_path / "full")
     assert [r.skipped for r in res.records] == [True, False, True, False, False]
     full = weights(res)
+    # the log is strict JSON (it wrote Python's NaN token, which jq and JSON.parse reject): a skipped
+    # step's non-finite loss is null (PoisonedLM's gradients stay finite: torch.where)
+    def strict(tok: str) -> None:
+        raise ValueError(f"not JSON: {tok}")
+
+    log = [json.loads(ln, parse_constant=strict) for ln in (tmp_path / "full" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["skipped"], r["loss"] is None) for r in log] == [(True, True), (False, False), (True, True), (False, False), (False, False)]
+    plot_run(tmp_path / "full", tmp_path / "run.png")  # draws the gaps
 
     ref = copy.deepcopy(model)
     lm = LossModel(ref)
