@@ -224,10 +224,13 @@ def test_parity_compiled_plan(tokens, save):
     # The same contract with generated Triton kernels (interpreter on the CPU): a smaller shape
     # keeps the interpreter's cost down; everything else is the parity run. save "all": both
     # blocks keep their matmul and attention outputs from the forward visit, for both
-    # micro-batches, and run the backward from them (auto on the CPU: they recompute). Four steps (in
-    # warmup; the schedule's decay is the unfused runs'): each costs ~35 s of the interpreter here
+    # micro-batches, and run the backward from them (auto on the CPU: they recompute), and the update
+    # runs on the device (the Triton AdamW on the optimizer's thread beside the compute thread's fused
+    # kernels: the interpreter's launches from two threads crashed, kernels/__init__.py). Four steps
+    # (in warmup; the schedule's decay is the unfused runs'): each costs ~35 s of the interpreter here
+    extra = {"gpu_update": "all"} if save == "all" else {}
     cfg = parity_config(steps=4, micro_batch_size=2, seq_len=8, kernels="fused",
-                        model_overrides={"n_layers": 2}, save_activations=save)
+                        model_overrides={"n_layers": 2}, save_activations=save, **extra)
     ref_losses, ref_weights = reference_train(cfg, tokens)
     res = train(cfg, None, tokens)
     try:
