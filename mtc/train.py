@@ -520,6 +520,14 @@ def open_run(
             last = store.last_commit()
             if last is None:
                 raise StoreError(f"store {path} has no commit; remove it or pass overwrite to start over")
+            if _shards.is_sharded(last) and not _dist.current_world().distributed:
+                # its state is in the ranks' shard stores: one process would look for it in the run
+                # directory, and the arrays it created there on the way made `mtc verify` call the
+                # healthy run damaged
+                n = _shards.shard_world(last)
+                raise StoreError(f"store {path} is a data-parallel run, last committed at world size {n} (its state is in "
+                                 f"the ranks' shard stores): resume it with `torchrun --nproc-per-node {n} -m mtc train ...`, "
+                                 f"or run `mtc reshard {path} --world-size 1` first to continue in one process")
             from mtc.warmstart import is_seeded, open_seeded
 
             if is_seeded(last):  # imported or --init-from weights at step 0: a new run starts from them

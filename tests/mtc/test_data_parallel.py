@@ -279,6 +279,25 @@ def test_a_missing_or_stale_shard_is_a_one_line_error(runs, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_one_process_refuses_a_sharded_store_and_leaves_it_whole(runs, tmp_path, capsys):
+    """A plain `mtc train` on a 2-rank store: one line naming torchrun and reshard, nothing written.
+    It used to create empty state arrays in the run directory and fail on them as 'damaged', after
+    which `mtc verify` called the healthy run damaged and `mtc repair` could not fix it."""
+    d, tokens, cfg_file = runs
+    store = tmp_path / "w2"
+    shutil.copytree(d / "w2", store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*") if p.is_file() and p.name != ".lock")
+    with pytest.raises(StoreError, match=r"world size 2 .*torchrun --nproc-per-node 2.*mtc reshard .* --world-size 1"):
+        train(_config(), store, tokens)
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg_file), "--store", str(store), "--data", str(tokens.path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data-parallel run" in err[0], err
+    assert sorted(p.relative_to(store) for p in store.rglob("*") if p.is_file() and p.name != ".lock") == before
+    assert main(["verify", str(store)]) == 0
+
+
+@pytest.mark.slow
 def test_reshard_2_3_1_keeps_the_state_bit_identical_and_export_matches(runs, tmp_path):
 
 
