@@ -62,6 +62,29 @@ def build() -> TinyLM:
     return TinyLM()
 
 
+class GradPoisonedLM(PoisonedLM):
+    """PoisonedLM that also has an infinite gradient, with a finite loss, wherever the input is
+    ``GRAD_POISON``: a 0-dim ``gate`` (zero, and kept so: its gradient is zero elsewhere) scales a
+    term that adds nothing to the logits but 1e40 times their gradient to the gate's."""
+
+    GRAD_POISON = VOCAB - 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(ids)
+        ramp = torch.arange(VOCAB, dtype=logits.dtype, device=logits.device)  # (a plain sum of CE's gradient is 0)
+        hit = (ids == self.GRAD_POISON)[..., None].to(logits.dtype)
+        return logits + hit * ramp * (self.gate * 1e30) * 1e10  # two factors: 1e40 is inf in fp32
+
+
+def poisoned() -> GradPoisonedLM:
+    """A factory of GradPoisonedLM, for runs of it from a plan directory (the data-parallel skip test)."""
+    return GradPoisonedLM()
+
+
 def broken() -> TinyLM:
     """A factory that fails, for the error test."""
     raise RuntimeError("weights file missing")

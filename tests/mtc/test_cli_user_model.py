@@ -31,7 +31,8 @@ def _run(capsys, *argv):
 
 @pytest.mark.parametrize("path, says", [
     ("nosuch.mod:f", "cannot import module 'nosuch.mod'"),
-    ("tests.mtc.custom_models:nothere", "has no attribute 'nothere'; it defines: Block, PoisonedLM, TinyLM, broken, build"),
+    ("tests.mtc.custom_models:nothere", "has no attribute 'nothere'; it defines: Block, GradPoisonedLM, PoisonedLM, TinyLM, broken, build, "
+                                          "poisoned"),
     ("tests.mtc.custom_models:broken", "raised RuntimeError: weights file missing"),
     ("tests.mtc.custom_models:NOT_CALLABLE", "NOT_CALLABLE is not callable"),
     ("tests/mtc:x", "neither a preset nor an import path"),
