@@ -484,7 +484,7 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
     try:
         if last is not None:  # the single-process layout: each rank reads its range of the full arrays
             tiers.load(root_st, last.generation, durability)
-            _copy_disk_shards(root_st, st, tiers, last.generation)
+            _copy_disk_shards(root_st, st, tiers, last.generation, durability)
             return st, last
         for s in tiers.layers:
             if not s.numel:
@@ -504,11 +504,11 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
     return st, first
 
 
-def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen: int) -> None:
+def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen: int, durability: str) -> None:
     """A single-process store opened on several ranks: each disk layer's range of the full arrays
     of generation ``gen`` into this rank's shard store (the disk tier reads it from there); moments
-    the store did not keep (a ram layer under durability 'weights' before) start at zero, as a
-    single-process resume starts them."""
+    the commit does not keep (``durability`` weights: a ram layer's were never stored, a disk
+    layer's arrays hold no committed step's) start at zero, as a single-process resume starts them."""
     for s in tiers.layers:
         if s.tier != "disk" or not s.numel or s.shard[1] == s.shard[0]:
             continue
@@ -516,7 +516,7 @@ def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen:
         for k in ("master", "m", "v"):
             name = state_array_name(s.layer, k, gen)
             buf = torch.zeros(hi - lo, dtype=STATE_DTYPE)
-            if k == "master" or root_st.has_array(name):
+            if k == "master" or (durability == "full" and root_st.has_array(name)):
                 root_st.read_rows_into(name, lo, buf)
             st.write(name, buf)
 

@@ -342,7 +342,10 @@ class StateTiers:
             if s.tier == "disk":  # the store is its tier: only a compute copy kept in RAM is filled
                 if s.compute is not None:
                     self.set_layer(s.layer, store.read(state_array_name(s.layer, "master", generation)))
-                if durability != "full":
+                if durability != "full" and s.shard is None:
+                    # (a sharded disk layer's moments are in the rank's shard store, where
+                    # `mtc.shards` starts them at zero: ``store`` is then the run directory's, which
+                    # the other ranks read, and only rank 0 may write)
                     zero_moments(store, s.layer, generation)
                 continue
             if "master" not in kinds:
