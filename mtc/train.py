@@ -59,7 +59,7 @@ from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.store.directory import os_error_reason
 from mtc.tracer import trace
-from mtc.watch import RunWatcher, check_eval_data
+from mtc.watch import RunWatcher, check_eval_data, mfu_devices
 from mtc.weight_sources import record_write_start
 
 if TYPE_CHECKING:
@@ -913,7 +913,8 @@ def train(
             _dist.check_same_start(world, last.step, last.generation, tokens.identity())
             _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))
         parts.extend([eng.copies, eng.executor, eng.optimizer])
-        watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device)
+        watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device,
+                             devices=mfu_devices(device, world.world_size, world.local_world_size))
         disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation

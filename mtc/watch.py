@@ -24,7 +24,7 @@ from mtc.runtime.tiers import StateTiers
 from mtc.runtime.timeline import Timeline
 from mtc.weight_sources import TierWeights, wait_for_updates
 
-__all__ = ["RunWatcher", "check_eval_data", "eval_due"]
+__all__ = ["RunWatcher", "check_eval_data", "eval_due", "mfu_devices"]
 
 
 def eval_due(step: int, cfg: TrainConfig) -> bool:
@@ -41,12 +41,22 @@ def check_eval_data(tokens: TokenFile, program_batch: tuple[int, int], cfg: Trai
         BatchSampler(tokens, batch_size=b, seq_len=t, seed=cfg.seed, split="val")
 
 
+def mfu_devices(device: torch.device, world_size: int, local_world_size: int) -> int:
+    """How many devices of MFU's denominator computed a data-parallel step's tokens: each rank's
+    GPU; on the CPU, each host's (its ranks split its cores: `mtc.dist.cpu_share`)."""
+    if device.type == "cuda":
+        return world_size
+    return max(1, world_size // max(1, local_world_size))
+
+
 class RunWatcher:
     """Per-step figures of one training run (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, program: Program, tiers: StateTiers, runners: dict[str, LayerRunner],
-                 timeline: Timeline, tokens: TokenFile, device: torch.device) -> None:
-        self.cfg, self.program, self.tiers, self.runners = cfg, program, tiers, runners
+                 timeline: Timeline, tokens: TokenFile, device: torch.device, *, devices: int = 1) -> None:
+        # ``devices``: how many devices the step's tokens were computed on (`mfu_devices`): MFU
+        # divides the whole step's model FLOP/s by their peak together
+        self.cfg, self.program, self.tiers, self.runners, self.devices = cfg, program, tiers, runners, devices
         self.timeline, self.device = timeline, device
         self.flops = FlopCounter.of(program, cfg.seq_len)
         self.peak = peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32)
@@ -57,7 +67,7 @@ class RunWatcher:
         """The extra fields of step ``step``'s record (it ran from ``start`` to ``end``, host clock)."""
         secs = max(end - start, 1e-12)
         tflops = self.flops.flops(tokens) / secs / 1e12
-        mfu = self.peak.mfu(tflops)
+        mfu = self.peak.mfu(tflops / self.devices)
         out: dict[str, Any] = {
             "tflops": tflops, "mfu": mfu, "peak_tflops": self.peak.tflops,
             "gpu_peak_bytes": gpu_peak_bytes(self.device), "host_rss_bytes": host_rss_bytes(),

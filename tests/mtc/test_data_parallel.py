@@ -338,6 +338,33 @@ def test_one_rank_under_torchrun_is_the_plain_run(runs):
 
 
 @pytest.mark.slow
+def test_mfu_of_a_step_on_two_hosts_is_over_both_hosts_peak(runs, tmp_path):
+    """Two ranks, each alone on its host (as torchrun describes two nodes): a record's ``tflops``
+    is the whole step's, so its MFU divides by both hosts' peak. It divided by one device's: a
+    data-parallel run on N GPUs reported N times its MFU."""
+    from mtc.metrics import _cpu_name
+
+    d, tokens, cfg_file = runs
+    home = tmp_path / "home"
+    (home / ".cache" / "mtc").mkdir(parents=True)
+    peak = 0.5  # a machine profile of this CPU: the MFU denominator is known
+    (home / ".cache" / "mtc" / "machine.json").write_text(json.dumps({"device": _cpu_name(), "matmul_dtype": "float32",
+                                                                        "matmul": [{"tflops": peak}]}))
+    port, procs = _free_port(), []
+    for r in range(2):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(r), HOME=str(home))
+        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, tmp_path / "s", tokens.path)], env=env,
+                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "s" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == STEPS
+    for r in recs:
+        assert r["peak_tflops"] == peak and r["mfu"] == pytest.approx(r["tflops"] / (2 * peak))
+
+
+@pytest.mark.slow
 def test_kill_9_of_one_rank_stops_the_others_and_a_relaunch_resumes_bit_identically(runs):
     """Kill -9 of a rank mid-run: the survivor exits non-zero within 60 s with one error line; the
     same launch resumes bit-identically, and one process resumes the same store to 1e-5."""
