@@ -195,10 +195,19 @@ def train(
     starts from with fresh optimizer state, as ``mtc train --init-from``. ConfigError (one line)
     for anything that does not fit.
     """
+    from mtc.dist import current_world
     from mtc.plan import load_plan
     from mtc.train import at_dtype, open_run
     from mtc.train import train as _train
 
+    world = current_world()
+    if world.world_size > 1:
+        # every rank would open (or create) the store as if alone: rank 1 stopped on rank 0's lock,
+        # saying another run held the store
+        raise ConfigError(f"mtc.train runs in one process, and this one is rank {world.rank} of {world.world_size} under "
+                          "torchrun: launch the CLI on every rank instead (`torchrun --nproc-per-node N -m mtc train "
+                          "--plan DIR ...`, with DIR from mtc.compile or mtc.save_plan(program, DIR, factory=...)), or run "
+                          "this script without torchrun")
     if plan is not None and not isinstance(plan, Program):
         plan = os.fspath(plan)  # a directory, or what `compile` returned
     saved = _saved_config(store) if not overwrite else None

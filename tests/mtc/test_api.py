@@ -198,6 +198,17 @@ def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
     assert_close(weights(res), full)
 
 
+def test_train_on_a_rank_of_a_torchrun_launch_is_refused_before_a_store_exists(tokens, tmp_path, monkeypatch):
+    # every rank opened or created the store as if alone: rank 1 stopped on rank 0's lock ("locked
+    # by pid ...; stop the other run"), or, alone here, created the store before failing to join
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match=r"rank 1 of 2 under torchrun: launch the CLI on every rank .*-m mtc train --plan"):
+        mtc.train(model=TinyLM(), data=tokens, store=tmp_path / "s", steps=1, grad_accum=2, **SHAPE)
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_skipped_step_is_not_counted_by_adams_bias_correction_and_resumes_so(tmp_path):
     # steps 0 and 2 see a NaN loss and are skipped: torch's AdamW, whose step() a skipped step never
     # reaches (as under GradScaler), counts 3 updates where the run took 5 steps; the schedule
