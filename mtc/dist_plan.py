@@ -63,7 +63,7 @@ from mtc.config import TrainConfig
 from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
-from mtc.planner import MODES, Check, Memory, Plan, _count, _size, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
+from mtc.planner import MODES, Check, Memory, Plan, _count, _size, _ties_weights, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
 from mtc.runtime import placement as pl
 from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 
@@ -289,10 +289,12 @@ def _tier_bytes(tier: str, n: int, s: int, c: int, cuda: bool, grad_shard: bool 
     raise ValueError(f"unknown tier {tier!r}")
 
 
-def _pipeline(placement: list[str], numels: list[int], shards: tuple[int, ...], cuda: bool) -> int:
-    """The disk tier's read-ahead ring (of the largest disk shard) and, on the CPU, the executor's buffers."""
+def _pipeline(placement: list[str], numels: list[int], shards: tuple[int, ...], cuda: bool, tied: bool = True) -> int:
+    """The disk tier's read-ahead ring (of the largest disk shard) and, on the CPU, the executor's
+    buffers: two weight slots and two gradient slabs of the largest layer, each slot two layers and
+    one slab more when a layer reads another's weight (``tied``: `mtc.planner._ties_weights`)."""
     disk = [shards[i] for i, t in enumerate(placement) if t == "disk" and numels[i]]
-    device = 0 if cuda else (2 * 2 + 3) * 4 * max(numels, default=0)
+    device = 0 if cuda else ((2 * 2 + 3) if tied else (2 + 2)) * 4 * max(numels, default=0)
     return device + (3 * (16 if cuda else 12) * max(disk) if disk else 0)
 
 
@@ -308,7 +310,7 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
         gpu, host = gpu + g, host + h
         if cuda and t != "gpu":  # the gradient shard and the gathered compute copy are pinned
             pinned += h
-    pipe = _pipeline(placement, n, s, cuda)
+    pipe = _pipeline(placement, n, s, cuda, _ties_weights(shape))
     disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * s[i] for i, t in enumerate(placement))
             for m in MODES}
     return Memory(gpu_state=gpu, gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0, host=host + pipe,
@@ -354,7 +356,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
                   else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
         r_left = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(rprof.host_available_bytes)
-        r_left -= _pipeline(["disk"] * len(n), n, s, cuda)
+        r_left -= _pipeline(["disk"] * len(n), n, s, cuda, _ties_weights(shape))
         auto = ["disk"] * len(n)
         for i in range(len(n)):
             g_left -= _tier_bytes("disk", n[i], s[i], c, cuda)[0]

@@ -88,7 +88,7 @@ def disk_compute_for(cfg: TrainConfig, shape: ModelShape, ram_bytes: int, cuda: 
     planned compute dtype and a RAM budget of ``ram_bytes``."""
     explicit = None if cfg.placement.strip() == "auto" else pl.resolve_placement(cfg.placement, shape.n_layers)
     return pl.resolve_disk_compute(cfg.disk_compute, explicit, list(shape.numels), shape.compute_bytes, ram_bytes=ram_bytes,
-                                   device_is_cuda=cuda)
+                                   device_is_cuda=cuda, tied_weights=_ties_weights(shape))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,7 +165,8 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
         dc = disk_compute_for(cfg, shape, int(ram), cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
                                  grads_on_device=cuda,
-                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda),
+                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda,
+                                                                           tied_weights=_ties_weights(shape)),
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=graph_gpu_extra(cfg, shape) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
@@ -231,8 +232,10 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if cuda:
         gpu_budget = int(cfg.gpu_budget_gb * GiB) if cfg.gpu_budget_gb is not None else (
             None if gpu_memory is None else max(0, gpu_memory - gpu_workspace(cfg, shape, placement)))
-    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda, gpu_bytes=gpu_budget)
-    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill)
+    spill = pl.choose_grad_spill(placement, n, c, ram_bytes=budget, disk_compute=dc, device_is_cuda=cuda, gpu_bytes=gpu_budget,
+                                 tied_weights=_ties_weights(shape))
+    pipeline = pl.pipeline_host_bytes(placement, n, disk_compute=dc, device_is_cuda=cuda, grad_spill=spill,
+                                      tied_weights=_ties_weights(shape))
     dev_grads = cuda and pl.streamed_grads_on_device(cfg.activation_budget_gb)
     pinned = 0
     for i, t in enumerate(placement if cuda else []):
@@ -319,11 +322,20 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     return checks
 
 
+def _ties_weights(shape: ModelShape) -> bool:
+    """Whether a layer of ``shape`` reads a weight another layer owns (tied embeddings): only then
+    does a weight slot (and its visit staging) hold two layers' weights and one more gradient slab
+    stay open (the executor sizes its ring by the largest visit). Assuming it for every model
+    doubled the staging of a 70B model's all-disk run on CUDA (7.8 GiB counted twice)."""
+    return shape.fetch_numels != shape.numels
+
+
 def _host_need(shape: ModelShape, placement: list[str], disk_compute: str, cuda: bool, *, spill: bool = False) -> int:
     """Host RAM of ``placement``: the state tiers plus the bounded pipeline (as `memory` counts it)."""
     numels, c = list(shape.numels), shape.compute_bytes
     return (pl.host_bytes_needed(placement, numels, c, disk_compute=disk_compute, grads_on_device=cuda, grad_spill=spill)
-            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda, grad_spill=spill))
+            + pl.pipeline_host_bytes(placement, numels, disk_compute=disk_compute, device_is_cuda=cuda, grad_spill=spill,
+                                     tied_weights=_ties_weights(shape)))
 
 
 def _split_for(shape: ModelShape, host_bytes: int, disk_compute: str, cuda: bool) -> str:

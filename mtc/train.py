@@ -266,7 +266,13 @@ def run_disk_compute(cfg: TrainConfig, program: Program, *, ram_bytes: int | Non
     explicit = None if cfg.placement.strip() == "auto" else pl.resolve_placement(cfg.placement, program.n_layers)
     return pl.resolve_disk_compute(cfg.disk_compute, explicit, numels, cbytes,
                                    ram_bytes=_ram_budget(cfg) if ram_bytes is None else ram_bytes,
-                                   device_is_cuda=cfg.device.startswith("cuda"))
+                                   device_is_cuda=cfg.device.startswith("cuda"), tied_weights=_ties_weights(program))
+
+
+def _ties_weights(program: Program) -> bool:
+    """Whether a layer reads a weight another layer owns (tied embeddings): the executor's weight
+    slots then hold two layers' weights (`mtc.runtime.placement.pipeline_host_bytes`)."""
+    return any(program.params[k].layer != call.index for call in program.layers for k in call.param_keys())
 
 
 def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | None = None) -> tuple[list[str], set[int]]:
@@ -285,7 +291,8 @@ def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | No
         dc = disk_compute if disk_compute is not None else run_disk_compute(cfg, program, ram_bytes=budget)
         auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(budget), disk_compute=dc,
                                  grads_on_device=cuda,
-                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda),
+                                 pipeline=lambda p: pl.pipeline_host_bytes(p, numels, disk_compute=dc, device_is_cuda=cuda,
+                                                                           tied_weights=_ties_weights(program)),
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=_graph_gpu_extra(cfg, program, cbytes) if cuda and cfg.gpu_budget_gb is None else None)
     placement = pl.resolve_placement(cfg.placement, program.n_layers, auto=auto)
@@ -822,7 +829,7 @@ def train(
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
-                                     disk_compute=dc, device_is_cuda=device.type == "cuda",
+                                     disk_compute=dc, device_is_cuda=device.type == "cuda", tied_weights=_ties_weights(program),
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         prefetch = 0 if world.distributed else plan_prefetch(pcfg, program, placement, gpu_update)
         gpu_free = _gpu_free(cfg) if device.type == "cuda" else None  # before the state below takes its share

@@ -354,13 +354,13 @@ def pipeline_host_bytes(placement: list[str], numels: list[int], *, disk_compute
 
 
 def resolve_disk_compute(setting: str, placement: list[str] | None, numels: list[int], compute_bytes: int, *, ram_bytes: int,
-                         device_is_cuda: bool) -> str:
+                         device_is_cuda: bool, tied_weights: bool = True) -> str:
     """Where disk layers' compute copy lives for the ``disk_compute`` setting: ``auto`` reads fp32
     weights from the store at each visit (a RAM copy would cost 4 B/param), and keeps a bf16 copy
     pinned in RAM while ``ram_bytes`` holds it beside the rest of ``placement`` (None: auto
     placement, which starts from every layer on disk); when it cannot (a 70B model's bf16 copy
     is 140 GB) it reads them from the store too: slower visits, 4 B/param from the store each,
-    rather than a run that does not fit."""
+    rather than a run that does not fit. ``tied_weights``: as `pipeline_host_bytes` takes it."""
     if setting != "auto":
         return setting
     if compute_bytes == _FP32:
@@ -369,23 +369,25 @@ def resolve_disk_compute(setting: str, placement: list[str] | None, numels: list
     # gradients of disk layers wait on the GPU (or, on the CPU, in the store when RAM is short)
     need = (host_bytes_needed(placement, numels, compute_bytes, disk_compute="ram", grads_on_device=device_is_cuda,
                               grad_spill=not device_is_cuda)
-            + pipeline_host_bytes(placement, numels, disk_compute="ram", device_is_cuda=device_is_cuda, grad_spill=not device_is_cuda))
+            + pipeline_host_bytes(placement, numels, disk_compute="ram", device_is_cuda=device_is_cuda, grad_spill=not device_is_cuda,
+                                  tied_weights=tied_weights))
     return "ram" if need <= ram_bytes else "store"
 
 
 def choose_grad_spill(placement: list[str], numels: list[int], compute_bytes: int, *, ram_bytes: int, disk_compute: str = "ram",
-                      device_is_cuda: bool = False, gpu_bytes: int | None = None) -> bool:
+                      device_is_cuda: bool = False, gpu_bytes: int | None = None, tied_weights: bool = True) -> bool:
     """Whether disk layers' gradients wait in the store's scratch arrays (`mtc.runtime.grad_spill`)
     rather than where they were accumulated: on the CPU device when the RAM budget cannot hold
     them beside the state tiers and the pipeline; on CUDA when ``gpu_bytes`` cannot hold them
     beside the resident layers. Spilling costs 8 bytes per disk parameter of disk traffic per
-    step (a write and a read) and saves 4 of host (CPU) or GPU memory."""
+    step (a write and a read) and saves 4 of host (CPU) or GPU memory. ``tied_weights``: as
+    `pipeline_host_bytes` takes it."""
     if not any(t == "disk" and n for t, n in zip(placement, numels, strict=True)):
         return False
     if device_is_cuda:
         return gpu_bytes is not None and gpu_state_bytes(placement, numels, compute_bytes) > gpu_bytes
     keep = (host_bytes_needed(placement, numels, compute_bytes, disk_compute=disk_compute)
-            + pipeline_host_bytes(placement, numels, disk_compute=disk_compute))
+            + pipeline_host_bytes(placement, numels, disk_compute=disk_compute, tied_weights=tied_weights))
     return keep > ram_bytes
 
 

@@ -133,7 +133,8 @@ def test_extrapolations_say_plainly_what_does_not_fit():
     # GPU, 4 B/param of gradient scratch in the store; 256 GiB of RAM cannot hold the disk layers'
     # bf16 copy (0.35 TB), so they are read per visit, which leaves RAM for the first 7 layers
     assert "durability full    disk    4.86 TB: does NOT fit: disk needs 4.86 TB, has 4.00 TB" in block_175
-    assert "placement ram:0-6,disk:7-113;" in block_175 and "host RAM 204.5 GiB of 248.0 GiB" in block_175
+    # (the visits' fp32 staging: two slots of the largest layer, the untied embedding, 11.7 GiB)
+    assert "placement ram:0-6,disk:7-113;" in block_175 and "host RAM 192.8 GiB of 248.0 GiB" in block_175
     # without durability the disk layers keep one generation (12 B/param + the 4 of gradient scratch): it fits
     assert "durability none    disk    2.63 TB: fits" in block_175
     assert "GPU peak 71.9 GiB of 79.6 GiB" in block_175  # (a block's joint graph keeps no output buffer)
@@ -287,8 +288,8 @@ def test_disk_layers_read_their_weights_per_visit_when_ram_cannot_hold_the_copy(
     told = make_plan(dataclasses.replace(cfg, ram_budget_gb=12, disk_compute="ram"), prof)
     assert roomy.memory.disk_compute == told.memory.disk_compute == "ram" and tight.memory.disk_compute == "store"
     numels, disk = list(roomy.shape.numels), ["disk"] * roomy.shape.n_layers
-    staging = (pl.pipeline_host_bytes(disk, numels, disk_compute="store", device_is_cuda=True)
-               - pl.pipeline_host_bytes(disk, numels, disk_compute="ram", device_is_cuda=True))
+    staging = (pl.pipeline_host_bytes(disk, numels, disk_compute="store", device_is_cuda=True, tied_weights=False)
+               - pl.pipeline_host_bytes(disk, numels, disk_compute="ram", device_is_cuda=True, tied_weights=False))
     assert roomy.memory.host - tight.memory.host == 2 * sum(numels) - staging > 0  # the copy, less the visits' fp32 staging
     ram_check = [c for c in tight.checks if c.what.startswith("host RAM")]
     assert ram_check[0].ok and tight.memory.host <= 12 * 2**30
@@ -525,14 +526,16 @@ def test_auto_placement_passes_the_fit_check_it_was_chosen_for():
     """`mtc train` on the CPU with a RAM budget between all-disk and all-RAM: auto placement keeps
     as many layers in RAM as fit with the gradient slabs the first RAM layer brings, so the fit
     check accepts it, and one more RAM layer would not fit (it once chose ram:0-3,disk:4,ram:5 and
-    then refused it: 679 MiB against 563)."""
+    then refused it: 679 MiB against 563; and, while it charged every model's weight slots two
+    layers and the check one for a model that ties none, it left a layer on disk at 0.52 GiB
+    that the check would have taken in RAM)."""
     from mtc.errors import ConfigError
     from mtc.planner import check_fit
     from mtc.train import build_model, plan_placement
     from mtc.tracer import trace
 
     cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 4, "dim": 768, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 2},
-                      micro_batch_size=1, seq_len=16, placement="auto", ram_budget_gb=0.55, kernels="unfused", durability="none")
+                      micro_batch_size=1, seq_len=16, placement="auto", ram_budget_gb=0.52, kernels="unfused", durability="none")
     program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
     placement, gpu_update = plan_placement(cfg, program)
     assert "ram" in placement and "disk" in placement
@@ -631,3 +634,25 @@ def test_parameter_counts_read_at_any_size():
     from mtc.planner import _count
 
     assert [_count(n) for n in (45_888, 1_250_000, 4_600_000_000, 0)] == ["45,888", "1.2M", "4.600B", "0"]
+
+
+@pytest.mark.parametrize("model", ["tiny", "gpt2-tiny"])
+def test_host_ram_of_disk_layers_is_what_the_engine_holds_for_untied_weights(data, model):
+    """The plan's host RAM for all-disk state on the CPU (gradients, the disk ring, the executor's
+    weight ring and slabs, which are host memory there) against what the engine allocated: equal
+    for a model that ties no weight (a Llama), never less for one that does (GPT-2's head reads the
+    embedding). The ring was once counted at two layers per slot for every model."""
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import memory
+    from mtc.train import train
+
+    cfg = TrainConfig(model=model, placement="disk", micro_batch_size=2, seq_len=16, steps=1, kernels="unfused", durability="none")
+    res = train(cfg, None, data)
+    try:
+        shape = shape_from_program(res.program, model, 4)
+        planned = memory(cfg, shape, res.placement, set(), cuda=False).host
+        engine = res.tiers.host_bytes()
+        assert planned == engine if shape.fetch_numels == shape.numels else planned >= engine, (planned, engine)
+    finally:
+        res.store.close()
+
