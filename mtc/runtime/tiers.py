@@ -391,7 +391,8 @@ class StateTiers:
         I/O pipeline's buffers registered in `pipeline_bytes` (the disk ring, visit staging)."""
         total = sum(self.pipeline_bytes.values())
         for s in self.layers:
-            for t in (s.master, s.m, s.v, s.compute, s.grad, *(s.staging or [])):
-                if t is not None and t.device.type == "cpu" and (t is not s.compute or s.compute is not s.master):
-                    total += host_nbytes(t)
+            held = [s.master, s.m, s.v, s.grad, *(s.staging or [])]
+            if s.compute is not s.master:  # in fp32 the master is the compute copy: counted once, as the master
+                held.append(s.compute)
+            total += sum(host_nbytes(t) for t in held if t is not None and t.device.type == "cpu")
         return total
