@@ -659,10 +659,11 @@ def _cmd_reshard(a: argparse.Namespace) -> int:
     return 0
 
 
-# run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file)
+# run fields `mtc plan` takes as flags (the rest come from the preset, plan or config file); every
+# flag a fit check's advice names is among them, so the advice runs with `mtc plan` as with `mtc train`
 _PLAN_FLAGS = ("micro_batch_size", "seq_len", "grad_accum", "compute_dtype", "placement", "gpu_update", "update_prefetch", "update_handoff", "durability",
                "commit_every", "activation_budget_gb", "ram_budget_gb", "gpu_budget_gb", "optim_threads", "cuda_graphs",
-               "save_activations")
+               "save_activations", "disk_compute")
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:

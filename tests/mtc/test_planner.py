@@ -656,3 +656,19 @@ def test_host_ram_of_disk_layers_is_what_the_engine_holds_for_untied_weights(dat
     finally:
         res.store.close()
 
+
+
+def test_plan_advice_to_read_disk_weights_from_the_store_runs_with_mtc_plan(tmp_path, capsys):
+    """A RAM budget that cannot hold disk layers' bf16 copy is refused with `--disk-compute store`
+    as the way out: `mtc plan` takes that flag too, and with it the RAM fits (it once stopped at
+    'unrecognized arguments')."""
+    cfg = TrainConfig(model="8b", seq_len=4096, micro_batch_size=1, placement="disk", gpu_update="none", durability="none",
+                      disk_compute="ram", ram_budget_gb=12)
+    (tmp_path / "run.json").write_text(json.dumps(cfg.to_dict()))
+    args = ["plan", "--config", str(tmp_path / "run.json"), "--machine", "h100-box", "--no-extrapolate"]
+    main(args)
+    ram = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fit: host RAM")]
+    assert len(ram) == 1 and "DOES NOT FIT" in ram[0] and "--disk-compute store" in ram[0], ram
+    main([*args, "--disk-compute", "store"])
+    ram = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fit: host RAM")]
+    assert len(ram) == 1 and ": fits:" in ram[0], ram
