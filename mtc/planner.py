@@ -297,9 +297,12 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
     have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
     dc, cuda = mem.disk_compute, gpu_total is not None
-    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda)
-    least = _host_need(shape, ["disk"] * shape.n_layers, dc, cuda, spill=not cuda)  # on the CPU gradients can go to disk
-    store_least = _host_need(shape, ["disk"] * shape.n_layers, "store", cuda, spill=not cuda)
+    # every layer on disk, its gradients kept or (on the CPU) spilled to the store, whichever needs
+    # less (`pl.choose_grad_spill` spills only where that saves RAM: with few layers it costs more)
+    all_disk, spills = ["disk"] * shape.n_layers, ((False,) if cuda else (False, True))
+    least, spill_least = min((_host_need(shape, all_disk, dc, cuda, spill=s), s) for s in spills)
+    store_least = min(_host_need(shape, all_disk, "store", cuda, spill=s) for s in spills)
+    per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda, grad_spill=spill_least)
     if least > have and dc == "ram" and store_least <= have:
         fix = (f"disk layers keep their {shape.compute_bytes}-byte compute copy in RAM ({_size(least)} with every layer on "
                f"disk); --disk-compute store reads it from the store at each visit instead ({_size(store_least)}, "

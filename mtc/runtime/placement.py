@@ -388,7 +388,15 @@ def choose_grad_spill(placement: list[str], numels: list[int], compute_bytes: in
         return gpu_bytes is not None and gpu_state_bytes(placement, numels, compute_bytes) > gpu_bytes
     keep = (host_bytes_needed(placement, numels, compute_bytes, disk_compute=disk_compute)
             + pipeline_host_bytes(placement, numels, disk_compute=disk_compute, tied_weights=tied_weights))
-    return keep > ram_bytes
+    if keep <= ram_bytes:
+        return False
+    # spilling frees the disk layers' 4 B/param but opens gradient slabs of the largest layer, a
+    # gradient buffer in each ring set and two staging chunks: with few disk layers that is more
+    # than it frees (the tiny model all on disk: about 2 MiB more), and a refusal then named the
+    # larger figure as what the run needs
+    spilled = (host_bytes_needed(placement, numels, compute_bytes, disk_compute=disk_compute, grad_spill=True)
+               + pipeline_host_bytes(placement, numels, disk_compute=disk_compute, grad_spill=True, tied_weights=tied_weights))
+    return spilled < keep
 
 
 def gpu_state_bytes(placement: list[str], numels: list[int], compute_bytes: int, *, disk_grads_on_gpu: bool = True) -> int:

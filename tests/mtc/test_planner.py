@@ -657,7 +657,6 @@ def test_host_ram_of_disk_layers_is_what_the_engine_holds_for_untied_weights(dat
         res.store.close()
 
 
-
 def test_plan_advice_to_read_disk_weights_from_the_store_runs_with_mtc_plan(tmp_path, capsys):
     """A RAM budget that cannot hold disk layers' bf16 copy is refused with `--disk-compute store`
     as the way out: `mtc plan` takes that flag too, and with it the RAM fits (it once stopped at
@@ -672,3 +671,24 @@ def test_plan_advice_to_read_disk_weights_from_the_store_runs_with_mtc_plan(tmp_
     main([*args, "--disk-compute", "store"])
     ram = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fit: host RAM")]
     assert len(ram) == 1 and ": fits:" in ram[0], ram
+
+
+def test_a_ram_budget_too_small_for_all_disk_is_refused_with_the_least_that_fits():
+    """With few layers, spilling disk layers' gradients to the store costs more host RAM than it
+    frees (slabs of the largest layer, ring gradient buffers, staging chunks): a budget just under
+    what all-disk needs keeping them is refused with that figure, which fits, and nothing less does.
+    The spill was chosen there and the refusal named its larger figure."""
+    prof = dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0)
+    cfg = TrainConfig(model="tiny", placement="disk", kernels="unfused", durability="none")
+
+    def plan(budget_bytes: float):
+        return make_plan(dataclasses.replace(cfg, ram_budget_gb=budget_bytes / 2**30), prof)
+
+    keep = plan(2**30).memory
+    assert not keep.grad_spill
+    short = plan(keep.host - 2**20)
+    check = next(c for c in short.checks if c.what.startswith("host RAM"))
+    assert not check.ok and "even with every layer on disk the run needs" in check.fix, check.line()
+    line = check.line()  # "... needs A, has B; even with every layer on disk the run needs A (..."
+    assert check.need == keep.host and line.split("needs ")[1].split(",")[0] == line.split("run needs ")[1].split(" (")[0], line
+    assert plan(check.need).fits and not plan(check.need - 4096).fits
