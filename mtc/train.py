@@ -1031,15 +1031,25 @@ def train(
             gen = pl.disk_bytes_needed(placement, [s.numel for s in tiers.layers], cfg.durability) / 2
             notify(f"finishing the commit in flight (at most one state generation, {gen / 2**30:.2f} GiB, "
                    "to write); press Ctrl-C again to abandon it")
-        for p in reversed(parts):
-            with contextlib.suppress(Exception):  # a failure while closing would only hide the first
-                p.close()
-        st.close()
+        try:
+            _close_parts(parts, st)
+        except BaseException:
+            # a second Ctrl-C stops the wait, not the work: the worker threads still run what was
+            # queued (Python cannot stop them) and write into the store, so its lock is released by
+            # a thread of its own once that work has ended (`StreamingAdamW.settle`); without it the
+            # lock stayed held by this process for good, and every later mtc.train of the store was
+            # refused. (A daemon: a process that exits releases the lock anyway.)
+            threading.Thread(target=_close_parts, args=(parts, st, opt), name="mtc-close-after-interrupt",
+                             daemon=True).start()
         raise
     finally:
         restore_matmul_precision(tf32)
-    for p in reversed(parts):
-        p.close()
+    try:
+        for p in reversed(parts):
+            p.close()
+    except BaseException:  # (a Ctrl-C here too: the store's lock must not outlive the call)
+        _close_parts(parts, st)
+        raise
     return TrainResult(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
         generation=committed_gen, placement=placement, gpu_update=gpu_update, timeline=timeline, records=records,
@@ -1047,6 +1057,17 @@ def train(
         graph_report=graph_lines, host_adamw=host_adamw, prefetch=prefetch, state_s=state_s, saves=saves, saved_bytes=kept,
         offloaded_activation_bytes=acts.offloaded_bytes, peak_device_activation_bytes=acts.peak_device_bytes,
     )
+
+
+def _close_parts(parts: list, st: TensorStore, opt: StreamingAdamW | None = None) -> None:
+    """Close a failed run's ``parts`` (last opened first), then its store, which releases its lock;
+    with ``opt``, first wait until the optimizer's started updates, writes and commits have ended."""
+    if opt is not None:
+        opt.settle()
+    for p in reversed(parts):
+        with contextlib.suppress(Exception):  # a failure while closing would only hide the first
+            p.close()
+    st.close()
 
 
 @dataclasses.dataclass(slots=True)

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -340,6 +340,14 @@ class StreamingAdamW:
                 refresh_host_compute(s)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def settle(self) -> None:
+        """Block until every update, write and commit started so far has ended, whatever its outcome
+        (a stopped run's close, before its store is released). It waits on the work itself, not on
+        the threads: a join that Ctrl-C interrupted marks a thread that still runs as stopped
+        (CPython 3.11's `Thread._wait_for_tstate_lock`), and later joins return at once."""
+        futs = [f for s in self.tiers.layers for f in (s.update, s.state_back, s.write) if f is not None]
+        wait([*futs, self.commit_future])
 
     # -- updates --------------------------------------------------------------------------------
 

@@ -1,0 +1,68 @@
+"""Ctrl-C inside `mtc.train` from Python (a notebook): the store's lock is released, and the next
+call on the same store resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import mtc
+from mtc.store import TensorStore
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+
+def test_second_ctrl_c_during_a_slow_commit_releases_the_store_once_it_lands(tmp_path, monkeypatch):
+    # The first Ctrl-C waits for the commit in flight; a second one stops that wait. The commit's
+    # threads still run, so the store must be released once they are done: not never (the lock
+    # stayed held by the process, and the next call on the store was refused), and not before
+    # (a join that Ctrl-C interrupted returns at once from then on, so waiting on the threads
+    # released the store under the landing commit, and the next call resumed from the one before)
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    store = tmp_path / "s"
+    kw = dict(small_config(steps=8, commit_every=2).to_dict(), device="cpu")
+    real_commit = TensorStore.commit
+    slow_step: list[int] = []
+
+    def slow_commit(self: TensorStore, record: object) -> None:
+        if record.step >= 4 and not slow_step:
+            slow_step.append(record.step)
+            time.sleep(3.0)  # a slow disk: it lands after the next call would have opened the store
+        real_commit(self, record)
+
+    monkeypatch.setattr(TensorStore, "commit", slow_commit)
+    second = threading.Event()
+
+    def second_ctrl_c() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # (a real signal: it also wakes a blocked wait, as Ctrl-C does)
+        second.set()
+
+    def first_ctrl_c(rec: object) -> None:
+        if slow_step:
+            threading.Timer(0.3, second_ctrl_c).start()  # while the first one waits for the commit
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a runner in the background ignores SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mtc.train(data=tokens.path, store=store, config=kw, on_step=first_ctrl_c)
+        try:
+            second.wait(10)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("the second Ctrl-C came after mtc.train had returned: the commit was not slow enough")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    for t in threading.enumerate():  # the store is released in the background once the commit has landed
+        if t.name == "mtc-close-after-interrupt":
+            t.join(timeout=60)
+    landed = json.loads((store / "commit.json").read_text())["step"]
+    assert landed >= slow_step[0]
+    monkeypatch.setattr(TensorStore, "commit", real_commit)
+    with mtc.train(data=tokens.path, store=store, config=kw) as res:
+        assert res.start_step == landed and res.end_step == 8
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("mtc-store-io")]
