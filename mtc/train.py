@@ -1047,8 +1047,9 @@ def train(
     try:
         for p in reversed(parts):
             p.close()
-    except BaseException:  # (a Ctrl-C here too: the store's lock must not outlive the call)
-        _close_parts(parts, st)
+    except BaseException:  # a Ctrl-C here too: the lock is released once the queued work has ended, as above
+        opt = next((p for p in parts if isinstance(p, StreamingAdamW)), None)
+        threading.Thread(target=_close_parts, args=(parts, st, opt), name="mtc-close-after-interrupt", daemon=True).start()
         raise
     return TrainResult(
         start_step=last.step, end_step=step, losses=losses, wall_s=time.perf_counter() - t0, store=st, program=program,
