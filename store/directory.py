@@ -3,8 +3,9 @@
 This module decides when a directory is a store, who may write it, and how a commit reaches
 the disk; `mtc.store.tensor_store` holds the arrays. A store directory holds ``.lock`` (the
 writer's ``flock``), ``commit.json`` (the last commit: the one a resume starts from) and
-``commits.jsonl`` (every commit, oldest first). A directory becomes a store only at its first
-commit; until then it carries the set-up marker ``setup.json``:
+``commits.jsonl`` (every commit, oldest first), and per state generation g the resume file
+``resume-g<g>.json`` (see below). A directory becomes a store only at its first commit; until
+then it carries the set-up marker ``setup.json``:
 
 * `TensorStore.create` writes the marker (and fsyncs it) before it makes anything else, and
   before it removes the commit files of a store it overwrites;
@@ -14,8 +15,17 @@ commit; until then it carries the set-up marker ``setup.json``:
   and ``open`` refuses) or ``commit.json`` (a committed store);
 * later commits write ``commit.json.tmp`` and rename it over ``commit.json``.
 
-Write order of a commit: the new record file (marker or tmp; fsync), then the history line
-(fsync), then the rename, then an fsync of the directory. So the history's last record is never
+The RNG states a resume restores are kilobytes of base64 per commit, and the history keeps
+every commit: they live in the resume file of the generation the commit names, not in its
+record, which names the file's digest (``resume``). Only a generation still on disk can be
+resumed from, so one file per generation holds all that is needed; it is rewritten (in place)
+only by a commit into its generation, whose state writes had already made the older commit
+there unusable. Records written before the resume files existed carry ``rng_state`` inline and
+are read as they are.
+
+Write order of a commit: the generation's resume file (fsync: durable before any record names
+it), the new record file (marker or tmp; fsync), then the history line (fsync), then the
+rename, then an fsync of the directory. So the history's last record is never
 older than ``commit.json``; a crash between the append and the rename leaves the history one
 record ahead (a commit that never completed: ``commit.json`` stays authoritative). When a write
 fails (ENOSPC, EROFS, EIO) the history is truncated back and the temp file removed, so the
@@ -36,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -51,6 +62,7 @@ __all__ = [
     "HISTORY_FILE",
     "LOCK_FILE",
     "MARKER_FILE",
+    "RESUME_FILES",
     "RUNTIME_DIRS",
     "CommitRecord",
     "DirState",
@@ -61,8 +73,11 @@ __all__ = [
     "lock_store",
     "read_commit_file",
     "read_history",
+    "read_resume",
     "read_write_starts",
     "record_write_start",
+    "resume_file",
+    "split_resume",
     "unlock_store",
     "write_commit",
     "write_marker",
@@ -74,6 +89,8 @@ COMMIT_FILE = "commit.json"
 COMMIT_TMP = COMMIT_FILE + ".tmp"
 HISTORY_FILE = "commits.jsonl"
 MARKER_FILE = "setup.json"
+# one resume file per state generation (0 and 1: `mtc.store.layout.GENERATIONS`, which imports this module)
+RESUME_FILES: tuple[str, ...] = ("resume-g0.json", "resume-g1.json")
 # logs/writes.jsonl: one line per start of a state write into a generation (its step), appended and
 # fsynced before the write begins, so a reader can tell whether a generation was written since a
 # commit without trusting file times (a plain `cp -r` of a store resets them)
@@ -98,6 +115,12 @@ class CommitRecord:
     and so what `mtc.store.verify` requires. ``meta`` holds free-form fields of the engine (data
     identity, history of allowed changes). Records written before these two fields existed load
     as ``durability="full"``, ``meta={}``.
+
+    ``resume`` is the digest of the generation's resume file, which holds ``rng_state`` on disk
+    (`split_resume`): a record read from the commit files has ``rng_state`` empty until
+    `read_resume` fills it (`TensorStore.last_commit` does). ``""``: the record carries its
+    ``rng_state`` inline (written before resume files existed, or in memory). It takes no part
+    in comparisons: a record read back equals the one committed.
     """
 
     step: int
@@ -109,10 +132,14 @@ class CommitRecord:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     durability: str = "full"
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    resume: str = dataclasses.field(default="", compare=False)
 
     def to_json(self) -> str:
         """The record as one line of JSON."""
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+        d = dataclasses.asdict(self)
+        if not d["resume"]:
+            del d["resume"]  # a record without one is written as before (a shard record's digest hashes this text)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> CommitRecord:
@@ -123,7 +150,7 @@ class CommitRecord:
         fields = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(d) - fields):
             raise ValueError(f"unknown fields {unknown}")
-        if missing := sorted(fields - set(d) - {"extra", "durability", "meta"}):
+        if missing := sorted(fields - set(d) - {"extra", "durability", "meta", "resume"}):
             raise ValueError(f"missing fields {missing}")
         for key in ("step", "generation", "data_cursor"):
             if not isinstance(d[key], int) or isinstance(d[key], bool):
@@ -136,6 +163,8 @@ class CommitRecord:
         for key in ("config", "extra", "meta"):
             if not isinstance(d.get(key, {}), dict):
                 raise TypeError(f"{key} must be a JSON object")
+        if not isinstance(d.get("resume", ""), str):
+            raise TypeError(f"resume must be a string (a resume file's digest), got {d['resume']!r}")
         if d.get("durability", "full") not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {d['durability']!r}")
         return cls(**d)
@@ -208,6 +237,46 @@ def read_history(p: Path) -> list[HistoryLine]:
     return out
 
 
+def resume_file(p: Path, generation: int) -> Path:
+    """The resume file of state ``generation`` in store directory ``p``."""
+    if generation not in (0, 1) or isinstance(generation, bool):
+        raise ValueError(f"generation must be 0 or 1, got {generation!r}")
+    return p / RESUME_FILES[generation]
+
+
+def split_resume(record: CommitRecord) -> tuple[CommitRecord, str | None]:
+    """``record`` as the commit files keep it, and the text of its generation's resume file (None:
+    nothing to write, the record has no RNG states to move out)."""
+    if not record.rng_state:
+        return record, None
+    text = json.dumps({"generation": record.generation, "step": record.step, "rng_state": record.rng_state},
+                      separators=(",", ":"), sort_keys=True) + "\n"
+    return dataclasses.replace(record, rng_state={}, resume=_digest(text.encode())), text
+
+
+def read_resume(p: Path, record: CommitRecord) -> dict[str, str]:
+    """The RNG states a resume from ``record`` restores: its own when it carries them inline, else
+    those in its generation's resume file in ``p``. ValueError saying why when that file does not
+    hold them (missing, damaged, or rewritten by a later commit into the generation); OSError when
+    it cannot be read."""
+    if not record.resume:
+        return record.rng_state
+    f = resume_file(p, record.generation)
+    try:
+        blob = f.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{f} is missing") from None
+    if (got := _digest(blob)) != record.resume:
+        raise ValueError(f"{f} has digest {got}, step {record.step}'s record names {record.resume}: the file is damaged, "
+                         "or a later commit into the generation rewrote it")
+    rng = json.loads(blob)["rng_state"]  # (the digest matched: the text commit wrote)
+    return {str(k): str(v) for k, v in rng.items()}
+
+
+def _digest(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def write_marker(p: Path) -> None:
     """Write the set-up marker (durably): from now on ``p`` is an uncommitted store until the first commit."""
     text = json.dumps({"mtc_store_setup": 1, "pid": os.getpid()}) + "\n"
@@ -215,12 +284,16 @@ def write_marker(p: Path) -> None:
     fsync_path(p, directory=True)
 
 
-def write_commit(p: Path, record: CommitRecord, *, first: bool, previous: CommitRecord | None) -> None:
+def write_commit(p: Path, record: CommitRecord, *, first: bool, previous: CommitRecord | None,
+                 resume: str | None = None) -> None:
     """Commit ``record`` in directory ``p`` (see the module docstring for the order of writes).
 
     ``first``: the store is uncommitted and the marker becomes ``commit.json``. ``previous`` is
-    the last commit, named in the error message when a write fails.
+    the last commit, named in the error message when a write fails. ``resume``: the text of the
+    resume file of ``record``'s generation (`split_resume`), written first.
     """
+    if resume is not None:
+        _write_resume(p, record, resume, previous, first=first)
     text = record.to_json() + "\n"
     tmp, final, hist = p / (MARKER_FILE if first else COMMIT_TMP), p / COMMIT_FILE, p / HISTORY_FILE
     try:
@@ -257,6 +330,33 @@ def write_commit(p: Path, record: CommitRecord, *, first: bool, previous: Commit
             f"commit of step {record.step} was written to {final}, but the fsync of directory {p} failed ({e}); "
             "it may not survive a power loss: check the disk, then `mtc verify` the store"
         ) from e
+
+
+def _write_resume(p: Path, record: CommitRecord, text: str, previous: CommitRecord | None, *, first: bool) -> None:
+    """Write the resume file of ``record``'s generation as ``text`` and fsync it, before any record names it.
+
+    In place, as the disk tier writes the state of the generation no commit names: the commit
+    the file held before is the older one in this generation, whose state this step's writes
+    have begun to overwrite already, and a torn file no longer matches any record's digest. One
+    fsync per commit, not the three of a temp file, a rename and a directory fsync (each ~4 ms
+    on the 2-core VM). Re-committing a step into the same generation (a reshard) writes the same
+    bytes, so the file never stops matching the last commit; it is not truncated first for that.
+    """
+    final = resume_file(p, record.generation)
+    data = text.encode()
+    try:
+        created = not final.exists()
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:  # (twice in a store's life) the new name must be durable before a record names it
+            fsync_path(p, directory=True)
+    except OSError as e:
+        raise commit_error(e, final, record, previous, first=first) from e
 
 
 def append_history(p: Path, record: CommitRecord) -> None:
@@ -392,7 +492,7 @@ def check_creatable(p: Path, overwrite: bool) -> None:
 
 def _not_ours(p: Path) -> list[str]:
     """Top-level entries of uncommitted store ``p`` that mtc did not make (sorted)."""
-    ours = {LOCK_FILE, MARKER_FILE, COMMIT_TMP, HISTORY_FILE, "zarr.json", *RUNTIME_DIRS}
+    ours = {LOCK_FILE, MARKER_FILE, COMMIT_TMP, HISTORY_FILE, "zarr.json", *RUNTIME_DIRS, *RESUME_FILES}
     out = []
     for c in p.iterdir():
         if c.name in ours or _ZARR_TEMP.fullmatch(c.name):

@@ -23,8 +23,9 @@ has no bfloat16. This class closes those gaps:
   re-initialises, never a store that looks resumable.
 
 Layout of a store directory: ``zarr.json`` (root group, attribute ``mtc_store: 1``), the arrays,
-``.lock``, ``commit.json`` (the last commit) and ``commits.jsonl`` (their history), and before the
-first commit ``setup.json`` (the marker). Other directories (the runtime's ``plan/`` and
+``.lock``, ``commit.json`` (the last commit), ``commits.jsonl`` (their history) and
+``resume-g0.json`` / ``resume-g1.json`` (the RNG states of each generation's commit), and before
+the first commit ``setup.json`` (the marker). Other directories (the runtime's ``plan/`` and
 ``logs/``) may live beside them.
 """
 
@@ -61,6 +62,7 @@ from mtc.store.directory import (
     HISTORY_FILE,
     LOCK_FILE,
     MARKER_FILE,
+    RESUME_FILES,
     CommitRecord,
     append_history,
     check_creatable,
@@ -72,8 +74,10 @@ from mtc.store.directory import (
     parse_node,
     read_commit_file,
     read_history,
+    read_resume,
     replace_commit_file,
     scan_nodes,
+    split_resume,
     unlock_store,
     write_commit,
     write_marker,
@@ -91,7 +95,7 @@ _FORMAT = 1
 # 0.29/0.51/0.34, 16 MiB 0.31/0.54/0.37, 64 MiB 0.26/0.38/0.29 (an array's last chunk is stored
 # at full size, and fewer chunks than 2 x the I/O threads leave threads idle)
 _CHUNK_BYTES = 16 * 2**20
-_RESERVED = {LOCK_FILE, COMMIT_FILE, HISTORY_FILE, COMMIT_TMP, MARKER_FILE, "zarr.json"}
+_RESERVED = {LOCK_FILE, COMMIT_FILE, HISTORY_FILE, COMMIT_TMP, MARKER_FILE, "zarr.json", *RESUME_FILES}
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 # torch dtype -> (numpy storage dtype, name recorded in the array's attributes)
@@ -667,7 +671,8 @@ class TensorStore:
 
         Array metadata created since the last commit is made durable first, so a commit never
         refers to arrays a crash could lose. The first commit turns the directory into a store
-        (see `mtc.store.directory`). A failed write (no space, read-only file system) raises
+        (see `mtc.store.directory`). The record's RNG states go to its generation's resume file,
+        so the history line stays small. A failed write (no space, read-only file system) raises
         StoreError and leaves the previous commit as it was.
         """
         self._check_writable()
@@ -686,6 +691,14 @@ class TensorStore:
             self._history.append(record)
             return
         previous = None if self._uncommitted else self._last_commit_or_none()
+        stored, resume = split_resume(record)
+        from_files = resume is None and bool(stored.resume)  # a record read back: its RNG states are in its resume file
+        if from_files:
+            try:
+                read_resume(self._path, stored)
+            except (ValueError, OSError) as e:
+                raise StoreError(f"cannot commit step {record.step} again: the RNG states its record names are gone ({e}); "
+                                 "commit a record that carries its rng_state") from e
         try:
             self._sync_metadata()
         except OSError as e:
@@ -694,14 +707,17 @@ class TensorStore:
                 f"{os_error_message(e)}; the last commit is unchanged"
             ) from e
         try:
-            write_commit(self._path, record, first=self._uncommitted, previous=previous)
+            write_commit(self._path, stored, first=self._uncommitted, previous=previous, resume=resume)
         except StoreError:
             # a failure after the rename (the directory fsync) leaves the new commit in place: ask the disk
             self._commit_loaded = False
             self._uncommitted = dir_state(self._path) == "uncommitted"
             raise
         self._uncommitted = False
-        self._commit, self._commit_loaded = record, True
+        if from_files:
+            self._commit_loaded = False  # read back with its RNG states
+        else:
+            self._commit, self._commit_loaded = dataclasses.replace(record, resume=stored.resume), True
 
     def restore_commit(self, record: CommitRecord, *, append_to_history: bool = False) -> None:
         """Rewrite ``commit.json`` as ``record`` without a new history line (for `mtc.store.verify.repair`).
@@ -711,6 +727,8 @@ class TensorStore:
         self._check_writable()
         if self._path is None:
             raise StoreError("restore_commit is for store directories; an in-memory store has no commit files")
+        if record.resume:  # its RNG states stay in its resume file
+            record = dataclasses.replace(record, rng_state={})
         replace_commit_file(self._path, record)
         if append_to_history:
             try:
@@ -720,16 +738,22 @@ class TensorStore:
                     f"{commit_path(self._path)} was restored, but appending it to {self._path / HISTORY_FILE} failed: "
                     f"{os_error_message(e)}"
                 ) from e
-        self._commit, self._commit_loaded = record, True
+        self._commit_loaded = False  # read back with its RNG states
 
     def last_commit(self) -> CommitRecord | None:
-        """The last committed record, or None before the first commit."""
+        """The last committed record (with its RNG states), or None before the first commit."""
         self._check_open()
         if not self._commit_loaded:
-            assert self._path is not None
-            f = commit_path(self._path)
+            self._commit = self._read_last_commit()
+            self._commit_loaded = True
+        return self._commit
+
+    def _read_last_commit(self) -> CommitRecord | None:
+        assert self._path is not None
+        f = commit_path(self._path)
+        for _ in range(3):  # (a run holding the store may commit between the two reads: read again)
             try:
-                self._commit = read_commit_file(self._path)
+                record = read_commit_file(self._path)
             except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
                 raise StoreCorruptionError(
                     f"commit record {f} is malformed ({e}); the store's last commit cannot be read: "
@@ -737,17 +761,35 @@ class TensorStore:
                 ) from None
             except OSError as e:
                 raise StoreError(f"reading commit record {f} failed: {os_error_message(e)}") from e
-            if self._commit is None and not self._uncommitted:
+            if record is None:
+                if not self._uncommitted:
+                    raise StoreCorruptionError(
+                        f"commit record {f} is missing; `mtc repair {self._path}` restores it from {HISTORY_FILE}"
+                    )
+                return None
+            try:
+                return dataclasses.replace(record, rng_state=read_resume(self._path, record))
+            except OSError as e:
+                raise StoreError(f"reading the resume file of step {record.step} failed: {os_error_message(e)}") from e
+            except ValueError as e:
+                try:
+                    moved = read_commit_file(self._path) != record
+                except (ValueError, TypeError, OSError):
+                    moved = False
+                if moved:
+                    continue
                 raise StoreCorruptionError(
-                    f"commit record {f} is missing; `mtc repair {self._path}` restores it from {HISTORY_FILE}"
-                )
-            self._commit_loaded = True
-        return self._commit
+                    f"the RNG states of step {record.step}'s commit cannot be read ({e}), so no run can resume it exactly: "
+                    f"`mtc repair {self._path}` rolls back to the newest earlier commit whose state is whole"
+                ) from None
+        raise StoreError(f"{f} changed three times while it was read: a run holding the store commits too fast to read "
+                         "it beside; read it again, or once the run has stopped")
 
     def commit_history(self) -> list[CommitRecord]:
         """Every commit so far, oldest first (for `mtc inspect`; `last_commit` is authoritative).
 
-        Lines torn by a crash mid-append are skipped.
+        Lines torn by a crash mid-append are skipped. A record whose RNG states are in a resume
+        file has ``rng_state`` empty (`last_commit` fills it in).
         """
         self._check_open()
         if self._path is None:

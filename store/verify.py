@@ -7,6 +7,8 @@ What `verify` checks:
   (`REQUIRED_KINDS`: ``full`` needs master, m and v; ``weights`` master; ``none`` nothing) exists,
   has the shape recorded by `create_layer_state`, and every one of its chunks is present and
   passes its CRC32C;
+* the generation's resume file holds the RNG states the commit names (its digest), unless the
+  record carries them inline (written before resume files existed);
 * ``commit.json`` parses and agrees with the last record of ``commits.jsonl``.
 
 A missing chunk is always damage. The store writes every chunk, all-zero ones (fresh Adam
@@ -36,11 +38,13 @@ from mtc.store.directory import (
     COMMIT_FILE,
     GROUP_METADATA,
     HISTORY_FILE,
+    RESUME_FILES,
     CommitRecord,
     HistoryLine,
     looks_like_group,
     read_commit_file,
     read_history,
+    read_resume,
     read_write_starts,
     written_since,
 )
@@ -111,7 +115,7 @@ class VerifyReport:
         if any(p.where.startswith("group ") for p in self.problems):
             out.append(f"`mtc repair {self.store}` rewrites a group's garbled metadata (mtc's groups below the root hold "
                        "no attributes: nothing is lost)")
-        if any(p.array is not None for p in self.problems):
+        if any(p.array is not None or p.where in RESUME_FILES for p in self.problems):
             out.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
                        "steps since), if there is one; else restore the store from a copy, or start over with "
                        "`mtc train ... --overwrite`")
@@ -345,6 +349,12 @@ def _check_record(
     else:  # a store from before the layout was recorded: the layers that have any state array
         expect = {int(m.group(1)): None for n in names if (m := _STATE_NAME.fullmatch(n))}
     problems: list[Problem] = []
+    if record.resume and store.path is not None:
+        try:
+            read_resume(store.path, record)
+        except (ValueError, OSError) as e:
+            where = RESUME_FILES[g] if g in (0, 1) else COMMIT_FILE
+            problems.append(Problem(where, f"{e}; a resume from step {record.step} would not restore its RNG states"))
     arrays = chunks = 0
     for layer in sorted(expect):
         for kind in required:

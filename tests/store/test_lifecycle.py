@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import builtins
 import dataclasses
 import errno
@@ -14,11 +15,11 @@ import textwrap
 
 import pytest
 import torch
-from mtc.store import CommitRecord, TensorStore, verify
+from mtc.store import CommitRecord, TensorStore, repair, verify
 from mtc.store import directory as directory_mod
 from mtc.store.directory import dir_state
 
-from mtc.errors import StoreError, StoreLockedError
+from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
 from tests.store.runs import make_run, record, snapshot
 
 # -- commit records ---------------------------------------------------------------------------
@@ -38,6 +39,98 @@ def test_commit_record_durability_and_meta_and_old_records():
         st.commit(dataclasses.replace(rec, durability="most"))
 
 
+def _rng(step: int) -> dict[str, str]:
+    """The CPU generator's state after seeding with ``step``, as the trainer records it (kilobytes of base64)."""
+    torch.manual_seed(step)
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def _to_inline(p, rng_of) -> None:
+    """Rewrite the commit files of store ``p`` as mtc wrote them before resume files: RNG states inline."""
+    def old(line: str) -> str:
+        d = json.loads(line)
+        if d.pop("resume", None):
+            d["rng_state"] = rng_of(d["step"])
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+    (p / "commit.json").write_text(old((p / "commit.json").read_text()) + "\n")
+    (p / "commits.jsonl").write_text("".join(old(x) + "\n" for x in (p / "commits.jsonl").read_text().splitlines()))
+    for g in (0, 1):
+        (p / f"resume-g{g}.json").unlink(missing_ok=True)
+
+
+def test_history_lines_stay_small_and_the_rng_states_live_with_their_generation(tmp_path):
+    """The RNG states (base64 of torch's CPU generator) were inlined in every history line: kilobytes per
+    commit in a file that grows by a line each commit and that verify and repair read whole."""
+    p = tmp_path / "s"
+    st = make_run(p)
+    sizes = []
+    for step in range(2, 6):
+        before = (p / "commits.jsonl").stat().st_size
+        st.commit(dataclasses.replace(record(step, step % 2), rng_state=_rng(step)))
+        sizes.append((p / "commits.jsonl").stat().st_size - before)
+        assert _rng(step)["torch"] not in (p / "commits.jsonl").read_text() + (p / "commit.json").read_text()
+    assert max(sizes) < len(_rng(0)["torch"]), sizes  # a line is smaller than the states it no longer carries
+    st.close()
+    assert sorted(f.name for f in p.glob("resume-*")) == ["resume-g0.json", "resume-g1.json"]  # never more than two
+    with TensorStore.open(p) as st:
+        assert st.last_commit().step == 5 and st.last_commit().rng_state == _rng(5)
+        assert verify(st).ok
+    # the previous commit, in the other generation, keeps its own: a roll-back to it resumes exactly
+    (p / "commit.json").unlink()
+    shutil.rmtree(p / "layers" / "0000" / "master" / "g1")
+    with TensorStore.open(p) as st:
+        assert repair(st).restored.step == 4 and st.last_commit().rng_state == _rng(4)
+        assert verify(st).ok
+
+
+def test_a_damaged_resume_file_is_damage_and_repair_rolls_back_past_it(tmp_path):
+    p = tmp_path / "s"
+    st = make_run(p, steps=3)  # step 2 in generation 0, step 1 in generation 1
+    st.commit(dataclasses.replace(record(3, 1), rng_state=_rng(3)))
+    st.close()
+    text = (p / "resume-g1.json").read_text()
+    (p / "resume-g1.json").write_text(text.replace(_rng(3)["torch"][:8], "AAAAAAAA", 1))  # a bit flip: still JSON
+    with TensorStore.open(p, read_only=True) as ro:
+        rep = verify(ro)
+        assert [x.where for x in rep.problems] == ["resume-g1.json"] and "would not restore its RNG states" in str(rep.problems[0])
+        assert "rolls back" in rep.lines()[-1]
+        with pytest.raises(StoreCorruptionError, match=r"RNG states of step 3's commit cannot be read .*resume-g1.json.*`mtc repair"):
+            ro.last_commit()
+    with TensorStore.open(p) as st:
+        done = repair(st)
+        assert done.restored.step == 2 and "step 3's state is damaged" in done.actions[-1]
+        assert st.last_commit().rng_state == record(2, 0).rng_state and verify(st).ok
+        damaged = st.commit_history()[-2]  # step 3's record, as the history keeps it: its RNG states are gone
+        with pytest.raises(StoreError, match="cannot commit step 3 again: the RNG states its record names are gone"):
+            st.commit(damaged)
+        st.commit(dataclasses.replace(st.commit_history()[-1], time_unix=9.0))  # step 2's: still in its resume file
+        assert st.last_commit().rng_state == record(2, 0).rng_state and st.last_commit().time_unix == 9.0
+
+
+def test_a_store_with_inline_rng_states_still_opens_verifies_repairs_and_resumes(tmp_path):
+    """Stores written before the resume files: their records carry the RNG states inline."""
+    p = tmp_path / "s"
+    st = make_run(p)
+    st.commit(dataclasses.replace(record(2, 0), rng_state=_rng(2)))
+    st.commit(dataclasses.replace(record(3, 1), rng_state=_rng(3)))
+    st.close()
+    _to_inline(p, _rng)
+    assert '"resume"' not in (p / "commits.jsonl").read_text() and _rng(3)["torch"] in (p / "commit.json").read_text()
+    with TensorStore.open(p, read_only=True) as ro:
+        assert verify(ro).ok and ro.last_commit().rng_state == _rng(3)
+    (p / "commit.json").unlink()
+    with TensorStore.open(p) as st:
+        assert repair(st).restored.rng_state == _rng(3) and st.last_commit().rng_state == _rng(3)
+        st.commit(dataclasses.replace(record(4, 0), rng_state=_rng(4)))  # the resumed run writes the new form
+        assert verify(st).ok
+    with TensorStore.open(p) as st:
+        assert st.last_commit().rng_state == _rng(4)
+        shutil.rmtree(p / "layers" / "0000" / "master" / "g0")  # step 4's state: roll back to the old record
+        done = repair(st)
+        assert done.restored.step == 3 and st.last_commit().rng_state == _rng(3) and verify(st).ok
+
+
 # -- the set-up marker ------------------------------------------------------------------------
 
 
@@ -48,7 +141,8 @@ def test_first_commit_renames_the_marker(tmp_path):
     first = record(0, 0)
     st.commit(first)
     assert dir_state(p) == "committed" and not (p / "setup.json").exists()
-    assert CommitRecord.from_json((p / "commit.json").read_text()) == first
+    # the record names its RNG states, which are in the generation's resume file
+    assert CommitRecord.from_json((p / "commit.json").read_text()) == dataclasses.replace(first, rng_state={})
     assert [r.step for r in st.commit_history()] == [0]
     st.commit(record(1, 1))
     assert not (p / "setup.json").exists() and not (p / "commit.json.tmp").exists()
@@ -78,6 +172,7 @@ def test_create_reinitialises_an_uncommitted_store(tmp_path):
     (p / "plan" / "program.json").write_text("{}")
     (p / "logs").mkdir()
     (p / "commits.jsonl").write_text(record(0, 0).to_json() + "\n")  # appended, but the marker was never renamed
+    (p / "resume-g0.json").write_text("{}")  # the first commit's RNG states, written before its record
     (p / "zarr.0123456789abcdef0123456789abcdef.partial").write_text("x")  # zarr's temp file of a metadata write
     with TensorStore.create(p) as st:  # no overwrite needed: it never was a store
         assert st.array_names() == [] and st.last_commit() is None
