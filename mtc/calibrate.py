@@ -38,6 +38,15 @@ DEFAULT_PROFILE_PATH = Path.home() / ".cache" / "mtc" / "machine.json"
 GiB = 2**30
 
 
+# A commit's fixed cost where it was not measured (built-in profiles, profiles saved before
+# calibrate measured it): the most the tiny model's commits took on the 2-core VM beyond their
+# bytes (0.1-0.2 s: fsyncs, renames, the record), so a plan paces commits no more often than the
+# run will (more often would under-count their cost)
+COMMIT_LATENCY_S = 0.2
+COMMIT_LATENCY_ASSUMED = (f"a commit's fixed cost {COMMIT_LATENCY_S:.1f} s beyond its bytes (fsyncs, renames, the record; "
+                          "not measured: `mtc calibrate --dir` on the store's disk measures it)")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class MachineProfile:
     """One machine's measured (or assumed) ceilings; see the module docstring for units."""
@@ -110,6 +119,12 @@ class MachineProfile:
     # measured (reads and writes take turns). On the 2-core VM 1.02-1.08 GB/s where a write alone
     # ran ~1.05 and a read ~0.8 (2026-11-27)
     store_both_gbps: float = 0.0
+    # seconds a commit costs beyond its bytes at the store's write rate: each array's temp file,
+    # fsync, rename and directory fsync, then the resume file, the record, the history line, a
+    # rename and the directory's fsync (`_commit_latency_s`). On the 2-core VM 32 ms (2026-11-29,
+    # under load), where the tiny model's commits took 0.02-0.2 s in a run and its bytes over the
+    # store's rate said 13-21 ms: most of a small model's commit is this
+    commit_latency_s: float = COMMIT_LATENCY_S
     identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
     calibrate_s: float = 0.0  # how long `calibrate` took
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
@@ -158,6 +173,8 @@ class MachineProfile:
             raise ConfigError(f"machine profile has unknown field(s) {', '.join(bad)}; re-run `mtc calibrate`")
         if "store_both_gbps" not in d:  # written before the joint rate was measured
             d = {**d, "assumed": [*d.get("assumed", []), TAKE_TURNS]}
+        if "commit_latency_s" not in d:  # written before a commit's fixed cost was measured
+            d = {**d, "assumed": [*d.get("assumed", []), COMMIT_LATENCY_ASSUMED]}
         if d.get("accelerator") == "cuda" and d.get("matmul") and _thin_points_missing(d["matmul"]) \
                 and str(d.get("source", "")).startswith("mtc calibrate") and STALE_GPU_POINTS not in d.get("assumed", []):
             d = {**d, "assumed": [*d.get("assumed", []), STALE_GPU_POINTS]}
@@ -257,6 +274,7 @@ def _h100_box() -> MachineProfile:
         layer_efficiency=round(eff, 3), gpu_adamw_gparams_s=90.0,
         assumed=[
             TAKE_TURNS,
+            COMMIT_LATENCY_ASSUMED,
             "disk free 60 GiB (the box has a 64 GiB disk; not measured)",
             "host RAM available 122 GiB of 128 (not measured)",
             "exact AdamW 2.5 G params/s, one thread 0.6 (not measured there: fused is what CUDA runs use)",
@@ -279,6 +297,7 @@ def _h200_1p5tb() -> MachineProfile:
         adamw_gparams_s={"fused": 10.2, "exact": 5.0}, adamw_one_thread_gparams_s=0.6,
         assumed=[
             TAKE_TURNS,
+            COMMIT_LATENCY_ASSUMED,
             "everything but the GPU memory (141 GB, nvidia-smi's 143,771 MiB) and the 1.5 TiB of RAM is assumed",
             "matmul 789 TFLOP/s and layer efficiency as the H100 box (same compute die; HBM3e only helps)",
             "PCIe Gen5 as the H100 box: 55 / 55 / 94 GB/s",
@@ -297,6 +316,7 @@ def _256gb_4tb() -> MachineProfile:
         disk_write_gbps=3.0, disk_read_gbps=3.5, store_write_gbps=2.5, store_read_gbps=3.0, store_read_warm_gbps=3.0,
         assumed=[
             TAKE_TURNS,
+            COMMIT_LATENCY_ASSUMED,
             "GPU, PCIe, cores, matmul and CPU AdamW as the H100 box (measured there)",
             "the whole 4 TB (4.0e12 bytes) NVMe free for the store",
             "NVMe raw write 3.0, read 3.5 GB/s; through the store 2.5 / 3.0 GB/s",
@@ -318,6 +338,7 @@ def _8x_h100() -> MachineProfile:
         host_memory_gbps=450.0,
         assumed=[
             TAKE_TURNS,
+            COMMIT_LATENCY_ASSUMED,
             "everything but one GPU's figures (the H100 box's: 789 TFLOP/s bf16, 55 / 55 / 94 GB/s PCIe per GPU) is assumed",
             ("112 cores, 2 TiB RAM (2,000 GiB available); host-wide CPU AdamW 12 G params/s (DRAM-bound: ~30 B/param "
              "at ~360 GB/s), x 0.49 while copies run, as the box"),
@@ -544,6 +565,50 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
     nbytes = 3 * 4 * n
     both = (BUSY_WRITES * nbytes + read_during * 4 * n) / (BUSY_WRITES * busy)
     return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9, nbytes / busy / 1e9, both / 1e9
+
+
+def _commit_latency_s(torch: Any, root: Path, repeats: int, io_threads: int) -> float:
+    """Seconds of a real commit whose bytes are negligible: a small layer's master, m and v written
+    into the other generation as a commit writes them behind, then the commit record (with the
+    RNG state a run records). The median of ``2 * repeats + 1`` after a warm-up (the first commit
+    into each generation creates its files): an fsync's latency varies from call to call with the
+    file system's journal, not only with a neighbour's load, and the run's pacer meets the usual
+    commit, not the quickest."""
+    import base64
+
+    from mtc.store import CommitRecord, TensorStore
+
+    n = 1024
+    kinds = ("master", "m", "v")
+    rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    data = torch.randn(n)
+    path = root / "mtc-calibrate-commit"
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        with TensorStore.create(path, io_threads=io_threads) as st:
+            for k in kinds:
+                for g in (0, 1):
+                    st.create_array(f"{k}/g{g}", (n,), torch.float32)
+            step = [0]
+
+            def commit() -> None:
+                step[0] += 1
+                g = step[0] % 2
+                for f in [st.write_async(f"{k}/g{g}", data) for k in kinds]:
+                    f.result()
+                st.commit(CommitRecord(step=step[0], generation=g, data_cursor=step[0], rng_state=rng, config={},
+                                       time_unix=time.time()))
+
+            commit()
+            commit()
+            times = []
+            for _ in range(2 * repeats + 1):
+                t = time.perf_counter()
+                commit()
+                times.append(time.perf_counter() - t)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return statistics.median(times)
 
 
 BUSY_WRITES = 8  # writes averaged under load: the best of 3 read 0.62-0.83 GB/s in 5 calibrations on the VM, the mean of 8 0.79-0.86
@@ -889,6 +954,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     h2d, d2h, both = _copy_rates(torch, cuda, copy_mb, repeats)
     dw, dr, drw = _disk_rates(root, disk_mb, repeats)
     sw, sr, srw, swb, sboth = _store_rates(torch, root, disk_mb, repeats, io_threads)
+    commit_latency = _commit_latency_s(torch, root, repeats, io_threads)
     adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
     s = matmul_size
     # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
@@ -911,6 +977,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         disk_dir=str(root.absolute()), h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both, pcie_is_memcpy=not cuda,
         disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
         store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb, store_both_gbps=sboth,
+        commit_latency_s=commit_latency,
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
         adamw_with_copies=CUDA_ADAMW_WITH_COPIES if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,

@@ -541,7 +541,7 @@ class Commits:
     """How commits write state behind: bytes per commit, how often, and what they cost per step."""
 
     bytes_per_commit: int  # ram/gpu layers' state the durability mode keeps (disk layers: written every step anyway)
-    seconds: float  # one commit's writes at the store's write rate
+    seconds: float  # one commit: its writes at the store's write rate, plus the profile's fixed commit latency
     every: int  # steps between commits (0: never)
     stall_s: float  # per step, amortised: the next updates waiting for the writes
 
@@ -829,7 +829,9 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     disk_busy = max(disk_r, disk_w, (disk_r * read_bw + disk_w * write_bw) / both_bw) if both_bw else disk_r + disk_w
     base = max(schedule, pcie, host_mem, disk_busy)
     vol = sum(behind)
-    commit_s = vol / write_bw if vol else 0.0
+    # a commit's bytes at the store's rate, plus what it costs whatever its size (fsyncs, renames,
+    # the record): for a small model the fixed part is most of it, and the pacer paces by the whole
+    commit_s = vol / write_bw + profile.commit_latency_s if vol else 0.0
     if not durable or not vol:
         commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
     elif every_step:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mtc.calibrate import MachineProfile, builtin, calibrate
+from mtc.calibrate import COMMIT_LATENCY_ASSUMED, COMMIT_LATENCY_S, MachineProfile, builtin, calibrate
 from mtc.cli import main
 from mtc.config import TrainConfig
 from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
@@ -155,14 +155,41 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     assert 0 < prof.calibrate_s <= time.perf_counter() - t < 120  # ~5 s on the 2-core box when it is quiet
     assert prof.pcie_is_memcpy and any("memcpy" in a for a in prof.assumed)
     for v in (prof.h2d_gbps, prof.disk_write_gbps, prof.disk_read_gbps, prof.store_write_gbps, prof.store_write_busy_gbps,
-              prof.store_both_gbps, prof.adamw_rate, prof.matmul_tflops, prof.gloo_gbps):
+              prof.store_both_gbps, prof.adamw_rate, prof.matmul_tflops, prof.gloo_gbps, prof.commit_latency_s):
         assert v > 0
+    assert COMMIT_LATENCY_ASSUMED not in prof.assumed  # measured: a real commit's wall time
     assert prof.store_both_gbps >= prof.store_write_busy_gbps  # the busy writes' bytes, and the reads' beside them
     assert prof.identity["host"] and prof.identity["torch"]
     assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
     assert list(tmp_path.iterdir()) == []  # its files are removed
     back = MachineProfile.load(prof.save(tmp_path / "p.json"))
     assert back == prof
+
+
+def test_commit_pacing_counts_a_commits_fixed_latency():
+    """The run commits once 20 commit durations have passed since the last began; a commit lasts its
+    bytes at the store's rate plus a fixed cost (fsyncs, renames, the record), most of a small
+    model's commit. Counting the bytes alone, the plan paced a tiny model's commits several times
+    more often than the run did."""
+    cfg = TrainConfig(model="tiny", placement="ram", commit_every=0)
+    prof = builtin("h100-box")
+    bare = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=0.0)).step
+    latency = 0.15
+    paced = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=latency)).step
+    assert paced.commits.bytes_per_commit == bare.commits.bytes_per_commit > 0
+    assert bare.commits.seconds == pytest.approx(bare.commits.bytes_per_commit / (prof.store_write_gbps * 1e9))
+    assert paced.commits.seconds == pytest.approx(bare.commits.seconds + latency)
+    base = paced.step_s - paced.commits.stall_s  # the step without the commit's stall
+    assert abs(paced.commits.every - 20 * paced.commits.seconds / base) <= 1 and paced.commits.every > bare.commits.every
+
+
+def test_a_profile_saved_before_the_commit_latency_was_measured_loads_with_the_stated_default(tmp_path):
+    path = _this_host_profile(tmp_path / "machine.json")
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "commit_latency_s"}
+    path.write_text(json.dumps({**old, "assumed": []}))
+    prof = MachineProfile.load(path)
+    assert prof.commit_latency_s == COMMIT_LATENCY_S and prof.assumed == [COMMIT_LATENCY_ASSUMED]
+    assert MachineProfile.from_dict(prof.to_dict()).assumed == [COMMIT_LATENCY_ASSUMED]  # saved and loaded again: once
 
 
 @pytest.mark.gpu
