@@ -36,7 +36,8 @@ import torch
 from mtc.errors import ConfigError
 
 __all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_failed", "root_ready", "shutdown_world", "world_from_env"]
+           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower",
+           "root_failed", "root_ready", "shutdown_world", "sum_over_ranks", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -377,6 +378,15 @@ def agree(flag: bool) -> bool:
 
     collective("the commit decision", torch.distributed.broadcast, t, src=0, group=groups().sync)
     return bool(t.item())
+
+
+def sum_over_ranks(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` (a CPU tensor) summed over every rank, in place, on the training thread's group;
+    ``what`` names it in the error when a peer is lost."""
+    from mtc.runtime.collectives import collective
+
+    collective(what, torch.distributed.all_reduce, t, group=groups().sync)
+    return t
 
 
 def check_same_start(world: World, step: int, generation: int, data: dict | None = None) -> None:

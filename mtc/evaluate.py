@@ -28,7 +28,8 @@ from mtc.runtime.runners import AutogradRunner, LayerRunner
 from mtc.weight_sources import (CommittedStep, StoreWeights, WeightsOverwritten, check_untouched, default_budgets, open_run_store,
                                 pick_step)
 
-__all__ = ["EvalResult", "WeightSource", "eval_batches", "evaluate_store", "forward_loss", "unfused_runners"]
+__all__ = ["EvalResult", "WeightSource", "batch_losses", "combine_losses", "eval_batches", "evaluate_store", "forward_loss",
+           "unfused_runners"]
 
 SPLITS = ("val", "train", "all")
 
@@ -86,12 +87,26 @@ def eval_batches(tokens: TokenFile | np.ndarray, program: Program, *, n: int, se
     return [sampler.batch(k) for k in range(n)]
 
 
-@torch.no_grad()
 def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: WeightSource,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> float:
     """Loss of ``batches``: the sum of per-token losses over every unmasked target divided by their
     count (as training defines a step's loss; batches with more targets weigh more). Every layer
     once, forward only, over all batches before the next layer."""
+    return combine_losses(*batch_losses(program, runners, weights, batches, device))
+
+
+def combine_losses(means: torch.Tensor, counts: torch.Tensor) -> float:
+    """`forward_loss` from `batch_losses`' per-batch ``means`` and target ``counts`` (float64, CPU)."""
+    keep = counts > 0  # a batch without targets has a NaN mean and no weight
+    return float((means[keep] * counts[keep]).sum() / counts[keep].sum())
+
+
+@torch.no_grad()
+def batch_losses(program: Program, runners: dict[str, LayerRunner], weights: WeightSource,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch's mean loss over its unmasked targets and their count, float64 on the CPU (the
+    one sync), as `forward_loss` computes them (`combine_losses` gives its figure)."""
     device = torch.device(device)
     consts = {k: v.to(device) for k, v in program.constant_values.items()}
     data = [{"ids": i.to(device), "targets": t.to(device)} for i, t in batches]
@@ -124,10 +139,7 @@ def forward_loss(program: Program, runners: dict[str, LayerRunner], weights: Wei
             else:
                 carry[mb] = out[0]
         del w
-    n = torch.stack(counts)
-    keep = n > 0  # a batch without targets has a NaN mean and no weight
-    total = (torch.stack(losses).double().cpu()[keep] * n[keep]).sum() / n[keep].sum()
-    return float(total)  # the one sync
+    return torch.stack(losses).double().cpu(), torch.stack(counts).cpu()
 
 
 def evaluate_store(store_dir: str | Path, data: str | Path | TokenFile, *, step: int | None = None, batches: int | None = None,

@@ -921,7 +921,8 @@ def train(
             _dist.attach(eng, tiers, world, shard_st, device=_dist.device_collectives(cfg))
         parts.extend([eng.copies, eng.executor, eng.optimizer])
         watcher = RunWatcher(cfg, program, tiers, eng.executor.runners, timeline, tokens, device,
-                             devices=mfu_devices(device, world.world_size, world.local_world_size))
+                             devices=mfu_devices(device, world.world_size, world.local_world_size), rank=world.rank,
+                             world_size=world.world_size)
         disk_layers = any(t == "disk" for t in placement)
         executor, opt = eng.executor, eng.optimizer
         opt.disk_generation = last.generation

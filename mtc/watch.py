@@ -4,7 +4,11 @@
 validation loss (every ``eval_every`` steps and at the run's last step) is measured on the weights
 of the step it is reported with: the watcher first waits for that step's updates of every layer
 (`mtc.weight_sources.wait_for_updates`), then runs the run's own layer runners forward over the
-held-out batches, taking each layer's weights from the tiers' compute copies.
+held-out batches, taking each layer's weights from the tiers' compute copies. In a data-parallel
+run each rank runs its share of those batches (every rank holds the whole compute copy) and the
+per-batch losses are summed over the ranks into one vector, which every rank combines as one
+process would: the figure is that of one process over all the batches, bit for bit, in 1/N of
+the time.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from mtc.config import TrainConfig
 from mtc.data import TokenFile
-from mtc.evaluate import eval_batches, forward_loss
+from mtc.evaluate import batch_losses, combine_losses, eval_batches, forward_loss
 from mtc.graphs.program import Program
 from mtc.metrics import FlopCounter, gpu_peak_bytes, host_rss_bytes, peak_rate, phase_seconds
 from mtc.runtime.runners import LayerRunner
@@ -53,10 +57,13 @@ class RunWatcher:
     """Per-step figures of one training run (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, program: Program, tiers: StateTiers, runners: dict[str, LayerRunner],
-                 timeline: Timeline, tokens: TokenFile, device: torch.device, *, devices: int = 1) -> None:
+                 timeline: Timeline, tokens: TokenFile, device: torch.device, *, devices: int = 1, rank: int = 0,
+                 world_size: int = 1) -> None:
         # ``devices``: how many devices the step's tokens were computed on (`mfu_devices`): MFU
-        # divides the whole step's model FLOP/s by their peak together
+        # divides the whole step's model FLOP/s by their peak together. ``rank`` of ``world_size``:
+        # a data-parallel rank, which validates on its share of the eval batches (`validate`)
         self.cfg, self.program, self.tiers, self.runners, self.devices = cfg, program, tiers, runners, devices
+        self.rank, self.world_size = rank, world_size
         self.timeline, self.device = timeline, device
         self.flops = FlopCounter.of(program, cfg.seq_len)
         self.peak = peak_rate(device, cfg.resolved_compute_dtype, allow_tf32=cfg.allow_tf32)
@@ -83,5 +90,18 @@ class RunWatcher:
         """Validation loss of the weights after the last finished step (waits for its updates)."""
         assert self._val is not None
         wait_for_updates(self.tiers)
-        return forward_loss(self.program, self.runners, TierWeights(self.program, self.tiers, self.device),
-                            self._val, self.device)
+        weights = TierWeights(self.program, self.tiers, self.device)
+        if self.world_size == 1:
+            return forward_loss(self.program, self.runners, weights, self._val, self.device)
+        from mtc.dist import sum_over_ranks
+
+        # this rank's contiguous share; the others' slots stay 0, so the sum over the ranks puts
+        # each batch's own figures in place exactly (x + 0.0 == x) and the combination below is the
+        # one a single process makes
+        n = len(self._val)
+        lo, hi = self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+        both = torch.zeros(2, n, dtype=torch.float64)
+        if hi > lo:
+            both[0, lo:hi], both[1, lo:hi] = batch_losses(self.program, self.runners, weights, self._val[lo:hi], self.device)
+        sum_over_ranks(both, "the validation loss all-reduce")
+        return combine_losses(both[0], both[1])
