@@ -509,6 +509,14 @@ def lock_store(path: Path) -> int:
     try:
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
+        # not the disk but the path (e.g. a directory removed since it was checked): say which
+        if e.errno == errno.ENOENT:
+            raise StoreError(
+                f"no store at {path}: the directory does not exist; a new run creates its store (`mtc train --store {path} "
+                f"...`, TensorStore.create({str(path)!r})), or give the directory of an existing store"
+            ) from e
+        if e.errno == errno.ENOTDIR:
+            raise StoreError(f"no store at {path}: a part of that path is a file, not a directory; pick a directory path") from e
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise StoreError(f"cannot open the lock file {path / LOCK_FILE}: {os_error_message(e)}") from e
         raise StoreError(

@@ -252,6 +252,18 @@ def test_store_of_an_older_mtc_without_marker_or_commit(tmp_path):
     TensorStore.create(p, overwrite=True).close()
 
 
+def test_locking_a_store_that_is_not_there_says_so_not_check_the_disk(tmp_path):
+    # a directory removed between the check in TensorStore.open and the lock (or a caller that
+    # locks on its own) once read "I/O error ... check the disk (dmesg)": the disk is fine
+    with pytest.raises(StoreError, match=r"no store at .*gone: the directory does not exist") as e:
+        directory_mod.lock_store(tmp_path / "gone")
+    assert "mtc train --store" in str(e.value) and "TensorStore.create" in str(e.value) and "dmesg" not in str(e.value)
+    assert not (tmp_path / "gone").exists()  # (and nothing was created)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match=r"no store at .*file/s: a part of that path is a file, not a directory; pick"):
+        directory_mod.lock_store(tmp_path / "file" / "s")
+
+
 # -- read-only handles ------------------------------------------------------------------------
 
 
