@@ -451,7 +451,9 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
     host bytes of the bounded pipeline for a placement (`pipeline_host_bytes`), charged to
     ``ram_bytes`` for each candidate: it changes with the placement (on the CPU device the first
     `ram` layer opens gradient slabs of the largest one: 3 x 4 B/param, which a budget less the
-    all-disk pipeline missed, and `mtc train` then refused the placement it had chosen).
+    all-disk pipeline missed, and `mtc train` then refused the placement it had chosen). Where the
+    budget holds every layer the GPU did not take in RAM, that is the result, whatever the fill met
+    on its way.
     """
     def disk_host(n: int) -> int:
         return host_bytes_per_param("disk", compute_bytes, disk_compute=disk_compute, grads_on_device=grads_on_device) * n
@@ -477,6 +479,13 @@ def auto_placement(numels: list[int], compute_bytes: int, *, gpu_bytes: int, ram
             g_left += disk_gpu * n
         else:
             placement[i] = "disk"
+    # the fill's candidates still hold disk layers and are charged the disk ring's buffers, which
+    # a placement without disk layers does not have: at a budget that holds all of it in RAM (the
+    # ring costing more than the last layers' RAM state) the fill ended with disk layers
+    if "disk" in placement:
+        up = ["ram" if t == "disk" else t for t in placement]
+        if host(up) <= ram_bytes:
+            return up
     return placement
 
 

@@ -555,15 +555,18 @@ def test_auto_placement_passes_the_fit_check_it_was_chosen_for():
     check accepts it, and one more RAM layer would not fit (it once chose ram:0-3,disk:4,ram:5 and
     then refused it: 679 MiB against 563; and, while it charged every model's weight slots two
     layers and the check one for a model that ties none, it left a layer on disk at 0.52 GiB
-    that the check would have taken in RAM)."""
+    that the check would have taken in RAM). 0.46 GiB is just under all-RAM's 479 MiB: at
+    0.52 GiB all-RAM fits, and auto placement takes it
+    (`test_auto_placement_takes_all_ram_whenever_the_budget_holds_it`)."""
     from mtc.errors import ConfigError
     from mtc.planner import check_fit
     from mtc.train import build_model, plan_placement
     from mtc.tracer import trace
 
     cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 4, "dim": 768, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 2},
-                      micro_batch_size=1, seq_len=16, placement="auto", ram_budget_gb=0.52, kernels="unfused", durability="none")
+                      micro_batch_size=1, seq_len=16, placement="auto", ram_budget_gb=0.46, kernels="unfused", durability="none")
     program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    assert plan_placement(dataclasses.replace(cfg, ram_budget_gb=0.52), program)[0] == ["ram"] * program.n_layers
     placement, gpu_update = plan_placement(cfg, program)
     assert "ram" in placement and "disk" in placement
     check_fit(cfg, program, placement, gpu_update, None, new_run=True)

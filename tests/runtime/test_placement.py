@@ -126,6 +126,34 @@ def test_a_layer_placed_in_ram_gives_back_its_gpu_gradient_reservation():
     assert placement == ["gpu", "ram", "gpu"]
 
 
+@pytest.mark.parametrize(("cuda", "compute_bytes", "disk_compute"), [(False, 4, "store"), (True, 2, "ram"), (True, 4, "store")])
+def test_auto_placement_takes_all_ram_whenever_the_budget_holds_it(cuda, compute_bytes, disk_compute):
+    """The fill passes through placements with disk layers, charged the disk ring's buffers: at the
+    exact budget of all-RAM (no ring) it once ended with disk layers, a mixed placement that is
+    slower and holds less than the budget allowed."""
+    numels = [16384, 50000, 50000, 50000, 50000, 16384]  # embed, blocks, head
+
+    def pipeline(p: list[str]) -> int:
+        return pl.pipeline_host_bytes(p, numels, disk_compute=disk_compute, device_is_cuda=cuda)
+
+    def host(p: list[str]) -> int:
+        return pl.host_bytes_needed(p, numels, compute_bytes, disk_compute=disk_compute, grads_on_device=cuda) + pipeline(p)
+
+    def auto(ram: int, gpu: int = 0) -> list[str]:
+        return pl.auto_placement(numels, compute_bytes, gpu_bytes=gpu, ram_bytes=ram, disk_compute=disk_compute,
+                                 grads_on_device=cuda, pipeline=pipeline)
+
+    all_ram = ["ram"] * len(numels)
+    assert auto(host(all_ram)) == all_ram
+    under = auto(host(all_ram) - 1)
+    assert "disk" in under and host(under) <= host(all_ram) - 1
+    if cuda:  # the layers the GPU takes stay there; the rest go to RAM when it holds them all
+        gpu = (16 + (compute_bytes if compute_bytes != 4 else 0)) * numels[0] + 4 * sum(numels[1:])
+        mixed = ["gpu"] + ["ram"] * (len(numels) - 1)
+        assert auto(host(mixed), gpu) == mixed
+        assert "disk" in auto(host(mixed) - 1, gpu)
+
+
 def test_auto_placement_charges_each_candidate_its_own_pipeline():
     """The pipeline's host bytes change with the placement (on the CPU device the first `ram` layer
     opens gradient slabs sized by the largest): each candidate is charged its own, not the
