@@ -1017,8 +1017,9 @@ def _run(argv: list[str] | None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        args = build_parser().parse_args(argv)
         try:
+            # (inside: the parser imports torch, seconds in which a Ctrl-C is as likely as later)
+            args = build_parser().parse_args(argv)
             return args.fn(args)
         except MTCError as e:
             for line in str(e).splitlines() or [""]:  # a fit refusal names every resource that is short, one line each
@@ -1036,9 +1037,12 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run a subcommand; an MTCError prints one line and exits 2."""
+    """Entry point: run a subcommand; an MTCError prints one line and exits 2, an interruption 130
+    (SIGTERM 143)."""
     try:
-        return _run(argv)
+        code = _run(argv)
+        _forget_handled_interrupt()
+        return code
     except BrokenPipeError:
         # `mtc inspect ... | head` closed our stdout. Python's docs (signal module, "Note on SIGPIPE"):
         # point stdout at devnull so the final flush at exit cannot raise again, and exit 1.
@@ -1047,6 +1051,18 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):  # stdout has no file descriptor (captured in tests): nothing to flush
             pass
         return 1
+
+
+def _forget_handled_interrupt() -> None:
+    """Clear CPython's record of a KeyboardInterrupt that ended a string ``exec``.
+
+    CPython notes a KeyboardInterrupt leaving code that ``exec`` ran from a string (a dataclass's
+    generated methods, made while a module is imported lazily during set-up) as unhandled, even
+    though the CLI caught it, and a ``python -m mtc`` (torchrun's launch) then ends by killing
+    itself with SIGINT after "mtc: interrupted" instead of exiting 130. The next string ``exec``
+    resets that record: this one, which raises nothing, leaves it clear.
+    """
+    exec("None")  # noqa: S102
 
 
 if __name__ == "__main__":

@@ -57,6 +57,30 @@ def test_signal_stops_with_exit_code_and_names_the_last_commit(tmp_path, sig, co
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("where", ["parser", "exec"])
+def test_ctrl_c_during_set_up_exits_130_after_its_message(tmp_path, where):
+    """A Ctrl-C during set-up (``python -m mtc``, as torchrun launches it) ends with "mtc:
+    interrupted" and exit code 130. It once ended killed by SIGINT (-2): while the parser imported
+    torch, uncaught, with a traceback; and, after the message, where the interrupt had left code
+    run by a string ``exec`` (CPython then records it as unhandled and re-sends SIGINT at exit)."""
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=4).to_dict()))
+    marker = tmp_path / "waiting"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = _popen([sys.executable, "-m", "tests.mtc.slow_setup", where, str(marker), "train", "--config", str(cfg),
+                   "--store", str(tmp_path / "s"), "--data", str(tokens.path)], env=env, cwd=ROOT,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not marker.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    assert marker.exists(), proc.communicate(timeout=10)[1]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "mtc: interrupted" and "Traceback" not in err, err
+
+
 def test_ctrl_c_during_a_slow_commit_says_it_finishes_it(tmp_path):
     # a store whose commits are slow (a sleep in the commit, as a slow disk would be): the first
     # Ctrl-C waits for the commit in flight and says so; the verdict names the commit it landed
