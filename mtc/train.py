@@ -1127,8 +1127,9 @@ def init_state(st: TensorStore, tiers: StateTiers, program: Program, params: dic
         tiers.set_layer(s.layer, flat, fresh=True)
         kinds = state_kinds(s.tier, durability)
         # generation 0's moments are zeros: a ram layer's own (fresh) m and v are, and they stay so
-        # until training starts; other tiers take one buffer of zeros for both
-        zeros = s.m if flat is s.master else torch.zeros_like(flat) if "m" in kinds else None
+        # until training starts; other tiers take one buffer of zeros for both (page-aligned, as the
+        # store's O_DIRECT writes want it, and never written: its pages stay unallocated)
+        zeros = s.m if flat is s.master else host_buffer(flat.numel(), flat.dtype, pinned=False) if "m" in kinds else None
         futs = [st.write_async(state_array_name(s.layer, k, 0), flat if k == "master" else zeros) for k in kinds]
         for f in futs:  # (a staging buffer is refilled by the next gpu layer only after its writes)
             f.result()

@@ -242,11 +242,15 @@ class StateTiers:
         """The buffer a new run may flatten ``layer``'s initial weights into, then hand to
         `set_layer` as the master: a ram layer's master itself (no copy at all), a gpu layer's
         share of a host staging buffer (pinned on CUDA) that every gpu layer reuses (it is
-        copied over at once); None for disk layers and data-parallel shards (a host copy).
+        copied over at once), a disk layer's page-aligned buffer of its own (written to the store
+        with O_DIRECT, then let go: through torch's allocator each write took a chunk-sized bounce
+        buffer that every I/O thread kept for the run); None for data-parallel shards (a host copy).
         `release_staging` lets the staging buffer go once the state is filled."""
         s = self.layers[layer]
-        if s.shard is not None or s.tier == "disk":
+        if s.shard is not None:
             return None
+        if s.tier == "disk":
+            return self._host(s.numel, STATE_DTYPE, pinned=False)
         return s.master if s.tier == "ram" else self._staging(1)[0][: s.numel]
 
     def _staging(self, k: int) -> list[torch.Tensor]:

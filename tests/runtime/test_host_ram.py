@@ -169,3 +169,25 @@ def test_host_bytes_count_the_master_of_fp32_ram_layers(all_ram):
     assert all(s.compute is s.master for s in tiers.layers)
     params = sum(s.numel for s in tiers.layers)
     assert tiers.host_bytes() - sum(tiers.pipeline_bytes.values()) == 16 * params
+
+
+def test_disk_layers_go_to_and_from_the_store_without_bounce_buffers(tokens, tmp_path, monkeypatch):
+    """The store reads and writes page-aligned buffers of whole pages with O_DIRECT; anything else
+    goes through a bounce buffer that each I/O thread keeps for the run. A new run's disk layers
+    were written from torch-allocated tensors, and on the CPU device each visit read a disk layer's
+    weights into a torch-allocated weight slot: every I/O thread then held a block-sized buffer
+    the plan does not count (4 x 11.5 MiB at dim 512)."""
+    from mtc.store import fastio
+
+    # dim 512: every block's state is whole pages (the embed's and head's are not)
+    cfg = small_config(steps=2, placement="disk", device="cpu", grad_accum=1,
+                       model_overrides={"n_layers": 2, "dim": 512, "ffn_dim": 1536, "n_heads": 8, "n_kv_heads": 2})
+    blocks = _numels(cfg)[1:-1]
+    assert all(n * 4 % 4096 == 0 for n in blocks)  # whole pages: the store needs no bounce for them
+    asked: list[int] = []
+    real = fastio._bounce
+    monkeypatch.setattr(fastio, "_bounce", lambda n: (asked.append(n), real(n))[1])
+    res = train(cfg, tmp_path / "s", tokens)
+    res.store.close()
+    assert res.placement == ["disk"] * len(res.placement) and asked  # (the embed and head are not whole pages)
+    assert max(asked) < min(blocks) * 4

@@ -79,7 +79,9 @@ def test_gpu_layers_share_one_staging_buffer_and_disk_layers_take_a_host_copy():
         assert a.numel() == prog.layer_numel(0) and b.numel() == prog.layer_numel(3)
         assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer, reused
         assert a.data_ptr() != tiers[0].master.data_ptr()
-        assert tiers.initial_master(1) is None and tiers.initial_master(2) is tiers[2].master
+        assert tiers.initial_master(2) is tiers[2].master
+        d = tiers.initial_master(1)  # a disk layer's copy: its own, page-aligned (the store writes it with O_DIRECT)
+        assert d.numel() == prog.layer_numel(1) and d.data_ptr() % 4096 == 0 and d.data_ptr() != a.data_ptr()
         want = {i: _reference_flat(prog, i, run.params) for i in range(prog.n_layers)}
         init_state(run.store, tiers, prog, run.params, "full")
         assert not tiers._stage  # the staging buffer went once the state was filled
