@@ -154,18 +154,24 @@ def _expr(node: fx.Node, v: Callable[[Any], str]) -> str:
     if t in unary:
         return unary[t].format(v(a[0]))
     if t is aten.pow.Tensor_Scalar:
-        e = a[1]
-        if e == 2:
-            return f"({v(a[0])} * {v(a[0])})"
-        if e == 1:
-            return v(a[0])
+        e, x = a[1], v(a[0])
         if e == 0.5:
-            return f"tl.sqrt({v(a[0])})"
+            return f"tl.sqrt({x})"
         if e == -0.5:
-            return f"(1.0 / tl.sqrt({v(a[0])}))"
-        if isinstance(e, int) and 2 < e <= 4:
-            return "(" + " * ".join([v(a[0])] * e) + ")"
-        return f"tl.exp({_lit(e)} * tl.log({v(a[0])}))"
+            return f"(1.0 / tl.sqrt({x}))"
+        if not float(e).is_integer():  # NaN for a negative base, as in torch
+            return f"tl.exp({_lit(e)} * tl.log({x}))"
+        # an integral exponent (3.0 as much as 3): exp(e * log(x)) would be NaN for a negative x
+        k = int(e)
+        if k == 0:  # 1 everywhere, also at 0, inf and NaN
+            return f"tl.where({x} == {x}, 1.0, 1.0)"
+        if abs(k) <= 4:
+            mag = "(" + " * ".join([x] * abs(k)) + ")"
+        else:
+            mag = f"tl.exp({_lit(abs(k))} * tl.log(tl.abs({x})))"
+            if k % 2:
+                mag = f"tl.where({x} < 0.0, -{mag}, {mag})"
+        return mag if k > 0 else f"(1.0 / {mag})"
     if t in (aten.maximum.default, aten.minimum.default):
         return f"tl.{'maximum' if t is aten.maximum.default else 'minimum'}({v(a[0])}, {v(a[1])})"
     if t is aten.where.self:

@@ -533,3 +533,17 @@ def test_the_graph_views_values_in_the_layouts_it_recorded_for_them(f, shapes, k
     assert [n.target.mode for n in fused.nodes if hasattr(n.target, "mode")] == kernels
     for got, want in zip(torch.fx.GraphModule(g, fused)(*args), f(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("e", [3.0, 5, -1, -2.0, -3, 0])
+def test_integral_powers_of_negative_bases(e, tmp_path):
+    # pow(x, e) of a negative x is real for an integral exponent (x ** 3.0, 1 / x ** 2); computing
+    # it as exp(e * log(x)) gave NaN there, and pow(x, 0) must be 1 even at x = 0
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.pow(e) * 0.5
+
+    x = torch.randn(3, 7)
+    x[0, 0] = -2.0
+    if e == 0:
+        x[0, 1] = 0.0
+    assert _check_groups(f, x, tmp_path=tmp_path) == ["pointwise"]
