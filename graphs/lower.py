@@ -66,7 +66,35 @@ def lowerable(t: Template, rewrites: Sequence[Rewrite] = ()) -> fx.GraphModule:
     for rewrite in rewrites:
         rewrite(gm)
     gm.recompile()
+    if any(_mutates(n) for n in gm.graph.nodes):
+        # export keeps in-place writes into activations (``h[..., 0] = 0.0`` is a ``fill_`` of a
+        # select of h that nothing reads): the compiler's passes order and fuse nodes by what they
+        # read, so the write would be lost and the compiled layer compute another function.
+        # Functionalised, the write is a ``select_scatter`` that later reads depend on.
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*_meta_inputs(t))
+        _differentiable_copies(gm)
     return gm
+
+
+def _differentiable_copies(gm: fx.GraphModule) -> None:
+    """Replace functional ``aten.copy(dst, src)`` (what a functionalised ``copy_``/``fill_`` leaves:
+    src cast and broadcast to dst) by ops autograd differentiates, for the joint graph."""
+    for n in list(gm.graph.nodes):
+        if n.target is not aten.copy.default:
+            continue
+        dst, src = n.args[0].meta["val"], n.args[1].meta["val"]
+        with gm.graph.inserting_before(n):
+            v = gm.graph.call_function(aten._to_copy.default, (n.args[1],), {"dtype": dst.dtype})
+            if tuple(src.shape) != tuple(dst.shape):
+                v = gm.graph.call_function(aten.expand.default, (v, list(dst.shape)))
+        n.replace_all_uses_with(v)
+        gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Whether ``n`` writes into one of its arguments (an in-place ATen op)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
 
 
 def _meta_inputs(t: Template) -> list[torch.Tensor]:

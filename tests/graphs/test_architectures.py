@@ -215,3 +215,27 @@ def test_a_group_that_reaches_itself_through_another_group_is_not_formed(block, 
     model = _BlocksLM(block)
     prog = trace(model, 2, 8)
     check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
+
+
+class SliceWriteBlock(nn.Module):
+    """Writes into slices of its activations in place, as researchers do to pin or shift a column."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h[..., 0] = 0.0
+        h[:, 1] += 1.0
+        return x + torch.sigmoid(h) * h
+
+
+def test_in_place_writes_into_activations_compile_to_the_same_function(tmp_path):
+    # export keeps `h[..., 0] = 0.0` as a fill_ of a select that no node reads: fusing and
+    # reordering by data dependence dropped the write, and the compiled layer silently computed
+    # sigmoid(h) * h of the unwritten h, forward and backward
+    torch.manual_seed(0)
+    model = _BlocksLM(SliceWriteBlock, dim=12)
+    prog = trace(model, 2, 7)
+    check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
