@@ -49,13 +49,14 @@ def attention_backward(
     long context; the compiled plan replaces it with the flash-attention kernel on CUDA.
     """
     rep = q.shape[1] // k.shape[1]
-    if q.device.type == "cpu" and rep == 1:
+    fused = v.shape[-1] == q.shape[-1]  # torch's fused kernels need one head dim for q, k and v
+    if q.device.type == "cpu" and rep == 1 and fused:
         # the same fused CPU kernels eager SDPA uses, so the unfused and compiled paths agree bitwise
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
-    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and fused:
         dq, dk, dv = _flash_backward_cuda(grad, q, k, v, is_causal, scale, rep)
     else:
         dq, dk, dv = _math_backward(grad, q, k, v, is_causal, scale, rep)

@@ -26,6 +26,21 @@ def test_attention_matches_sdpa(shape, kv_heads, causal):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_with_a_value_head_dim_of_its_own(causal):
+    # values narrower than queries and keys (SDPA allows it): the backward took torch's fused CPU
+    # kernel, which needs one head dim for q, k and v, and a compiled block with such attention
+    # failed inside that kernel ("Q/K/V should have the same head size")
+    q, k = torch.randn(2, 2, 7, 6, requires_grad=True), torch.randn(2, 2, 7, 6, requires_grad=True)
+    v = torch.randn(2, 2, 7, 5, requires_grad=True)
+    out = attention(q, k, v, causal, 0.4)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.4)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
 @pytest.mark.gpu
 def test_attention_backward_bf16_cuda_long_context():
     B, H, KV, T, D = 1, 32, 8, 4096, 128
