@@ -24,7 +24,7 @@ seconds and allocates no weights.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from mtc.graphs.export import LossModel, export_model, flatten_graph
@@ -186,6 +186,15 @@ def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph, kind: In
     buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs
                if s.kind == kind and hasattr(s.arg, "name")}
     out: list[str] = []
+    for _, v in _written_inputs(graph):
+        if v.name in buffers and buffers[v.name] not in out:
+            out.append(buffers[v.name])
+    return out
+
+
+def _written_inputs(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """(in-place op, placeholder it writes) for each write of ``graph`` into one of its inputs,
+    through views too."""
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
@@ -196,9 +205,22 @@ def _written_buffers(ep: torch.export.ExportedProgram, graph: fx.Graph, kind: In
             while isinstance(v, fx.Node) and v.op == "call_function" and v.args and isinstance(v.args[0], fx.Node) \
                     and isinstance(v.target, torch._ops.OpOverload) and v.target.is_view:
                 v = v.args[0]  # a view's base
-            if isinstance(v, fx.Node) and v.op == "placeholder" and v.name in buffers and buffers[v.name] not in out:
-                out.append(buffers[v.name])
-    return out
+            if isinstance(v, fx.Node) and v.op == "placeholder":
+                yield n, v
+
+
+def _check_inputs_kept(t: Template) -> None:
+    """Refuse a layer that writes into the hidden state or an aux value it receives: the executor
+    keeps a layer's inputs to recompute it in the backward (and feeds one aux value to every block)."""
+    kinds = {i.name: i.kind for i in t.inputs}
+    for n, v in _written_inputs(t.graph):
+        what = {"carry": "the hidden state", "aux": "a value computed before the blocks"}.get(kinds.get(v.name, ""))
+        if what is not None:
+            raise TraceError(
+                f"module {_module_of(n)!r} writes in place into {what} it receives ({n.target}, e.g. `x += ...` or "
+                "`x[:, 0] = ...` on its input): mtc keeps each layer's inputs to recompute the layer in the backward, "
+                "so the write would corrupt them. Write it out of place (`x = x + ...`, or `x = x.clone()` first), "
+                "then trace again")
 
 
 def _arange_top(node: object) -> int | None:
@@ -447,6 +469,7 @@ def extract_layers(
             )
 
         tmpl, ext, kinds = _extract(kind, nodes, outputs, classify)
+        _check_inputs_kept(tmpl)
         tmpl = templates.setdefault(tmpl.id, tmpl)
         bindings: dict[str, Source] = {}
         for inp, a, (ikind, _role) in zip(tmpl.inputs, ext, kinds):

@@ -342,3 +342,21 @@ def test_the_data_dependent_size_check_sees_only_tensors_and_sizes():
     t = torch.zeros(2)
     assert _shaped("x") is None and _shaped({"a": t}) is None and _shaped(3) is None
     assert _shaped([t, "x", (t, None, {"k": 1})]) == [t, [t]]
+
+
+class _AddsIntoInput(nn.Module):  # eager torch trains this: relu saves its output, not x
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += self.lin(torch.relu(x))
+        return x
+
+
+def test_a_layer_that_writes_into_its_input_in_place_is_refused():
+    # the executor keeps each layer's input to recompute the layer in the backward; a block that
+    # wrote into it traced, then compiling (or the first backward) died in autograd with "a leaf
+    # Variable that requires grad is being used in an in-place operation", naming nothing
+    with pytest.raises(TraceError, match=r"module 'layers.0' writes in place into the hidden state it receives .*x = x \+"):
+        trace(_Toy(_AddsIntoInput), 2, 4)
