@@ -82,7 +82,7 @@ def classify(node: fx.Node, fusible: FusibleOps) -> str:
         return "view"
     if t in fusible.pointwise and _tensor_out(node):
         return "fusible"
-    if t in fusible.reductions and (_last_dim_reduction(node) or is_column_reduction(node)):
+    if t in fusible.reductions and _tensor_out(node) and (_last_dim_reduction(node) or is_column_reduction(node)):
         return "fusible"
     if fusible.cat and t is CAT and _last_dim_cat(node):
         return "fusible"
@@ -93,9 +93,14 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+# What a generated kernel computes exactly as ATen does: it computes in fp32 (rounding half-precision
+# values where ATen stores them), so float64 math, or integer sums past 2^24, would lose bits
+_KERNEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool})
+
+
 def _tensor_out(node: fx.Node) -> bool:
     v = _val(node)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+    return isinstance(v, torch.Tensor) and v.dtype in _KERNEL_DTYPES
 
 
 def _last_dim_reduction(node: fx.Node) -> bool:

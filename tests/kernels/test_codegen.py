@@ -547,3 +547,16 @@ def test_integral_powers_of_negative_bases(e, tmp_path):
     if e == 0:
         x[0, 1] = 0.0
     assert _check_groups(f, x, tmp_path=tmp_path) == ["pointwise"]
+
+
+def test_float64_and_integer_arithmetic_stays_exact(tmp_path):
+    # a generated kernel computes in fp32: float64 math a model does on purpose (rotary angles at
+    # long context, a sum that cancels) and int64 sums past 2^24 lost their low bits there, and the
+    # compiled layer silently differed from torch; they stay on ATen, and the fp32 ops around them fuse
+    def f(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.double()
+        return ((h + 1e8) - 1e8).float() * 2.0, (i * 3).sum(-1, keepdim=True)
+
+    x, i = torch.randn(3, 7), torch.randint(0, 5, (3, 7))
+    i[:, 0], i[:, 1] = (1 << 30) + 1, -(1 << 30)  # their sum, 1, is lost in fp32
+    assert _check_groups(f, x, i, tmp_path=tmp_path) == ["pointwise"]
