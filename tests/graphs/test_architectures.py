@@ -231,11 +231,27 @@ class SliceWriteBlock(nn.Module):
         return x + torch.sigmoid(h) * h
 
 
-def test_in_place_writes_into_activations_compile_to_the_same_function(tmp_path):
-    # export keeps `h[..., 0] = 0.0` as a fill_ of a select that no node reads: fusing and
-    # reordering by data dependence dropped the write, and the compiled layer silently computed
-    # sigmoid(h) * h of the unwritten h, forward and backward
+class ReadThenScaleInPlaceBlock(nn.Module):
+    """Reads an activation, then scales it in place: the read must see the value before the write."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        a = torch.tanh(h) * 2.0
+        h.mul_(0.5).add_(1.0)
+        return x + a * h
+
+
+@pytest.mark.parametrize("block", [SliceWriteBlock, ReadThenScaleInPlaceBlock], ids=["slice-write", "read-then-scale"])
+def test_in_place_writes_into_activations_compile_to_the_same_function(block, tmp_path):
+    # export keeps `h[..., 0] = 0.0` as a fill_ of a select that no node reads, and `h.mul_(0.5)`
+    # as a node that tanh(h), reading h before it, does not depend on: fusing and reordering by
+    # data dependence dropped the first write and moved the read after the second, and the
+    # compiled layer silently computed another function, forward and backward
     torch.manual_seed(0)
-    model = _BlocksLM(SliceWriteBlock, dim=12)
+    model = _BlocksLM(block, dim=12)
     prog = trace(model, 2, 7)
     check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
