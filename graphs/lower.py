@@ -84,7 +84,8 @@ def _differentiable_copies(gm: fx.GraphModule) -> None:
             continue
         dst, src = n.args[0].meta["val"], n.args[1].meta["val"]
         with gm.graph.inserting_before(n):
-            v = gm.graph.call_function(aten._to_copy.default, (n.args[1],), {"dtype": dst.dtype})
+            # (on dst's device, as copy_ writes there: a lifted scalar constant may live elsewhere)
+            v = gm.graph.call_function(aten._to_copy.default, (n.args[1],), {"dtype": dst.dtype, "device": dst.device})
             if tuple(src.shape) != tuple(dst.shape):
                 v = gm.graph.call_function(aten.expand.default, (v, list(dst.shape)))
         n.replace_all_uses_with(v)
