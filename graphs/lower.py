@@ -63,16 +63,19 @@ def lowerable(t: Template, rewrites: Sequence[Rewrite] = ()) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.target is aten.scaled_dot_product_attention.default:
             _use_mtc_attention(node)
-    for rewrite in rewrites:
-        rewrite(gm)
     gm.recompile()
     if any(_mutates(n) for n in gm.graph.nodes):
         # export keeps in-place writes into activations (``h[..., 0] = 0.0`` is a ``fill_`` of a
         # select of h that nothing reads): the compiler's passes order and fuse nodes by what they
         # read, so the write would be lost and the compiled layer compute another function.
-        # Functionalised, the write is a ``select_scatter`` that later reads depend on.
+        # Functionalised, the write is a ``select_scatter`` that later reads depend on. (Before the
+        # rewrites: functorch cannot trace the fused cross-entropy's autograd.Function. Tracing
+        # decomposes linear and cross_entropy, so such a template keeps its unfused loss.)
         gm = make_fx(torch.func.functionalize(gm, remove="mutations"))(*_meta_inputs(t))
         _differentiable_copies(gm)
+    for rewrite in rewrites:
+        rewrite(gm)
+    gm.recompile()
     return gm
 
 

@@ -255,3 +255,21 @@ def test_in_place_writes_into_activations_compile_to_the_same_function(block, tm
     model = _BlocksLM(block, dim=12)
     prog = trace(model, 2, 7)
     check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
+
+
+def test_a_head_that_scales_in_place_compiles_to_the_same_function(tmp_path):
+    # functionalising runs before the template rewrites: functorch cannot trace the fused
+    # cross-entropy's autograd.Function, so a head with an in-place op keeps torch's loss
+    class ScaledHead(_BlocksLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            h = x + 1.0
+            h.mul_(0.5)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = ScaledHead(ReadThenScaleInPlaceBlock, dim=12)
+    prog = trace(model, 2, 7)
+    check_compiled(prog, dict(model.named_parameters()), prog.layers[-1], tmp_path)
