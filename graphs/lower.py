@@ -51,6 +51,18 @@ def _use_mtc_attention(node: fx.Node) -> None:
     node.target = torch.ops.mtc.attention.default
     node.args = (bound["query"], bound["key"], bound["value"], bool(bound["is_causal"]), float(scale))
     node.kwargs = {}
+    # torch's SDPA returns (B, T, H, D)-strided output, so export drops a `.contiguous()` after
+    # `.transpose(1, 2)` as a no-op and keeps a bare `.view(B, T, H * D)` (nanoGPT's attention);
+    # mtc::attention's output is (B, H, T, D)-contiguous, where that view is invalid. A reshape
+    # is the same view wherever one exists, and copies where it does not.
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload) or not u.target.is_view:
+            continue
+        if u.target is aten.view.default:
+            u.target = aten.reshape.default
+        todo.extend(u.users)
 
 
 def lowerable(t: Template, rewrites: Sequence[Rewrite] = ()) -> fx.GraphModule:

@@ -273,3 +273,30 @@ def test_a_head_that_scales_in_place_compiles_to_the_same_function(tmp_path):
     model = ScaledHead(ReadThenScaleInPlaceBlock, dim=12)
     prog = trace(model, 2, 7)
     check_compiled(prog, dict(model.named_parameters()), prog.layers[-1], tmp_path)
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's attention: `.contiguous().view()` after the transpose of SDPA's output."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_a_view_of_attention_output_traced_in_sdpa_layout_compiles(tmp_path):
+    # torch's SDPA returns its output in (B, T, H, D) layout, so export drops the .contiguous()
+    # before .view(B, T, C) as a no-op; lowering swaps SDPA for mtc::attention, whose output is
+    # (B, H, T, D)-contiguous, and the view then failed ('view size is not compatible with input
+    # tensor's size and stride'): nanoGPT's attention could not be compiled
+    torch.manual_seed(0)
+    model = _BlocksLM(NanoGPTAttention, dim=20)
+    prog = trace(model, 2, 7)
+    check_compiled(prog, dict(model.named_parameters()), prog.layers[1], tmp_path)
