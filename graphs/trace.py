@@ -256,7 +256,8 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
     recomputing its forward in the backward, would silently get wrong: a forward that updates a
     buffer or a parameter (the update would be dropped every step), one that draws random numbers (the backward's
     recompute would draw other ones, so the gradient would not be the reported loss's), and values
-    whose size depends on the data (every layer is compiled for one shape)."""
+    whose size depends on the data (every layer is compiled for one shape); also a sparse
+    embedding, whose sparse gradient the executor and AdamW cannot take."""
     mutated = list(ep.graph_signature.buffers_to_mutate.values()) + _written_buffers(ep, graph)
     if mutated:
         names = ", ".join(repr(m.removeprefix(_WRAP + ".")) for m in mutated[:3])
@@ -276,6 +277,11 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
 
     for n in graph.nodes:
         _check_position_lookup(n)
+        if n.op == "call_function" and n.target is torch.ops.aten.embedding.default \
+                and (n.args[4] if len(n.args) > 4 else n.kwargs.get("sparse", False)):
+            raise TraceError(
+                f"module {_module_of(n)!r} is an nn.Embedding with sparse=True: its gradient is a sparse tensor, "
+                "which mtc's AdamW (like torch.optim.AdamW) cannot take; drop sparse=True, then trace again")
         if _random_draw(n):
             what = _draw_text(n)
             raise TraceError(

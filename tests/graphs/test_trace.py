@@ -360,3 +360,16 @@ def test_a_layer_that_writes_into_its_input_in_place_is_refused():
     # Variable that requires grad is being used in an in-place operation", naming nothing
     with pytest.raises(TraceError, match=r"module 'layers.0' writes in place into the hidden state it receives .*x = x \+"):
         trace(_Toy(_AddsIntoInput), 2, 4)
+
+
+def test_a_sparse_embedding_is_refused():
+    # nn.Embedding(sparse=True) makes a sparse gradient: training traced it, then died at the first
+    # backward in the executor ('reshape is not implemented for sparse tensors'); AdamW (torch's
+    # too) needs dense gradients
+    class Sparse(_Toy):
+        def __init__(self) -> None:
+            super().__init__(lambda: _Drop(p=0.0))
+            self.emb = nn.Embedding(16, 8, sparse=True)
+
+    with pytest.raises(TraceError, match=r"module 'emb' is an nn.Embedding with sparse=True.*drop sparse=True"):
+        trace(Sparse(), 2, 4)
