@@ -110,6 +110,10 @@ def use_linear_cross_entropy(gm: fx.GraphModule) -> int:
         # the loss must see every row of the linear, each whole, in order: (rows, V), upcast or fp32
         if tuple(vl.shape) != (rows, vw.shape[0]) or vl.dtype != torch.float32 or vt.numel() != rows:
             continue
+        vb = _val(b) if b is not None else None
+        if vx.dtype != vw.dtype or vx.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+                vb is not None and vb.dtype != vw.dtype):
+            continue  # what the fused kernel takes (a float64 head cast to fp32 logits keeps torch's loss)
         with gm.graph.inserting_before(ce):
             fused = gm.graph.call_function(linear_cross_entropy, (x, w, b, targets, ignore_index))
         fused.meta["val"] = _val(ce)

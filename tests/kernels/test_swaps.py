@@ -60,6 +60,13 @@ def test_half_logits_without_upcast_stay_unfused():
     assert use_linear_cross_entropy(gm) == 0
 
 
+def test_float64_head_downcast_to_fp32_logits_stays_unfused():
+    """The fused loss takes fp16/bf16/fp32 inputs: a float64 head whose logits are cast to fp32
+    was swapped anyway, and the compiled head died in the kernel's input check."""
+    gm, args = _graph(Head(), dtype=torch.float64)
+    assert use_linear_cross_entropy(gm) == 0
+    torch.testing.assert_close(gm(*args), Head()(*args))
+
 def test_logits_used_elsewhere_stay_unfused():
     class TwoUses(Head):
         def forward(self, x, w, b, t):
