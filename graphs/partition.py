@@ -100,7 +100,11 @@ _KERNEL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.
 
 def _tensor_out(node: fx.Node) -> bool:
     v = _val(node)
-    return isinstance(v, torch.Tensor) and v.dtype in _KERNEL_DTYPES
+    if not isinstance(v, torch.Tensor) or v.dtype not in _KERNEL_DTYPES:
+        return False
+    # a comparison computes in its inputs' dtype (int64 ids or positions, float64), not its output's
+    return v.dtype != torch.bool or all(not isinstance(_val(a), torch.Tensor) or _val(a).dtype in _KERNEL_DTYPES
+                                        for a in node.all_input_nodes)
 
 
 def _last_dim_reduction(node: fx.Node) -> bool:

@@ -560,3 +560,13 @@ def test_float64_and_integer_arithmetic_stays_exact(tmp_path):
     x, i = torch.randn(3, 7), torch.randint(0, 5, (3, 7))
     i[:, 0], i[:, 1] = (1 << 30) + 1, -(1 << 30)  # their sum, 1, is lost in fp32
     assert _check_groups(f, x, i, tmp_path=tmp_path) == ["pointwise"]
+
+
+def test_integer_comparisons_stay_exact(tmp_path):
+    # a comparison computes in its inputs' dtype: int64 positions or ids past 2^24 compared in a
+    # kernel's fp32 were equal where torch's were not; the comparison stays on ATen
+    def f(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return x * (i == 16777217) + x.sigmoid()
+
+    x, i = torch.randn(3, 7), torch.full((3, 7), 16777216)
+    assert _check_groups(f, x, i, tmp_path=tmp_path) == ["pointwise"]
