@@ -9,8 +9,9 @@ chunk files of the store's own arrays directly, in the same on-disk format zarr 
 stays a plain zarr v3 store and every chunk is still checksummed:
 
 * reads use ``O_DIRECT`` into the caller's buffer when it is page-aligned (pinned memory and the
-  disk tier's buffers are), else into a per-thread aligned bounce buffer; the CRC32C is checked
-  before the data counts as read;
+  disk tier's buffers are), its whole pages at least; the rest goes through a per-thread aligned
+  bounce buffer of at most ``BOUNCE_MAX`` bytes, a piece at a time; the CRC32C is checked before
+  the data counts as read;
 * writes go to a temporary file with ``O_DIRECT``, are fsynced and renamed over the chunk (atomic,
   as zarr's own writes), or, where the caller allows it (``in_place``: the disk tier's uncommitted
   generation), overwrite the existing chunk file directly: no allocation, no rename;
@@ -58,13 +59,23 @@ _CRC = 4
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _direct_refused: set[int] = set()  # st_dev of file systems that refused O_DIRECT (EINVAL): buffered there
 _tls = threading.local()
+# what a thread's bounce buffer may grow to (a page multiple): every I/O thread keeps its own for the
+# run, and host RAM counts none of them, so a chunk's unaligned part (the end of an odd-sized
+# layer, an edge chunk's zero fill, a caller's unaligned memory) moves through it in pieces of this
+# size, not all at once (a chunk-sized buffer each was up to io_threads x 16 MiB)
+BOUNCE_MAX = 2**20
 
 
-def _zeros(n: int) -> np.ndarray:
+def _crc_zeros(n: int, crc: int) -> int:
+    """``crc`` continued over ``n`` zero bytes (a shared buffer of at most BOUNCE_MAX zeros)."""
     z = getattr(_tls, "zeros", None)
-    if z is None or z.nbytes < n:
-        z = _tls.zeros = np.zeros(n, dtype=np.uint8)
-    return z[:n]
+    if z is None:
+        z = _tls.zeros = np.zeros(BOUNCE_MAX, dtype=np.uint8)
+    while n > 0:
+        k = min(n, BOUNCE_MAX)
+        crc = crc32c.crc32c(z[:k], value=crc)
+        n -= k
+    return crc
 
 
 def _round_up(n: int) -> int:
@@ -83,11 +94,26 @@ def is_aligned(a: np.ndarray) -> bool:
 
 
 def _bounce(nbytes: int) -> np.ndarray:
-    """This thread's aligned scratch buffer, at least ``nbytes`` long (kept for the next chunk)."""
+    """This thread's aligned scratch buffer (kept for the next chunk): ``nbytes`` rounded up to
+    whole pages, at most BOUNCE_MAX; callers move anything longer through it in pieces."""
+    nbytes = min(_round_up(nbytes), BOUNCE_MAX)
     b = getattr(_tls, "bounce", None)
     if b is None or b.nbytes < nbytes:
-        b = _tls.bounce = aligned_empty(_round_up(nbytes))
-    return b
+        b = _tls.bounce = aligned_empty(nbytes)
+    return b[:nbytes]
+
+
+def _fill(buf: np.ndarray, pos: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes) -> int:
+    """Fill ``buf`` with bytes ``[pos, pos + len(buf))`` of a chunk file (``data``, its zero fill up
+    to ``chunk_bytes``, then ``crc_bytes``), zeros past its end; how many of them are file bytes."""
+    n, end = data.nbytes, pos + buf.nbytes
+    buf[:] = 0
+    if pos < n:
+        buf[: min(end, n) - pos] = data[pos : min(end, n)]
+    for i, b in enumerate(crc_bytes):
+        if pos <= chunk_bytes + i < end:
+            buf[chunk_bytes + i - pos] = b
+    return max(0, min(end, chunk_bytes + len(crc_bytes)) - pos)
 
 
 def _open(path: str | Path, flags: int) -> tuple[int, bool]:
@@ -115,9 +141,9 @@ def _drop_cache(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _readv_full(fd: int, views: list[memoryview], want: int, direct: bool) -> int:
-    """Read into ``views`` from offset 0 until ``want`` bytes or end of file; bytes read."""
-    got = os.preadv(fd, views, 0)
+def _readv_full(fd: int, views: list[memoryview], want: int, direct: bool, pos: int = 0) -> int:
+    """Read into ``views`` from offset ``pos`` until ``want`` bytes or end of file; bytes read."""
+    got = os.preadv(fd, views, pos)
     while got < want:  # a short read (signals, some file systems): continue from where it stopped
         rest, skip = [], got
         for v in views:
@@ -128,15 +154,15 @@ def _readv_full(fd: int, views: list[memoryview], want: int, direct: bool) -> in
             skip = 0
         if direct and got % ALIGN:
             break  # cannot continue an O_DIRECT read mid-page: the file ended
-        n = os.preadv(fd, rest, got)
+        n = os.preadv(fd, rest, pos + got)
         if n == 0:
             break
         got += n
     return got
 
 
-def _pwritev_full(fd: int, views: list[memoryview], path: str | Path) -> int:
-    """Write ``views`` from offset 0 of ``fd``, all of them; bytes written.
+def _pwritev_full(fd: int, views: list[memoryview], path: str | Path, pos: int = 0) -> int:
+    """Write ``views`` from offset ``pos`` of ``fd``, all of them; bytes written.
 
     A short write (the file system filled up part-way) is continued, so the call that cannot
     write raises its own OSError (ENOSPC, EDQUOT: a cause the caller can name and say how to fix)
@@ -144,7 +170,7 @@ def _pwritev_full(fd: int, views: list[memoryview], path: str | Path) -> int:
     """
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]  # (sliced by bytes below)
     want = sum(len(v) for v in views)
-    done = os.pwritev(fd, views, 0)
+    done = os.pwritev(fd, views, pos)
     while done < want:
         rest, skip = [], done
         for v in views:
@@ -153,7 +179,7 @@ def _pwritev_full(fd: int, views: list[memoryview], path: str | Path) -> int:
                 continue
             rest.append(v[skip:])
             skip = 0
-        n = os.pwritev(fd, rest, done)
+        n = os.pwritev(fd, rest, pos + done)
         if n == 0:
             raise OSError(errno.EIO, f"short write to {path}: {done} of {want} bytes, and no progress")
         done += n
@@ -174,24 +200,29 @@ def read_chunk_file(path: str | Path, chunk_bytes: int, dst: np.ndarray, offset:
         if size != total:
             return f"is {size} bytes, a chunk of this array is {total} (data + CRC32C): truncated or not mtc's"
         n = dst.nbytes
-        # straight into the caller's memory when O_DIRECT allows it; the tail (rest + CRC) via the bounce
-        if offset == 0 and n % ALIGN == 0 and is_aligned(dst) and n <= chunk_bytes:
-            tail = _bounce(total - n)[: _round_up(total - n)]
-            views, parts, at = [memoryview(dst), memoryview(tail)], (dst, tail[: chunk_bytes - n]), chunk_bytes - n
-        else:
-            tail = _bounce(total)[: _round_up(total)]
-            views, parts, at = [memoryview(tail)], (tail[:chunk_bytes],), chunk_bytes
-        got = _readv_full(fd, views, total, direct)
-        if got < total:
+        # straight into the caller's memory when O_DIRECT allows it: the whole pages at its start
+        head = n // ALIGN * ALIGN if offset == 0 and is_aligned(dst) and n <= chunk_bytes else 0
+        got = _readv_full(fd, [memoryview(dst[:head])], head, direct) if head else 0
+        if got < head:
             return f"ended after {got} of {total} bytes while being read"
-        crc = 0
-        for p in parts:
-            crc = crc32c.crc32c(p, value=crc)
-        stored = int.from_bytes(tail[at : at + _CRC].tobytes(), "little")
-        if crc != stored:
-            return f"failed its CRC32C checksum (stored {stored:#010x}, computed {crc:#010x})"
-        if len(views) == 1:
-            dst[:] = tail[offset : offset + n]
+        crc = crc32c.crc32c(dst[:head]) if head else 0
+        # the rest (the end of dst, other data, the zero fill, the CRC) a bounce buffer's worth at a time
+        stored, pos = bytearray(), head
+        while pos < total:
+            buf = _bounce(total - pos)
+            got = _readv_full(fd, [memoryview(buf)], min(buf.nbytes, total - pos), direct, pos)
+            if got < min(buf.nbytes, total - pos):
+                return f"ended after {pos + got} of {total} bytes while being read"
+            end = min(pos + buf.nbytes, total)
+            if pos < chunk_bytes:
+                crc = crc32c.crc32c(buf[: min(end, chunk_bytes) - pos], value=crc)
+            stored += buf[max(0, chunk_bytes - pos) : end - pos].tobytes()
+            lo, hi = max(pos, offset + head), min(end, offset + n)  # the part of dst in this piece
+            if lo < hi:
+                dst[lo - offset : hi - offset] = buf[lo - pos : hi - pos]
+            pos = end
+        if crc != int.from_bytes(stored, "little"):
+            return f"failed its CRC32C checksum (stored {int.from_bytes(stored, 'little'):#010x}, computed {crc:#010x})"
         if not direct:
             _drop_cache(fd)
     finally:
@@ -216,7 +247,7 @@ def write_chunk_file(path: str | Path, chunk_bytes: int, data: np.ndarray, *, in
     pad = chunk_bytes - n
     crc = crc32c.crc32c(data)
     if pad:
-        crc = crc32c.crc32c(_zeros(pad), value=crc)  # zarr pads an edge chunk with the fill value 0
+        crc = _crc_zeros(pad, crc)  # zarr pads an edge chunk with the fill value 0
     crc_bytes = crc.to_bytes(_CRC, "little")
     if in_place:
         try:
@@ -265,19 +296,15 @@ def _overwrite_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes,
     change the sync must journal (as fast or up to 15 % slower in trials on the VM's ext4).
     """
     n = data.nbytes
-    pad = chunk_bytes - n
-    if n % ALIGN == 0 and is_aligned(data):
-        views = [memoryview(data)]
-        if pad:  # an edge chunk: zero fill up to the chunk's size (page multiples both)
-            fill = _bounce(pad)[:pad]
-            fill[:] = 0
-            views.append(memoryview(fill))
-    else:
-        whole = _bounce(chunk_bytes)[:chunk_bytes]
-        whole[:n] = data
-        whole[n:] = 0
-        views = [memoryview(whole)]
-    _pwritev_full(fd, views, path)
+    head = n // ALIGN * ALIGN if is_aligned(data) else 0  # straight from the caller's memory
+    if head:
+        _pwritev_full(fd, [memoryview(data[:head])], path)
+    pos = head
+    while pos < chunk_bytes:  # the rest of the data and the zero fill through the bounce (page multiples)
+        buf = _bounce(chunk_bytes - pos)
+        _fill(buf, pos, data, chunk_bytes, b"")
+        _pwritev_full(fd, [memoryview(buf)], path, pos)
+        pos += buf.nbytes
     tail = os.open(path, os.O_WRONLY)
     try:
         if os.pwrite(tail, crc_bytes, chunk_bytes) != _CRC:
@@ -292,20 +319,16 @@ def _write_fd(fd: int, data: np.ndarray, chunk_bytes: int, crc_bytes: bytes, dir
     """Write data, zero fill and CRC from offset 0 of ``fd``, cut the file to its size, fsync."""
     n = data.nbytes
     total = chunk_bytes + _CRC
-    pad = chunk_bytes - n
-    if n % ALIGN == 0 and is_aligned(data):  # straight from the caller's memory; the tail via the bounce
-        tail = _bounce(pad + _CRC)[: _round_up(pad + _CRC)]
-        tail[:pad] = 0
-        tail[pad : pad + _CRC] = np.frombuffer(crc_bytes, dtype=np.uint8)
-        views = [memoryview(data), memoryview(tail)]
-    else:
-        whole = _bounce(total)[: _round_up(total)]
-        whole[:n] = data
-        whole[n:chunk_bytes] = 0
-        whole[chunk_bytes:total] = np.frombuffer(crc_bytes, dtype=np.uint8)
-        views = [memoryview(whole)]
-    want = _pwritev_full(fd, views, path)
-    if want != total:
+    head = n // ALIGN * ALIGN if is_aligned(data) else 0  # straight from the caller's memory
+    if head:
+        _pwritev_full(fd, [memoryview(data[:head])], path)
+    pos = head
+    while pos < total:  # the rest (data, zero fill, CRC) through the bounce, whole pages at a time
+        buf = _bounce(total - pos)
+        _fill(buf, pos, data, chunk_bytes, crc_bytes)
+        _pwritev_full(fd, [memoryview(buf)], path, pos)
+        pos += buf.nbytes
+    if pos != total:
         os.ftruncate(fd, total)  # O_DIRECT wrote whole pages: cut the padding after the CRC
     os.fsync(fd)
     if not direct:

@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -159,3 +160,47 @@ def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(t
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == data.tobytes() + bytes([9] * 7)
+
+
+@pytest.mark.parametrize("chunk", [CH, CH - 100])  # a page-multiple chunk (edge chunks padded), an odd-sized one
+@pytest.mark.parametrize("in_place", [False, True])
+def test_unaligned_parts_go_through_a_bounce_of_bounded_size(tmp_path, monkeypatch, chunk, in_place):
+    """A chunk's part that is not whole pages of page-aligned memory goes through the I/O thread's
+    bounce buffer, which each thread keeps for the run and host RAM does not count: it moves in
+    pieces of at most BOUNCE_MAX, and the whole pages of aligned memory not at all (a layer of an
+    odd vocabulary size took a chunk-sized buffer per thread, up to 16 MiB each)."""
+    cap = 3 * 4096  # a few pages, so every path below takes several pieces
+    monkeypatch.setattr(fastio, "BOUNCE_MAX", cap, raising=False)
+    monkeypatch.setattr(fastio, "_tls", type(fastio._tls)())  # no buffer left from an earlier test
+    asked: list[int] = []
+    real = fastio._bounce
+    monkeypatch.setattr(fastio, "_bounce", lambda n: (asked.append(real(n).nbytes), real(n))[1])
+    path = tmp_path / "0"
+    rng = np.random.default_rng(11)
+    for n in sorted({chunk, chunk - 4096, chunk - 100, 5000, 100}):
+        for aligned in (True, False):
+            data = _aligned(n, n) if aligned else rng.integers(0, 256, n + 1, dtype=np.uint8)[1:]
+            write_chunk_file(path, chunk, data, in_place=in_place)
+            whole = np.concatenate([data, np.zeros(chunk - n, np.uint8)])  # zarr's edge chunk: zero-filled
+            assert path.read_bytes() == whole.tobytes() + crc32c.crc32c(whole).to_bytes(4, "little"), (n, aligned)
+            for offset, m in ((0, chunk), (0, n - n % 4096), (100, n - 100), (0, 0)):
+                out = aligned_empty(m) if aligned else np.zeros(m + 1, np.uint8)[1:]
+                assert read_chunk_file(path, chunk, out, offset) is None
+                assert np.array_equal(out, whole[offset : offset + m]), (n, aligned, offset, m)
+    assert max(asked) <= cap
+    if chunk % 4096 == 0:  # whole pages of aligned memory never touch the bounce: only the tails did
+        asked.clear()
+        write_chunk_file(path, chunk, _aligned(chunk, 1), in_place=in_place)
+        assert read_chunk_file(path, chunk, aligned_empty(chunk)) is None
+        assert max(asked) <= 4096  # the CRC's page
+
+
+def test_a_bounced_chunk_that_fails_its_crc_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(fastio, "BOUNCE_MAX", 4096, raising=False)
+    path = tmp_path / "0"
+    write_chunk_file(path, CH - 100, np.zeros(CH - 99, np.uint8)[1:] + 7)
+    raw = bytearray(path.read_bytes())
+    raw[CH // 2] ^= 1
+    path.write_bytes(bytes(raw))
+    assert "failed its CRC32C" in read_chunk_file(path, CH - 100, np.zeros(CH - 100, np.uint8))
+
