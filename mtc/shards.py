@@ -423,6 +423,7 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
 
     from mtc.dist import groups
     from mtc.runtime.collectives import collective
+    from mtc.runtime.pinned import host_buffer
     from mtc.runtime.state import flatten_layer
     from mtc.runtime.tiers import DISK_CHUNK_NUMEL, zero_moments
 
@@ -466,7 +467,7 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
                     parts = [out[r * per : (r + 1) * per] for r in range(world_size)]
                     if s.tier == "disk":  # its master shard, read for the gather only (one shard in RAM at a time)
                         lo, hi = s.shard
-                        master = torch.zeros(per, dtype=STATE_DTYPE)
+                        master = host_buffer(per, STATE_DTYPE, pinned=False)  # zeros, page-aligned for the store
                         if hi > lo:
                             st.read_into(state_array_name(s.layer, "master", last.generation), master[: hi - lo])
                     else:
@@ -495,8 +496,12 @@ def start_state(root: Path, root_st: TensorStore, program: object, tiers: object
             tiers.set_layer(s.layer, flat)
             lo, hi = s.shard
             if hi > lo:
+                # page-aligned copies (the store writes them with O_DIRECT; torch's memory went through
+                # the I/O threads' bounce buffers), the zeros a never-written mapping for m and v both
+                master = host_buffer(hi - lo, STATE_DTYPE, pinned=False).copy_(flat[lo:hi])
+                zeros = host_buffer(hi - lo, STATE_DTYPE, pinned=False)
                 for k in layer_kinds(s.tier, durability):
-                    st.write(state_array_name(s.layer, k, 0), flat[lo:hi].clone() if k == "master" else torch.zeros(hi - lo))
+                    st.write(state_array_name(s.layer, k, 0), master if k == "master" else zeros)
         committer(root_st, st, rank, world_size, lambda gen: first)(0, None)
     except BaseException:
         st.close()
@@ -509,13 +514,15 @@ def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen:
     of generation ``gen`` into this rank's shard store (the disk tier reads it from there); moments
     the commit does not keep (``durability`` weights: a ram layer's were never stored, a disk
     layer's arrays hold no committed step's) start at zero, as a single-process resume starts them."""
+    from mtc.runtime.pinned import host_buffer
+
     for s in tiers.layers:
         if s.tier != "disk" or not s.numel or s.shard[1] == s.shard[0]:
             continue
         lo, hi = s.shard
         for k in ("master", "m", "v"):
             name = state_array_name(s.layer, k, gen)
-            buf = torch.zeros(hi - lo, dtype=STATE_DTYPE)
+            buf = host_buffer(hi - lo, STATE_DTYPE, pinned=False)  # zeros, page-aligned: written with O_DIRECT
             if k == "master" or (durability == "full" and root_st.has_array(name)):
                 root_st.read_rows_into(name, lo, buf)
             st.write(name, buf)

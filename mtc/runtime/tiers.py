@@ -65,7 +65,7 @@ def zero_moments(store: TensorStore, layer: int, generation: int) -> None:
         name = state_array_name(layer, kind, generation)
         info = store.array_info(name)
         rows = max(info.chunk_rows, 1) * max(1, (1 << 22) // max(info.chunk_rows, 1))  # whole chunks, ~16 MiB
-        zeros = torch.zeros(min(info.shape[0], rows), dtype=STATE_DTYPE)
+        zeros = host_buffer(min(info.shape[0], rows), STATE_DTYPE, pinned=False)  # page-aligned: O_DIRECT writes
         for lo in range(0, info.shape[0], zeros.numel()):
             store.write_rows(name, lo, zeros[: min(zeros.numel(), info.shape[0] - lo)])
 

@@ -4,7 +4,9 @@ Run as ``python tests/mtc/dp_disk_rank.py LOG CHUNK mtc-arguments...`` under tor
 environment. ``CHUNK`` (> 0) sets the disk tier's chunk (`StateTiers.disk_chunk_numel`), so a tiny
 model's disk shards are read and written in several chunks. Every read of a state array is recorded
 as ``[store directory, array name, phase]`` (phase ``start`` before the first optimizer step begins,
-``step`` after) and written to ``LOG.rank-R.json`` when the process ends.
+``step`` after) and written to ``LOG.rank-R.json`` when the process ends; every chunk file written
+from memory that is not page-aligned (the store's O_DIRECT then goes through a bounce buffer) as
+``[chunk file, phase]`` to ``LOG.rank-R.unaligned.json``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 
 def main() -> int:
     """Install the spy, run `mtc` with the remaining arguments, return its exit code."""
-    from mtc.store import TensorStore
+    from mtc.store import TensorStore, fastio
 
     from mtc.cli import main as mtc_main
     from mtc.runtime.optimizer import StreamingAdamW
@@ -48,11 +50,24 @@ def main() -> int:
         begin(self, step, lr)
 
     StreamingAdamW.begin_step = begin_step
+    unaligned: list[list[str]] = []
+    write_chunk_file = fastio.write_chunk_file
+
+    def write_spy(path: object, chunk_bytes: int, data: object, **kw: object) -> bool:
+        if not fastio.is_aligned(data):
+            unaligned.append([str(path), phase[0]])
+        return write_chunk_file(path, chunk_bytes, data, **kw)
+
+    fastio.write_chunk_file = write_spy
+    TensorStore_module = sys.modules[TensorStore.__module__]
+    TensorStore_module.write_chunk_file = write_spy  # (imported by name there)
     rank = os.environ.get("RANK", "0")
 
     def dump() -> None:
         with open(f"{log}.rank-{rank}.json", "w") as f:
             json.dump(reads, f)
+        with open(f"{log}.rank-{rank}.unaligned.json", "w") as f:
+            json.dump(unaligned, f)
 
     atexit.register(dump)
     return mtc_main(argv)

@@ -111,6 +111,18 @@ def test_ram_layers_are_not_read_after_start_up_and_disk_layers_only_from_the_ra
 
 
 @pytest.mark.slow
+def test_a_new_run_writes_its_shards_from_page_aligned_memory(runs):
+    """The store writes page-aligned memory with O_DIRECT, anything else through each I/O thread's
+    bounce buffer (kept for the run, counted by no plan): a new data-parallel run wrote every rank's
+    initial shards from torch-allocated copies and zeros."""
+    d, _ = runs
+    for name in ("disk", "mixed"):
+        for rank in range(2):
+            got = json.loads(Path(f"{d / name}-reads.rank-{rank}.unaligned.json").read_text())
+            assert not [p for p, phase in got if phase == "start" and "/layers/" in p], (name, rank, got[:4])
+
+
+@pytest.mark.slow
 def test_kill_9_of_one_rank_then_relaunch_is_bit_identical(runs):
     d, tokens = runs
     store, log = d / "killed", d / "killed-reads"
