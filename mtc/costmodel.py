@@ -710,12 +710,15 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     gat = [dist.gather_seconds(n[i], c) if dist and n[i] else 0.0 for i in range(L)]
     every_step = durable and (n_disk > 0 or cfg.commit_every == 1)
     wb = [b / write_bw for b in behind] if every_step else [0.0] * L
+    # committing every step, a step's commit record (and its fsyncs) follows the step's writes, and
+    # the next step's writes wait for it (they may overwrite only what the last commit does not name)
+    commit_fixed = profile.commit_latency_s if every_step else 0.0
 
     # demands: what a task would use alone (its figure was measured with that many threads)
     dem_compute = 1.0 if cuda else min(float(profile.compute_threads or 1), cores)
     dem_opt = min(float(opt_threads), cores)
     on = {"compute": "gpu" if cuda else "cpu", "h2d": "h2d" if cuda else "cpu", "d2h": "d2h" if cuda else "cpu"}
-    sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0, "net": 1.0})
+    sim = _FluidSim({"gpu": 1.0, "h2d": 1.0, "d2h": 1.0, "cpu": float(cores), "disk": 1.0, "net": 1.0, "commit": 1.0})
     visits = [("fwd", i) for i in range(L - 1)] + [("head", L - 1)] + [("bwd", i) for i in range(L - 2, -1, -1)]
     steps = 4 + MEAN_OVER
     syncs: list[int] = []
@@ -733,6 +736,7 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     h2d_last = d2h_last = net_last = None
     bwd_from: int | None = None  # last step's head visit could start: the state loads ahead from there
     back_prev: list[int | None] = [None] * L  # last step's GPU-side updates' state back on the host
+    committed: int | None = None  # last step's commit (every-step commits)
     for s in range(steps):
         sync = syncs[-1] if syncs else None
         upd: list[int | None] = [None] * L
@@ -769,21 +773,24 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
                     # a spilled gradient is read back with the state: after the backward wrote it
                     rd = sim.add(io_r[i], "disk", (read_from, ring, disk_write[i], grad[i] if grad_spill else None), dem_read)
                     cpu_chain = ad = sim.add(adam[i], "cpu", (rd, cpu_chain, *deps), dem_opt)
-                    disk_write[i] = wr = sim.add(io_w[i], "disk", (ad,), dem_write)
+                    disk_write[i] = wr = sim.add(io_w[i], "disk", (ad, committed), dem_write)
                     set_free.extend([wr if chunks[i] <= DISK_SLOTS else ad] * chunks[i])
                     # a forward fetch waits for the update; reading its weights from the store, for the write too
                     upd[i] = wr if per_visit[i] else ad
                 else:
                     cpu_chain = upd[i] = sim.add(adam[i], "cpu", (cpu_chain, *deps), dem_opt)
                 if wb[i] and i not in late:
-                    writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev), dem_write)
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, upd[i] if placement[i] != "gpu" else dev, committed),
+                                                dem_write)
                 gate[i] = net_last = sim.add(gat[i], "net", (upd[i] if placement[i] != "gpu" else dev, net_last)) if gat[i] else upd[i]
                 if kernel[i] is not None:  # handed over on the device: the visits wait for the kernel only
                     gate[i] = kernel[i]
             for i in sorted(late):  # behind every layer's weights on the copy stream
                 str_out = back[i] = sim.add((all_back - w_back) * sn[i] / (profile.d2h_gbps * gb), on["d2h"], (str_out,))
                 if wb[i]:  # a commit writes the state once it is back
-                    writer = write[i] = sim.add(wb[i], "disk", (writer, back[i]), dem_write)
+                    writer = write[i] = sim.add(wb[i], "disk", (writer, back[i], committed), dem_write)
+            if commit_fixed:
+                committed = sim.add(commit_fixed, "commit", [disk_write[i] for i in range(L)] + [write[i] for i in range(L)])
         back_prev = back
         comp, issue, arrived = dev, sync, sync
         ends: list[int] = []
@@ -831,11 +838,11 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     vol = sum(behind)
     # a commit's bytes at the store's rate, plus what it costs whatever its size (fsyncs, renames,
     # the record): for a small model the fixed part is most of it, and the pacer paces by the whole
-    commit_s = vol / write_bw + profile.commit_latency_s if vol else 0.0
+    commit_s = vol / write_bw + profile.commit_latency_s if vol or every_step else 0.0
     if not durable or not vol:
         commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
     elif every_step:
-        commits = Commits(vol, commit_s, 1, 0.0)  # in the schedule already
+        commits = Commits(vol, commit_s, 1, 0.0)  # in the schedule already (its writes, then its fixed cost)
     else:  # written behind; paced to <= 5 % of the time (commit_every 0), or every N steps
         every = cfg.commit_every if cfg.commit_every else max(1, math.ceil(20 * commit_s / base))
         commits = Commits(vol, commit_s, every, max(0.0, commit_s - base) / every)
