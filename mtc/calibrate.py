@@ -45,6 +45,12 @@ GiB = 2**30
 COMMIT_LATENCY_S = 0.2
 COMMIT_LATENCY_ASSUMED = (f"a commit's fixed cost {COMMIT_LATENCY_S:.1f} s beyond its bytes (fsyncs, renames, the record; "
                           "not measured: `mtc calibrate --dir` on the store's disk measures it)")
+# Each chunk file a commit writes beyond the three of `_commit_latency_s` where that was not
+# measured: its own fsync, rename and directory fsync, 0.9 ms on the 2-core VM's ext4 with 4 I/O
+# threads (18 -> 60 files: 20-28 -> 68-72 ms, 2026-11-29); a large model's commit writes thousands
+COMMIT_FILE_S = 0.001
+COMMIT_FILE_ASSUMED = (f"{COMMIT_FILE_S * 1e3:.0f} ms per chunk file a commit writes (fsync, rename, directory fsync; "
+                       "not measured: `mtc calibrate --dir` on the store's disk measures it)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -125,6 +131,9 @@ class MachineProfile:
     # under load), where the tiny model's commits took 0.02-0.2 s in a run and its bytes over the
     # store's rate said 13-21 ms: most of a small model's commit is this
     commit_latency_s: float = COMMIT_LATENCY_S
+    # seconds each further chunk file adds to a commit (beyond the three the fixed cost includes):
+    # the slope of the same commit's time over more arrays (`_commit_latency_s`)
+    commit_file_s: float = COMMIT_FILE_S
     identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
     calibrate_s: float = 0.0  # how long `calibrate` took
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
@@ -175,6 +184,8 @@ class MachineProfile:
             d = {**d, "assumed": [*d.get("assumed", []), TAKE_TURNS]}
         if "commit_latency_s" not in d:  # written before a commit's fixed cost was measured
             d = {**d, "assumed": [*d.get("assumed", []), COMMIT_LATENCY_ASSUMED]}
+        if "commit_file_s" not in d:  # written before the cost per chunk file was measured
+            d = {**d, "assumed": [*d.get("assumed", []), COMMIT_FILE_ASSUMED]}
         if d.get("accelerator") == "cuda" and d.get("matmul") and _thin_points_missing(d["matmul"]) \
                 and str(d.get("source", "")).startswith("mtc calibrate") and STALE_GPU_POINTS not in d.get("assumed", []):
             d = {**d, "assumed": [*d.get("assumed", []), STALE_GPU_POINTS]}
@@ -275,6 +286,7 @@ def _h100_box() -> MachineProfile:
         assumed=[
             TAKE_TURNS,
             COMMIT_LATENCY_ASSUMED,
+            COMMIT_FILE_ASSUMED,
             "disk free 60 GiB (the box has a 64 GiB disk; not measured)",
             "host RAM available 122 GiB of 128 (not measured)",
             "exact AdamW 2.5 G params/s, one thread 0.6 (not measured there: fused is what CUDA runs use)",
@@ -298,6 +310,7 @@ def _h200_1p5tb() -> MachineProfile:
         assumed=[
             TAKE_TURNS,
             COMMIT_LATENCY_ASSUMED,
+            COMMIT_FILE_ASSUMED,
             "everything but the GPU memory (141 GB, nvidia-smi's 143,771 MiB) and the 1.5 TiB of RAM is assumed",
             "matmul 789 TFLOP/s and layer efficiency as the H100 box (same compute die; HBM3e only helps)",
             "PCIe Gen5 as the H100 box: 55 / 55 / 94 GB/s",
@@ -317,6 +330,7 @@ def _256gb_4tb() -> MachineProfile:
         assumed=[
             TAKE_TURNS,
             COMMIT_LATENCY_ASSUMED,
+            COMMIT_FILE_ASSUMED,
             "GPU, PCIe, cores, matmul and CPU AdamW as the H100 box (measured there)",
             "the whole 4 TB (4.0e12 bytes) NVMe free for the store",
             "NVMe raw write 3.0, read 3.5 GB/s; through the store 2.5 / 3.0 GB/s",
@@ -339,6 +353,7 @@ def _8x_h100() -> MachineProfile:
         assumed=[
             TAKE_TURNS,
             COMMIT_LATENCY_ASSUMED,
+            COMMIT_FILE_ASSUMED,
             "everything but one GPU's figures (the H100 box's: 789 TFLOP/s bf16, 55 / 55 / 94 GB/s PCIe per GPU) is assumed",
             ("112 cores, 2 TiB RAM (2,000 GiB available); host-wide CPU AdamW 12 G params/s (DRAM-bound: ~30 B/param "
              "at ~360 GB/s), x 0.49 while copies run, as the box"),
@@ -567,19 +582,20 @@ def _store_rates(torch: Any, root: Path, mb: int, repeats: int, io_threads: int)
     return nbytes / w / 1e9, nbytes / cold / 1e9, nbytes / warm / 1e9, nbytes / busy / 1e9, both / 1e9
 
 
-def _commit_latency_s(torch: Any, root: Path, repeats: int, io_threads: int) -> float:
+def _commit_latency_s(torch: Any, root: Path, repeats: int, io_threads: int, extra: int = 0) -> float:
     """Seconds of a real commit whose bytes are negligible: a small layer's master, m and v written
     into the other generation as a commit writes them behind, then the commit record (with the
     RNG state a run records). The median of ``2 * repeats + 1`` after a warm-up (the first commit
     into each generation creates its files): an fsync's latency varies from call to call with the
     file system's journal, not only with a neighbour's load, and the run's pacer meets the usual
-    commit, not the quickest."""
+    commit, not the quickest. ``extra`` more arrays make as many more chunk files: the slope over
+    them is what each file of a larger commit adds."""
     import base64
 
     from mtc.store import CommitRecord, TensorStore
 
     n = 1024
-    kinds = ("master", "m", "v")
+    kinds = ("master", "m", "v", *(f"x{k}" for k in range(extra)))  # ``extra`` more arrays: the cost per file
     rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     data = torch.randn(n)
     path = root / "mtc-calibrate-commit"
@@ -955,6 +971,8 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     dw, dr, drw = _disk_rates(root, disk_mb, repeats)
     sw, sr, srw, swb, sboth = _store_rates(torch, root, disk_mb, repeats, io_threads)
     commit_latency = _commit_latency_s(torch, root, repeats, io_threads)
+    more = 45  # files beyond the three: enough that the slope stands above an fsync's jitter (~5 ms)
+    commit_file = max(0.0, (_commit_latency_s(torch, root, repeats, io_threads, more) - commit_latency) / more)
     adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
     s = matmul_size
     # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
@@ -978,6 +996,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         disk_write_gbps=dw, disk_read_gbps=dr, disk_read_warm_gbps=drw,
         store_write_gbps=sw, store_read_gbps=sr, store_read_warm_gbps=srw, store_write_busy_gbps=swb, store_both_gbps=sboth,
         commit_latency_s=commit_latency,
+        commit_file_s=commit_file,
         adamw_gparams_s=adam, adamw_impl="fused" if cuda else "exact", adamw_one_thread_gparams_s=adam_one,
         adamw_with_copies=CUDA_ADAMW_WITH_COPIES if cuda else 1.0,
         matmul_dtype="bfloat16" if cuda else "float32", matmul=mm,

@@ -753,7 +753,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     print(f"host->device {prof.h2d_gbps:.1f} GB/s, device->host {prof.d2h_gbps:.1f} GB/s, both {prof.both_gbps:.1f} GB/s ({pcie})")
     print(f"disk at {prof.disk_dir} (page cache dropped): write {prof.disk_write_gbps:.2f} GB/s, read {prof.disk_read_gbps:.2f} GB/s; "
           f"through the store: write {prof.store_write_gbps:.2f}, read {prof.store_read_gbps:.2f}, both at once {prof.store_both_gbps:.2f} GB/s; "
-          f"a commit's fixed cost {prof.commit_latency_s * 1e3:.0f} ms")
+          f"a commit's fixed cost {prof.commit_latency_s * 1e3:.0f} ms, {prof.commit_file_s * 1e3:.1f} ms per further chunk file")
     print(f"CPU AdamW ({prof.adamw_impl}, {prof.cores} threads): {prof.adamw_rate:.2f} G params/s; "
           f"matmul ({prof.matmul_dtype}): {prof.matmul_tflops:.3f} TFLOP/s (median of {len(prof.matmul)} shapes; fastest "
           f"{max(p['tflops'] for p in prof.matmul):.3f}, thinnest {prof.matmul[-1]['tflops']:.3f})"

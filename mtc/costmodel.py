@@ -473,6 +473,10 @@ def reference_scales(profile: MachineProfile) -> tuple[float, float]:
 # -- step time ---------------------------------------------------------------------------------
 
 
+# a 1-D state array's chunk in the store (`mtc.store.tensor_store`): one file per chunk per commit
+_STORE_CHUNK_BYTES = 16 * 2**20
+
+
 class _FluidSim:
     """Tasks with dependencies on shared resources: a resource of capacity C shares itself among
     its running tasks, each getting min(1, C / total demand) of its speed (processor sharing)."""
@@ -837,8 +841,11 @@ def step_time(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_upd
     base = max(schedule, pcie, host_mem, disk_busy)
     vol = sum(behind)
     # a commit's bytes at the store's rate, plus what it costs whatever its size (fsyncs, renames,
-    # the record): for a small model the fixed part is most of it, and the pacer paces by the whole
-    commit_s = vol / write_bw + profile.commit_latency_s if vol or every_step else 0.0
+    # the record; three chunk files' worth) and each further chunk file's fsync, rename and
+    # directory fsync: for a small model the fixed part is most of it, and the pacer paces by the whole
+    files = sum(len(state_kinds(placement[i], cfg.durability)) * -(-4 * sn[i] // _STORE_CHUNK_BYTES) for i in range(L) if behind[i])
+    commit_s = (vol / write_bw + profile.commit_latency_s + profile.commit_file_s * max(0, files - 3)
+                if vol or every_step else 0.0)
     if not durable or not vol:
         commits = Commits(vol, commit_s, 1 if every_step else 0, 0.0)
     elif every_step:

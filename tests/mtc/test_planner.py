@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from mtc.calibrate import COMMIT_LATENCY_ASSUMED, COMMIT_LATENCY_S, MachineProfile, builtin, calibrate
+from mtc.calibrate import (COMMIT_FILE_ASSUMED, COMMIT_FILE_S, COMMIT_LATENCY_ASSUMED, COMMIT_LATENCY_S, MachineProfile, builtin,
+                           calibrate)
 from mtc.cli import main
 from mtc.config import TrainConfig
 from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
@@ -158,6 +159,7 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
               prof.store_both_gbps, prof.adamw_rate, prof.matmul_tflops, prof.gloo_gbps, prof.commit_latency_s):
         assert v > 0
     assert COMMIT_LATENCY_ASSUMED not in prof.assumed  # measured: a real commit's wall time
+    assert prof.commit_file_s >= 0 and COMMIT_FILE_ASSUMED not in prof.assumed  # and its slope over more files
     assert prof.store_both_gbps >= prof.store_write_busy_gbps  # the busy writes' bytes, and the reads' beside them
     assert prof.identity["host"] and prof.identity["torch"]
     assert prof.reference_block["joint_s"] > prof.reference_block["fwd_s"] > 0
@@ -173,9 +175,9 @@ def test_commit_pacing_counts_a_commits_fixed_latency():
     more often than the run did."""
     cfg = TrainConfig(model="tiny", placement="ram", commit_every=0)
     prof = builtin("h100-box")
-    bare = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=0.0)).step
+    bare = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=0.0, commit_file_s=0.0)).step
     latency = 0.15
-    paced = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=latency)).step
+    paced = make_plan(cfg, dataclasses.replace(prof, commit_latency_s=latency, commit_file_s=0.0)).step
     assert paced.commits.bytes_per_commit == bare.commits.bytes_per_commit > 0
     assert bare.commits.seconds == pytest.approx(bare.commits.bytes_per_commit / (prof.store_write_gbps * 1e9))
     assert paced.commits.seconds == pytest.approx(bare.commits.seconds + latency)
@@ -185,11 +187,32 @@ def test_commit_pacing_counts_a_commits_fixed_latency():
 
 def test_a_profile_saved_before_the_commit_latency_was_measured_loads_with_the_stated_default(tmp_path):
     path = _this_host_profile(tmp_path / "machine.json")
-    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "commit_latency_s"}
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("commit_latency_s", "commit_file_s")}
     path.write_text(json.dumps({**old, "assumed": []}))
     prof = MachineProfile.load(path)
-    assert prof.commit_latency_s == COMMIT_LATENCY_S and prof.assumed == [COMMIT_LATENCY_ASSUMED]
-    assert MachineProfile.from_dict(prof.to_dict()).assumed == [COMMIT_LATENCY_ASSUMED]  # saved and loaded again: once
+    assert prof.commit_latency_s == COMMIT_LATENCY_S and prof.commit_file_s == COMMIT_FILE_S
+    assert prof.assumed == [COMMIT_LATENCY_ASSUMED, COMMIT_FILE_ASSUMED]
+    # saved and loaded again: once
+    assert MachineProfile.from_dict(prof.to_dict()).assumed == [COMMIT_LATENCY_ASSUMED, COMMIT_FILE_ASSUMED]
+
+
+def test_a_commit_costs_each_chunk_file_it_writes():
+    """A commit writes each state array's chunks as files of their own, each with an fsync, a
+    rename and a directory fsync (0.9 ms a file on the VM's ext4): the plan counted one fixed
+    latency (measured with three files) whatever the number of files, so a large model's commit
+    (thousands of 16 MiB chunks) was under-counted, and its commits paced too often."""
+    from mtc.runtime.tiers import state_kinds
+
+    prof = builtin("h200-1.5tb")
+    for model in ("tiny", "8b"):
+        cfg = TrainConfig(model=model, placement="ram", durability="full", commit_every=0)
+        plan = make_plan(cfg, dataclasses.replace(prof, commit_file_s=0.0))
+        per_file = 0.004
+        got = make_plan(cfg, dataclasses.replace(prof, commit_file_s=per_file)).step.commits
+        chunk_elems = 16 * 2**20 // 4  # the store's 16 MiB chunks of fp32
+        files = sum(len(state_kinds("ram", "full")) * -(-n // chunk_elems) for n in plan.shape.numels if n)
+        assert got.seconds == pytest.approx(plan.step.commits.seconds + per_file * (files - 3))
+        assert got.every >= plan.step.commits.every  # paced by the whole commit
 
 
 @pytest.mark.gpu
