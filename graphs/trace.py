@@ -288,7 +288,8 @@ def check_replayable(ep: torch.export.ExportedProgram, graph: fx.Graph) -> None:
                 f"module {_module_of(n)!r} draws random numbers in the forward ({what}): mtc recomputes each layer's "
                 "forward during the backward, and a second draw would make the gradient disagree with the loss. Set "
                 "dropout probabilities to 0 (as LLM pre-training and most fine-tuning do), or trace the model in "
-                "eval mode (model.eval())")
+                "eval mode (model.eval(); a functional F.dropout(x, p) drops in eval mode too: give it "
+                "training=self.training)")
         if free_unbacked_symbols(_shaped(n.meta.get("val"))):
             raise TraceError(
                 f"module {_module_of(n)!r} makes a value whose size depends on the data ({n.target}, e.g. "

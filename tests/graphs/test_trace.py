@@ -216,6 +216,13 @@ def test_what_a_streamed_replay_would_get_wrong_is_refused_at_trace_time():
             trace(_Toy(block), 2, 4)
     trace(_Toy(lambda: _Drop(p=0.0)), 2, 4)
     trace(_Toy(_Drop).eval(), 2, 4)
+
+    class FunctionalDrop(_Drop):  # F.dropout's training defaults to True: eval mode does not stop it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.nn.functional.dropout(self.lin(x), 0.1)
+
+    with pytest.raises(TraceError, match=r"F.dropout\(x, p\) drops in eval mode too: give it training=self.training"):
+        trace(_Toy(FunctionalDrop).eval(), 2, 4)
     # a buffer updated in the forward (inside no_grad too) would be dropped every step
 
     class Counted(_Toy):
