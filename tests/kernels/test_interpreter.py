@@ -52,3 +52,45 @@ def test_helpers_called_inside_a_kernel_do_not_patch_the_language_again(monkeypa
     assert calls == ["triton.language"] * 2
     torch.testing.assert_close(out, x + 3.0)
     assert tl.arange is arange, "tl stayed patched after the launch"
+
+
+@triton.jit
+def _int_math_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)  # int32: each op below is a 32-bit integer op
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, (x + offs) * 3 - offs)
+
+
+def test_integer_ops_skip_the_overflow_check_that_is_dropped_without_debug(monkeypatch):
+    # Without debug the overflow check's assert is dropped (device_assert returns first), yet the
+    # interpreter built the check anyway: casts, the op in int64 and two compares per int op.
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow
+    compares = []
+    real = type(builder).create_icmpSLE
+
+    def counting(self, *args):  # noqa: ANN001, ANN002, ANN202
+        compares.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(type(builder), "create_icmpSLE", counting)
+    x = torch.arange(8, dtype=torch.int32)
+    out = torch.empty_like(x)
+    _int_math_kernel[(1,)](x, out, N=8)
+    assert torch.equal(out, (x + torch.arange(8, dtype=torch.int32)) * 3 - torch.arange(8, dtype=torch.int32))
+    assert compares == [], f"{len(compares)} overflow compares built for asserts that are dropped"
+
+
+def test_numpy_dtypes_are_the_interpreters_own_remembered():
+    from triton.runtime import interpreter
+
+    get = interpreter._get_np_dtype
+    assert getattr(get, "cached", False), "the interpreter rebuilds its dtype table at every op"
+    types = [tl.int1, tl.int8, tl.int32, tl.int64, tl.uint32, tl.float16, tl.bfloat16, tl.float32, tl.float64,
+             tl.pointer_type(tl.float32), tl.block_type(tl.float32, [4]), tl.block_type(tl.bfloat16, [2, 8]),
+             tl.block_type(tl.pointer_type(tl.int32), [4])]
+    original = get.original
+    for t in types * 2:  # the second pass answers from memory
+        assert get(t) == original(t), t
