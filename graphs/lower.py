@@ -117,7 +117,22 @@ def _meta_inputs(t: Template) -> list[torch.Tensor]:
     return [torch.empty(i.spec.shape, dtype=i.spec.torch_dtype, device="meta") for i in t.inputs]
 
 
+# (operator count, table): torch builds its core ATen table by walking every registered
+# composite op (~0.1-0.4 s here), and each template lowers two or three times; a new op registered
+# since (a user's library imported between traces) may be composite, so the count is the key.
+_DECOMPS: tuple[int, dict[Any, Callable[..., Any]]] | None = None
+
+
 def _decomps() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table lowering traces with (a copy: make_fx's callers own it)."""
+    global _DECOMPS
+    n_ops = len(torch._C._dispatch_get_all_op_names())
+    if _DECOMPS is None or _DECOMPS[0] != n_ops:
+        _DECOMPS = (n_ops, _build_decomps())
+    return dict(_DECOMPS[1])
+
+
+def _build_decomps() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import core_aten_decompositions, get_decompositions
 
     table = dict(core_aten_decompositions())
