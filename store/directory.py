@@ -23,10 +23,20 @@ only by a commit into its generation, whose state writes had already made the ol
 there unusable. Records written before the resume files existed carry ``rng_state`` inline and
 are read as they are.
 
+Likewise the run's config and data identity (``config``, and ``meta["data"]`` and
+``meta["changes"]``: `CONTEXT_META`) change only when a run is resumed with other settings, yet
+took ~1.5 KB of every history line, and with disk layers every step commits. A history line
+names them by digest (``context``), and ``contexts/<digest>.json`` holds them once, written
+atomically (temp file, fsync, rename) before the first line that names it; `read_history`
+puts them back, so a record read from the history equals the one committed. ``commit.json``
+keeps its record whole: the last commit stands on its own, and `mtc.store.verify.repair`
+rewrites a lost or damaged context file from it. History lines written before the context
+files existed carry ``config`` and ``meta`` inline and are read as they are.
+
 Write order of a commit: the generation's resume file (fsync: durable before any record names
-it), the new record file (marker or tmp; fsync), then the history line (fsync), then the
-rename, then an fsync of the directory. So the history's last record is never
-older than ``commit.json``; a crash between the append and the rename leaves the history one
+it), the new record file (marker or tmp; fsync), then the context file if it is new, then the
+history line (fsync), then the rename, then an fsync of the directory. So the history's last
+record is never older than ``commit.json``; a crash between the append and the rename leaves the history one
 record ahead (a commit that never completed: ``commit.json`` stays authoritative). When a write
 fails (ENOSPC, EROFS, EIO) the history is truncated back and the temp file removed, so the
 previous commit stays exactly as it was.
@@ -58,6 +68,8 @@ from mtc.errors import StoreError, StoreLockedError
 
 __all__ = [
     "COMMIT_FILE",
+    "CONTEXT_DIR",
+    "CONTEXT_META",
     "DURABILITY_MODES",
     "HISTORY_FILE",
     "LOCK_FILE",
@@ -69,14 +81,18 @@ __all__ = [
     "HistoryLine",
     "append_line",
     "check_creatable",
+    "context_file",
     "dir_state",
     "lock_store",
     "read_commit_file",
+    "read_context",
     "read_history",
     "read_resume",
     "read_write_starts",
     "record_write_start",
+    "restore_context",
     "resume_file",
+    "split_context",
     "split_resume",
     "unlock_store",
     "write_commit",
@@ -95,6 +111,11 @@ RESUME_FILES: tuple[str, ...] = ("resume-g0.json", "resume-g1.json")
 # fsynced before the write begins, so a reader can tell whether a generation was written since a
 # commit without trusting file times (a plain `cp -r` of a store resets them)
 WRITES_LOG = "writes.jsonl"
+# the run's config and data identity, once per change, named by the history lines (see the module docstring)
+CONTEXT_DIR = "contexts"
+# the fields of a record's meta that a run sets when it starts (the data's identity, the changes
+# --allow-change let through), kept in the context file with the config rather than in every line
+CONTEXT_META: tuple[str, ...] = ("data", "changes")
 DURABILITY_MODES: tuple[str, ...] = ("full", "weights", "none")
 # Made inside a store directory during set-up by the runtime (`trainer.open_run`), so `create`
 # may remove them when it re-initialises an uncommitted store; anything else there is not ours.
@@ -144,7 +165,11 @@ class CommitRecord:
     @classmethod
     def from_json(cls, text: str) -> CommitRecord:
         """Parse `to_json` output; raises ValueError or TypeError naming the first bad field."""
-        d = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CommitRecord:
+        """A record from the parsed JSON object of `to_json`; ValueError or TypeError naming the first bad field."""
         if not isinstance(d, dict):
             raise TypeError(f"a commit record is a JSON object, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -177,6 +202,7 @@ class HistoryLine:
     line_no: int
     record: CommitRecord | None
     error: str | None = None
+    context: str = ""  # the digest of the context file the line names ("": config and meta inline)
 
 
 def dir_state(p: Path) -> DirState:
@@ -220,21 +246,119 @@ def read_commit_file(p: Path) -> CommitRecord | None:
     return CommitRecord.from_json(text)
 
 
-def read_history(p: Path) -> list[HistoryLine]:
-    """Every line of ``p/commits.jsonl``, parsed or with its error; [] when there is no history."""
+def read_history(p: Path, *, known: CommitRecord | None = None) -> list[HistoryLine]:
+    """Every line of ``p/commits.jsonl``, parsed or with its error; [] when there is no history.
+
+    ``known``: a whole record (``commit.json``'s) whose context stands in for its context file
+    when that file is missing or damaged.
+    """
     try:
         text = (p / HISTORY_FILE).read_text(errors="replace")
     except FileNotFoundError:
         return []
     out = []
+    contexts: dict[str, dict[str, Any] | str] = {}  # digest -> its context, or why it cannot be read
+    if known is not None:
+        _line, ctx_text, digest = split_context(known)
+        contexts[digest] = json.loads(ctx_text)
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        digest = ""
         try:
-            out.append(HistoryLine(i, CommitRecord.from_json(line)))
+            d = json.loads(line)
+            if isinstance(d, dict) and "context" in d:
+                digest = d.pop("context")
+                if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+                    raise TypeError(f"context must be a context file's digest, got {digest!r}")
+                if digest not in contexts:
+                    try:
+                        contexts[digest] = read_context(p, digest)
+                    except (ValueError, OSError) as e:
+                        contexts[digest] = str(e)
+                ctx = contexts[digest]
+                if isinstance(ctx, str):
+                    raise ValueError(ctx)
+                d = _with_context(d, ctx)
+            out.append(HistoryLine(i, CommitRecord.from_dict(d), context=digest))
         except (ValueError, TypeError) as e:
-            out.append(HistoryLine(i, None, str(e)))
+            out.append(HistoryLine(i, None, str(e), context=digest))
     return out
+
+
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def context_file(p: Path, digest: str) -> Path:
+    """The context file of ``digest`` in store directory ``p``."""
+    return p / CONTEXT_DIR / f"{digest}.json"
+
+
+def split_context(record: CommitRecord) -> tuple[str, str, str]:
+    """``record``'s history line (without its newline), which names its context by digest; the
+    text of that context file; and the digest."""
+    context = {"config": record.config, "meta": {k: record.meta[k] for k in CONTEXT_META if k in record.meta}}
+    text = json.dumps(context, separators=(",", ":"), sort_keys=True) + "\n"
+    digest = _digest(text.encode())
+    d = dataclasses.asdict(record)
+    del d["config"]
+    d["meta"] = {k: v for k, v in record.meta.items() if k not in CONTEXT_META}
+    for key in ("rng_state", "extra", "meta", "resume"):  # empty ones come back as their defaults (`_with_context`)
+        if not d[key]:
+            del d[key]
+    d["context"] = digest
+    return json.dumps(d, separators=(",", ":"), sort_keys=True), text, digest
+
+
+def _with_context(d: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """The history line ``d`` (its ``context`` taken out) with its context put back: a whole record's fields."""
+    meta = d.get("meta", {})
+    if not isinstance(meta, dict):
+        raise TypeError("meta must be a JSON object")
+    if both := sorted(set(meta) & set(context["meta"])):
+        raise ValueError(f"meta fields {both} are both in the line and in its context file")
+    return {**d, "rng_state": d.get("rng_state", {}), "extra": d.get("extra", {}), "config": context["config"],
+            "meta": {**meta, **context["meta"]}}
+
+
+def read_context(p: Path, digest: str) -> dict[str, Any]:
+    """The context (``{"config": ..., "meta": ...}``) that history lines of store directory ``p``
+    name by ``digest``. ValueError saying why when its file does not hold it (missing, or damaged:
+    its content has another digest); OSError when it cannot be read."""
+    f = context_file(p, digest)
+    try:
+        blob = f.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"context file {f} (the run's config and data identity) is missing") from None
+    if (got := _digest(blob)) != digest:
+        raise ValueError(f"context file {f} is damaged (its content has digest {got})")
+    context = json.loads(blob)  # (the digest matched: the text a commit wrote)
+    return {"config": dict(context["config"]), "meta": dict(context["meta"])}
+
+
+def restore_context(p: Path, record: CommitRecord) -> str | None:
+    """Write the context file of ``record`` (a whole record, as ``commit.json`` keeps it) unless it
+    is there and whole; return the digest when it was (re)written, else None. Raises OSError."""
+    _line, text, digest = split_context(record)
+    f = context_file(p, digest)
+    try:
+        if f.read_bytes() == text.encode():
+            return None
+    except FileNotFoundError:
+        pass
+    d = f.parent
+    if not d.is_dir():
+        d.mkdir(exist_ok=True)
+        fsync_path(p, directory=True)  # the directory's name must be durable before a line names a file in it
+    tmp = d / f"{digest}.json.tmp"
+    try:
+        _write_synced(tmp, text)
+        os.replace(tmp, f)  # atomic: a reader sees no file or the whole file
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
+    fsync_path(d, directory=True)
+    return digest
 
 
 def resume_file(p: Path, generation: int) -> Path:
@@ -360,14 +484,17 @@ def _write_resume(p: Path, record: CommitRecord, text: str, previous: CommitReco
 
 
 def append_history(p: Path, record: CommitRecord) -> None:
-    """Append ``record`` to ``p/commits.jsonl`` and fsync it; raises OSError."""
+    """Append ``record`` to ``p/commits.jsonl`` (writing its context file first if it is new) and
+    fsync it; raises OSError."""
+    restore_context(p, record)
+    line, _text, _digest = split_context(record)
     with open(p / HISTORY_FILE, "a+b") as f:
         # a crash mid-append leaves a torn line without "\n": end it so the next record is whole
         torn = False
         if f.seek(0, os.SEEK_END) > 0:
             f.seek(-1, os.SEEK_END)
             torn = f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + record.to_json().encode() + b"\n")
+        f.write((b"\n" if torn else b"") + line.encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -492,7 +619,7 @@ def check_creatable(p: Path, overwrite: bool) -> None:
 
 def _not_ours(p: Path) -> list[str]:
     """Top-level entries of uncommitted store ``p`` that mtc did not make (sorted)."""
-    ours = {LOCK_FILE, MARKER_FILE, COMMIT_TMP, HISTORY_FILE, "zarr.json", *RUNTIME_DIRS, *RESUME_FILES}
+    ours = {LOCK_FILE, MARKER_FILE, COMMIT_TMP, HISTORY_FILE, CONTEXT_DIR, "zarr.json", *RUNTIME_DIRS, *RESUME_FILES}
     out = []
     for c in p.iterdir():
         if c.name in ours or _ZARR_TEMP.fullmatch(c.name):
@@ -569,7 +696,7 @@ def scan_nodes(root: Path) -> dict[str, dict[str, Any] | str]:
         rel = Path(d).relative_to(root).as_posix()
         rel = "" if rel == "." else rel
         if rel == "":
-            dirs[:] = [x for x in dirs if x not in RUNTIME_DIRS]
+            dirs[:] = [x for x in dirs if x not in RUNTIME_DIRS and x != CONTEXT_DIR]
         if "zarr.json" not in files:
             continue
         doc = out[rel] = parse_node((Path(d) / "zarr.json").read_bytes)

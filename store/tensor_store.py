@@ -24,7 +24,8 @@ has no bfloat16. This class closes those gaps:
 
 Layout of a store directory: ``zarr.json`` (root group, attribute ``mtc_store: 1``), the arrays,
 ``.lock``, ``commit.json`` (the last commit), ``commits.jsonl`` (their history) and
-``resume-g0.json`` / ``resume-g1.json`` (the RNG states of each generation's commit), and before
+``resume-g0.json`` / ``resume-g1.json`` (the RNG states of each generation's commit),
+``contexts/`` (the runs' configs and data identities the history's lines name), and before
 the first commit ``setup.json`` (the marker). Other directories (the runtime's ``plan/`` and
 ``logs/``) may live beside them.
 """
@@ -58,6 +59,7 @@ except ImportError:  # pragma: no cover
 from mtc.store.directory import (
     COMMIT_FILE,
     COMMIT_TMP,
+    CONTEXT_DIR,
     DURABILITY_MODES,
     HISTORY_FILE,
     LOCK_FILE,
@@ -95,7 +97,7 @@ _FORMAT = 1
 # 0.29/0.51/0.34, 16 MiB 0.31/0.54/0.37, 64 MiB 0.26/0.38/0.29 (an array's last chunk is stored
 # at full size, and fewer chunks than 2 x the I/O threads leave threads idle)
 _CHUNK_BYTES = 16 * 2**20
-_RESERVED = {LOCK_FILE, COMMIT_FILE, HISTORY_FILE, COMMIT_TMP, MARKER_FILE, "zarr.json", *RESUME_FILES}
+_RESERVED = {LOCK_FILE, COMMIT_FILE, HISTORY_FILE, COMMIT_TMP, MARKER_FILE, CONTEXT_DIR, "zarr.json", *RESUME_FILES}
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 # torch dtype -> (numpy storage dtype, name recorded in the array's attributes)
@@ -672,8 +674,9 @@ class TensorStore:
         Array metadata created since the last commit is made durable first, so a commit never
         refers to arrays a crash could lose. The first commit turns the directory into a store
         (see `mtc.store.directory`). The record's RNG states go to its generation's resume file,
-        so the history line stays small. A failed write (no space, read-only file system) raises
-        StoreError and leaves the previous commit as it was.
+        and its config and data identity to a context file written once per change (see
+        `mtc.store.directory`), so the history line stays small. A failed write (no space,
+        read-only file system) raises StoreError and leaves the previous commit as it was.
         """
         self._check_writable()
         if not isinstance(record, CommitRecord):

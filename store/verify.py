@@ -9,7 +9,9 @@ What `verify` checks:
   passes its CRC32C;
 * the generation's resume file holds the RNG states the commit names (its digest), unless the
   record carries them inline (written before resume files existed);
-* ``commit.json`` parses and agrees with the last record of ``commits.jsonl``.
+* ``commit.json`` parses and agrees with the last record of ``commits.jsonl``;
+* the context file (config and data identity) of ``commit.json``'s record is whole, where the
+  history's lines name it.
 
 A missing chunk is always damage. The store writes every chunk, all-zero ones (fresh Adam
 moments) included (``write_empty_chunks=True``, see `mtc.store.tensor_store`), so no chunk is
@@ -23,7 +25,8 @@ the next commit (a later step's write-behind had begun overwriting them). It doe
 ``commit.json`` is lost or garbled, and when it is intact but names a generation whose state is
 damaged (a roll-back: the steps since the restored commit are lost, nothing else). A record older
 than the history's last is appended to ``commits.jsonl`` again, so the history ends with the
-commit a resume uses, as after any commit.
+commit a resume uses, as after any commit. A missing or damaged context file that history lines
+name is rewritten from ``commit.json`` when its record has that context.
 """
 
 from __future__ import annotations
@@ -36,16 +39,21 @@ from pathlib import Path
 
 from mtc.store.directory import (
     COMMIT_FILE,
+    CONTEXT_DIR,
     GROUP_METADATA,
     HISTORY_FILE,
     RESUME_FILES,
     CommitRecord,
     HistoryLine,
     looks_like_group,
+    os_error_message,
     read_commit_file,
+    read_context,
     read_history,
     read_resume,
     read_write_starts,
+    restore_context,
+    split_context,
     written_since,
 )
 from mtc.store.layout import KINDS, LAYOUT_ATTR, state_array_name
@@ -112,6 +120,8 @@ class VerifyReport:
             out.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
         elif any(p.where == HISTORY_FILE for p in self.problems):  # commit.json is whole: the history lacks it
             out.append(f"`mtc repair {self.store}` writes {COMMIT_FILE}'s record back into {HISTORY_FILE}")
+        if any(p.where.startswith(CONTEXT_DIR + "/") for p in self.problems):
+            out.append(f"`mtc repair {self.store}` rewrites the context file from {COMMIT_FILE}")
         if any(p.where.startswith("group ") for p in self.problems):
             out.append(f"`mtc repair {self.store}` rewrites a group's garbled metadata (mtc's groups below the root hold "
                        "no attributes: nothing is lost)")
@@ -184,8 +194,6 @@ def repair(store: TensorStore) -> RepairReport:
         report = repair(store)  # (then what else there is to do, if anything)
         rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
         return RepairReport(tuple(rewritten) + rest, report.restored)
-    history = [h for h in read_history(p) if h.record is not None]
-    newest = history[-1].record if history else None
     try:
         current = read_commit_file(p)
         damage = "missing" if current is None else ""
@@ -193,6 +201,23 @@ def repair(store: TensorStore) -> RepairReport:
         current, damage = None, f"garbled ({e})"
     except OSError as e:
         current, damage = None, f"unreadable ({e})"
+    if current is not None and _context_problem(p, current, read_history(p)) is not None:
+        # the history's lines of this run cannot be read without it, and commit.json holds it whole
+        try:
+            restore_context(p, current)
+        except OSError as e:
+            raise StoreError(f"cannot repair store {p}: writing the context file of {COMMIT_FILE}'s record failed "
+                             f"({os_error_message(e)})") from e
+        if (still := _context_problem(p, current, read_history(p))) is not None:
+            raise StoreError(f"cannot repair store {p}: {still.where} was rewritten but does not read back ({still.message}); "
+                             "check the disk (dmesg)")
+        report = repair(store)  # (then what else there is to do, if anything)
+        rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
+        what = f"rewrote context file {CONTEXT_DIR}/{split_context(current)[2]}.json (the run's config and data identity) " \
+               f"from {COMMIT_FILE}"
+        return RepairReport((what, *rest), report.restored)
+    history = [h for h in read_history(p) if h.record is not None]
+    newest = history[-1].record if history else None
     bad_nodes = dict(store.metadata_problems())
     if current is not None:
         damaged, _a, _c = _check_record(store, current, check_chunks=True, bad_nodes=bad_nodes)
@@ -291,10 +316,6 @@ def _reconcile_history(store: TensorStore, current: CommitRecord, history: list[
 def _check_commit_files(p: Path, problems: list[Problem], notes: list[str]) -> CommitRecord | None:
     """Check commit.json and commits.jsonl; return the record whose arrays to check (None: none readable)."""
     history = read_history(p)
-    for h in history:
-        if h.record is None:
-            notes.append(f"{HISTORY_FILE} line {h.line_no} is torn or garbled ({h.error}); it is skipped")
-    records = [h.record for h in history if h.record is not None]
     try:
         current = read_commit_file(p)
         if current is None:
@@ -302,6 +323,14 @@ def _check_commit_files(p: Path, problems: list[Problem], notes: list[str]) -> C
     except (ValueError, TypeError, OSError) as e:
         current = None
         problems.append(Problem(COMMIT_FILE, f"{p / COMMIT_FILE} does not parse ({e})"))
+    if current is not None and (bad := _context_problem(p, current, history)) is not None:
+        problems.append(bad)
+        history = read_history(p, known=current)  # its lines compare with commit.json as they would with the file whole
+    for h in history:
+        if h.record is None:
+            what = "cannot be read" if h.context else "is torn or garbled"
+            notes.append(f"{HISTORY_FILE} line {h.line_no} {what} ({h.error}); it is skipped")
+    records = [h.record for h in history if h.record is not None]
     if current is None:
         if records:
             notes.append(f"checked the arrays of the last record of {HISTORY_FILE} (step {records[-1].step}) instead")
@@ -326,6 +355,20 @@ def _check_commit_files(p: Path, problems: list[Problem], notes: list[str]) -> C
             )
         )
     return current
+
+
+def _context_problem(p: Path, current: CommitRecord, history: list[HistoryLine]) -> Problem | None:
+    """The problem when lines of ``history`` name the context of ``current`` (``commit.json``'s
+    record) and its file is missing or damaged; None otherwise (a history written before the
+    context files names none)."""
+    digest = split_context(current)[2]
+    if not any(h.context == digest for h in history):
+        return None
+    try:
+        read_context(p, digest)
+    except (ValueError, OSError) as e:
+        return Problem(f"{CONTEXT_DIR}/{digest}.json", f"{e}: the history's records of this run cannot be read without it")
+    return None
 
 
 def _check_record(

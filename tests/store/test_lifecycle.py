@@ -45,18 +45,25 @@ def _rng(step: int) -> dict[str, str]:
     return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
 
 
-def _to_inline(p, rng_of) -> None:
-    """Rewrite the commit files of store ``p`` as mtc wrote them before resume files: RNG states inline."""
+def _to_inline(p, rng_of=None) -> None:
+    """Rewrite the commit files of store ``p`` as mtc wrote them before context files (config and
+    meta inline in every history line) and, given ``rng_of``, before resume files (RNG states inline)."""
     def old(line: str) -> str:
         d = json.loads(line)
-        if d.pop("resume", None):
+        if digest := d.pop("context", None):
+            ctx = json.loads((p / "contexts" / f"{digest}.json").read_text())
+            d = {**d, "config": ctx["config"], "meta": {**d.get("meta", {}), **ctx["meta"]},
+                 "rng_state": d.get("rng_state", {}), "extra": d.get("extra", {})}
+        if rng_of is not None and d.pop("resume", None):
             d["rng_state"] = rng_of(d["step"])
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     (p / "commit.json").write_text(old((p / "commit.json").read_text()) + "\n")
     (p / "commits.jsonl").write_text("".join(old(x) + "\n" for x in (p / "commits.jsonl").read_text().splitlines()))
-    for g in (0, 1):
-        (p / f"resume-g{g}.json").unlink(missing_ok=True)
+    shutil.rmtree(p / "contexts", ignore_errors=True)
+    if rng_of is not None:
+        for g in (0, 1):
+            (p / f"resume-g{g}.json").unlink(missing_ok=True)
 
 
 def test_history_lines_stay_small_and_the_rng_states_live_with_their_generation(tmp_path):
@@ -129,6 +136,97 @@ def test_a_store_with_inline_rng_states_still_opens_verifies_repairs_and_resumes
         shutil.rmtree(p / "layers" / "0000" / "master" / "g0")  # step 4's state: roll back to the old record
         done = repair(st)
         assert done.restored.step == 3 and st.last_commit().rng_state == _rng(3) and verify(st).ok
+
+
+def _run_record(step: int, generation: int, lr: float = 3e-3, data: str = "corpus.bin") -> CommitRecord:
+    """A commit record carrying a whole run's config and data identity, as the trainer writes them."""
+    from mtc.config import TrainConfig
+
+    config = TrainConfig(model="tiny", steps=20, optim={"lr": lr}).to_dict()
+    identity = {"path": f"/data/{data}", "hash": "de48bb13" * 8, "size_bytes": 372624,
+                "header": {"format": "mtc-tokens", "vocab_size": 256, "tokenizer": "byte", "n_tokens": 186312}}
+    return dataclasses.replace(record(step, generation), config=config,
+                               meta={"data": identity, "changes": [], "moments_from": step // 2})
+
+
+def test_history_lines_name_the_config_and_data_once_per_change(tmp_path):
+    """Every history line carried the run's config and data identity (~1.5 KB), though they change
+    only when a run resumes with other settings; with disk layers a run commits every step."""
+    p = tmp_path / "s"
+    st = make_run(p)
+    committed = []
+    sizes = []
+    for step in range(2, 8):
+        rec = _run_record(step, step % 2, lr=3e-3 if step < 5 else 1e-3)  # a resume at step 5 changed the lr
+        before = (p / "commits.jsonl").stat().st_size
+        st.commit(rec)
+        sizes.append((p / "commits.jsonl").stat().st_size - before)
+        committed.append(dataclasses.replace(rec, rng_state={}))
+    context = json.dumps({"config": rec.config, "data": rec.meta["data"]})
+    assert max(sizes) < len(context) / 4, sizes  # a line is a fraction of what it no longer carries
+    assert '"lr"' not in (p / "commits.jsonl").read_text() and '"lr"' in (p / "commit.json").read_text()
+    assert len(list((p / "contexts").iterdir())) == 3  # make_run's, and the two of steps 2-4 and 5-7
+    # read back exactly: the configs, data identities and the meta left in the lines
+    assert st.commit_history()[2:] == committed and st.commit_history()[-1].meta["moments_from"] == 3
+    assert st.commit_history()[3].config["optim"]["lr"] == 3e-3 and st.commit_history()[-1].config["optim"]["lr"] == 1e-3
+    st.close()
+    with TensorStore.open(p) as st:
+        assert verify(st).ok and st.last_commit() == rec
+        st.commit(_run_record(8, 0, lr=1e-3))  # a resume with the same settings reuses the file
+        assert len(list((p / "contexts").iterdir())) == 3
+    (p / "commit.json").unlink()
+    shutil.rmtree(p / "layers" / "0000" / "master" / "g0")  # step 8's state: repair rolls back to step 7's record
+    with TensorStore.open(p) as st:
+        assert repair(st).restored == committed[-1] and st.last_commit() == rec and verify(st).ok
+
+
+def test_a_lost_or_damaged_context_file_is_damage_and_repair_rewrites_it_from_commit_json(tmp_path):
+    p = tmp_path / "s"
+    st = make_run(p)
+    for step in (2, 3):
+        st.commit(_run_record(step, step % 2))
+    st.close()
+    f = p / "contexts" / json.loads((p / "commits.jsonl").read_text().splitlines()[-1])["context"]
+    f = f.with_name(f.name + ".json")
+    text = f.read_text()
+    for damage in ("lost", "bit flip"):
+        f.unlink() if damage == "lost" else f.write_text(text.replace("tiny", "tinz"))
+        with TensorStore.open(p, read_only=True) as ro:
+            rep = verify(ro)
+            assert [x.where for x in rep.problems] == [f"contexts/{f.name}"], rep.lines()
+            assert ("is missing" if damage == "lost" else "is damaged") in str(rep.problems[0])
+            assert "rewrites the context file from commit.json" in rep.lines()[-1]
+            assert ro.last_commit().config == _run_record(3, 1).config  # a resume reads commit.json alone
+            assert [r.step for r in ro.commit_history()] == [0, 1]  # the lines of steps 2 and 3 cannot be read
+        with TensorStore.open(p) as st:
+            done = repair(st)
+            assert done.actions[0].startswith(f"rewrote context file contexts/{f.name}") and done.restored is None
+            assert f.read_text() == text and verify(st).ok
+            assert [r.step for r in st.commit_history()] == [0, 1, 2, 3]
+
+
+def test_a_store_with_inline_configs_still_opens_verifies_repairs_and_resumes(tmp_path):
+    """Stores written before the context files: every history line carries its config and meta."""
+    p = tmp_path / "s"
+    st = make_run(p)
+    old = [_run_record(2, 0), _run_record(3, 1)]
+    for rec in old:
+        st.commit(rec)
+    st.close()
+    _to_inline(p)
+    assert not (p / "contexts").exists() and all('"config"' in x for x in (p / "commits.jsonl").read_text().splitlines())
+    old = [dataclasses.replace(r, rng_state={}) for r in old]  # (as the history keeps them: RNG states in resume files)
+    with TensorStore.open(p, read_only=True) as ro:
+        assert verify(ro).ok and ro.commit_history()[-2:] == old
+    (p / "commit.json").unlink()
+    with TensorStore.open(p) as st:
+        assert repair(st).restored == old[-1]
+        st.commit(_run_record(4, 0))  # the resumed run writes the new form after the old lines
+        assert verify(st).ok and [r.step for r in st.commit_history()] == [0, 1, 2, 3, 4]
+        assert st.commit_history()[-2].meta == st.commit_history()[-1].meta | {"moments_from": 1}
+        shutil.rmtree(p / "layers" / "0000" / "master" / "g0")  # step 4's state: roll back to an old line
+        done = repair(st)
+        assert done.restored == old[-1] and verify(st).ok
 
 
 # -- the set-up marker ------------------------------------------------------------------------
