@@ -134,6 +134,9 @@ class MachineProfile:
     # seconds each further chunk file adds to a commit (beyond the three the fixed cost includes):
     # the slope of the same commit's time over more arrays (`_commit_latency_s`)
     commit_file_s: float = COMMIT_FILE_S
+    # why the compute figures are suspect: the machine was busy while they were measured (`busy_reason`);
+    # "": the probes read steady, or a built-in profile
+    busy: str = ""
     identity: dict[str, str] = dataclasses.field(default_factory=dict)  # host, CPU, versions: which machine this is
     calibrate_s: float = 0.0  # how long `calibrate` took
     assumed: list[str] = dataclasses.field(default_factory=list)  # figures that were not measured, and why
@@ -829,6 +832,68 @@ def _op_overhead_us(torch: Any, repeats: int) -> float:
     return _best_time(many, repeats) / 500 * 1e6
 
 
+# A quiet machine times the same matmul within a few per cent call after call. On a busy one
+# the intra-op threads' barriers stall whenever another job has one of them descheduled (a
+# scheduler tick, ~24 ms on the 2-core VM, against the 512^3 matmul's 1.2 ms), and the figures
+# calibrate takes there are off by up to 100x, and not alike from one calibration to the next:
+# at load average 8-10 on the 2-core VM a 256^3 matmul read 0.002-0.24 TFLOP/s in four
+# calibrations minutes apart, and `mtc plan` put the tiny preset's step at 2.76 s where it
+# trained at 0.30 s (2026-11-29). On one intra-op thread nothing stalls, but the best of a few
+# samples is then the quiet machine's speed, which a run beside the same load does not reach
+# (planned 0.30 s, trained at 0.98 s). The probe is timed before and after the compute figures.
+STEADY_PROBE_N = 512
+STEADY_PROBE_SAMPLES = 30
+# a probe is unsteady when its median time is over this many times its best, or (several intra-op
+# threads) its best over this many times its best on one thread, which a quiet machine beats:
+# under load 8 the 512^3 probe read 2.0-13.8x and 0.5-3.9x, one thread alone 1.05x
+BUSY_SPREAD = 2.0
+BUSY_THREADS = 1.5
+
+
+def _steady_probe(torch: Any) -> tuple[float, float, float]:
+    """(median, best) seconds of a `STEADY_PROBE_N`^3 fp32 matmul on the current intra-op threads,
+    and its best on one thread."""
+    a, b = torch.randn(STEADY_PROBE_N, STEADY_PROBE_N), torch.randn(STEADY_PROBE_N, STEADY_PROBE_N)
+
+    def times() -> list[float]:
+        torch.mm(a, b)
+        out = []
+        for _ in range(STEADY_PROBE_SAMPLES):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            out.append(time.perf_counter() - t)
+        return out
+
+    ts = times()
+    caller = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = min(times())
+    finally:
+        torch.set_num_threads(caller)
+    return statistics.median(ts), min(ts), one
+
+
+def busy_reason(probes: list[tuple[float, float, float]], threads: int, load: float, cores: int) -> str:
+    """Why compute figures measured between ``probes`` (`_steady_probe` results) are suspect, in
+    words with what to do; "" when the machine was quiet. ``threads``: the intra-op threads the
+    probes ran on; ``load``: the 1-minute load average before calibrating began (more runnable
+    threads than ``cores`` is busy, whatever the probes read)."""
+    spread = max(med / best for med, best, _one in probes)
+    slower = max(best / one for _med, best, one in probes) if threads > 1 else 0.0
+    why = []
+    if load > cores:
+        why.append(f"load average {load:.1f} on {cores} cores")
+    if spread > BUSY_SPREAD:
+        why.append(f"a {STEADY_PROBE_N}^3 matmul timed around the compute figures took {spread:.1f}x its best time at the median")
+    if slower > BUSY_THREADS:
+        why.append(f"a {STEADY_PROBE_N}^3 matmul took {slower:.1f}x as long at best on {threads} threads as on one")
+    if not why:
+        return ""
+    return (f"the machine was busy while calibrating ({'; '.join(why)}): the compute figures, and so the planned step, "
+            "may be off several-fold; re-run `mtc calibrate` when the machine is idle (`uptime` shows its load)")
+
+
 def _identity(torch: Any, cuda: bool) -> dict[str, str]:
     """Which machine and software a profile describes (a profile from another machine is a guess)."""
     import platform
@@ -964,6 +1029,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     except OSError as e:
         raise ConfigError(f"calibrate: cannot use directory {root} for the disk test ({e}); pass --dir with a writable "
                           "directory on the disk the store will use") from None
+    load = os.getloadavg()[0]  # (the minute before calibrating: its own threads do not count)
     cuda = torch.cuda.is_available()
     cores = _cores()
     total, avail = _meminfo()
@@ -973,6 +1039,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
     commit_latency = _commit_latency_s(torch, root, repeats, io_threads)
     more = 45  # files beyond the three: enough that the slope stands above an fsync's jitter (~5 ms)
     commit_file = max(0.0, (_commit_latency_s(torch, root, repeats, io_threads, more) - commit_latency) / more)
+    probes = [_steady_probe(torch)]
     adam, adam_one, (zero_factor, zero_one) = _adamw_rates(torch, adamw_numel, cores, cuda, repeats)
     s = matmul_size
     # CPU: square, tall and thin (a layer's matmuls at few tokens stream their weight); x @ W^T as nn.Linear runs it
@@ -1029,4 +1096,6 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         prof.reference_block = _reference_block(torch, repeats)
         prof.other_scale_fwd, prof.other_scale_bwd = reference_scales(prof)
         prof.visit_overhead_us = _visit_overhead_us(prof)
+    probes.append(_steady_probe(torch))
+    prof.busy = busy_reason(probes, threads, load, cores)
     return prof

@@ -300,7 +300,8 @@ def _cmd_train_run(a: argparse.Namespace) -> int:
     for line in res.graph_report:  # compile time and CUDA-graph replay per template
         print(line)
     if watch is not None and watch.summary():
-        print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary()))
+        print(f"stages vs the plan (machine profile {watch.plan.profile.name!r}): " + "; ".join(watch.summary())
+              + (f" (the profile warns: {watch.plan.profile.busy})" if watch.plan.profile.busy else ""))
     return 0
 
 
@@ -760,6 +761,8 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
           + (f"; layer efficiency {prof.layer_efficiency}" if prof.accelerator == "cuda" else ""))
     if prof.visit_overhead_us:
         print(f"the engine's own work per layer visit and micro-batch, beyond the modelled compute: {prof.visit_overhead_us / 1e3:.2f} ms")
+    if prof.busy:
+        print(f"mtc: warning: {prof.busy}", file=sys.stderr)
     print(f"profile written to {out}; use it with `mtc plan ... --machine {out}`")
     return 0
 

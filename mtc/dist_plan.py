@@ -463,6 +463,7 @@ class DistPlan:
             f"machine {pr.name} (one host): {pr.device}",
         ]
         out += [f"  assumed: {a}" for a in pr.assumed + self.assumed]
+        out += [f"  warning: {pr.busy}"] if pr.busy else []
         out.append(f"world: {w} ranks = {lay.nodes} host(s) x {r} rank(s); each rank owns 1/{w} of every layer's "
                    f"fp32 master, m, v and its update ({pad:,} padding parameters over all layers)")
         out.append(f"  modelled: {self.engine.summary} (--dp-model {self.engine.name})")

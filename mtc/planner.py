@@ -443,6 +443,7 @@ class Plan:
             f"machine {pr.name}: {pr.device}",
         ]
         out += [f"  assumed: {a}" for a in pr.assumed]
+        out += [f"  warning: {pr.busy}"] if pr.busy else []
         out.append(f"placement {pl.describe(self.placement)}: gpu {_count(per_tier['gpu'])}, ram {_count(per_tier['ram'])}, "
                    f"disk {_count(per_tier['disk'])} params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
                    + (f" ({self.prefetch} loading their state during the backward{self._handoff_text()})" if self.prefetch else "")

@@ -168,6 +168,59 @@ def test_calibrate_small_is_bounded_and_round_trips(tmp_path):
     assert back == prof
 
 
+def test_calibrate_says_when_the_machine_was_busy():
+    """On a busy machine the intra-op threads' barriers stall (a descheduled thread holds the
+    others for a scheduler tick), and calibrate's compute figures came out up to 100x too slow:
+    `mtc plan` put the tiny preset's step at 2.76 s where it trained at 0.30 s (load average 8-10
+    on the 2-core VM). Nothing said so; now the profile does, and the plan prints it."""
+    from mtc.calibrate import BUSY_SPREAD, BUSY_THREADS, STEADY_PROBE_N, busy_reason
+
+    quiet = (1.25e-3, 1.2e-3, 2.2e-3)  # (median, best, best on one thread) of the 512^3 probe on a quiet 2-core box
+    assert busy_reason([quiet, quiet], 2, 0.3, 2) == ""
+    stalled = (BUSY_SPREAD * 1.1 * 1.2e-3, 1.2e-3, 2.2e-3)  # most calls waited on a descheduled thread
+    why = busy_reason([quiet, stalled], 2, 1.5, 2)
+    assert why.startswith(f"the machine was busy while calibrating (a {STEADY_PROBE_N}^3 matmul timed around the compute figures "
+                          f"took {BUSY_SPREAD * 1.1:.1f}x its best time at the median)") and "re-run `mtc calibrate`" in why
+    every_call = (8.1e-3, 8.0e-3, 2.2e-3)  # every call stalled: steady, but slower on two threads than on one
+    assert f"took {8.0 / 2.2:.1f}x as long at best on 2 threads as on one" in busy_reason([every_call, quiet], 2, 1.5, 2)
+    assert busy_reason([(1.0, 1.0, 1.0 / (BUSY_THREADS * 0.9))], 2, 0.0, 2) == ""  # the thread check needs more than a hair
+    # on one thread nothing stalls, but beside other jobs a run gets a share of the cores, not the best samples' speed
+    assert busy_reason([every_call], 1, 1.5, 2) == ""
+    assert busy_reason([quiet], 1, 9.5, 2).startswith("the machine was busy while calibrating (load average 9.5 on 2 cores)")
+    prof = dataclasses.replace(builtin("h100-box"), busy=why)
+    assert f"  warning: {why}" in make_plan(TrainConfig(model="tiny"), prof).lines()
+    assert MachineProfile.from_dict(prof.to_dict()).busy == why
+    assert not any("warning" in line for line in make_plan(TrainConfig(model="tiny"), builtin("h100-box")).lines())
+
+
+def test_the_steadiness_probe_sees_a_busy_machine():
+    """The probe itself, with the cores oversubscribed by busy loops (as a shared box is by its
+    neighbours): a machine this busy never reads steady."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from mtc.calibrate import _steady_probe, busy_reason
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: no intra-op threads to stall")
+    burn = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
+    caller = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        time.sleep(0.2)  # (the burners are running)
+        probes = [_steady_probe(torch) for _ in range(2)]
+    finally:
+        torch.set_num_threads(caller)
+        for p in burn:
+            p.kill()
+            p.wait()
+    assert busy_reason(probes, cores, 0.0, cores), probes  # (the probes alone, whatever the load average says)
+
+
 def test_commit_pacing_counts_a_commits_fixed_latency():
     """The run commits once 20 commit durations have passed since the last began; a commit lasts its
     bytes at the store's rate plus a fixed cost (fsyncs, renames, the record), most of a small
