@@ -24,6 +24,7 @@ from mtc.errors import ConfigError
 from mtc.graphs.program import Program
 from mtc.runtime import placement as pl
 from mtc.runtime.graph_replay import GraphBuffers, graph_memory_bytes, mixed_saves_bytes, resident_graph_bytes
+from mtc.store.tensor_store import io_bounce_bytes
 
 __all__ = ["Check", "Memory", "Plan", "UpdateRates", "check_fit", "saved_gpu_bytes", "saves_for", "extrapolations", "fit_checks", "gpu_workspace", "graph_gpu_extra",
            "largest_fit", "local_profile", "local_update_rates", "make_plan", "memory", "placement_for", "prefetch_for",
@@ -210,19 +211,29 @@ class Memory:
     grad_spill: bool = False  # disk layers' gradients wait in the store (the budget cannot hold them)
     disk_compute: str = "ram"  # where disk layers' compute copy lives: pinned RAM, or read from the store per visit
     gpu_saved: int = 0  # blocks' activations kept between their visits (`saves_for`)
+    # the store's I/O threads' bounce buffers, at most (`mtc.store.tensor_store.io_bounce_bytes`):
+    # host RAM beside ``host``, which is exactly what the engine holds and what --ram-budget-gb bounds
+    store_io: int = 0
 
     @property
     def gpu_peak(self) -> int:
         """Resident state plus workspace plus saved activations."""
         return self.gpu_state + self.gpu_workspace + self.gpu_saved
 
+    @property
+    def host_total(self) -> int:
+        """Host RAM of the run: the engine's (``host``) plus the store's bounce buffers."""
+        return self.host + self.store_io
+
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
-           host_available: int | None = None, gpu_memory: int | None = None, prefetch: int = 0) -> Memory:
+           host_available: int | None = None, gpu_memory: int | None = None, prefetch: int = 0,
+           store_on_disk: bool = True) -> Memory:
     """Memory per tier of this placement (the table in `mtc.runtime.placement`) on a machine with
     ``host_available`` bytes of RAM (None: this one's) and ``gpu_memory`` bytes of GPU memory the
     run can use (None: unknown, and disk layers' gradients are planned on the GPU); ``prefetch``:
-    the GPU-updated layers whose state loads ahead (a scratch set each)."""
+    the GPU-updated layers whose state loads ahead (a scratch set each). ``store_on_disk``: the
+    run's store is a directory (an in-memory store has no I/O threads' bounce buffers)."""
     n, c = list(shape.numels), shape.compute_bytes
     # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold
     # them (host RAM on the CPU; on CUDA the GPU memory left beside the workspace)
@@ -254,7 +265,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
                   + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads, prefetch=prefetch),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
-                  grad_spill=spill, disk_compute=dc)
+                  grad_spill=spill, disk_compute=dc,
+                  store_io=io_bounce_bytes(max(n, default=0), cfg.io_threads) if store_on_disk else 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -295,13 +307,17 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                f" (needs by mode: {alts}); " + (f"choose --durability {fits[0]}, " if fits else "no durability mode fits: ")
                + "free disk space, or put the store on a larger disk")
         checks.append(Check(f"disk ({where})", mem.disk[cfg.durability], disk_free, fix))
-    have = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else host_available
+    budgeted = cfg.ram_budget_gb is not None
+    have = int(cfg.ram_budget_gb * GiB) if budgeted else host_available
+    # --ram-budget-gb bounds what the engine holds (``mem.host``); the machine's memory must also
+    # hold what comes beside it: the store's bounce buffers
+    beside = 0 if budgeted else mem.store_io
     dc, cuda = mem.disk_compute, gpu_total is not None
     # every layer on disk, its gradients kept or (on the CPU) spilled to the store, whichever needs
     # less (`pl.choose_grad_spill` spills only where that saves RAM: with few layers it costs more)
     all_disk, spills = ["disk"] * shape.n_layers, ((False,) if cuda else (False, True))
-    least, spill_least = min((_host_need(shape, all_disk, dc, cuda, spill=s), s) for s in spills)
-    store_least = min(_host_need(shape, all_disk, "store", cuda, spill=s) for s in spills)
+    least, spill_least = min((_host_need(shape, all_disk, dc, cuda, spill=s) + beside, s) for s in spills)
+    store_least = min(_host_need(shape, all_disk, "store", cuda, spill=s) + beside for s in spills)
     per_disk = pl.host_bytes_per_param("disk", shape.compute_bytes, disk_compute=dc, grads_on_device=cuda, grad_spill=spill_least)
     if least > have and dc == "ram" and store_least <= have:
         fix = (f"disk layers keep their {shape.compute_bytes}-byte compute copy in RAM ({_size(least)} with every layer on "
@@ -312,10 +328,12 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
                + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "") + "use a machine with more RAM or a smaller model")
     else:
-        fix = f"put more layers on disk (--placement {_split_for(shape, have, dc, cuda)})" + (
+        fix = f"put more layers on disk (--placement {_split_for(shape, have - beside, dc, cuda)})" + (
             " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
-    budget = "the --ram-budget-gb" if cfg.ram_budget_gb is not None else "available"
-    checks.append(Check(f"host RAM ({budget}; placement {desc})", mem.host, have, fix))
+    budget = "the --ram-budget-gb" if budgeted else "available"
+    io = f"store I/O bounce buffers up to {_size(mem.store_io)}"
+    parts = (f"; the engine {_size(mem.host)} + {io}" if beside else f"; beside it: {io}" if mem.store_io else "")
+    checks.append(Check(f"host RAM ({budget}; placement {desc}{parts})", mem.host + beside, have, fix))
     if gpu_total is not None:
         saved = f" + saved activations {_size(mem.gpu_saved)}" if mem.gpu_saved else ""
         checks.append(Check(f"GPU memory (state and GPU-side update buffers {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)}{saved})",
@@ -364,7 +382,8 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     # an update_prefetch the user named (auto takes only what fits)
     prefetch = pl.choose_prefetch(cfg.update_prefetch, gpu_update, list(shape.numels), cbytes, gpu_bytes=None, grads_on_device=False)
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
-                 gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch)
+                 gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch,
+                 store_on_disk=store_dir is not None)
     if cuda and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
         blocks = list(range(1, shape.n_layers - 1))
         try:
@@ -455,7 +474,8 @@ class Plan:
             out.append(self.choice)
         saved = f" + saved activations {_size(m.gpu_saved)}" if m.gpu_saved else ""
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
-        out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}), disk {_size(m.disk[cfg.durability])} "
+        io = f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else ""
+        out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){io}, disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
         # disk layers keep all their state in the store, m and v too, so only the other layers' moments can be left out
         weights = ("two generations of the weights, and of the disk layers' m and v, which live there"

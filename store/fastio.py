@@ -46,6 +46,7 @@ __all__ = [
     "PRIORITY_WRITE",
     "PriorityPool",
     "aligned_empty",
+    "bounce_bytes",
     "is_aligned",
     "read_chunk_file",
     "write_chunk_file",
@@ -91,6 +92,13 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 def is_aligned(a: np.ndarray) -> bool:
     """Whether ``a`` starts on an O_DIRECT boundary."""
     return a.ctypes.data % ALIGN == 0
+
+
+def bounce_bytes(chunk_bytes: int) -> int:
+    """The most an I/O thread's bounce buffer grows to for chunk files of ``chunk_bytes`` data bytes
+    (plus the CRC32C): the whole file in pages, at most BOUNCE_MAX (`mtc plan` counts one per
+    I/O thread; a thread keeps it for the run)."""
+    return min(BOUNCE_MAX, _round_up(chunk_bytes + _CRC))
 
 
 def _bounce(nbytes: int) -> np.ndarray:

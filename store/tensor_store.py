@@ -84,11 +84,11 @@ from mtc.store.directory import (
     write_commit,
     write_marker,
 )
-from mtc.store.fastio import PRIORITY_READ, PRIORITY_WRITE, PriorityPool, read_chunk_file, write_chunk_file
+from mtc.store.fastio import PRIORITY_READ, PRIORITY_WRITE, PriorityPool, bounce_bytes, read_chunk_file, write_chunk_file
 
 from mtc.errors import StoreCorruptionError, StoreError, StoreLockedError
 
-__all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore"]  # CommitRecord: from mtc.store.directory
+__all__ = ["SUPPORTED_DTYPES", "ArrayInfo", "CommitRecord", "TensorStore", "io_bounce_bytes"]  # CommitRecord: from mtc.store.directory
 
 _MARKER = "mtc_store"
 _FORMAT = 1
@@ -1028,6 +1028,17 @@ def _raise_if_held(p: Path) -> None:
     except StoreError:
         return  # cannot even try the lock (permissions): the caller's own refusal says enough
     unlock_store(fd)
+
+
+def io_bounce_bytes(largest_numel: int, io_threads: int, itemsize: int = 4) -> int:
+    """Host RAM a store on disk with ``io_threads`` I/O threads may hold in their bounce buffers
+    (`mtc.store.fastio`) for 1-D arrays of at most ``largest_numel`` elements of ``itemsize`` bytes
+    (the default chunking): one per thread, as large as a chunk file's unaligned part may need, at
+    most `fastio.BOUNCE_MAX`, kept for the run. An upper bound: page-aligned whole pages go direct."""
+    if largest_numel <= 0:
+        return 0
+    chunk = min(largest_numel, max(1, _CHUNK_BYTES // itemsize)) * itemsize
+    return io_threads * bounce_bytes(chunk)
 
 
 def _chunk_nbytes(arr: zarr.Array) -> int:

@@ -3,9 +3,13 @@ fixed buffers that do not grow with depth, and the planner's count of them."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
+from mtc.calibrate import builtin
 from mtc.runtime import placement as pl
 from mtc.runtime.grad_spill import grad_scratch_name
 from mtc.runtime.state import read_params
@@ -191,3 +195,39 @@ def test_disk_layers_go_to_and_from_the_store_without_bounce_buffers(tokens, tmp
     res.store.close()
     assert res.placement == ["disk"] * len(res.placement) and asked  # (the embed and head are not whole pages)
     assert max(asked) < min(blocks) * 4
+
+
+def test_the_plan_counts_the_bounce_buffers_the_store_io_threads_keep(tokens, tmp_path, monkeypatch):
+    """Every I/O thread of a store on disk keeps a bounce buffer for the run (a chunk's unaligned
+    part: an edge chunk's zero fill, the CRC32C), up to 1 MiB each: 4 MiB at vocab 8193, where the
+    embed's last chunk is almost all zero fill. The plan's host RAM counted none of it. Small
+    chunks here make every layer's last chunk an edge chunk, as a large layer's is."""
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import make_plan, memory
+    from mtc.store import fastio, tensor_store
+
+    monkeypatch.setattr(tensor_store, "_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(fastio, "_tls", type(fastio._tls)())  # no buffer left from an earlier test
+    held: dict[str, int] = {}
+    real = fastio._bounce
+
+    def bounce(n: int):
+        b = real(n)
+        held[threading.current_thread().name] = fastio._tls.bounce.nbytes  # what the thread keeps
+        return b
+
+    monkeypatch.setattr(fastio, "_bounce", bounce)
+    cfg = small_config(steps=2, placement="disk", io_threads=3)
+    res = train(cfg, tmp_path / "s", tokens)
+    try:
+        shape = shape_from_program(res.program, cfg.model, 4)
+        mem = memory(cfg, shape, res.placement, set(), cuda=False)
+        assert len(held) == cfg.io_threads and min(held.values()) > fastio.ALIGN  # every thread bounced an edge chunk
+        assert sum(held.values()) <= mem.store_io <= cfg.io_threads * fastio.BOUNCE_MAX
+        assert mem.host == res.tiers.host_bytes()  # the engine's figure stays exact; the buffers are beside it
+        assert memory(cfg, shape, res.placement, set(), cuda=False, store_on_disk=False).store_io == 0
+    finally:
+        res.store.close()
+    plan = make_plan(cfg, dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0), program=res.program)
+    check = next(c for c in plan.checks if c.what.startswith("host RAM"))
+    assert check.need == plan.memory.host_total and "store I/O bounce buffers" in check.what, check.line()
