@@ -6,7 +6,7 @@ while the GPU streams other layers. `adamw_flat_` cuts the flat arrays into chun
 element-wise passes of torch's single-tensor AdamW hit the cache instead of RAM, and (with a ``pool``)
 spreads the chunks over threads: torch's CPU kernels release the GIL. Two implementations:
 
-- ``impl="exact"`` calls `mtc.kernels.adamw.adamw_step_ref` per chunk: torch.optim.AdamW's
+- ``impl="exact"`` calls `mtc.kernels.adamw_ref.adamw_step_ref` per chunk: torch.optim.AdamW's
   single-tensor path op for op. Element-wise ops do not depend on where a tensor is cut, so the
   result equals ``torch.optim.AdamW(foreach=False, fused=False)`` bit for bit, whatever the
   chunking or the number of threads.
@@ -66,7 +66,7 @@ from typing import Literal
 import torch
 
 from mtc.errors import KernelInputError
-from mtc.kernels.adamw import adamw_step_ref
+from mtc.kernels.adamw_ref import adamw_step_ref
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_IMPL", "FUSED_ALIGN", "HostStrategy", "Impl", "TUNE_MIN_NUMEL", "adamw_flat_", "best_impl",
            "host_pool", "tune_strategy"]

@@ -231,3 +231,33 @@ def test_the_plan_counts_the_bounce_buffers_the_store_io_threads_keep(tokens, tm
     plan = make_plan(cfg, dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0), program=res.program)
     check = next(c for c in plan.checks if c.what.startswith("host RAM"))
     assert check.need == plan.memory.host_total and "store I/O bounce buffers" in check.what, check.line()
+
+
+def test_a_resumed_run_without_generated_kernels_does_not_import_triton(tokens, tmp_path):
+    """The host optimizer's AdamW (`mtc.kernels.adamw_ref`) came from the Triton kernel's module,
+    so every run imported triton, which a run without generated kernels never calls: ~80 MiB of
+    RSS (a resumed tiny run on the CPU: 414 -> 338 MiB). A new run's trace imports it anyway
+    (torch's dynamo does), so a resumed one shows it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = small_config(steps=1, placement="ram", device="cpu", kernels="unfused")
+    train(cfg, tmp_path / "s", tokens).store.close()
+    probe = (
+        "import json, sys\n"
+        "from mtc.config import TrainConfig\n"
+        "from mtc.train import train\n"
+        "cfg = TrainConfig.from_dict(json.loads(sys.argv[1]))\n"
+        "res = train(cfg, sys.argv[2], sys.argv[3], allow_change=('steps',))\n"
+        "res.store.close()\n"
+        "print(res.end_step, 'triton' in sys.modules)\n"
+    )
+    # (the tests' conftest enables Triton's interpreter, which mtc.kernels then imports: not a user's CPU run)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    resumed = dataclasses.replace(cfg, steps=2).to_dict()
+    out = subprocess.run([sys.executable, "-c", probe, json.dumps(resumed), str(tmp_path / "s"), str(tokens.path)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["2", "False"], out.stdout
