@@ -214,6 +214,7 @@ class Memory:
     # the store's I/O threads' bounce buffers, at most (`mtc.store.tensor_store.io_bounce_bytes`):
     # host RAM beside ``host``, which is exactly what the engine holds and what --ram-budget-gb bounds
     store_io: int = 0
+    process: int = 0  # the process itself: imports, the traced program (`pl.PROCESS_HOST_BYTES`), also beside ``host``
 
     @property
     def gpu_peak(self) -> int:
@@ -222,8 +223,8 @@ class Memory:
 
     @property
     def host_total(self) -> int:
-        """Host RAM of the run: the engine's (``host``) plus the store's bounce buffers."""
-        return self.host + self.store_io
+        """Host RAM of the run: the engine's (``host``), the store's bounce buffers and the process."""
+        return self.host + self.store_io + self.process
 
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
@@ -266,7 +267,8 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
                   grad_spill=spill, disk_compute=dc,
-                  store_io=io_bounce_bytes(max(n, default=0), cfg.io_threads) if store_on_disk else 0)
+                  store_io=io_bounce_bytes(max(n, default=0), cfg.io_threads) if store_on_disk else 0,
+                  process=pl.PROCESS_HOST_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -310,8 +312,8 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     budgeted = cfg.ram_budget_gb is not None
     have = int(cfg.ram_budget_gb * GiB) if budgeted else host_available
     # --ram-budget-gb bounds what the engine holds (``mem.host``); the machine's memory must also
-    # hold what comes beside it: the store's bounce buffers
-    beside = 0 if budgeted else mem.store_io
+    # hold what comes beside it: the store's bounce buffers and the process itself
+    beside = 0 if budgeted else mem.store_io + mem.process
     dc, cuda = mem.disk_compute, gpu_total is not None
     # every layer on disk, its gradients kept or (on the CPU) spilled to the store, whichever needs
     # less (`pl.choose_grad_spill` spills only where that saves RAM: with few layers it costs more)
@@ -331,8 +333,9 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
         fix = f"put more layers on disk (--placement {_split_for(shape, have - beside, dc, cuda)})" + (
             " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
     budget = "the --ram-budget-gb" if budgeted else "available"
-    io = f"store I/O bounce buffers up to {_size(mem.store_io)}"
-    parts = (f"; the engine {_size(mem.host)} + {io}" if beside else f"; beside it: {io}" if mem.store_io else "")
+    io = (f" + store I/O bounce buffers up to {_size(mem.store_io)}" if mem.store_io else "") + (
+        f" + process overhead {_size(mem.process)}" if mem.process else "")
+    parts = (f"; the engine {_size(mem.host)}{io}" if beside else f"; beside it: {io[3:]}" if io else "")
     checks.append(Check(f"host RAM ({budget}; placement {desc}{parts})", mem.host + beside, have, fix))
     if gpu_total is not None:
         saved = f" + saved activations {_size(mem.gpu_saved)}" if mem.gpu_saved else ""
@@ -414,7 +417,10 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
         checks = check_fit_ranks(cfg, shape, placement, world, local, disk_free=disk_free, host_available=pl.available_host_bytes(),
                                  gpu_total=gpu_total, where=where)
     else:
-        checks = fit_checks(cfg, shape, placement, mem, disk_free=disk_free, host_available=pl.available_host_bytes(),
+        # the process overhead the check counts is resident by now, which MemAvailable has left out:
+        # that part is credited back (no more: a caller's own model, say, stays where it is)
+        here = min(pl.process_anon_bytes(), mem.process)
+        checks = fit_checks(cfg, shape, placement, mem, disk_free=disk_free, host_available=pl.available_host_bytes() + here,
                             gpu_total=gpu_total, where=where)
     bad = [c.line().replace(": DOES NOT FIT:", ":", 1) for c in checks if not c.ok]
     if bad:
@@ -474,7 +480,8 @@ class Plan:
             out.append(self.choice)
         saved = f" + saved activations {_size(m.gpu_saved)}" if m.gpu_saved else ""
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
-        io = f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else ""
+        io = (f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else "") + (
+            f" + process overhead {_size(m.process)} (imports, the traced program)" if m.process else "")
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){io}, disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
         # disk layers keep all their state in the store, m and v too, so only the other layers' moments can be left out
