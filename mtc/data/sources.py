@@ -2,7 +2,9 @@
 
 A *document* is one text file, one JSONL line or one parquet row. Nothing here holds more than one
 record (or, for a text file, one piece of about 1 MiB cut after a newline) at a time, so a corpus
-of any size streams through; a long record's text goes to the tokenizer in pieces cut the same way. SFT records become conversations: a list of ``{"role", "content"}``
+of any size streams through; a long record's text is handed on in pieces cut the same way (`prepare`
+tokenizes a long document in overlapping windows, so that its ids are those of its whole text).
+SFT records become conversations: a list of ``{"role", "content"}``
 messages, from a prompt and a response field or from a ``messages`` field.
 
 A record that cannot be used as asked (a line that is not JSON, a missing or null field, a chat

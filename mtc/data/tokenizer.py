@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -161,6 +161,13 @@ class HFTokenizer:
         """(ids, start character of each token) of ``text``, without added special tokens."""
         e = self._tok.encode(text, add_special_tokens=False)
         return np.asarray(e.ids, dtype=np.int64), np.asarray([o[0] for o in e.offsets], dtype=np.int64)
+
+    def encode_located(self, text: str) -> tuple[np.ndarray, Callable[[int], int]]:
+        """(ids, start) of ``text`` without added special tokens, ``start(i)`` the character token
+        ``i`` starts at (-1 for one that has none): asked of a few tokens, far cheaper than
+        `encode_offsets`, whose offsets of every token cost a tenth of the time to encode a text."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, dtype=np.int64), lambda i: (e.token_to_chars(i) or (-1, -1))[0]
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Text of ``ids``; special tokens (BOS, EOS, padding) are left out."""
