@@ -66,6 +66,7 @@ from mtc.graphs.program import Program
 from mtc.planner import MODES, Check, Memory, Plan, _count, _size, _ties_weights, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
 from mtc.runtime import placement as pl
 from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
+from mtc.store.tensor_store import io_bounce_bytes
 
 __all__ = ["ENGINES", "DistPlan", "Engine", "Layout", "Link", "RankDist", "check_fit_ranks", "make_dist_plan", "rank_memory",
            "rank_profile", "ring_bytes", "scaling", "shard_numels", "world_from_env"]
@@ -313,8 +314,11 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
     pipe = _pipeline(placement, n, s, cuda, _ties_weights(shape))
     disk = {m: sum((24 if t == "disk" else {"full": 24, "weights": 8, "none": 0}[m]) * s[i] for i, t in enumerate(placement))
             for m in MODES}
+    # each rank is a process of its own with its own shard store on disk (several ranks need a
+    # durable step-0 commit): its I/O threads' bounce buffers and the process overhead, beside ``host``
     return Memory(gpu_state=gpu, gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0, host=host + pipe,
-                  pinned=pinned + (pipe if cuda else 0), disk=disk)
+                  pinned=pinned + (pipe if cuda else 0), disk=disk,
+                  store_io=io_bounce_bytes(max(s, default=0), cfg.io_threads), process=pl.PROCESS_HOST_BYTES)
 
 
 def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
@@ -401,7 +405,13 @@ def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout
     fewer = ("more ranks hold smaller shards of master, m and v (the gradient and the compute copy stay whole), or "
              + more_hosts + (" RAM" if r == 1 else "")) if "disk" not in engine.tiers else (
         f"put more layers on disk (--placement), or {more_hosts}" + (" RAM" if r == 1 else ""))
-    checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host)}; placement {desc})", r * mem.host, host_available, fewer))
+    # the machine holds each rank's engine, its store's bounce buffers and the process itself
+    # (--ram-budget-gb, checked above, bounds the engine's bytes only, as with one process)
+    beside = mem.store_io + mem.process
+    parts = (f" (engine {_size(mem.host)} + store I/O bounce buffers up to {_size(mem.store_io)} + process overhead "
+             f"{_size(mem.process)})") if beside else ""
+    checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host + beside)}{parts}; placement {desc})", r * (mem.host + beside),
+                        host_available, fewer))
     if gpu_total is not None:
         checks.append(Check(f"GPU memory per rank (resident state {_size(mem.gpu_state)} + workspace {_size(mem.gpu_workspace)})",
                             mem.gpu_peak, gpu_total,
@@ -484,8 +494,10 @@ class DistPlan:
                    + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else ""))
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
         disk_host = r * m.disk[cfg.durability]
-        out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}); per host ({r} ranks): host RAM "
-                   f"{_size(r * m.host)}; disk {_size(disk_host)} " + "(per host, "
+        beside = (f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else "") + (
+            f" + process overhead {_size(m.process)}" if m.process else "")
+        out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){beside}; per host ({r} ranks): "
+                   f"host RAM {_size(r * m.host_total)}; disk {_size(disk_host)} " + "(per host, "
                    + f"durability {cfg.durability})")
         for mode in MODES:
             need = r * m.disk[mode]

@@ -414,7 +414,10 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
 
     world, local = world_from_env()
     if world > 1:  # one rank of a data-parallel run: its shards, and the host its ranks share
-        checks = check_fit_ranks(cfg, shape, placement, world, local, disk_free=disk_free, host_available=pl.available_host_bytes(),
+        # each of the host's ranks has imported and traced by now: MemAvailable has left out their
+        # resident overhead, which the check counts; credit it back (this process's, for each)
+        here = local * min(pl.process_anon_bytes(), pl.PROCESS_HOST_BYTES)
+        checks = check_fit_ranks(cfg, shape, placement, world, local, disk_free=disk_free, host_available=pl.available_host_bytes() + here,
                                  gpu_total=gpu_total, where=where)
     else:
         # the process overhead the check counts is resident by now, which MemAvailable has left out:

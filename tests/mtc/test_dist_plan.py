@@ -25,6 +25,7 @@ from mtc.dist_plan import (
 )
 from mtc.errors import ConfigError
 from mtc.planner import DISK_FREE_ENV, check_fit, make_plan
+from mtc.runtime import placement as pl
 
 # the tiny preset (~0.5M params), 8 micro-batches per step: splits over 1, 2, 4 and 8 ranks
 CFG = TrainConfig(model="tiny", micro_batch_size=2, seq_len=16, grad_accum=8, durability="full")
@@ -178,7 +179,15 @@ def test_fit_check_counts_each_rank_and_the_host(shape, monkeypatch, tmp_path):
     # a store per rank: two ranks of one host keep their shards' generations on its disk
     assert need2["disk"] == 2 * need["disk"] and need2["GPU memory per rank"] == need["GPU memory per rank"]
     mem = rank_memory(dataclasses.replace(CFG, grad_accum=4), shape, placement, 2, cuda=True)
-    assert need["disk"] == mem.disk["full"] and need["host RAM"] == mem.host
+    # each rank is a process with its own store: its bounce buffers and the process overhead count
+    # beside its engine, per rank, in what the host must hold
+    assert mem.store_io > 0 and mem.process == pl.PROCESS_HOST_BYTES
+    assert need["disk"] == mem.disk["full"] and need["host RAM"] == mem.host + mem.store_io + mem.process
+    host_line = next(c.what for c in two if c.what.startswith("host RAM"))
+    assert "process overhead" in host_line and "store I/O bounce buffers" in host_line
+    for have, ok in ((2 * mem.host_total, True), (2 * mem.host_total - 2**20, False)):
+        checks = check_fit_ranks(CFG, shape, placement, 2, 2, disk_free=10**12, host_available=have, gpu_total=80 * 2**30, where="x")
+        assert next(c.ok for c in checks if c.what.startswith("host RAM")) is ok
     # `mtc train`'s preflight under torchrun: a RAM budget that holds one rank's shards, not the whole state
     from mtc.tracer import trace
     from mtc.train import build_model
