@@ -24,6 +24,7 @@ import dataclasses
 import queue
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -101,13 +102,14 @@ class DiskRing:
                      for k in range(slots if self.layers else 0)]
         tiers.pipeline_bytes["disk_ring"] = sum(t.numel() * 4 for st in self.sets
                                                for t in (st.master, st.m, st.v, st.grad) if t is not None)
-        self._free: queue.Queue[StateSet] = queue.Queue()
+        self._free: queue.Queue[StateSet | None] = queue.Queue()  # None: closed (see `close`)
         for st in self.sets:
             self._free.put(st)
         # per layer, the reads posted and not yet taken, oldest step first (one list of chunks per step)
         self._reads: dict[int, collections.deque[list[Future[ChunkRead]]]] = {i: collections.deque() for i in self.layers}
         self._posted = 0  # steps posted: the n-th post reads the n-th gradient spilled
         self._jobs: queue.Queue[tuple[int, int, dict, dict] | None] = queue.Queue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read_ahead, name="mtc-disk-readahead", daemon=True)
         self._thread.start()
 
@@ -142,9 +144,21 @@ class DiskRing:
                     st = None
                     try:
                         st = self._free.get()
+                        if st is None:  # closed while waiting for a set (see `close`)
+                            self._abandon(futs)
+                            return
                         dep = after.get(i)
                         if dep is not None:
-                            dep.result()  # the layer's last write: its newest state is on disk
+                            while not self._closed.is_set():
+                                try:
+                                    dep.result(timeout=0.1)  # the layer's last write: its newest state is on disk
+                                    break
+                                except FutureTimeout:
+                                    continue
+                            if self._closed.is_set():
+                                self._free.put(st)
+                                self._abandon(futs)
+                                return
                         n = hi - lo
                         reads = [self.store.read_rows_into_async(state_array_name(i, k, gen), lo, t, priority=PRIORITY_READ_AHEAD)
                                  for k, t in zip(_KINDS, st.views(n), strict=True)]
@@ -157,7 +171,20 @@ class DiskRing:
                             self._free.put(st)
                         fut.set_exception(e)
 
+    def _abandon(self, futs: dict[int, list[Future[ChunkRead]]]) -> None:
+        """Fail every chunk of a job not handed out yet: the ring was closed under it."""
+        for fs in futs.values():
+            for f in fs:
+                if not f.done():
+                    f.set_exception(RuntimeError("the disk tier's read-ahead was stopped (the run is closing)"))
+
     def close(self) -> None:
-        """Stop the read-ahead thread (reads already issued finish on the store's threads)."""
+        """Stop the read-ahead thread (reads already issued finish on the store's threads).
+
+        After a failed step the thread may be waiting for a set that the failed update never gives
+        back, or for a layer's write that will never be issued: both waits end here, so a rank
+        whose peer died stops at once instead of after the join's timeout."""
+        self._closed.set()
         self._jobs.put(None)
+        self._free.put(None)  # wakes a wait for a free set
         self._thread.join(timeout=30)

@@ -136,7 +136,9 @@ def test_kill_9_of_one_rank_then_relaunch_is_bit_identical(runs):
     t0 = time.time()
     code = procs[0].wait(timeout=90)
     err = procs[0].stderr.read()
-    assert code != 0 and time.time() - t0 < 60, (code, err[-2000:])
+    # it stops at once: its disk ring's read-ahead, waiting for a set the failed update still held,
+    # kept it 30 s in the ring's close (measured: 31.3 s, now 1.3 s, idle)
+    assert code != 0 and time.time() - t0 < 20, (code, time.time() - t0, err[-2000:])
     assert "mtc: error:" in err
     procs[1].wait()
     assert json.loads(commit.read_text())["step"] < STEPS, "the kill came too late to interrupt the run"

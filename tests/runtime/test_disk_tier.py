@@ -304,3 +304,38 @@ def test_the_read_ahead_waits_for_the_last_write_of_an_in_place_generation(token
     res = train(cfg, tmp_path / "slow", tokens)
     res.store.close()
     assert res.placement.count("disk") == 1 and res.losses == ref.losses
+
+
+def test_closing_the_ring_ends_a_read_ahead_that_waits_for_a_set_or_a_write(tmp_path):
+    """After a failed step (a data-parallel peer killed mid-step) the update never gives its set
+    back, or a layer's write is never issued: closing the ring must still stop its read-ahead at
+    once (a rank whose peer died sat 30 s in the join) and fail the chunks it did not read."""
+    import time
+    from concurrent.futures import Future
+
+    from mtc.store import TensorStore
+
+    from mtc.runtime.disk_tier import DiskRing
+    from mtc.runtime.tiers import StateTiers
+    from mtc.tracer import trace
+
+    cfg = small_config()
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    tiers = StateTiers(program, ["disk"] * program.n_layers, torch.device("cpu"), torch.float32)
+    for blocked_on in ("set", "write"):
+        with TensorStore.create(tmp_path / blocked_on) as store:
+            tiers.create_arrays(store, "full")
+            ring = DiskRing(tiers, store, slots=1 if blocked_on == "set" else 2)
+            first, second = ring.layers[:2]
+            never = Future()  # a write that is never issued
+            ring.post(0, {second: never} if blocked_on == "write" else {})
+            chunks = ring.take(first)
+            chunks[0].result(timeout=30)  # the first chunk holds a set (the update never releases it)
+            later = ring.take(second)
+            time.sleep(0.2)
+            assert not later[0].done(), "the read-ahead should be waiting for a set or the layer's write"
+            t0 = time.perf_counter()
+            ring.close()
+            assert time.perf_counter() - t0 < 5 and not ring._thread.is_alive()
+            with pytest.raises(RuntimeError, match="read-ahead was stopped"):
+                later[0].result(timeout=1)
