@@ -282,15 +282,14 @@ def model_shape(cfg: TrainConfig, compute_dtype: str, *, program: Program | None
     """The shape of ``cfg``'s model at its micro-batch shape: from ``program`` if given, else a
     one-block trace of the preset on the meta device, in ``compute_dtype``."""
     from mtc.models import model_config
-    from mtc.tracer import trace
-    from mtc.train import build_model
+    from mtc.trace_cache import trace_preset
 
     cbytes = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size()
     if program is not None:
         return shape_from_program(program, cfg.model, cbytes)
     mcfg = model_config(cfg.model, **cfg.model_overrides)
     one = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, "n_layers": 1}, compute_dtype=compute_dtype)
-    prog = trace(build_model(one, device="meta"), cfg.micro_batch_size, cfg.seq_len, name=cfg.model)
+    prog = trace_preset(one, name=cfg.model)
     return shape_from_program(prog, cfg.model, cbytes, n_blocks=mcfg.n_layers)
 
 
@@ -452,8 +451,7 @@ def reference_scales(profile: MachineProfile) -> tuple[float, float]:
     non-matmul part alone: subtracting the modelled matmuls first amplified the noise of a shared
     machine tenfold (scales from 0.4 to 3.3 between calibrations minutes apart)."""
     from mtc.calibrate import REFERENCE_BLOCK
-    from mtc.tracer import trace
-    from mtc.train import build_model
+    from mtc.trace_cache import trace_preset
 
     r, ref = REFERENCE_BLOCK, profile.reference_block
     if not ref:
@@ -461,7 +459,7 @@ def reference_scales(profile: MachineProfile) -> tuple[float, float]:
     cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 1, "dim": r["dim"], "ffn_dim": r["ffn_dim"], "n_heads": r["n_heads"],
                                                       "n_kv_heads": r["n_kv_heads"]},
                       micro_batch_size=r["micro_batch_size"], seq_len=r["seq_len"], compute_dtype="float32")
-    prog = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    prog = trace_preset(cfg)
     cost = template_cost(prog.template_of(1))
     scales = []
     for backward, measured in ((False, ref["fwd_s"]), (True, ref["joint_s"])):

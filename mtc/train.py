@@ -58,6 +58,7 @@ from mtc.runtime.timeline import Timeline
 from mtc.runtime.transfer import CopyEngine
 from mtc.store import CommitRecord, TensorStore, state_array_name
 from mtc.store.directory import os_error_reason
+from mtc.trace_cache import trace_preset
 from mtc.tracer import trace
 from mtc.watch import RunWatcher, check_eval_data, mfu_devices
 from mtc.weight_sources import record_write_start
@@ -183,13 +184,18 @@ def build_model(cfg: TrainConfig, *, device: str | torch.device = "cpu", dtype: 
                           "mtc.save_plan(program, DIR, factory='package.module:function')")
     if user_model.is_factory_path(cfg.model):
         return user_model.build_from_factory(cfg.model, seed=cfg.seed, device=device).to(want)
-    mcfg = model_config(cfg.model, **cfg.model_overrides)
-    if cfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    check_seq_len(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = build(cfg.model, **cfg.model_overrides)
     return model.to(want)
+
+
+def check_seq_len(cfg: TrainConfig) -> None:
+    """ConfigError when ``cfg.seq_len`` exceeds the preset model's ``max_seq_len``."""
+    mcfg = model_config(cfg.model, **cfg.model_overrides)
+    if cfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
 
 
 def _check_factory_unchanged(cfg: TrainConfig, program: Program, plan: object) -> None:
@@ -586,9 +592,10 @@ def open_run(
         if rec and rec.get("program_sha256") not in (None, user_model.program_fingerprint(program)):
             raise PlanError(f"plan {plan}: its program.json is not the program its model.json was written for (a "
                             "compile into the directory still running, or files of two plans); compile the plan again")
-    else:  # a preset's trace needs only its shapes: on meta (the same program), no second copy of the weights
-        traced = build_model(cfg, device="meta") if preset else at_dtype(model, cfg.resolved_compute_dtype)
-        program = trace(traced, cfg.micro_batch_size, cfg.seq_len)
+    elif preset:  # a preset's trace needs only its shapes: on meta (the same program), kept between runs
+        program = trace_preset(cfg)
+    else:
+        program = trace(at_dtype(model, cfg.resolved_compute_dtype), cfg.micro_batch_size, cfg.seq_len)
     user_model.check_params_match(model, program, f"plan {plan}" if plan is not None else "the traced program")
     if plan is not None and user_model.is_factory_path(cfg.model):
         _check_factory_unchanged(cfg, program, plan)

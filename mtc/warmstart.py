@@ -110,8 +110,7 @@ def open_seeded(cfg: TrainConfig, path: Path, last: CommitRecord, *, plan: str |
     Refuses a model other than the stored one. The caller saves it into the store once every
     other check has passed.
     """
-    from mtc.tracer import trace
-    from mtc.train import build_model
+    from mtc.trace_cache import trace_preset
 
     saved_model, saved_over = last.config.get("model"), last.config.get("model_overrides") or {}
     src = last.meta["init"].get("source", "?")
@@ -125,7 +124,7 @@ def open_seeded(cfg: TrainConfig, path: Path, last: CommitRecord, *, plan: str |
     if plan is None and all(getattr(seeded, k) == getattr(cfg, k) for k in ("micro_batch_size", "seq_len", "resolved_compute_dtype")):
         return old  # traced for this very shape
     # a plan: a directory (mtc train --plan) or a traced Program (mtc.train(plan=...) from Python)
-    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    program = plan if isinstance(plan, Program) else load_plan(plan) if plan is not None else trace_preset(cfg)
     mine = {k: (p.layer, p.offset, p.spec.shape) for k, p in program.params.items()}
     theirs = {k: (p.layer, p.offset, p.spec.shape) for k, p in old.params.items()}
     if mine != theirs:

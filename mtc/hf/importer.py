@@ -102,8 +102,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, *, overwrite: bool = Fa
     ``STORE/hf/``, which `export_hf` writes back. CheckpointError, before anything is written, for an
     unsupported architecture or a missing, mis-shaped or non-float tensor.
     """
-    from mtc.tracer import trace
-    from mtc.train import build_model
+    from mtc.trace_cache import trace_preset
     from mtc.warmstart import create_seeded_store, seed_config
 
     t0 = time.perf_counter()
@@ -113,7 +112,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, *, overwrite: bool = Fa
     readers = _open_shards(src)
     prefix = "transformer." if family == "gpt2" and any(n.startswith("transformer.") for n in readers) else ""
     names = tensor_map(family, over, prefix=prefix)
-    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    program = trace_preset(cfg)
     by_key = {n.mtc: n for n in names}
     if set(by_key) != set(program.params):  # the name map and mtc's model must agree on every parameter
         raise CheckpointError(f"internal: mtc's {family} model has parameters {sorted(set(program.params) ^ set(by_key))[:3]} "
