@@ -14,7 +14,7 @@ modules, or a method of their classes, comes from a file outside mtc, the standa
 installed packages, the cache is bypassed. Models from a factory or from Python are traced every time (their code is the user's).
 ``MTC_TRACE_CACHE`` names another directory, or ``off``. Writes are atomic (one file per key, a
 temporary file renamed), so concurrent processes (ranks, test workers) share the directory; a
-file that cannot be read is traced again and replaced; the oldest entries beyond `MAX_ENTRIES`
+file that cannot be read is traced again and replaced; the least recently used entries beyond `MAX_ENTRIES`
 are removed.
 """
 
@@ -36,7 +36,7 @@ from mtc.graphs.program import Program
 __all__ = ["CACHE_ENV", "MAX_ENTRIES", "cache_dir", "trace_key", "trace_preset"]
 
 CACHE_ENV = "MTC_TRACE_CACHE"
-MAX_ENTRIES = 64  # ~40 KB (tiny) to ~270 KB (70B) each
+MAX_ENTRIES = 256  # ~20-40 KB (tiny) to ~270 KB (70B) each: tens of MB at most
 FORMAT = 1
 _PACKAGES = ("mtc.models", "mtc.graphs")  # with mtc.tracer: the code a preset's trace depends on
 
