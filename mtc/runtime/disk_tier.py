@@ -24,7 +24,7 @@ import dataclasses
 import queue
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -149,16 +149,15 @@ class DiskRing:
                             return
                         dep = after.get(i)
                         if dep is not None:
-                            while not self._closed.is_set():
-                                try:
-                                    dep.result(timeout=0.1)  # the layer's last write: its newest state is on disk
-                                    break
-                                except FutureTimeout:
-                                    continue
-                            if self._closed.is_set():
+                            # the layer's last write: its newest state is on disk (a write's own
+                            # error, whatever its type, goes to the update that waits for this chunk)
+                            while not dep.done() and not self._closed.is_set():
+                                futures_wait([dep], timeout=0.1)
+                            if not dep.done():  # closed while waiting for a write never issued
                                 self._free.put(st)
                                 self._abandon(futs)
                                 return
+                            dep.result()
                         n = hi - lo
                         reads = [self.store.read_rows_into_async(state_array_name(i, k, gen), lo, t, priority=PRIORITY_READ_AHEAD)
                                  for k, t in zip(_KINDS, st.views(n), strict=True)]

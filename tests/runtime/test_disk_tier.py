@@ -339,3 +339,29 @@ def test_closing_the_ring_ends_a_read_ahead_that_waits_for_a_set_or_a_write(tmp_
             assert time.perf_counter() - t0 < 5 and not ring._thread.is_alive()
             with pytest.raises(RuntimeError, match="read-ahead was stopped"):
                 later[0].result(timeout=1)
+
+
+def test_a_failed_write_reaches_the_update_whatever_its_error(tmp_path):
+    """The read-ahead waits for a layer's last write: that write's own error (a TimeoutError too,
+    the type a timed wait raises) is the chunk's, at once."""
+    from concurrent.futures import Future
+
+    from mtc.store import TensorStore
+
+    from mtc.runtime.disk_tier import DiskRing
+    from mtc.runtime.tiers import StateTiers
+    from mtc.tracer import trace
+
+    cfg = small_config()
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    tiers = StateTiers(program, ["disk"] * program.n_layers, torch.device("cpu"), torch.float32)
+    with TensorStore.create(tmp_path / "s") as store:
+        tiers.create_arrays(store, "full")
+        ring = DiskRing(tiers, store, slots=2)
+        failed = Future()
+        failed.set_exception(TimeoutError("the disk stopped answering"))
+        ring.post(0, {ring.layers[0]: failed})
+        with pytest.raises(TimeoutError, match="stopped answering"):
+            ring.take(ring.layers[0])[0].result(timeout=5)
+        ring.close()
+        assert not ring._thread.is_alive()
