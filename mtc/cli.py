@@ -568,6 +568,7 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 def _cmd_trace(a: argparse.Namespace) -> int:
     from mtc.config import TrainConfig
     from mtc.plan import save_plan
+    from mtc.trace_cache import trace_preset
     from mtc.tracer import trace
     from mtc.train import build_model
     from mtc.user_model import write_model_record
@@ -577,8 +578,10 @@ def _cmd_trace(a: argparse.Namespace) -> int:
     cfg.validate()
     if said:
         print(said)
-    model = build_model(cfg, device="meta" if a.meta else "cpu")
-    program = trace(model, a.micro_batch_size, a.seq_len, name=a.preset)
+    if a.meta:  # on the meta device a preset's program is the trace cache's (traced once per machine)
+        program = trace_preset(cfg, name=a.preset)
+    else:
+        program = trace(build_model(cfg, device="cpu"), a.micro_batch_size, a.seq_len, name=a.preset)
     save_plan(program, a.output)
     write_model_record(a.output, cfg.to_dict(), program)  # what `mtc train --plan` and `mtc plan` read: the preset, shapes, dtype
     print(program.summary())
@@ -609,8 +612,7 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     from mtc.compiler import compile_program, write_report
     from mtc.config import TrainConfig
     from mtc.plan import save_plan
-    from mtc.tracer import trace
-    from mtc.train import build_model
+    from mtc.trace_cache import trace_preset
     from mtc.user_model import write_model_record
 
     cfg = TrainConfig(model=a.model, seq_len=a.seq_len, micro_batch_size=a.micro_batch_size, compute_dtype=a.dtype,
@@ -618,8 +620,7 @@ def _cmd_compile(a: argparse.Namespace) -> int:
     cfg.validate()
     if said:
         print(said)
-    model = build_model(cfg, device="meta")
-    program = trace(model, a.micro_batch_size, a.seq_len, name=a.model)
+    program = trace_preset(cfg, name=a.model)  # traced on the meta device, once per machine (mtc/trace_cache.py)
     out = Path(a.output)
     save_plan(program, out)
     write_model_record(out, cfg.to_dict(), program)

@@ -1,8 +1,8 @@
 """Traced programs of the built-in presets, kept between processes (``~/.cache/mtc/programs``).
 
 A preset's program is a pure function of its model config, the micro-batch shape, the compute
-dtype, torch's version and mtc's code that builds and traces it. A new run, `mtc plan`, a
-Hugging Face import and a warm start each traced it again: 0.9-1.9 s for the two-block tiny model
+dtype, torch's version and mtc's code that builds and traces it. A new run, `mtc plan`,
+`mtc compile`, `mtc trace --meta`, a Hugging Face import and a warm start each traced it again: 0.9-1.9 s for the two-block tiny model
 on the 2-core VM, 23 s for 70B's 80 blocks, plus 2.1 s in a fresh process for importing torch's
 dynamo, which building a model on the meta device pulls in (measured 2026-11-29). So a trace is
 kept under a key of exactly those inputs and read back instead; what is read back is what

@@ -159,3 +159,19 @@ def test_a_new_run_in_a_fresh_process_reads_the_trace_and_skips_torchs_tracer(ca
         seen.append(out.stdout.strip().splitlines()[-1])
     assert seen == ["DYNAMO True", "DYNAMO False"]
     assert len(list(cache.glob("*.json"))) == 1
+
+
+def test_mtc_compile_and_trace_meta_read_the_cache_and_write_the_plan_a_trace_gives(cache, traces, tmp_path):
+    """`mtc compile PRESET` and `mtc trace --meta` trace a preset once per machine; the plans they
+    write are the ones a fresh trace gives."""
+    from mtc.cli import main
+    from mtc.plan import load_plan
+
+    common = ["--seq-len", "16", "--micro-batch-size", "2", "--dtype", "float32"]
+    assert main(["trace", "tiny", "--meta", *common, "-o", str(tmp_path / "t1")]) == 0
+    assert main(["compile", "tiny", *common, "-o", str(tmp_path / "c1")]) == 0
+    assert main(["trace", "tiny", "--meta", *common, "-o", str(tmp_path / "t2")]) == 0
+    assert traces == [("tiny", "tiny")]
+    fresh = program_to_dict(trace(build_model(_cfg(), device="meta"), 2, 16, name="tiny"))
+    for d in ("t1", "c1", "t2"):
+        assert program_to_dict(load_plan(tmp_path / d)) == fresh, d
