@@ -14,9 +14,11 @@ meta implementation here: its Triton kernels are not compiled by this check.
 
 Run it with the Triton the GPU machine has (3.6 there; a CPU wheel of torch beside it):
 
-    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install -q triton==3.6.0 torch==2.13.0 numpy setuptools
-    /tmp/t36/bin/pip install -q --no-deps --no-build-isolation -e .
-    /tmp/t36/bin/python bench/kernel_compile_check.py            # all three archs, ~1-2 minutes
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install -q triton==3.6.0 torch==2.13.0 setuptools
+    /tmp/t36/bin/pip install -q --no-build-isolation -e .   # mtc's other dependencies (triton stays 3.6)
+    /tmp/t36/bin/python bench/kernel_compile_check.py            # every arch and shape, ~2 minutes
+
+(2026-11-29, at 29a5fec: 165 configurations compiled, 0 failed, 0 spilled, in 98 s.)
 
 A JSON record goes to bench/results/ (``--no-record``: none).
 """
