@@ -18,7 +18,8 @@ Run it with the Triton the GPU machine has (3.6 there; a CPU wheel of torch besi
     /tmp/t36/bin/pip install -q --no-build-isolation -e .   # mtc's other dependencies (triton stays 3.6)
     /tmp/t36/bin/python bench/kernel_compile_check.py            # every arch and shape, ~2 minutes
 
-(2026-11-29, at 29a5fec: 165 configurations compiled, 0 failed, 0 spilled, in 98 s.)
+(2026-11-29, at 29a5fec: 165 configurations compiled, 0 failed, 0 spilled; 98 s with Triton's cache
+empty, 38 s again; record `bench/results/kernel_compile_check-vm-20261129T170355.json`.)
 
 A JSON record goes to bench/results/ (``--no-record``: none).
 """
