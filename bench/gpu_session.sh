@@ -3,7 +3,8 @@
 # offline, then each part named, most important first, each in its own process under what is left
 # of the time budget (BENCH_BUDGET_S, default 550 s) so one slow part cannot eat the rest:
 #   tests          the gpu-marked tests (6 workers: most of their time is Triton compiling; at most
-#                  TESTS_S, default 200 s); the whole pytest output lands in $OUT/gpu_tests.log
+#                  TESTS_S, default 200 s), then those also marked `alone` (they time the GPU) by
+#                  themselves; the whole pytest output lands in $OUT/gpu_tests.log
 #   ARCH/PART      bench_fusion, e.g. llama/block qwen2/head, profiled (each variant's kernels over one
 #                  more call, and the compute floor they give: how far fusion can take the part at most)
 #   siblings       bench_sibling_matmuls: q/k/v and gate/up projections as one matmul each against
@@ -121,9 +122,20 @@ for p in "${parts[@]}"; do
       cap=${TESTS_S:-200}  # 56 gpu tests now (engine, graph replay, fused variants, pinned memory, NCCL)
       # the whole output in its own file: a line per test as it ends (-v: a run cut at the cap still
       # says which passed and failed), then every failure's traceback; its tail in the log and the reply
-      timeout -k 10 $(( left < cap ? left : cap )) python3 -m pytest -v -m gpu -n 6 -p no:benchmark --durations=8 -rfE tests \
+      # then the `alone` ones by themselves: they time the GPU, which the other workers' kernels share
+      # (same log; each run ends with its own closing line, which session_summary.py prints)
+      t0=$(date +%s)
+      timeout -k 10 $(( left < cap ? left : cap )) python3 -m pytest -v -m "gpu and not alone" -n 6 -p no:benchmark --durations=8 -rfE tests \
         > "$out/gpu_tests.log" 2>&1
       echo "gpu tests: pytest exit $? (124: cut at TESTS_S)" | tee -a "$log"
+      cap=$(( cap - ($(date +%s) - t0) )); left=$(( budget - ($(date +%s) - start) ))
+      if [ "$cap" -ge 20 ] && [ "$left" -ge 30 ]; then
+        timeout -k 10 $(( left < cap ? left : cap )) python3 -m pytest -v -m "gpu and alone" -p no:benchmark -rfE tests \
+          >> "$out/gpu_tests.log" 2>&1
+        echo "gpu tests that time the GPU, by themselves: pytest exit $? (124: cut at TESTS_S)" | tee -a "$log"
+      else
+        echo "skipped the gpu tests that time the GPU: out of time" | tee -a "$log"
+      fi
       tail -40 "$out/gpu_tests.log" | tee -a "$log" ;;
     disk|disk/*)
       if [ "$left" -lt "$train_min" ]; then echo "skipped $p: out of time ($left s left)" | tee -a "$log"; continue; fi

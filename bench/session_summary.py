@@ -46,7 +46,8 @@ def newer_than(directory: Path, marker: Path) -> list[Path]:
 
 
 def tests_outcome(log: Path) -> list[str]:
-    """The gpu tests' closing line and every FAILED / ERROR line of a pytest log."""
+    """The gpu tests' closing lines (one per pytest run the log holds: gpu_session.sh runs the tests
+    that time the GPU after the others, by themselves) and every FAILED / ERROR line of a pytest log."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError as e:
@@ -56,7 +57,7 @@ def tests_outcome(log: Path) -> list[str]:
     # or that selected none ended too, and says so there
     closing = [ln for ln in lines if ln.startswith("=") and re.search(
         r"\d+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected)\b|no tests ran", ln)]
-    return (closing[-1:] or ["gpu tests: no closing line in the log (cut off?)"]) + bad
+    return (closing or ["gpu tests: no closing line in the log (cut off?)"]) + bad
 
 
 def _train_rows(rec: dict[str, Any]) -> dict[str, Any]:

@@ -135,3 +135,18 @@ def test_a_tests_log_whose_closing_line_counts_no_pass_or_failure_is_reported_as
     # the slowest-durations header alone is no closing line: a run cut off before pytest finished
     log.write_text("============================= slowest 8 durations ==============================\n")
     assert tests_outcome(log) == ["gpu tests: no closing line in the log (cut off?)"]
+
+
+def test_a_tests_log_of_two_runs_reports_both_closing_lines_and_every_failure(tmp_path):
+    """gpu_session.sh runs the gpu tests that time the GPU after the others, into the same log: both
+    runs' outcomes are reported, a failure in either included."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from session_summary import tests_outcome
+
+    first = "================== 1 failed, 55 passed, 1300 deselected in 57.10s =================="
+    second = "======================= 1 passed, 1355 deselected in 21.30s ======================="
+    log = tmp_path / "gpu_tests.log"
+    log.write_text("FAILED tests/a.py::test_x - AssertionError\n" + first + "\n"
+                   "tests/mtc/test_planner.py::test_gpu_calibrate PASSED\n" + second + "\n")
+    assert tests_outcome(log) == [first, second, "FAILED tests/a.py::test_x - AssertionError"]

@@ -269,6 +269,7 @@ def test_a_commit_costs_each_chunk_file_it_writes():
 
 
 @pytest.mark.gpu
+@pytest.mark.alone  # it times the GPU: other workers' kernels on the same device would skew the rates it compares
 def test_gpu_calibrate_times_every_matmul_shape_and_anchors_the_layer_efficiency(tmp_path):
     """On CUDA: a point per `cuda_matmul_shapes` shape, timed over back-to-back launches (the
     thin ones at no less than a fifth of the largest's rate), and the layer efficiency from the
