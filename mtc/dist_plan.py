@@ -63,7 +63,7 @@ from mtc.config import TrainConfig
 from mtc.costmodel import ModelShape, StepTime, adamw_rate, model_shape, step_time
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program
-from mtc.planner import MODES, Check, Memory, Plan, _count, _size, _ties_weights, compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
+from mtc.planner import MODES, Check, Memory, Plan, _count, _size, _ties_weights, compute_bytes, cpu_compute_bytes, gpu_workspace, make_plan, saved_gpu_bytes, saves_for
 from mtc.runtime import placement as pl
 from mtc.runtime.dp_placement import dp_auto_placement, rank_ram_budget
 from mtc.store.tensor_store import io_bounce_bytes
@@ -318,7 +318,8 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
     # durable step-0 commit): its I/O threads' bounce buffers and the process overhead, beside ``host``
     return Memory(gpu_state=gpu, gpu_workspace=gpu_workspace(cfg, shape) if cuda else 0, host=host + pipe,
                   pinned=pinned + (pipe if cuda else 0), disk=disk,
-                  store_io=io_bounce_bytes(max(s, default=0), cfg.io_threads), process=pl.PROCESS_HOST_BYTES)
+                  store_io=io_bounce_bytes(max(s, default=0), cfg.io_threads), process=pl.PROCESS_HOST_BYTES,
+                  compute=0 if cuda else cpu_compute_bytes(cfg, shape))  # a rank's own micro-batches, on the CPU
 
 
 def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
@@ -407,9 +408,9 @@ def rank_checks(cfg: TrainConfig, mem: Memory, placement: list[str], lay: Layout
         f"put more layers on disk (--placement), or {more_hosts}" + (" RAM" if r == 1 else ""))
     # the machine holds each rank's engine, its store's bounce buffers and the process itself
     # (--ram-budget-gb, checked above, bounds the engine's bytes only, as with one process)
-    beside = mem.store_io + mem.process
+    beside = mem.store_io + mem.process + mem.compute
     parts = (f" (engine {_size(mem.host)} + store I/O bounce buffers up to {_size(mem.store_io)} + process overhead "
-             f"{_size(mem.process)})") if beside else ""
+             f"{_size(mem.process)}" + (f" + compute on the CPU {_size(mem.compute)}" if mem.compute else "") + ")") if beside else ""
     checks.append(Check(f"host RAM ({r} rank(s) x {_size(mem.host + beside)}{parts}; placement {desc})", r * (mem.host + beside),
                         host_available, fewer))
     if gpu_total is not None:
@@ -495,7 +496,8 @@ class DistPlan:
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}), " if pr.accelerator == "cuda" else ""
         disk_host = r * m.disk[cfg.durability]
         beside = (f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else "") + (
-            f" + process overhead {_size(m.process)}" if m.process else "")
+            f" + process overhead {_size(m.process)}" if m.process else "") + (
+            f" + compute {_size(m.compute)} (on the CPU)" if m.compute else "")
         out.append(f"memory per rank: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){beside}; per host ({r} ranks): "
                    f"host RAM {_size(r * m.host_total)}; disk {_size(disk_host)} " + "(per host, "
                    + f"durability {cfg.durability})")

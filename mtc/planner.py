@@ -77,11 +77,38 @@ def gpu_workspace(cfg: TrainConfig, shape: ModelShape, placement: list[str] | No
     layer): None counts the part no placement changes (`graph_gpu_extra` is the rest, per layer)."""
     c = shape.compute_bytes
     largest = max(shape.numels)
-    hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * c
-    acts = cfg.activation_budget_gb * GiB if cfg.activation_budget_gb is not None else cfg.grad_accum * shape.n_layers * hidden
-    head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
     graphs = graph_memory_bytes(_graph_layers(cfg, shape), placement)
-    return int(2 * largest * c + 3 * largest * 4 + acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head + 2 * GiB + graphs)
+    return int(2 * largest * c + 3 * largest * 4 + _step_compute_bytes(cfg, shape, offload=True) + 2 * GiB + graphs)
+
+
+def _step_compute_bytes(cfg: TrainConfig, shape: ModelShape, *, offload: bool) -> int:
+    """What a step's compute holds at its peak besides weights and gradient slabs: the layers'
+    boundary activations (at most ``--activation-budget-gb`` when ``offload``: the rest goes to host
+    memory), the micro-batches' carries, one layer's work (~40 hidden-sized tensors) and the head's
+    fp32 logits."""
+    hidden = cfg.micro_batch_size * cfg.seq_len * shape.hidden * shape.compute_bytes
+    acts = (cfg.activation_budget_gb * GiB if offload and cfg.activation_budget_gb is not None
+            else cfg.grad_accum * shape.n_layers * hidden)
+    head = cfg.micro_batch_size * cfg.seq_len * shape.head_width * 4
+    return int(acts + 2 * cfg.grad_accum * hidden + 40 * hidden + head)
+
+
+def cpu_compute_bytes(cfg: TrainConfig, shape: ModelShape) -> int:
+    """Host RAM the compute of a run on the CPU device holds at its peak: the GPU's workspace less
+    what the pipeline counts on the CPU (weight ring, gradient slabs), the CUDA graphs and the
+    allocator's slack; boundary activations are all kept (on the CPU an offload has nowhere else to
+    go). Measured on the 2-core VM (2026-11-29; 4 blocks of width 512, 1024 tokens per sequence,
+    fp32): peak RSS grew 98 MB per sequence from 1 to 16 per micro-batch, where this counts 96.5."""
+    return _step_compute_bytes(cfg, shape, offload=False)
+
+
+def ram_budget_for_state(cfg: TrainConfig, shape: ModelShape, available: int | None, *, cuda: bool) -> int:
+    """Host RAM for the state tiers and the pipeline: ``--ram-budget-gb``, else available memory
+    less a margin (`default_ram_budget`) and, on the CPU device, less the step's compute
+    (`cpu_compute_bytes`), which takes host RAM there."""
+    if cfg.ram_budget_gb is not None:
+        return int(cfg.ram_budget_gb * GiB)
+    return max(0, pl.default_ram_budget(available) - (0 if cuda else cpu_compute_bytes(cfg, shape)))
 
 
 def disk_compute_for(cfg: TrainConfig, shape: ModelShape, ram_bytes: int, cuda: bool) -> str:
@@ -162,7 +189,7 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
     if cfg.placement.strip() == "auto":
         gpu = 0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None else max(
             0, profile.gpu_memory_bytes - gpu_workspace(cfg, shape))
-        ram = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(profile.host_available_bytes)
+        ram = ram_budget_for_state(cfg, shape, profile.host_available_bytes, cuda=cuda)
         dc = disk_compute_for(cfg, shape, int(ram), cuda)
         auto = pl.auto_placement(numels, shape.compute_bytes, gpu_bytes=int(gpu), ram_bytes=int(ram), disk_compute=dc,
                                  grads_on_device=cuda,
@@ -215,6 +242,7 @@ class Memory:
     # host RAM beside ``host``, which is exactly what the engine holds and what --ram-budget-gb bounds
     store_io: int = 0
     process: int = 0  # the process itself: imports, the traced program (`pl.PROCESS_HOST_BYTES`), also beside ``host``
+    compute: int = 0  # on the CPU device, the step's compute (`cpu_compute_bytes`): host RAM beside ``host`` too
 
     @property
     def gpu_peak(self) -> int:
@@ -223,8 +251,9 @@ class Memory:
 
     @property
     def host_total(self) -> int:
-        """Host RAM of the run: the engine's (``host``), the store's bounce buffers and the process."""
-        return self.host + self.store_io + self.process
+        """Host RAM of the run: the engine's (``host``), the store's bounce buffers, the process and,
+        on the CPU device, the step's compute."""
+        return self.host + self.store_io + self.process + self.compute
 
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
@@ -238,7 +267,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     n, c = list(shape.numels), shape.compute_bytes
     # as `mtc.train` decides it: disk layers' gradients go to the store when the budget cannot hold
     # them (host RAM on the CPU; on CUDA the GPU memory left beside the workspace)
-    budget = int(cfg.ram_budget_gb * GiB) if cfg.ram_budget_gb is not None else pl.default_ram_budget(host_available)
+    budget = ram_budget_for_state(cfg, shape, host_available, cuda=cuda)
     dc = disk_compute_for(cfg, shape, budget, cuda)
     gpu_budget = None
     if cuda:
@@ -268,7 +297,7 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
                   grad_spill=spill, disk_compute=dc,
                   store_io=io_bounce_bytes(max(n, default=0), cfg.io_threads) if store_on_disk else 0,
-                  process=pl.PROCESS_HOST_BYTES)
+                  process=pl.PROCESS_HOST_BYTES, compute=0 if cuda else cpu_compute_bytes(cfg, shape))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -313,7 +342,7 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     have = int(cfg.ram_budget_gb * GiB) if budgeted else host_available
     # --ram-budget-gb bounds what the engine holds (``mem.host``); the machine's memory must also
     # hold what comes beside it: the store's bounce buffers and the process itself
-    beside = 0 if budgeted else mem.store_io + mem.process
+    beside = 0 if budgeted else mem.store_io + mem.process + mem.compute
     dc, cuda = mem.disk_compute, gpu_total is not None
     # every layer on disk, its gradients kept or (on the CPU) spilled to the store, whichever needs
     # less (`pl.choose_grad_spill` spills only where that saves RAM: with few layers it costs more)
@@ -327,14 +356,18 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                "4 B/param more disk reads per visit)")
     elif least > have:
         fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
-               "buffers, which grow with the largest layer and, on the CPU, the micro-batch): "
-               + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "") + "use a machine with more RAM or a smaller model")
+               "buffers, which grow with the largest layer" + (f", and the step's compute on the CPU, {_size(mem.compute)}, which "
+                                                              "grows with --micro-batch-size and --seq-len" if mem.compute and not budgeted
+                                                              else "") + "): "
+               + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "")
+               + ("lower --micro-batch-size, " if mem.compute and not budgeted else "") + "use a machine with more RAM or a smaller model")
     else:
         fix = f"put more layers on disk (--placement {_split_for(shape, have - beside, dc, cuda)})" + (
             " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
     budget = "the --ram-budget-gb" if budgeted else "available"
     io = (f" + store I/O bounce buffers up to {_size(mem.store_io)}" if mem.store_io else "") + (
-        f" + process overhead {_size(mem.process)}" if mem.process else "")
+        f" + process overhead {_size(mem.process)}" if mem.process else "") + (
+        f" + compute on the CPU {_size(mem.compute)}" if mem.compute else "")
     parts = (f"; the engine {_size(mem.host)}{io}" if beside else f"; beside it: {io[3:]}" if io else "")
     checks.append(Check(f"host RAM ({budget}; placement {desc}{parts})", mem.host + beside, have, fix))
     if gpu_total is not None:
@@ -484,7 +517,9 @@ class Plan:
         saved = f" + saved activations {_size(m.gpu_saved)}" if m.gpu_saved else ""
         gpu = f"GPU peak {_size(m.gpu_peak)} (state {_size(m.gpu_state)} + workspace {_size(m.gpu_workspace)}{saved}), " if pr.accelerator == "cuda" else ""
         io = (f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else "") + (
-            f" + process overhead {_size(m.process)} (imports, the traced program)" if m.process else "")
+            f" + process overhead {_size(m.process)} (imports, the traced program)" if m.process else "") + (
+            f" + compute {_size(m.compute)} (the step's activations, one layer's work and the logits, on the CPU)"
+            if m.compute else "")
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){io}, disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
         # disk layers keep all their state in the store, m and v too, so only the other layers' moments can be left out

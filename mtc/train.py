@@ -271,7 +271,7 @@ def run_disk_compute(cfg: TrainConfig, program: Program, *, ram_bytes: int | Non
     cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
     explicit = None if cfg.placement.strip() == "auto" else pl.resolve_placement(cfg.placement, program.n_layers)
     return pl.resolve_disk_compute(cfg.disk_compute, explicit, numels, cbytes,
-                                   ram_bytes=_ram_budget(cfg) if ram_bytes is None else ram_bytes,
+                                   ram_bytes=_ram_budget(cfg, program) if ram_bytes is None else ram_bytes,
                                    device_is_cuda=cfg.device.startswith("cuda"), tied_weights=_ties_weights(program))
 
 
@@ -293,7 +293,7 @@ def plan_placement(cfg: TrainConfig, program: Program, *, disk_compute: str | No
         if cuda:
             gpu = cfg.gpu_budget_gb * 2**30 if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
         # the RAM budget holds the state tiers and the pipeline's buffers of each candidate placement
-        budget = _ram_budget(cfg)
+        budget = _ram_budget(cfg, program)
         dc = disk_compute if disk_compute is not None else run_disk_compute(cfg, program, ram_bytes=budget)
         auto = pl.auto_placement(numels, cbytes, gpu_bytes=int(gpu), ram_bytes=int(budget), disk_compute=dc,
                                  grads_on_device=cuda,
@@ -426,9 +426,16 @@ def _gpu_budget(cfg: TrainConfig, program: Program, cbytes: int) -> int:
     return int(cfg.gpu_budget_gb * 2**30) if cfg.gpu_budget_gb is not None else max(0, _gpu_free(cfg) - _gpu_workspace(cfg, program, cbytes))
 
 
-def _ram_budget(cfg: TrainConfig) -> int:
-    """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin."""
-    return int(cfg.ram_budget_gb * 2**30) if cfg.ram_budget_gb is not None else pl.default_ram_budget()
+def _ram_budget(cfg: TrainConfig, program: Program) -> int:
+    """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin
+    and, on the CPU device, minus the step's compute (`mtc.planner.ram_budget_for_state`)."""
+    if cfg.ram_budget_gb is not None:
+        return int(cfg.ram_budget_gb * 2**30)
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import ram_budget_for_state
+
+    cbytes = torch.empty((), dtype=getattr(torch, cfg.resolved_compute_dtype)).element_size()
+    return ram_budget_for_state(cfg, shape_from_program(program, cfg.model, cbytes), None, cuda=cfg.device.startswith("cuda"))
 
 
 def _gpu_free(cfg: TrainConfig) -> int:
@@ -835,7 +842,7 @@ def train(
         placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
-        spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg),
+        spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg, program),
                                      disk_compute=dc, device_is_cuda=device.type == "cuda", tied_weights=_ties_weights(program),
                                      gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
         prefetch = 0 if world.distributed else plan_prefetch(pcfg, program, placement, gpu_update)

@@ -828,7 +828,7 @@ def test_the_process_overhead_is_its_own_line_in_the_plan_and_the_fit_check():
     prof = dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0)
     cfg = TrainConfig(model="tiny", placement="disk", kernels="unfused", durability="none")
     mem = make_plan(cfg, prof).memory
-    assert mem.process == pl.PROCESS_HOST_BYTES and mem.host_total == mem.host + mem.store_io + mem.process
+    assert mem.process == pl.PROCESS_HOST_BYTES and mem.host_total == mem.host + mem.store_io + mem.process + mem.compute
     lines = make_plan(cfg, prof).lines()
     assert any(ln.startswith("memory:") and "process overhead" in ln for ln in lines), lines
 
@@ -841,6 +841,44 @@ def test_the_process_overhead_is_its_own_line_in_the_plan_and_the_fit_check():
     assert host_check(mem.host_total).ok
     budget = host_check(mem.host_total, ram_budget_gb=mem.host / 2**30)  # the budget bounds the engine's bytes
     assert budget.ok and budget.need == mem.host and "process overhead" in budget.what, budget.line()
+
+
+def test_a_cpu_runs_compute_is_host_ram_that_the_plan_counts_and_auto_placement_leaves_room_for():
+    """On the CPU device a step's activations, one layer's work and the logits are host memory
+    (2-core VM, 2026-11-29: peak RSS 0.93 GB at 1 and 2.40 GB at 16 sequences of 1024 tokens, 4
+    blocks of width 512, all state in RAM, where the plan said 0.62 GB for both). The plan counts
+    them beside the engine's bytes, grows them with the micro-batch, refuses a machine that holds
+    the state but not the step, and auto placement leaves room for them (layers go to disk)."""
+    from mtc.planner import cpu_compute_bytes, placement_for
+
+    prof = dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0)
+    cfg = TrainConfig(model="tiny", kernels="unfused", durability="none", placement="ram", seq_len=256,
+                      model_overrides={"max_seq_len": 256, "dim": 512, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 8})
+    small, big = (make_plan(dataclasses.replace(cfg, micro_batch_size=b), prof) for b in (1, 4))
+    assert small.memory.host == big.memory.host and 0 < small.memory.compute < big.memory.compute
+    assert big.memory.compute == cpu_compute_bytes(big.cfg, big.shape)
+    assert any(ln.startswith("memory:") and "compute" in ln for ln in big.lines()), big.lines()
+    need = big.memory.host_total
+
+    def host_check(available: int):
+        plan = make_plan(dataclasses.replace(big.cfg), dataclasses.replace(prof, host_available_bytes=available))
+        return next(c for c in plan.checks if c.what.startswith("host RAM"))
+
+    short = host_check(need - 2**20)  # holds the state, the pipeline and the process, not the step
+    assert not short.ok and short.need == need and "compute on the CPU" in short.what, short.line()
+    assert host_check(need).ok
+    # auto placement: a machine whose default budget holds every layer in RAM, but not beside the step
+    auto = dataclasses.replace(big.cfg, placement="auto")
+    # (the default budget: available less 15 %, at least 2 GiB: here the 2 GiB)
+    avail = big.memory.host + big.memory.compute // 2 + 2 * 2**30
+    assert pl.default_ram_budget(avail) - big.memory.compute < big.memory.host < pl.default_ram_budget(avail)
+    roomy = dataclasses.replace(prof, host_available_bytes=avail + big.memory.compute)
+    tight = dataclasses.replace(prof, host_available_bytes=avail)
+    assert placement_for(auto, big.shape, roomy)[0] == ["ram"] * big.shape.n_layers
+    placed = make_plan(auto, tight)
+    assert "disk" in placed.placement and all(c.ok for c in placed.checks if c.what.startswith("host RAM")), placed.lines()
+    # a CUDA run computes on the GPU: nothing of it in host RAM
+    assert make_plan(dataclasses.replace(big.cfg, device="cuda"), builtin("h100-box")).memory.compute == 0
 
 
 def test_the_process_overhead_is_what_a_fresh_process_holds_before_any_state(tmp_path):
