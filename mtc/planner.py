@@ -98,7 +98,9 @@ def cpu_compute_bytes(cfg: TrainConfig, shape: ModelShape) -> int:
     what the pipeline counts on the CPU (weight ring, gradient slabs), the CUDA graphs and the
     allocator's slack; boundary activations are all kept (on the CPU an offload has nowhere else to
     go). Measured on the 2-core VM (2026-11-29; 4 blocks of width 512, 1024 tokens per sequence,
-    fp32): peak RSS grew 98 MB per sequence from 1 to 16 per micro-batch, where this counts 96.5."""
+    fp32): peak RSS grew 98 MB per sequence from 1 to 16 per micro-batch, where this counts 103;
+    the plan put the run at 0.72 and 2.26 GB, peak RSS read 0.93 and 2.40 (RSS also counts ~0.16 GB of
+    shared libraries' file pages, which the plan leaves to the page cache)."""
     return _step_compute_bytes(cfg, shape, offload=False)
 
 

@@ -846,7 +846,7 @@ def test_the_process_overhead_is_its_own_line_in_the_plan_and_the_fit_check():
 def test_a_cpu_runs_compute_is_host_ram_that_the_plan_counts_and_auto_placement_leaves_room_for():
     """On the CPU device a step's activations, one layer's work and the logits are host memory
     (2-core VM, 2026-11-29: peak RSS 0.93 GB at 1 and 2.40 GB at 16 sequences of 1024 tokens, 4
-    blocks of width 512, all state in RAM, where the plan said 0.62 GB for both). The plan counts
+    blocks of width 512, all state in RAM, where the plan said 0.62 GB for both; 0.72 and 2.26 now). The plan counts
     them beside the engine's bytes, grows them with the micro-batch, refuses a machine that holds
     the state but not the step, and auto placement leaves room for them (layers go to disk)."""
     from mtc.planner import cpu_compute_bytes, placement_for
