@@ -7,7 +7,8 @@ and P3 shapes (4 and 16 x 1024 tokens), compiles their templates as `mtc train`
 and bench_fusion do, and runs each compiled graph (forward, joint, save, backward) on the meta
 device with Triton's launch replaced by a compile for the target (default sm_90, the H100/H200)
 through a stand-in driver: every generated kernel at every launch configuration the GPU's tuner
-would try, and the column-combine kernel at the tiles its launches take. Per kernel and
+would try, the column-combine kernel at the tiles its launches take, and the kernels that repeat
+grouped KV heads for cuDNN attention and sum their gradients back (`kernels/kv_groups.py`). Per kernel and
 configuration it prints registers, spilled bytes and shared memory (cuobjdump on the cubin), and
 exits 1 if any failed to compile. Attention runs cuDNN or mtc's flash kernels on the GPU and its
 meta implementation here: its Triton kernels are not compiled by this check.
@@ -19,7 +20,8 @@ Run it with the Triton the GPU machine has (3.6 there; a CPU wheel of torch besi
     /tmp/t36/bin/python bench/kernel_compile_check.py            # every arch and shape, ~2 minutes
 
 (2026-11-29, at 29a5fec: 165 configurations compiled, 0 failed, 0 spilled; 98 s with Triton's cache
-empty, 38 s again; record `bench/results/kernel_compile_check-vm-20261129T170355.json`.)
+empty, 38 s again; record `bench/results/kernel_compile_check-vm-20261129T170355.json`. With the
+kv_groups kernels: 167, 0 failed, 0 spilled, 35 s, `...T172719.json`.)
 
 A JSON record goes to bench/results/ (``--no-record``: none).
 """
@@ -162,6 +164,20 @@ def check_arch(arch: str, seq: int, sm: int, cache: Path, log: Callable[[dict[st
                         kept = list(res[1 + t.n_aux_out:])
 
 
+def check_kv_groups(sm: int, seq: int, log: Callable[[dict[str, Any]], None]) -> None:
+    """Compile `kernels/kv_groups.py`'s kernels (what cuDNN attention's per-query-head candidate
+    launches around it) for compute capability ``sm``, at the grouped blocks' heads (Llama-8B 32
+    over 8, Qwen2 28 over 4, D 128), bf16, (B, T, H, D) layouts as the compiled graphs hand them."""
+    from mtc.kernels import kv_groups
+
+    meta = torch.device("meta")
+    for arch, hq, hkv in (("llama", 32, 8), ("qwen2", 28, 4)):
+        q, k = (torch.empty(1, seq, h, 128, dtype=torch.bfloat16, device=meta).transpose(1, 2) for h in (hq, hkv))
+        with compiling_launches(sm, lambda rec, where=f"{arch}/attention/kv_groups": log({"where": where, **rec})):
+            kv_groups._launch(kv_groups._expand_heads_kernel, k, torch.empty_like(q), hq, hq // hkv)
+            kv_groups._launch(kv_groups._sum_groups_kernel, q, torch.empty_like(k), hkv, hq // hkv)
+
+
 def main() -> None:
     """Compile, report, record; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -187,6 +203,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mtc-kernel-check-") as cache:
         for arch in a.arch:
             check_arch(arch, a.seq, a.sm, Path(cache), log)
+        check_kv_groups(a.sm, a.seq, log)
     recs = list(seen.values())
     failed = [r for r in recs if "error" in r]
     spilled = [r for r in recs if r.get("LOCAL")]

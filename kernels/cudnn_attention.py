@@ -11,8 +11,10 @@ for that shape (out, logsumexp, and every gradient: the two backends then share 
 the faster of the candidates timed (kernels/tuning.py). Grouped KV heads go to cuDNN in two ways,
 each a candidate of its own: as they are (cuDNN maps query heads to KV heads itself and sums
 their gradients), or repeated for each query group first and the gradients summed back over the
-group (two copies of k and v each way, and two reductions, per call: ~0.6 ms of a 20 ms Llama-8B
-layer on the H200, where torch.compile's kernels had none). cuDNN's outputs are returned as they
+group (done with torch ops, two copies of k and v each way, and two reductions, per call: ~0.6 ms
+of a 20 ms Llama-8B layer on the H200, where torch.compile's kernels had none; now one Triton pass
+each, `kernels/kv_groups.py`: k and v repeated straight into q's layout, each group's gradients
+summed in fp32 straight into k's and v's). cuDNN's outputs are returned as they
 are when their layout is the one the ops promise, not copied into buffers of ours: the output is
 laid out as ``torch.empty_like(q)`` (cuDNN allocates it in q's dim order too), the gradients as
 their inputs, and the output's gradient is handed over in the output's layout.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from mtc.kernels.kv_groups import expand_heads, sum_groups
 
 __all__ = ["agree", "backward", "forward", "usable", "warn_unavailable"]
 
@@ -36,10 +39,6 @@ def usable(q: torch.Tensor) -> bool:
         q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 128
         and hasattr(aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available()
     )
-
-
-def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
-    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
 def _as_allocated(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -57,9 +56,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     """Attention's output (laid out as ``torch.empty_like(q)``) and its fp32 row logsumexp (B, H, T),
     natural log.
     ``grouped``: hand cuDNN the KV heads as they are (it maps query head h to KV head h // rep
-    itself); else each KV head is repeated for its query group first (two copies of k and v)."""
+    itself); else each KV head is repeated for its query group first (k and v copied, laid out as q)."""
     rep = q.shape[1] // k.shape[1]
-    kk, vv = (k, v) if grouped else (_expand(k, rep), _expand(v, rep))
+    kk, vv = (k, v) if grouped or rep == 1 else (expand_heads(k, rep, q), expand_heads(v, rep, q))
     out, stats = aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, causal, False, scale=scale)[:2]
     lse = stats.reshape(q.shape[:-1])
     return _as_allocated(out, q), lse.contiguous()  # no copy when they are laid out as the op promises
@@ -73,15 +72,15 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     T, H_KV = q.shape[2], k.shape[1]
     rep = q.shape[1] // H_KV
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
-    kk, vv = (k, v) if grouped or rep == 1 else (_expand(k, rep), _expand(v, rep))
+    kk, vv = (k, v) if grouped or rep == 1 else (expand_heads(k, rep, q), expand_heads(v, rep, q))
     gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
         # dO in O's layout (no copy when it is: the graphs hand it so). O is laid out like q and dO
         # like O, so q's strides fix all three: torch caches cuDNN's backward graph by q, k, v's alone
         _as_allocated(do, o), q, kk, vv, o,
         lse.unsqueeze(-1), unused, unused, None, None, None, T, T, 0.0, causal, scale=scale,
     )
-    if not grouped and rep > 1:
-        gk, gv = gk.unflatten(1, (H_KV, rep)).sum(2), gv.unflatten(1, (H_KV, rep)).sum(2)
+    if not grouped and rep > 1:  # summed in k's and v's own layouts: nothing copied below
+        gk, gv = sum_groups(gk, rep, k), sum_groups(gv, rep, v)
     return _as_allocated(gq, q), _as_allocated(gk, k), _as_allocated(gv, v)
 
 

@@ -63,3 +63,6 @@ def test_gpt2s_generated_kernels_compile_for_sm90_at_every_tuning_candidate() ->
     assert any("_combine_kernel" in line for line in lines)
     assert any('"BLOCK_M"' in line for line in lines)  # a column kernel, at its tuning candidates
     assert sum('"STAGES": 2' in line for line in lines) >= 2  # the pipelined candidates of rowcol and column kernels
+    # cuDNN attention's per-query-head way: its KV repeat and gradient sum kernels (kernels/kv_groups.py)
+    assert all(any(line.startswith("llama/attention/kv_groups") and k in line for line in lines)
+               for k in ("_expand_heads_kernel", "_sum_groups_kernel")), lines[-6:]
