@@ -311,7 +311,7 @@ def prepare(
         raise DataError(f"tokenizer {tok.name!r} names no EOS token to separate documents; pass --eos TOKEN "
                         "(one of its special tokens), or add eos_token to its tokenizer_config.json")
     tok_dir = stem.with_name(stem.name + ".tokenizer") if tok.files else None
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    # (the writer makes the output's directory, or says why it cannot)
     with TokenWriter(bin_path, vocab_size=tok.vocab_size, tokenizer=tok.name, with_docs=True, with_mask=sft,
                      tokenizer_spec=tok.spec, tokenizer_sha256=tok.sha256, eos_id=tok.eos_id,
                      tokenizer_dir=tok_dir.name if tok_dir is not None else None) as w:

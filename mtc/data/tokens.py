@@ -335,6 +335,10 @@ def _open_sidecar(p: Path, dtype: np.dtype, n: int, bin_path: Path) -> np.ndarra
     return np.memmap(p, dtype=dtype, mode="r", shape=(n,))
 
 
+def _cannot_write(path: Path, e: OSError) -> str:
+    return f"cannot write the token file {path}: {e.strerror or e}; choose another -o path"
+
+
 def _temporary(final: Path) -> tuple[int, str]:
     """A temporary file beside ``final``, named with this process's id (see `remove_dead_temporaries`)."""
     return tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp")
@@ -401,7 +405,10 @@ class TokenWriter:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_VOCAB:
             raise DataError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
         self.bin_path, self.json_path = token_file_paths(path)
-        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(_cannot_write(self.bin_path, e)) from None
         self.vocab_size, self.dtype_name = vocab_size, ("uint16" if vocab_size <= 2**16 else "uint32")
         self._meta = {"tokenizer": tokenizer, "tokenizer_spec": tokenizer_spec, "tokenizer_sha256": tokenizer_sha256,
                       "eos_id": eos_id, "tokenizer_dir": tokenizer_dir}
@@ -412,10 +419,16 @@ class TokenWriter:
         # an earlier writer of these files that was killed left its temporaries: as large as its output
         self.removed_leftovers = [x for final in (self.bin_path, self.json_path, self.docs_path, self.mask_path)
                                   if final is not None for x in remove_dead_temporaries(final)]
-        for kind, final in (("bin", self.bin_path), ("docs", self.docs_path), ("mask", self.mask_path)):
-            if final is not None:
-                fd, tmp = _temporary(final)
-                self._files[kind] = (final, Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256())
+        try:
+            for kind, final in (("bin", self.bin_path), ("docs", self.docs_path), ("mask", self.mask_path)):
+                if final is not None:
+                    fd, tmp = _temporary(final)
+                    self._files[kind] = (final, Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256())
+        except OSError as e:  # (a directory that does not exist or cannot be written: nothing left behind)
+            for _, tmp, f, _ in self._files.values():
+                f.close()
+                tmp.unlink(missing_ok=True)
+            raise DataError(_cannot_write(self.bin_path, e)) from None
         self.n_tokens = 0
         self.n_docs = 0
         self.n_targets = 0

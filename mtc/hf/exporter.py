@@ -131,8 +131,11 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
             shards[-1].append(n)
             size += nbytes
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        except OSError as e:
+            raise CheckpointError(f"cannot write the checkpoint at {out}: {e.strerror or e}; choose another -o directory") from None
         try:
             total = 0
             cached: tuple[int, torch.Tensor | None] = (-1, None)

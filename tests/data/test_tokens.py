@@ -80,6 +80,30 @@ def test_prepare_errors(tmp_path: Path) -> None:
         prepare(tmp_path / "blank.txt", tmp_path / "o.bin")
     with pytest.raises(DataError, match="unknown tokenizer"):
         prepare(tmp_path / "latin1.txt", tmp_path / "o.bin", tokenizer="nope")
+    # an output path that cannot be written (here under a regular file): one line, nothing left behind
+    (tmp_path / "ok.txt").write_text("some text")
+    for out in (tmp_path / "blank.txt" / "o.bin", tmp_path / "blank.txt" / "sub" / "o.bin"):  # (made, or not, by prepare)
+        with pytest.raises(DataError, match=r"cannot write the token file .*blank.txt/.*o.bin: .*; choose another -o"):
+            prepare(tmp_path / "ok.txt", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt", "empty", "latin1.txt", "ok.txt"]
+
+
+def test_a_token_file_whose_second_temporary_cannot_be_made_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    from mtc.data import tokens
+
+    made = []
+    real = tokens._temporary
+
+    def failing_second(final: Path) -> tuple[int, str]:
+        if made:
+            raise PermissionError(13, "Permission denied")
+        made.append(real(final))
+        return made[-1]
+
+    monkeypatch.setattr(tokens, "_temporary", failing_second)
+    with pytest.raises(DataError, match=r"cannot write the token file .*o.bin: Permission denied; choose another -o"):
+        tokens.TokenWriter(tmp_path / "o.bin", vocab_size=256, tokenizer="byte", with_docs=True)
+    assert made and list(tmp_path.iterdir()) == []  # the first temporary was closed and removed
 
 
 def test_uint32_for_large_vocab(tmp_path: Path) -> None:

@@ -190,6 +190,11 @@ def test_cli_import_train_export_loads_in_transformers_with_mtcs_logits(tmp_path
                                                                                                "weights of its last two commits)"), err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+    # an output directory that cannot be made (here under a regular file): one line, not a traceback
+    (tmp_path / "a-file").write_text("")
+    assert main(["export", str(run), "-o", str(tmp_path / "a-file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtc: error: cannot write the checkpoint at ") and "choose another -o directory" in err, err
 
 
 def _cli_error(capsys, argv):
