@@ -148,6 +148,12 @@ def test_predicted_step_time_within_15_percent(tmp_path, one_thread):
         return spent < BUDGET_S or (len(quiet_misses) == 1 and spent < 2 * BUDGET_S)
 
     while attempt == 0 or again():
+        # what earlier tests left in the page cache is written back now, not while calibrate and the
+        # runs are timed (after `./run test`'s parallel part: GBs of stores). In three suite runs of
+        # 2026-11-29 every attempt read as noisy and the test skipped, then passed by itself; whether
+        # the writeback was the noise is not settled (with 3 GB written just before it, by itself,
+        # it took 79-80 s twice and 41 s once)
+        os.sync()
         assert main(["calibrate", "-o", str(tmp_path / "machine.json"), "--dir", str(tmp_path / "cal")]) == 0
         prof = MachineProfile.load(tmp_path / "machine.json")
         os.sync()  # calibrate's own writes must not slow the disk probe's baseline (it then read 25-46 % slow)
