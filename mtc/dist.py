@@ -232,6 +232,18 @@ def gpu_shard_bytes(numel: int, world_size: int, compute_bytes: int) -> int:
     return 16 * per + (compute_bytes * per if compute_bytes != 4 else 0) + (4 + compute_bytes) * per * world_size
 
 
+def _rank_cpu_compute(cfg: object, program: object, world: World, compute_bytes: int) -> int:
+    """Host RAM one rank's step computes in on the CPU device (its share of the micro-batches), as
+    `mtc.dist_plan.check_fit_ranks` counts it; 0 on CUDA."""
+    if cfg.device.startswith("cuda"):
+        return 0
+    from mtc.costmodel import shape_from_program
+    from mtc.planner import cpu_compute_bytes
+
+    rcfg = dataclasses.replace(cfg, grad_accum=max(1, cfg.grad_accum // world.world_size))
+    return cpu_compute_bytes(rcfg, shape_from_program(program, cfg.model, compute_bytes))
+
+
 def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu_update: set[int],
                             program: object, *, gpu_bytes: int | None = None) -> tuple[list[str], set[int]]:
     """The placement of a data-parallel run (one rank: unchanged). ``auto``: with device
@@ -256,7 +268,7 @@ def data_parallel_placement(world: World, cfg: object, placement: list[str], gpu
             left -= need if fits else 0
             on_gpu.append(fits)
         host = dp_auto_placement([0 if g else n for g, n in zip(on_gpu, numels, strict=True)], world.world_size, cbytes,
-                                 rank_ram_budget(cfg, world.local_world_size))
+                                 rank_ram_budget(cfg, world.local_world_size, _rank_cpu_compute(cfg, program, world, cbytes)))
         placement = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
     if cfg.gpu_update.strip() == "auto":  # the host's cores update the shards: 1/N of the work each
         gpu_update = set()

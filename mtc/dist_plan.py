@@ -672,7 +672,8 @@ def check_fit_ranks(cfg: TrainConfig, shape: ModelShape, placement: list[str], w
     """The fit checks of one rank of ``world`` with ``local`` ranks on this host (``cfg``: the run's)."""
     rcfg = dataclasses.replace(cfg, grad_accum=max(1, cfg.grad_accum // world))
     if cfg.placement.strip() == "auto":  # the placement the ranks will take (`mtc.dist.data_parallel_placement`)
-        placement = dp_auto_placement(list(shape.numels), world, shape.compute_bytes, rank_ram_budget(cfg, local))
+        compute = 0 if gpu_total is not None else cpu_compute_bytes(rcfg, shape)  # a rank's step, in host RAM on the CPU
+        placement = dp_auto_placement(list(shape.numels), world, shape.compute_bytes, rank_ram_budget(cfg, local, compute))
     lay = Layout(world, max(1, world // local), "nccl" if gpu_total is not None else "gloo")
     mem = rank_memory(rcfg, shape, placement, world, cuda=gpu_total is not None, engine=ENGINES["engine"])
     return rank_checks(rcfg, mem, placement, lay, disk_free=disk_free, host_available=host_available, gpu_total=gpu_total,

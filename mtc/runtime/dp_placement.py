@@ -41,9 +41,11 @@ def dp_auto_placement(numels: list[int], world_size: int, compute_bytes: int, ra
     return placement
 
 
-def rank_ram_budget(cfg: object, local_world_size: int) -> int:
+def rank_ram_budget(cfg: object, local_world_size: int, compute_bytes: int = 0) -> int:
     """One rank's host RAM for state: ``ram_budget_gb`` (per rank), else its share of what the
-    host has available (the ranks of a host split it evenly)."""
+    host has available (the ranks of a host split it evenly), less ``compute_bytes``: a rank's
+    step compute where it takes host RAM (the CPU device; `mtc.planner.cpu_compute_bytes`)."""
     if cfg.ram_budget_gb is not None:
         return int(cfg.ram_budget_gb * 2**30)
-    return default_ram_budget() // max(1, local_world_size)
+    local = max(1, local_world_size)
+    return max(0, default_ram_budget() - local * compute_bytes) // local

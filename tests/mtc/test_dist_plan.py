@@ -311,3 +311,41 @@ def test_bench_world_size_reads_a_real_runs_metrics(tmp_path):
                        tokens_per_step=2 * 2 * 16, timeout_s=300)
     assert r["returncode"] == 0 and list(r["median_step_s_by_file"]) == ["logs/metrics.jsonl"], r
     assert r["tokens_per_s_per_rank"] == pytest.approx(64 / r["median_step_s"])
+
+
+def test_ranks_on_the_cpu_count_their_steps_compute_and_auto_placement_leaves_room_for_it(monkeypatch):
+    """On the CPU device each rank computes its micro-batches in host RAM: the rank's fit check
+    counts it beside the engine, and the ranks' automatic placement (`rank_ram_budget`, as
+    `mtc.dist` takes it at run time) puts layers on disk rather than past the host's memory."""
+    from mtc.planner import cpu_compute_bytes
+    from mtc.runtime.dp_placement import rank_ram_budget
+
+    cfg = TrainConfig(model="tiny", micro_batch_size=4, seq_len=256, grad_accum=2, durability="none", placement="auto",
+                      model_overrides={"max_seq_len": 256, "dim": 512, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 8})
+    shape = model_shape(cfg, "float32")
+    rcfg = dataclasses.replace(cfg, grad_accum=1)  # one rank's share of two micro-batches
+    compute = cpu_compute_bytes(rcfg, shape)
+    ram = ["ram"] * shape.n_layers
+    mem = rank_memory(rcfg, shape, ram, 2, cuda=False)
+    assert mem.compute == compute > 0
+    # a host whose default budget (available less 2 GiB) holds both ranks' state in RAM, but not beside their steps
+    from mtc.runtime.dp_placement import rank_host_bytes
+
+    all_ram = sum(rank_host_bytes("ram", n, 2, shape.compute_bytes) for n in shape.numels)  # as dp_auto_placement counts it
+    avail = 2 * all_ram + compute + 2 * 2**30
+    monkeypatch.setattr(pl, "available_host_bytes", lambda: avail)
+    assert rank_ram_budget(cfg, 2) > all_ram > rank_ram_budget(cfg, 2, compute)
+
+    def host_check_on(c: TrainConfig, have: int):
+        checks = check_fit_ranks(c, shape, ram, 2, 2, disk_free=10**12, host_available=have, gpu_total=None, where="x")
+        return next(ch for ch in checks if ch.what.startswith("host RAM"))
+
+    def host_check(c: TrainConfig):
+        return host_check_on(c, avail)
+
+    auto = host_check(cfg)
+    assert auto.ok and "disk" in auto.what and "compute on the CPU" in auto.what, auto.line()
+    # all in RAM, as told: both ranks' engines, with their steps beside them, against what the host has
+    told = host_check(dataclasses.replace(cfg, placement="ram"))
+    assert told.need == 2 * mem.host_total and "compute on the CPU" in told.what, told.line()
+    assert not host_check_on(dataclasses.replace(cfg, placement="ram"), told.need - 2**20).ok
