@@ -322,6 +322,12 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
                   compute=0 if cuda else cpu_compute_bytes(cfg, shape))  # a rank's own micro-batches, on the CPU
 
 
+def _rank_default_budget(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, cuda: bool) -> int:
+    """A rank's RAM for state without --ram-budget-gb: its share of the host less the default
+    margin and, on the CPU, less its step's compute (``cfg``: the rank's; `cpu_compute_bytes`)."""
+    return max(0, pl.default_ram_budget(rprof.host_available_bytes) - (0 if cuda else cpu_compute_bytes(cfg, shape)))
+
+
 def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
                    engine: Engine = ENGINES["design"]) -> tuple[list[str], set[int]]:
     """Each layer's tier for one rank (auto: the GPU first, then the rank's share of RAM, the rest
@@ -340,7 +346,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
                     need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
                     if need <= g_left:
                         on_gpu[i], g_left = True, g_left - need
-            budget = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(rprof.host_available_bytes)
+            budget = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else _rank_default_budget(cfg, shape, rprof, cuda)
             host = dp_auto_placement([0 if g else k for g, k in zip(on_gpu, n, strict=True)], world, c, int(budget))
             auto = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
         placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
@@ -360,7 +366,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
                   else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
-        r_left = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else pl.default_ram_budget(rprof.host_available_bytes)
+        r_left = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else _rank_default_budget(cfg, shape, rprof, cuda)
         r_left -= _pipeline(["disk"] * len(n), n, s, cuda, _ties_weights(shape))
         auto = ["disk"] * len(n)
         for i in range(len(n)):

@@ -349,3 +349,21 @@ def test_ranks_on_the_cpu_count_their_steps_compute_and_auto_placement_leaves_ro
     told = host_check(dataclasses.replace(cfg, placement="ram"))
     assert told.need == 2 * mem.host_total and "compute on the CPU" in told.what, told.line()
     assert not host_check_on(dataclasses.replace(cfg, placement="ram"), told.need - 2**20).ok
+
+
+def test_mtc_plan_of_cpu_ranks_leaves_room_for_their_steps_compute():
+    """`mtc plan --world-size N` on a CPU machine profile places each rank's layers in RAM only as
+    far as its share of the host holds them beside its step's compute, as the run does."""
+    from mtc.planner import cpu_compute_bytes
+    from mtc.runtime.dp_placement import rank_host_bytes
+
+    cfg = TrainConfig(model="tiny", micro_batch_size=4, seq_len=256, grad_accum=2, durability="weights", placement="auto",
+                      model_overrides={"max_seq_len": 256, "dim": 512, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 8})
+    shape = model_shape(cfg, "float32")
+    compute = cpu_compute_bytes(dataclasses.replace(cfg, grad_accum=1), shape)  # one rank's share of the micro-batches
+    all_ram = sum(rank_host_bytes("ram", n, 2, shape.compute_bytes) for n in shape.numels)
+    # one host, two ranks: each gets half of what is available; the default margin is 2 GiB of it
+    tight = dataclasses.replace(_cpu_host(), host_available_bytes=2 * (all_ram + compute // 2 + 2 * 2**30))
+    roomy = dataclasses.replace(_cpu_host(), host_available_bytes=2 * (all_ram + 2 * compute + 2 * 2**30))
+    assert set(make_dist_plan(cfg, roomy, 2, shape=shape).placement) == {"ram"}
+    assert "disk" in make_dist_plan(cfg, tight, 2, shape=shape).placement
