@@ -34,23 +34,42 @@ _BLOCK_T = 64  # rows (positions) per program: with D 128, 8192 elements, 16 KiB
 
 
 @triton.jit
+def _regroup_heads(
+    src_ptr, dst_ptr,
+    s_b, s_h, s_t, s_d, d_b, d_h, d_t, d_d,
+    H_OUT, T, DIV, MUL, N,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # grid: (cdiv(T, BLOCK_T), B * H_OUT); output head j of batch b is the fp32 sum of source heads
+    # (j // DIV) * MUL + r for r < N, cast on store (one term: an exact copy in any of the dtypes)
+    pid = tl.program_id(1)
+    b = (pid // H_OUT).to(tl.int64)
+    j = (pid % H_OUT).to(tl.int64)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    if HEAD_DIM == BLOCK_D:  # a mask constant along D keeps the loads and stores vectorised
+        mask = offs_t[:, None] < T
+    else:
+        mask = (offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
+    src = src_ptr + b * s_b + (j // DIV) * MUL * s_h + offs_t[:, None] * s_t + offs_d[None, :] * s_d
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for r in range(0, N):
+        acc += tl.load(src + r * s_h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + b * d_b + j * d_h + offs_t[:, None] * d_t + offs_d[None, :] * d_d,
+             acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _expand_heads_kernel(
     src_ptr, dst_ptr,
     s_b, s_h, s_t, s_d, d_b, d_h, d_t, d_d,
     H, T, REP,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid: (cdiv(T, BLOCK_T), B * H); query head h of batch b gets KV head h // REP. Consecutive
-    # programs of one head walk its positions, and the REP heads of a group follow each other, so
-    # the group's reads after the first come from L2.
-    pid = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(src_ptr + b * s_b + (h // REP) * s_h + offs_t[:, None] * s_t + offs_d[None, :] * s_d, mask=mask)
-    tl.store(dst_ptr + b * d_b + h * d_h + offs_t[:, None] * d_t + offs_d[None, :] * d_d, x, mask=mask)
+    # query head h is KV head h // REP. Consecutive programs of one head walk its positions, and the
+    # REP heads of a group follow each other, so the group's reads after the first come from L2.
+    _regroup_heads(src_ptr, dst_ptr, s_b, s_h, s_t, s_d, d_b, d_h, d_t, d_d, H, T, REP, 1, 1,
+                   HEAD_DIM, BLOCK_T, BLOCK_D)
 
 
 @triton.jit
@@ -60,19 +79,9 @@ def _sum_groups_kernel(
     HKV, T, REP,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid: (cdiv(T, BLOCK_T), B * HKV); KV head g sums query heads g * REP .. g * REP + REP - 1 in fp32
-    pid = tl.program_id(1)
-    b = (pid // HKV).to(tl.int64)
-    g = (pid % HKV).to(tl.int64)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
-    src = src_ptr + b * s_b + offs_t[:, None] * s_t + offs_d[None, :] * s_d
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for r in range(0, REP):
-        acc += tl.load(src + (g * REP + r) * s_h, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + b * d_b + g * d_h + offs_t[:, None] * d_t + offs_d[None, :] * d_d,
-             acc.to(dst_ptr.dtype.element_ty), mask=mask)
+    # KV head g sums query heads g * REP .. g * REP + REP - 1
+    _regroup_heads(src_ptr, dst_ptr, s_b, s_h, s_t, s_d, d_b, d_h, d_t, d_d, HKV, T, 1, REP, REP,
+                   HEAD_DIM, BLOCK_T, BLOCK_D)
 
 
 def expand_heads_ref(t: torch.Tensor, rep: int) -> torch.Tensor:
