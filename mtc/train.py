@@ -429,8 +429,6 @@ def _gpu_budget(cfg: TrainConfig, program: Program, cbytes: int) -> int:
 def _ram_budget(cfg: TrainConfig, program: Program) -> int:
     """Host RAM bytes for state: ``--ram-budget`` (GB, as GiB), else available memory minus a margin
     and, on the CPU device, minus the step's compute (`mtc.planner.ram_budget_for_state`)."""
-    if cfg.ram_budget_gb is not None:
-        return int(cfg.ram_budget_gb * 2**30)
     from mtc.costmodel import shape_from_program
     from mtc.planner import ram_budget_for_state
 
