@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, write_record
+from mtc.calibrate import cpu_model
 from mtc.store import TensorStore
 
 
@@ -49,16 +50,6 @@ def _evict(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> None:
@@ -120,7 +111,7 @@ def main() -> None:
         "chunk_bytes": info.chunk_rows * 4,
         "io_threads": a.threads,
         "repeats": a.repeats,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "store_write_fsync_GBps": gbs(t_write),
         "store_read_warm_GBps": gbs(t_read),

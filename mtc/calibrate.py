@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from mtc.errors import ConfigError
 
-__all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "load_machine"]
+__all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "cpu_model", "load_machine"]
 
 T = TypeVar("T")
 
@@ -449,7 +449,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown CPU" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -899,7 +900,7 @@ def _identity(torch: Any, cuda: bool) -> dict[str, str]:
     import platform
     import socket
 
-    return {"host": socket.gethostname(), "cpu": _cpu_model(), "platform": platform.platform(),
+    return {"host": socket.gethostname(), "cpu": cpu_model(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if cuda else "none"}
 
@@ -1048,7 +1049,7 @@ def _calibrate(torch: Any, directory: str | Path | None, copy_mb: int, disk_mb: 
         shapes = cuda_matmul_shapes(s)
     mm = _matmul_points(torch, cuda, shapes, repeats)
     gpu_mem = torch.cuda.mem_get_info()[1] if cuda else 0
-    device = torch.cuda.get_device_name() if cuda else f"cpu ({_cpu_model()}, {cores} cores)"
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({cpu_model()}, {cores} cores)"
     assumed = []
     if cuda:
         assumed.append(f"CPU AdamW x {CUDA_ADAMW_WITH_COPIES} while the engine's copies run (the H100 box's stateless "

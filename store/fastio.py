@@ -149,20 +149,31 @@ def _drop_cache(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def _as_bytes(v: memoryview) -> memoryview:
+    """``v`` as flat bytes, so that lengths and slices count bytes whatever its item type."""
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """What of ``views`` is left after their first ``skip`` bytes (a short read or write's rest)."""
+    rest = []
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        rest.append(v[skip:])
+        skip = 0
+    return rest
+
+
 def _readv_full(fd: int, views: list[memoryview], want: int, direct: bool, pos: int = 0) -> int:
     """Read into ``views`` from offset ``pos`` until ``want`` bytes or end of file; bytes read."""
+    views = [_as_bytes(v) for v in views]  # (sliced by bytes below)
     got = os.preadv(fd, views, pos)
     while got < want:  # a short read (signals, some file systems): continue from where it stopped
-        rest, skip = [], got
-        for v in views:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
         if direct and got % ALIGN:
             break  # cannot continue an O_DIRECT read mid-page: the file ended
-        n = os.preadv(fd, rest, pos + got)
+        n = os.preadv(fd, _after(views, got), pos + got)
         if n == 0:
             break
         got += n
@@ -176,18 +187,11 @@ def _pwritev_full(fd: int, views: list[memoryview], path: str | Path, pos: int =
     write raises its own OSError (ENOSPC, EDQUOT: a cause the caller can name and say how to fix)
     instead of a bare byte count.
     """
-    views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]  # (sliced by bytes below)
+    views = [_as_bytes(v) for v in views]  # (sliced by bytes below)
     want = sum(len(v) for v in views)
     done = os.pwritev(fd, views, pos)
     while done < want:
-        rest, skip = [], done
-        for v in views:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        n = os.pwritev(fd, rest, pos + done)
+        n = os.pwritev(fd, _after(views, done), pos + done)
         if n == 0:
             raise OSError(errno.EIO, f"short write to {path}: {done} of {want} bytes, and no progress")
         done += n

@@ -162,6 +162,33 @@ def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(t
     assert (tmp_path / "f").read_bytes() == data.tobytes() + bytes([9] * 7)
 
 
+def test_short_reads_are_continued_byte_for_byte_whatever_the_views_item_size(tmp_path, monkeypatch):
+    real = os.preadv
+
+    def short(fd, views, offset):  # a file system that gives at most 100 bytes a call
+        head, left = [], 100
+        for v in views:
+            b = memoryview(v).cast("B")[:left]
+            head.append(b)
+            left -= len(b)
+            if not left:
+                break
+        return real(fd, head, offset)
+
+    want = np.arange(300, dtype=np.float32)
+    (tmp_path / "f").write_bytes(want.tobytes() + bytes([9] * 7))
+    monkeypatch.setattr(fastio.os, "preadv", short)
+    got, tail = np.zeros(300, dtype=np.float32), np.zeros(7, np.uint8)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert fastio._readv_full(fd, [memoryview(got), memoryview(tail)], 1207, direct=False) == 1207
+        # past the end of the file: what is there, no more
+        assert fastio._readv_full(fd, [memoryview(np.zeros(400, np.float32))], 1600, direct=False, pos=0) == 1207
+    finally:
+        os.close(fd)
+    assert np.array_equal(got, want) and tail.tolist() == [9] * 7
+
+
 @pytest.mark.parametrize("chunk", [CH, CH - 100])  # a page-multiple chunk (edge chunks padded), an odd-sized one
 @pytest.mark.parametrize("in_place", [False, True])
 def test_unaligned_parts_go_through_a_bounce_of_bounded_size(tmp_path, monkeypatch, chunk, in_place):
