@@ -30,12 +30,28 @@ def _tiny(name: str) -> torch.nn.Module:
     if name == "gpt2":
         return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                                 bos_token_id=0, eos_token_id=0))
+    kv2 = {"num_key_value_heads": 2}
     cls, cfg, extra = {
-        "llama": (tr.LlamaForCausalLM, tr.LlamaConfig, {"num_key_value_heads": 2}),
-        "mistral": (tr.MistralForCausalLM, tr.MistralConfig, {"num_key_value_heads": 2}),
-        "qwen2": (tr.Qwen2ForCausalLM, tr.Qwen2Config, {"num_key_value_heads": 2}),
+        "llama": (tr.LlamaForCausalLM, tr.LlamaConfig, kv2),
+        # Llama 3.x: rope frequencies rescaled by wavelength (seq 8 > the original 4 below)
+        "llama3-rope": (tr.LlamaForCausalLM, tr.LlamaConfig,
+                        {**kv2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 4}}),
+        "mistral": (tr.MistralForCausalLM, tr.MistralConfig, kv2),
+        "qwen2": (tr.Qwen2ForCausalLM, tr.Qwen2Config, kv2),
+        "qwen3": (tr.Qwen3ForCausalLM, tr.Qwen3Config, {**kv2, "head_dim": 8}),  # RMSNorm of q and k per head
         "gemma": (tr.GemmaForCausalLM, tr.GemmaConfig, {"num_key_value_heads": 1, "head_dim": 8}),
+        # logit soft-capping, and sliding-window layers alternating with global ones (window 4 < seq 8)
+        "gemma2": (tr.Gemma2ForCausalLM, tr.Gemma2Config, {**kv2, "head_dim": 8, "sliding_window": 4}),
+        "gemma3": (tr.Gemma3ForCausalLM, tr.Gemma3TextConfig, {**kv2, "head_dim": 8, "sliding_window": 4}),
         "phi": (tr.PhiForCausalLM, tr.PhiConfig, {}),
+        "phi3": (tr.Phi3ForCausalLM, tr.Phi3Config, kv2),  # fused qkv and gate_up projections
+        "olmo2": (tr.Olmo2ForCausalLM, tr.Olmo2Config, kv2),  # norms after attention and MLP, q/k norms
+        "stablelm": (tr.StableLmForCausalLM, tr.StableLmConfig, kv2),  # partial rotary, LayerNorm
+        "granite": (tr.GraniteForCausalLM, tr.GraniteConfig, kv2),  # scaled embeddings, residuals and logits
+        "smollm3": (tr.SmolLM3ForCausalLM, tr.SmolLM3Config, kv2),  # some layers without RoPE
+        # mixture of experts: top-2 of 4 experts per token, routed with data-dependent indexing
+        "mixtral": (tr.MixtralForCausalLM, tr.MixtralConfig, {**kv2, "num_local_experts": 4, "num_experts_per_tok": 2}),
     }[name]
     model = cls(cfg(**common, **extra, bos_token_id=0, eos_token_id=0, pad_token_id=0))
     return model
@@ -74,7 +90,11 @@ def _logits_program(program: Program, params: dict[str, torch.Tensor], ids: torc
     raise AssertionError("no head")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma", "phi", "gpt2"])
+ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "olmo2",
+         "stablelm", "granite", "smollm3", "mixtral", "gpt2"]
+
+
+@pytest.mark.parametrize("name", ARCHS)
 def test_transformers_class_traces_as_is(name):
     model = _tiny(name).eval()
     prog = trace(model, 2, 8)
@@ -140,15 +160,24 @@ def test_no_grad_region_is_inlined_and_keeps_its_semantics():
     assert params["scale.s"].grad is None and params["emb.weight"].grad is not None
 
 
-def test_hf_llama_trains_a_step_like_torch(tmp_path):
-    model = _tiny("llama")
+# unfused: the traced graphs as they are; fused: the compiler's generated kernels (interpreted on the
+# CPU), on the classes whose blocks hold what the others do not: q/k norms, soft-capping with
+# alternating windows, routed experts
+@pytest.mark.parametrize(("name", "kernels"), [("llama", "unfused"), pytest.param("qwen3", "fused", marks=pytest.mark.slow),
+                                               pytest.param("gemma2", "fused", marks=pytest.mark.slow),
+                                               pytest.param("mixtral", "fused", marks=pytest.mark.slow)])
+def test_hf_class_trains_two_steps_like_torch(tmp_path, name, kernels):
+    model = _tiny(name)
     toks = np.random.default_rng(2).integers(0, VOCAB, 4_000).astype(np.uint16)
     tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=VOCAB, tokenizer="byte")
-    cfg = TrainConfig(steps=2, micro_batch_size=2, seq_len=8, grad_accum=1, kernels="unfused",
+    cfg = TrainConfig(steps=2, micro_batch_size=2, seq_len=8, grad_accum=1, kernels=kernels,
                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
     ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(model))
     res = train(cfg, None, tf, model=model)
     try:
+        if kernels == "fused":  # every fusion group of the block got a generated kernel: nothing ran unfused
+            blocks = [res.compiled[c.template] for c in res.program.iter_blocks()]
+            assert blocks and all(0 < b.backward_report.generated == b.backward_report.groups for b in blocks)
         for a, b in zip(res.losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * b
         got = read_params(res.program, res.store, res.generation)
