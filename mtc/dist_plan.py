@@ -322,18 +322,23 @@ def rank_memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], world
                   compute=0 if cuda else cpu_compute_bytes(cfg, shape))  # a rank's own micro-batches, on the CPU
 
 
-def _rank_default_budget(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, cuda: bool) -> int:
-    """A rank's RAM for state without --ram-budget-gb: its share of the host less the default
-    margin and, on the CPU, less its step's compute (``cfg``: the rank's; `cpu_compute_bytes`)."""
-    return max(0, pl.default_ram_budget(rprof.host_available_bytes) - (0 if cuda else cpu_compute_bytes(cfg, shape)))
+def _rank_budget(cfg: TrainConfig, shape: ModelShape, cuda: bool, local: int, host_available: int) -> int:
+    """A rank's RAM for state, as the run takes it (`rank_ram_budget`): --ram-budget-gb, else its
+    share of the host's default budget (one margin per host, not per rank) less, on the CPU, its
+    step's compute (``cfg``: the rank's; `cpu_compute_bytes`)."""
+    return rank_ram_budget(cfg, local, 0 if cuda else cpu_compute_bytes(cfg, shape), available=host_available)
 
 
 def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, world: int,
-                   engine: Engine = ENGINES["design"]) -> tuple[list[str], set[int]]:
+                   engine: Engine = ENGINES["design"], *, local: int = 1,
+                   host_available: int | None = None) -> tuple[list[str], set[int]]:
     """Each layer's tier for one rank (auto: the GPU first, then the rank's share of RAM, the rest
     on disk, with the per-rank bytes above; the built engines as `mtc.dist.data_parallel_placement`
-    places them) and the ram layers the GPU updates (auto: none under the built engines)."""
+    places them) and the ram layers the GPU updates (auto: none under the built engines).
+    ``local``: the ranks per host, which share ``host_available`` (the host's; default: the
+    rank profile's share times ``local``)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
+    host = rprof.host_available_bytes * local if host_available is None else host_available
     s = shard_numels(n, world)
     if engine.built:  # as `mtc.dist.data_parallel_placement`: the GPU first (per-rank bytes), then RAM, the rest on disk
         auto = None
@@ -346,7 +351,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
                     need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
                     if need <= g_left:
                         on_gpu[i], g_left = True, g_left - need
-            budget = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else _rank_default_budget(cfg, shape, rprof, cuda)
+            budget = _rank_budget(cfg, shape, cuda, local, host)
             host = dp_auto_placement([0 if g else k for g, k in zip(on_gpu, n, strict=True)], world, c, int(budget))
             auto = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
         placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
@@ -366,7 +371,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
                   else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
-        r_left = cfg.ram_budget_gb * GiB if cfg.ram_budget_gb is not None else _rank_default_budget(cfg, shape, rprof, cuda)
+        r_left = _rank_budget(cfg, shape, cuda, local, host)
         r_left -= _pipeline(["disk"] * len(n), n, s, cuda, _ties_weights(shape))
         auto = ["disk"] * len(n)
         for i in range(len(n)):
@@ -556,7 +561,8 @@ def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *
         shape = model_shape(cfg, {2: "bfloat16", 4: "float32"}[compute_bytes(cfg, profile)], program=program)
     rcfg = _rank_cfg(cfg, world_size)
     rprof = rank_profile(profile, lay)
-    placement, gpu_update = rank_placement(rcfg, shape, rprof, world_size, eng)
+    placement, gpu_update = rank_placement(rcfg, shape, rprof, world_size, eng, local=lay.ranks_per_host,
+                                           host_available=profile.host_available_bytes)
     cuda = profile.accelerator == "cuda"
     mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda, engine=eng)
     saves = saves_for(rcfg, shape, rprof, mem, placement) if engine == "engine" else []  # (mtc's own: blocks keep their activations)

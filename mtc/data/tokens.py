@@ -336,7 +336,12 @@ def _open_sidecar(p: Path, dtype: np.dtype, n: int, bin_path: Path) -> np.ndarra
 
 
 def _cannot_write(path: Path, e: OSError) -> str:
-    return f"cannot write the token file {path}: {e.strerror or e}; choose another -o path"
+    """The one-line error for an output that cannot be written, naming the path in the way when
+    that is not the token file itself (a file where a parent directory should be)."""
+    why = e.strerror or str(e)
+    if e.filename is not None and Path(e.filename) != path:
+        why = f"{why}: {e.filename}"
+    return f"cannot write the token file {path}: {why}; choose another -o path"
 
 
 def _temporary(final: Path) -> tuple[int, str]:
@@ -416,6 +421,11 @@ class TokenWriter:
         self.docs_path = stem.with_name(stem.name + ".docs") if with_docs else None
         self.mask_path = stem.with_name(stem.name + ".mask") if with_mask else None
         self._files: dict[str, tuple[Path, Path, BinaryIO, Any]] = {}
+        for final in (self.bin_path, self.json_path, self.docs_path, self.mask_path):
+            # checked now, not when `finish` renames into it after the whole corpus was tokenized
+            if final is not None and (final.is_dir() or (final.exists() and not final.is_file())):
+                raise DataError(f"cannot write the token file {self.bin_path}: {final} exists and is not a file; "
+                                "choose another -o path or move it away")
         # an earlier writer of these files that was killed left its temporaries: as large as its output
         self.removed_leftovers = [x for final in (self.bin_path, self.json_path, self.docs_path, self.mask_path)
                                   if final is not None for x in remove_dead_temporaries(final)]

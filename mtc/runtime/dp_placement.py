@@ -41,11 +41,13 @@ def dp_auto_placement(numels: list[int], world_size: int, compute_bytes: int, ra
     return placement
 
 
-def rank_ram_budget(cfg: object, local_world_size: int, compute_bytes: int = 0) -> int:
-    """One rank's host RAM for state: ``ram_budget_gb`` (per rank), else its share of what the
-    host has available (the ranks of a host split it evenly), less ``compute_bytes``: a rank's
-    step compute where it takes host RAM (the CPU device; `mtc.planner.cpu_compute_bytes`)."""
+def rank_ram_budget(cfg: object, local_world_size: int, compute_bytes: int = 0, available: int | None = None) -> int:
+    """One rank's host RAM for state: ``ram_budget_gb`` (per rank), else its share of the host's
+    default budget (``available``, this host's available memory when None, less one margin for the
+    host: `default_ram_budget`; the ranks of a host split the rest evenly), less ``compute_bytes``:
+    a rank's step compute where it takes host RAM (the CPU device; `mtc.planner.cpu_compute_bytes`).
+    The run (`mtc.dist`), its fit check and `mtc plan --world-size` all take it from here."""
     if cfg.ram_budget_gb is not None:
         return int(cfg.ram_budget_gb * 2**30)
     local = max(1, local_world_size)
-    return max(0, default_ram_budget() - local * compute_bytes) // local
+    return max(0, default_ram_budget(available) - local * compute_bytes) // local

@@ -83,9 +83,17 @@ def test_prepare_errors(tmp_path: Path) -> None:
     # an output path that cannot be written (here under a regular file): one line, nothing left behind
     (tmp_path / "ok.txt").write_text("some text")
     for out in (tmp_path / "blank.txt" / "o.bin", tmp_path / "blank.txt" / "sub" / "o.bin"):  # (made, or not, by prepare)
-        with pytest.raises(DataError, match=r"cannot write the token file .*blank.txt/.*o.bin: .*; choose another -o"):
+        # the message names the file in the way, not only the token file it blocks
+        with pytest.raises(DataError, match=r"cannot write the token file .*blank.txt/.*o.bin: .*: .*blank.txt(/sub)?; choose another -o"):
             prepare(tmp_path / "ok.txt", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt", "empty", "latin1.txt", "ok.txt"]
+    # a directory where the token file (or a sidecar) would go: refused before anything is read or written
+    for taken in ("o.bin", "o.json"):
+        (tmp_path / "out" / taken).mkdir(parents=True)
+        with pytest.raises(DataError, match=rf"cannot write the token file .*o.bin: .*{taken} exists and is not a file"):
+            prepare(tmp_path / "ok.txt", tmp_path / "out" / "o.bin")
+        assert [p.name for p in (tmp_path / "out").iterdir()] == [taken]  # no temporaries left
+        (tmp_path / "out" / taken).rmdir()
 
 
 def test_a_token_file_whose_second_temporary_cannot_be_made_leaves_nothing(tmp_path: Path, monkeypatch) -> None:

@@ -195,6 +195,7 @@ def test_cli_import_train_export_loads_in_transformers_with_mtcs_logits(tmp_path
     assert main(["export", str(run), "-o", str(tmp_path / "a-file" / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mtc: error: cannot write the checkpoint at ") and "choose another -o directory" in err, err
+    assert f"{tmp_path / 'a-file'};" in err, err  # it names what is in the way
 
 
 def _cli_error(capsys, argv):

@@ -353,17 +353,26 @@ def test_ranks_on_the_cpu_count_their_steps_compute_and_auto_placement_leaves_ro
 
 def test_mtc_plan_of_cpu_ranks_leaves_room_for_their_steps_compute():
     """`mtc plan --world-size N` on a CPU machine profile places each rank's layers in RAM only as
-    far as its share of the host holds them beside its step's compute, as the run does."""
+    far as its share of the host holds them beside its step's compute, and takes the same
+    placement as the run (`rank_ram_budget`: one default margin per host, not per rank: a plan
+    that took 2 GiB off each rank's share put every layer on disk where the run kept all in RAM)."""
     from mtc.planner import cpu_compute_bytes
-    from mtc.runtime.dp_placement import rank_host_bytes
+    from mtc.runtime.dp_placement import dp_auto_placement, rank_host_bytes, rank_ram_budget
 
     cfg = TrainConfig(model="tiny", micro_batch_size=4, seq_len=256, grad_accum=2, durability="weights", placement="auto",
                       model_overrides={"max_seq_len": 256, "dim": 512, "ffn_dim": 2048, "n_heads": 8, "n_kv_heads": 8})
     shape = model_shape(cfg, "float32")
     compute = cpu_compute_bytes(dataclasses.replace(cfg, grad_accum=1), shape)  # one rank's share of the micro-batches
     all_ram = sum(rank_host_bytes("ram", n, 2, shape.compute_bytes) for n in shape.numels)
-    # one host, two ranks: each gets half of what is available; the default margin is 2 GiB of it
-    tight = dataclasses.replace(_cpu_host(), host_available_bytes=2 * (all_ram + compute // 2 + 2 * 2**30))
-    roomy = dataclasses.replace(_cpu_host(), host_available_bytes=2 * (all_ram + 2 * compute + 2 * 2**30))
-    assert set(make_dist_plan(cfg, roomy, 2, shape=shape).placement) == {"ram"}
-    assert "disk" in make_dist_plan(cfg, tight, 2, shape=shape).placement
+    # one host, two ranks: the default margin (2 GiB on a host this small) comes off the host, then
+    # each rank gets half of the rest, less its step's compute
+    placements = {}
+    for name, avail in {"tight": 2 * all_ram + compute + 2 * 2**30, "roomy": 2 * all_ram + 3 * compute + 2 * 2**30,
+                        "small": all_ram + 2 * 2**30 + 2 * compute}.items():
+        assert avail * 0.15 < 2 * 2**30  # (the margin is 2 GiB here, not 15 %)
+        plan = make_dist_plan(cfg, dataclasses.replace(_cpu_host(), host_available_bytes=avail), 2, shape=shape).placement
+        run = dp_auto_placement(list(shape.numels), 2, shape.compute_bytes, rank_ram_budget(cfg, 2, compute, available=avail))
+        assert plan == run, (name, plan, run)
+        placements[name] = plan
+    assert set(placements["roomy"]) == {"ram"}
+    assert "disk" in placements["tight"]
