@@ -567,7 +567,7 @@ def make_dist_plan(cfg: TrainConfig, profile: MachineProfile, world_size: int, *
     mem = rank_memory(rcfg, shape, placement, world_size, cuda=cuda, engine=eng)
     saves = saves_for(rcfg, shape, rprof, mem, placement) if engine == "engine" else []  # (mtc's own: blocks keep their activations)
     if saves:
-        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(rcfg, shape, saves, placement))
+        mem = mem.with_saved(saved_gpu_bytes(rcfg, shape, saves, placement, cuda=cuda), cuda=cuda)
     checks = rank_checks(rcfg, mem, placement, lay, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                          gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}", engine=eng)
     dist, assumed = _dist_for(shape, lay, profile, eng)

@@ -199,10 +199,9 @@ def placement_for(cfg: TrainConfig, shape: ModelShape, profile: MachineProfile, 
                                                                            tied_weights=_ties_weights(shape)),
                                  # a --gpu-budget-gb is for state: resident layers' graphs are workspace beyond it
                                  gpu_extra=graph_gpu_extra(cfg, shape) if cuda and cfg.gpu_budget_gb is None else None)
+    # (on a machine without a GPU, `gpu` layers are resident on the CPU device, as `mtc train`
+    # --device cpu runs them: their state is host RAM, `memory` counts it there)
     placement = pl.resolve_placement(cfg.placement, shape.n_layers, auto=auto)
-    if not cuda and "gpu" in placement:
-        raise ConfigError(f"placement {pl.describe(placement)} puts layers on the GPU, machine {profile.name!r} has none; "
-                          "use ram or disk")
     rates = update_rates(cfg, profile)  # the planned machine's figures
     gpu_left = _gpu_left(cfg, shape, profile, placement) if cuda else None
     gpu_update = pl.resolve_gpu_update(cfg.gpu_update, placement, numels, device_is_cuda=cuda, cpu_params_per_s=rates.cpu_params_per_s,
@@ -245,6 +244,7 @@ class Memory:
     store_io: int = 0
     process: int = 0  # the process itself: imports, the traced program (`pl.PROCESS_HOST_BYTES`), also beside ``host``
     compute: int = 0  # on the CPU device, the step's compute (`cpu_compute_bytes`): host RAM beside ``host`` too
+    host_saved: int = 0  # on the CPU device, the blocks' activations kept between visits (``gpu_saved``'s bytes there)
 
     @property
     def gpu_peak(self) -> int:
@@ -254,8 +254,13 @@ class Memory:
     @property
     def host_total(self) -> int:
         """Host RAM of the run: the engine's (``host``), the store's bounce buffers, the process and,
-        on the CPU device, the step's compute."""
-        return self.host + self.store_io + self.process + self.compute
+        on the CPU device, the step's compute and the activations blocks keep between visits."""
+        return self.host + self.store_io + self.process + self.compute + self.host_saved
+
+    def with_saved(self, nbytes: int, *, cuda: bool) -> Memory:
+        """This with ``nbytes`` of blocks' saved activations where the device keeps them: GPU
+        memory on CUDA, host RAM on the CPU device."""
+        return dataclasses.replace(self, gpu_saved=nbytes) if cuda else dataclasses.replace(self, host_saved=nbytes)
 
 
 def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update: set[int], *, cuda: bool,
@@ -290,10 +295,12 @@ def memory(cfg: TrainConfig, shape: ModelShape, placement: list[str], gpu_update
     if cuda:
         pinned += pipeline  # read-ahead ring and visit staging are pinned on CUDA
     host = pl.host_bytes_needed(placement, n, c, disk_compute=dc, grads_on_device=cuda, grad_spill=spill) + pipeline
+    if not cuda:  # `gpu` layers on the CPU device: resident state, in host RAM
+        host += pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=False)
     streamed = gpu_update if cuda else set()
     if dev_grads:
         host -= 4 * sum(n[i] for i in streamed)  # their gradients wait on the GPU
-    return Memory(gpu_state=pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill)
+    return Memory(gpu_state=0 if not cuda else pl.gpu_state_bytes(placement, n, c, disk_grads_on_gpu=not spill)
                   + pl.streamed_gpu_bytes(streamed, n, c, grads_on_device=dev_grads, prefetch=prefetch),
                   gpu_workspace=gpu_workspace(cfg, shape, placement) if cuda else 0,
                   host=host, pinned=pinned, disk={m: pl.disk_bytes_needed(placement, n, m, grad_spill=spill) for m in MODES},
@@ -344,7 +351,7 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
     have = int(cfg.ram_budget_gb * GiB) if budgeted else host_available
     # --ram-budget-gb bounds what the engine holds (``mem.host``); the machine's memory must also
     # hold what comes beside it: the store's bounce buffers and the process itself
-    beside = 0 if budgeted else mem.store_io + mem.process + mem.compute
+    beside = 0 if budgeted else mem.store_io + mem.process + mem.compute + mem.host_saved
     dc, cuda = mem.disk_compute, gpu_total is not None
     # every layer on disk, its gradients kept or (on the CPU) spilled to the store, whichever needs
     # less (`pl.choose_grad_spill` spills only where that saves RAM: with few layers it costs more)
@@ -362,14 +369,18 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                                                               "grows with --micro-batch-size and --seq-len" if mem.compute and not budgeted
                                                               else "") + "): "
                + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "")
-               + ("lower --micro-batch-size, " if mem.compute and not budgeted else "") + "use a machine with more RAM or a smaller model")
+               + ("lower --micro-batch-size, " if mem.compute and not budgeted else "")
+               + ("keep fewer blocks' activations (--save-activations), " if mem.host_saved and not budgeted else "")
+               + "use a machine with more RAM or a smaller model")
     else:
         fix = f"put more layers on disk (--placement {_split_for(shape, have - beside, dc, cuda)})" + (
-            " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "")
+            " or raise --ram-budget-gb" if cfg.ram_budget_gb is not None else "") + (
+            ", or keep fewer blocks' activations (--save-activations)" if mem.host_saved and not budgeted else "")
     budget = "the --ram-budget-gb" if budgeted else "available"
     io = (f" + store I/O bounce buffers up to {_size(mem.store_io)}" if mem.store_io else "") + (
         f" + process overhead {_size(mem.process)}" if mem.process else "") + (
-        f" + compute on the CPU {_size(mem.compute)}" if mem.compute else "")
+        f" + compute on the CPU {_size(mem.compute)}" if mem.compute else "") + (
+        f" + saved activations {_size(mem.host_saved)}" if mem.host_saved else "")
     parts = (f"; the engine {_size(mem.host)}{io}" if beside else f"; beside it: {io[3:]}" if io else "")
     checks.append(Check(f"host RAM ({budget}; placement {desc}{parts})", mem.host + beside, have, fix))
     if gpu_total is not None:
@@ -422,14 +433,14 @@ def check_fit(cfg: TrainConfig, program: Program, placement: list[str], gpu_upda
     mem = memory(cfg, shape, placement, gpu_update, cuda=cuda,
                  gpu_memory=torch.cuda.mem_get_info(torch.device(cfg.device))[0] if cuda else None, prefetch=prefetch,
                  store_on_disk=store_dir is not None)
-    if cuda and cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations
+    if cfg.save_activations.strip() not in ("auto", "off"):  # blocks told to keep their activations (on the CPU: in host RAM)
         blocks = list(range(1, shape.n_layers - 1))
         try:
             kept = pl.choose_saves(cfg.save_activations, blocks, [0] * len(blocks), ["block"] * len(blocks),
                                    micro_batches=cfg.grad_accum, gpu_bytes=None, replay_copy=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, kept, placement))
+        mem = mem.with_saved(saved_gpu_bytes(cfg, shape, kept, placement, cuda=cuda), cuda=cuda)
     disk_free, where = None, ""
     if store_dir is not None and (new_run or seeded_written is not None or resumed_held is not None):
         probe = store_dir if store_dir.exists() else next(p for p in store_dir.absolute().parents if p.exists())
@@ -489,6 +500,11 @@ class Plan:
         """Whether every fit check passes."""
         return all(c.ok for c in self.checks)
 
+    def _fused(self) -> bool:
+        """Whether the run's blocks are compiled (`saves_for`'s rule): saved bytes are then its
+        estimate of what they keep, where an unfused block keeps its whole autograd graph."""
+        return self.cfg.kernels == "fused" or (self.cfg.kernels == "auto" and self.profile.accelerator == "cuda")
+
     def _handoff_text(self) -> str:
         """Of the layers loaded ahead, those whose new weights stay on the device (`update_handoff`)."""
         handed = pl.handed_layers(self.gpu_update, self.prefetch, self.shape.compute_bytes, self.cfg.update_handoff)
@@ -511,7 +527,9 @@ class Plan:
                    f"disk {_count(per_tier['disk'])} params" + (f"; GPU updates ram layers {sorted(self.gpu_update)}" if self.gpu_update else "")
                    + (f" ({self.prefetch} loading their state during the backward{self._handoff_text()})" if self.prefetch else "")
                    + (f"; {len(self.saves)} of {sh.n_layers - 2} blocks keep their activations between visits "
-                      f"({_size(m.gpu_saved)} on the GPU)" if self.saves else "")
+                      + (f"({_size(m.gpu_saved)} on the GPU" if m.gpu_saved else f"({_size(m.host_saved)} in host RAM")
+                      + ("" if self._fused() else ", as compiled blocks keep them: an unfused block's autograd graph keeps more")
+                      + ")" if self.saves else "")
                    + ("" if not per_tier["disk"] else "; disk layers' weights read from the store at each visit"
                       if m.disk_compute == "store" else "; disk layers' compute copy in pinned RAM"))
         if self.choice:
@@ -521,7 +539,7 @@ class Plan:
         io = (f" + store I/O bounce buffers up to {_size(m.store_io)}" if m.store_io else "") + (
             f" + process overhead {_size(m.process)} (imports, the traced program)" if m.process else "") + (
             f" + compute {_size(m.compute)} (the step's activations, one layer's work and the logits, on the CPU)"
-            if m.compute else "")
+            if m.compute else "") + (f" + saved activations {_size(m.host_saved)}" if m.host_saved else "")
         out.append(f"memory: {gpu}host RAM {_size(m.host)} (pinned {_size(m.pinned)}){io}, disk {_size(m.disk[cfg.durability])} "
                    f"(durability {cfg.durability})")
         # disk layers keep all their state in the store, m and v too, so only the other layers' moments can be left out
@@ -620,7 +638,7 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
                  gpu_memory=profile.gpu_memory_bytes if cuda else None, prefetch=prefetch)
     saves = saves_for(cfg, shape, profile, mem, placement, prefetch)
     if saves:
-        mem = dataclasses.replace(mem, gpu_saved=saved_gpu_bytes(cfg, shape, saves, placement))
+        mem = mem.with_saved(saved_gpu_bytes(cfg, shape, saves, placement, cuda=cuda), cuda=cuda)
     checks = fit_checks(cfg, shape, placement, mem, disk_free=profile.disk_free_bytes, host_available=profile.host_available_bytes,
                         gpu_total=profile.gpu_memory_bytes if cuda else None, where=f"{profile.disk_dir} on {profile.name}")
     st = step_time(cfg, shape, placement, gpu_update, profile, grad_spill=mem.grad_spill,
@@ -628,13 +646,15 @@ def _make_plan(cfg: TrainConfig, profile: MachineProfile, *, program: Program | 
     return Plan(cfg, profile, shape, placement, gpu_update, mem, checks, st, prefetch, saves)
 
 
-def saved_gpu_bytes(cfg: TrainConfig, shape: ModelShape, saves: list[int], placement: list[str]) -> int:
-    """GPU memory the blocks ``saves`` keep between their visits, every micro-batch of the step
-    (the estimate from the shapes: `mtc.costmodel.saved_bytes`), and the second graph per ring
-    slot when some streamed blocks save and others recompute (`_mixed_saves`)."""
+def saved_gpu_bytes(cfg: TrainConfig, shape: ModelShape, saves: list[int], placement: list[str], *, cuda: bool = True) -> int:
+    """Memory the blocks ``saves`` keep between their visits, every micro-batch of the step (the
+    estimate from the shapes: `mtc.costmodel.saved_bytes`; GPU memory on CUDA, host RAM on the
+    CPU device), and, where compiled blocks replay as CUDA graphs, the second graph per ring slot
+    when some streamed blocks save and others recompute (`_mixed_saves`)."""
     kept = cfg.grad_accum * sum(saved_bytes(shape.costs[i], shape.compute_bytes) for i in saves)
     streamed = [i for i in range(1, shape.n_layers - 1) if placement[i] != "gpu"]
-    if set(saves) & set(streamed) and set(streamed) - set(saves):
+    replayed = cuda and cfg.cuda_graphs != "off" and cfg.kernels != "unfused"
+    if replayed and set(saves) & set(streamed) and set(streamed) - set(saves):
         kept += sum(_mixed_saves(cfg, shape, placement).values())
     return kept
 

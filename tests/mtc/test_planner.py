@@ -932,3 +932,64 @@ def test_the_live_fit_check_counts_the_process_once(monkeypatch):
             check_fit(cfg, run.program, disk, set(), None, new_run=True)
     finally:
         run.store.close()
+
+
+def test_on_the_cpu_saved_activations_are_host_ram_in_the_plan_and_the_runs_fit_check(monkeypatch):
+    """On the CPU device the blocks told to keep their activations keep them in host RAM: the
+    plan says so and counts them in its host total and check, and `mtc train`'s fit check counts
+    them too (the plan said "on the GPU" and neither counted them: a run 66 % over its plan)."""
+    from mtc.errors import ConfigError
+    from mtc.planner import check_fit
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    cpu = dataclasses.replace(builtin("h100-box"), name="cpu16", accelerator="cpu", gpu_memory_bytes=0, pcie_is_memcpy=True,
+                              compute_threads=16, adamw_impl="exact")
+    cfg = TrainConfig(model="tiny", micro_batch_size=8, seq_len=256, device="cpu", compute_dtype="float32", durability="none",
+                      placement="ram", model_overrides={"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1408,
+                                                        "max_seq_len": 512})
+    off, kept = (make_plan(dataclasses.replace(cfg, save_activations=s), cpu) for s in ("off", "all"))
+    assert kept.saves == list(range(1, 9)) and kept.memory.gpu_saved == 0 and kept.memory.host_saved > 100 * 2**20
+    assert kept.memory.host_total == off.memory.host_total + kept.memory.host_saved
+    host = next(c for c in kept.checks if c.what.startswith("host RAM"))
+    assert "saved activations" in host.what and host.need == next(c for c in off.checks if c.what.startswith("host RAM")).need \
+        + kept.memory.host_saved
+    # some blocks only: their share, and no CUDA graph's second buffer set (nothing replays on the CPU)
+    two = make_plan(dataclasses.replace(cfg, save_activations="2"), cpu)
+    assert two.saves == [7, 8] and two.memory.host_saved * 4 == kept.memory.host_saved
+    line = next(x for x in kept.lines() if x.startswith("placement"))
+    assert "in host RAM" in line and "on the GPU" not in line and "unfused block's autograd graph keeps more" in line
+    # the run's check, on a host whose memory holds the plan without the saved activations but not with them
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    placement = ["ram"] * program.n_layers
+    # (the check credits back the process overhead it counts, already resident in this process)
+    have = off.memory.host_total - min(pl.process_anon_bytes(), off.memory.process) + kept.memory.host_saved // 2
+    monkeypatch.setattr(pl, "available_host_bytes", lambda: have)
+    check_fit(cfg, program, placement, set(), None, new_run=True)
+    with pytest.raises(ConfigError, match=r"host RAM .*saved activations .*--save-activations"):
+        check_fit(dataclasses.replace(cfg, save_activations="all"), program, placement, set(), None, new_run=True)
+
+
+def test_gpu_layers_on_the_cpu_device_are_planned_as_the_run_holds_them():
+    """`--placement gpu` on the CPU device: `mtc train` runs the layers resident there (the
+    engine's tests do), so the plan takes the placement too and both count their state, 16 B per
+    parameter in fp32, as host RAM (the plan refused it; the run counted none of it)."""
+    from mtc.errors import ConfigError
+    from mtc.planner import check_fit
+    from mtc.tracer import trace
+    from mtc.train import build_model
+
+    cpu = dataclasses.replace(builtin("h100-box"), name="cpu16", accelerator="cpu", gpu_memory_bytes=0, pcie_is_memcpy=True,
+                              compute_threads=16, adamw_impl="exact")
+    cfg = TrainConfig(model="tiny", micro_batch_size=2, seq_len=64, device="cpu", compute_dtype="float32", durability="none")
+    gpu, disk = (make_plan(dataclasses.replace(cfg, placement=p), cpu) for p in ("gpu:0-1,disk:2-5", "disk"))
+    n = sum(gpu.shape.numels[:2])
+    assert gpu.placement[:2] == ["gpu", "gpu"] and gpu.memory.gpu_state == 0
+    # two layers moved from disk to resident: their 16 B/param, less what a disk layer keeps in RAM
+    per_disk = pl.host_bytes_per_param("disk", 4, disk_compute=disk.memory.disk_compute, grads_on_device=False,
+                                       grad_spill=disk.memory.grad_spill)
+    assert gpu.memory.host - disk.memory.host == (16 - per_disk) * n
+    program = trace(build_model(cfg, device="meta"), cfg.micro_batch_size, cfg.seq_len)
+    tight = dataclasses.replace(cfg, placement="gpu", ram_budget_gb=16 * sum(gpu.shape.numels) / 2 / 2**30)
+    with pytest.raises(ConfigError, match=r"this run does not fit: host RAM .*placement gpu:0-5"):
+        check_fit(tight, program, ["gpu"] * program.n_layers, set(), None, new_run=True)
