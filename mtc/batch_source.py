@@ -106,9 +106,12 @@ class BatchSource:
         for what, x in zip(("ids", "targets"), item):
             # checked and staged on the host (the loader thread pins them for the copy to the device):
             # a batch on the GPU comes back once here, rather than syncing the device check by check
-            t = x.cpu() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+            a = None if isinstance(x, torch.Tensor) else np.asarray(x)
+            # (a read-only array, e.g. a slice of a token file's memmap, is copied: torch warns of those)
+            t = x.cpu() if a is None else torch.as_tensor(a if a.flags.writeable else a.copy())
             if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                 raise DataError(f"data batch {cursor}: {what} have dtype {t.dtype}; token ids must be integers")
+            t = t.to(torch.int64)  # (the range checks below: torch has no min/max of uint16 or uint32 tensors)
             if self.shape is not None and tuple(t.shape) != self.shape:
                 raise DataError(f"data batch {cursor}: {what} have shape {tuple(t.shape)}, the model was traced for "
                                 f"{self.shape} (micro_batch_size, seq_len); batch the data to that shape")
@@ -117,7 +120,7 @@ class BatchSource:
             if self.vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
                 raise DataError(f"data batch {cursor}: {what} hold ids outside 0-{self.vocab_size - 1} (the model's "
                                 f"vocabulary): min {int(ids.min())}, max {int(ids.max())}")
-            out.append(t.to(torch.int64).contiguous())
+            out.append(t.contiguous())
         return out[0], out[1]
 
     def __repr__(self) -> str:

@@ -514,8 +514,12 @@ def open_run(
             "--kernels fused on the CPU runs Triton's interpreter, which must be enabled before start: "
             "set TRITON_INTERPRET=1 (slow: for tests), or pass --unfused on the CPU"
         )
+    if isinstance(data, BatchSource) and cfg.eval_every:
+        raise ConfigError(f"eval_every={cfg.eval_every} validates on a token file's val split, and batches from Python have "
+                          "none: pass eval_every=0 (and evaluate the run with `mtc eval RUN --data FILE`), "
+                          "or give a token file as data")
     if isinstance(data, TokenFile):
-        check_fits(data, cfg.seq_len)
+        check_fits(data, cfg.seq_len, split="train")  # (the split training samples: checked now, before the store is written)
         check_eval_data(data, (cfg.micro_batch_size, cfg.seq_len), cfg)
     path = Path(store_dir) if store_dir is not None else None
     if init_from is not None:  # seed the store, then open it below like any seeded store

@@ -38,10 +38,12 @@ IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default ig
 _REDRAWS = 64  # rounds of redrawing windows whose targets are all masked before giving up
 
 
-def check_fits(tokens: TokenFile | np.ndarray, seq_len: int) -> None:
-    """Raise DataError when ``tokens`` hold less than one sequence of ``seq_len`` plus its last target."""
-    if isinstance(tokens, TokenFile) and tokens.docs is not None:
-        BatchSampler(tokens, batch_size=1, seq_len=seq_len, seed=0)  # raises when no window fits the train split
+def check_fits(tokens: TokenFile | np.ndarray, seq_len: int, *, split: str | None = None) -> None:
+    """Raise DataError when ``tokens`` hold less than one sequence of ``seq_len`` plus its last
+    target; ``split`` ("train": what training samples), when the split holds none (the train split
+    leaves out the last 5 %: a file of seq_len + 1 tokens passes the first check, not this one)."""
+    if split is not None or (isinstance(tokens, TokenFile) and tokens.docs is not None):
+        BatchSampler(tokens, batch_size=1, seq_len=seq_len, seed=0, split=split or "train")  # raises when no window fits
         return
     n = len(tokens)
     need = seq_len + 1

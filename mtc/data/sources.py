@@ -259,7 +259,19 @@ def _field(rec: Any, name: str, where: str, faults: RecordFaults, flag: str = "-
         faults.bad(where, f": field {name!r} is {'null' if v is None else type(v).__name__}, not text",
                    "give every record text there")
         return None
-    return v
+    return v if _utf8_text(v, f"field {name!r}", where, faults) else None
+
+
+def _utf8_text(v: str, what: str, where: str, faults: RecordFaults) -> bool:
+    """Whether ``v`` is text UTF-8 can hold, else False, reported to ``faults``: JSON's escapes
+    can spell half of a surrogate pair ("\\ud83d", a character cut in two), which no tokenizer takes."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        faults.bad(where, f": {what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(v[e.start]):04X}, at character "
+                          f"{e.start})", "fix the record (a character cut in two) or drop it")
+        return False
+    return True
 
 
 def iter_texts(files: list[tuple[Path, str]], field: str = "text",
@@ -290,6 +302,8 @@ def _messages(v: Any, where: str, name: str, faults: RecordFaults) -> list[Messa
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             faults.bad(where, f": message {i} of {name!r} must be an object with string 'role' and 'content'",
                        "fix the record")
+            return None
+        if not _utf8_text(m["content"], f"message {i} of {name!r}", where, faults):
             return None
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "assistant" for m in out):

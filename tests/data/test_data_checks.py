@@ -77,6 +77,12 @@ def test_check_fits(tmp_path):
     assert "has 17 tokens" in str(e.value) and "seq_len=32 needs at least 33" in str(e.value)
     with pytest.raises(DataError, match="the token array has 0 tokens"):
         check_fits(np.array([], dtype=np.uint16), 1)
+    # training samples the train split, which leaves out the last 5 %: 33 tokens hold one sequence
+    # of 32, their train split (32 tokens) does not
+    tf = _tokens(tmp_path, np.arange(33) % 256, name="t33")
+    check_fits(tf, 32)
+    with pytest.raises(DataError, match=r"the train split has 32 tokens \(of 33, val_fraction=0.05\) but seq_len=32"):
+        check_fits(tf, 32, split="train")
 
 
 def test_identity_and_resume_check(tmp_path):

@@ -223,6 +223,22 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_as_such(tmp_path):
         prepare(f, tmp_path / "o.bin")
 
 
+def test_a_record_holding_half_a_surrogate_pair_is_a_bad_record(tmp_path):
+    # valid JSON ("\\ud83d" alone: a character cut in two), text no tokenizer can take
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"text": "ok"}\n{"text": "cut \\ud83d here"}\n')
+    with pytest.raises(BadRecordError, match=r"s.jsonl:2: field 'text' is not valid UTF-8 text \(an unpaired surrogate, "
+                                             r"U\+D83D, at character 4\); .*--skip-bad-records"):
+        prepare(f, tmp_path / "o.bin")
+    tf = prepare(f, tmp_path / "o.bin", skip_bad_records=True)
+    assert [ByteTokenizer().decode(x) for x in _doc_ids(tf)] == ["ok\n"] and tf.header.source["skipped"] == 1
+    # a chat's message too
+    c = tmp_path / "c.jsonl"
+    c.write_text('{"m": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x \\udc00"}]}\n')
+    with pytest.raises(BadRecordError, match=r"c.jsonl:1: message 1 of 'm' is not valid UTF-8 text"):
+        prepare(c, tmp_path / "c.bin", messages_field="m")
+
+
 def test_preparing_into_the_input_directory_again_reads_the_same_inputs(tmp_path):
     """The token file's own header (a .json) and other token files beside the inputs are not inputs."""
     d = bpe_dir(tmp_path)

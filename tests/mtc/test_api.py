@@ -189,6 +189,22 @@ def test_iterable_data_errors_are_one_line(tokens, program):
         mtc.train(model=build, plan=program, data=wide, steps=1)
 
 
+def test_python_batches_of_any_integer_dtype_train_as_int64_and_in_run_eval_is_refused_first(tokens, program, tmp_path):
+    data = batches(tokens, 4)
+    want = weights(mtc.train(model=build, plan=program, data=data, steps=2, grad_accum=2, optim=OPTIM))
+    # ids as a token file's own memmap holds them (uint16, read-only) and as uint32: the same run
+    for dt in (np.uint16, np.uint32):
+        cast = [(i.numpy().astype(dt), t.numpy()) for i, t in data]
+        for a, _ in cast:
+            a.flags.writeable = False
+        assert_close(weights(mtc.train(model=build, plan=program, data=cast, steps=2, grad_accum=2, optim=OPTIM)), want)
+    # in-run evals read a token file's val split: batches from Python have none, said before the store is made
+    with pytest.raises(ConfigError, match=r"eval_every=1 validates on a token file's val split, and batches from Python "
+                                          r"have none: pass eval_every=0"):
+        mtc.train(model=build, plan=program, data=data, steps=2, grad_accum=2, eval_every=1, store=tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
 def test_stopped_and_resumed_equals_uninterrupted(tokens, program, tmp_path):
     base = {"model": build, "plan": program, "data": tokens, "steps": 8, "optim": OPTIM}
     full = weights(mtc.train(**base))
