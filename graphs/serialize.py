@@ -195,8 +195,12 @@ def template_from_dict(d: dict[str, Any]) -> Template:
         ph = g.placeholder(i["name"])
         spec = TensorSpec(tuple(i["shape"]), i["dtype"])
         ph.meta["val"] = torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta")
-        env[i["name"]] = ph
+        # nodes refer to a placeholder by its node name, which fx may have made from the input's
+        # name ("param_A_log" -> "param_a_log"), the same way when the graph was traced as now
+        env[ph.name] = ph
         inputs.append(TemplateInput(name=i["name"], kind=i["kind"], spec=spec, role=i["role"]))
+    for i, ph in zip(d["inputs"], g.nodes, strict=True):
+        env.setdefault(i["name"], ph)
     for row in d["nodes"]:
         args, kwargs = _dec(row["args"], env), {k: _dec(v, env) for k, v in row["kwargs"].items()}
         if row["op"] == "output":

@@ -217,7 +217,9 @@ class StreamingExecutor:
                 segs.append(_Segment(p.layer, p.offset, p.numel, off))
                 views[key] = (off, p.spec.shape)
                 off += p.numel
-        resident = self.tiers[call.index].tier == "gpu" and len(segs) <= 1
+        # views of the layer's own resident copy only: a layer that reads another's (tied) weights,
+        # even as its only parameters, fetches them through the ring
+        resident = self.tiers[call.index].tier == "gpu" and all(sg.owner == call.index for sg in segs)
         return _FetchPlan(tuple(segs), views, off, resident)
 
     def _start_fetch(self, layer: int) -> Future[LayerWeights]:

@@ -421,6 +421,59 @@ def test_a_runs_weights_load_strictly_into_the_users_module_with_tied_names_and_
     assert not torch.equal(again.tok.weight, model.tok.weight)  # trained
 
 
+def test_parameter_names_with_capitals_survive_the_plan_on_disk(tokens, tmp_path):
+    # fx names a placeholder for `A_log` `param_a_log`: the saved template's nodes refer to that
+    # name, its inputs to the parameter's; the plan did not load back, so the run could not resume
+    class CapitalBlock(Block):
+        def __init__(self) -> None:
+            super().__init__(16)
+            self.A_log = nn.Parameter(torch.zeros(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * self.A_log.exp()
+
+    class Capital(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.Scale = nn.Parameter(torch.ones(16))
+            self.blocks = nn.ModuleList(CapitalBlock() for _ in self.blocks)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.tok(ids) * self.Scale + self.pos[: ids.shape[1]]
+            for b in self.blocks:
+                x = b(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(3)
+    prog = mtc.load_plan(mtc.save_plan(mtc.trace(Capital(), SHAPE["micro_batch_size"], SHAPE["seq_len"]), tmp_path / "plan"))
+    assert {"Scale", "blocks.0.A_log"} <= set(prog.params)
+    mtc.train(model=Capital(), data=tokens, store=tmp_path / "run", steps=2, optim=OPTIM, **SHAPE).close()
+    with mtc.train(data=tokens, store=tmp_path / "run", steps=3, allow_change=["steps"]) as res:  # resumes
+        assert res.start_step == 2
+    again = Capital()
+    again.load_state_dict(mtc.load_state_dict(tmp_path / "run"))
+
+
+def test_a_layer_whose_only_weights_are_anothers_trains_resident_or_not(tokens):
+    # an OLMo-1 style head: a LayerNorm without weights, then the embedding matrix (tied); as a
+    # resident layer it took views of its own (empty) compute copy: "shape [64, 16] is invalid"
+    class NoParamHead(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.head, self.norm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.tok(ids) + self.pos[: ids.shape[1]]
+            for b in self.blocks:
+                x = b(x)
+            return torch.nn.functional.layer_norm(x, (16,)) @ self.tok.weight.t()
+
+    torch.manual_seed(3)
+    model = NoParamHead()
+    want = weights(mtc.train(model=copy.deepcopy(model), data=tokens, steps=2, optim=OPTIM, placement="ram", **SHAPE))
+    assert_close(weights(mtc.train(model=model, data=tokens, steps=2, optim=OPTIM, placement="gpu", **SHAPE)), want)
+
+
 def test_a_plan_directory_gives_the_run_its_kernel_options(tokens, program, tmp_path):
     """As `mtc train --plan`: the options the plan was compiled with (matmul_fusion) become the
     run's, so its templates load instead of recompiling as stale."""
