@@ -233,6 +233,7 @@ def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: s
     """The run's tokenizer: ``--tokenizer`` when given, else ``RUN/tokenizer/``, else the one recorded
     with the run's data (its ``<stem>.tokenizer/`` directory or its name), else bytes for a 256-token vocabulary."""
     from mtc.data import get_tokenizer
+    from mtc.data.tokens import check_tokenizer_beside
 
     spec: str | None = flag
     if spec is None and (Path(store_dir) / "tokenizer").is_dir():
@@ -240,6 +241,8 @@ def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: s
     if spec is None and data_identity:
         beside = Path(data_identity.get("path", "")).with_suffix(".tokenizer")
         name = (data_identity.get("header") or {}).get("tokenizer")
+        if data_identity.get("path") and beside.is_dir():
+            check_tokenizer_beside(beside, data_identity)  # not one the data was prepared again with since
         spec = str(beside) if data_identity.get("path") and beside.is_dir() else name
     if spec is None and vocab_size == 256:
         spec = "byte"

@@ -52,6 +52,7 @@ __all__ = [
     "TokenWriter",
     "check_data_identity",
     "check_store_tokenizer",
+    "check_tokenizer_beside",
     "check_tokenizer_identity",
     "token_file_paths",
     "write_token_file",
@@ -619,6 +620,22 @@ def check_store_tokenizer(store_dir: str | os.PathLike[str] | None, data: TokenF
     if store_dir is None:
         return
     check_tokenizer_file(Path(store_dir) / "tokenizer" / "tokenizer.json", data)
+
+
+def check_tokenizer_beside(directory: Path, identity: dict[str, Any] | None) -> None:
+    """Raise DataError when ``directory`` (the ``<stem>.tokenizer/`` beside a run's data, which
+    export and generate fall back on) holds another tokenizer.json than the one the run's data was
+    made by (``identity``: the data identity its commits record): the data was prepared again with
+    another tokenizer since, and its files would decode the run's ids into other text."""
+    want = ((identity or {}).get("header") or {}).get("tokenizer_sha256")
+    f = directory / "tokenizer.json"
+    if want is None or not f.is_file():
+        return
+    got = hashlib.sha256(f.read_bytes()).hexdigest()
+    if got != want:
+        raise DataError(f"the tokenizer beside the run's data, {directory}, is not the one that data was made by (its "
+                        f"tokenizer.json sha256 {got[:12]}..., the run's {want[:12]}...): the data was prepared again since; "
+                        "pass the run's tokenizer with --tokenizer")
 
 
 def check_tokenizer_file(f: Path, data: TokenFile) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mtc.errors import CheckpointError
+from mtc.data.tokens import check_tokenizer_beside
+from mtc.errors import CheckpointError, DataError
 from mtc.hf.arch import tensor_map, to_hf_config
 from mtc.hf.importer import TOKENIZER_FILES, copy_tokenizer
 from mtc.hf.safetensors_io import ShardWriter
@@ -61,7 +62,8 @@ def parse_size(text: str) -> int:
 
 
 def _tokenizer_source(run: Path, last_meta: dict[str, Any], flag: str | Path | None) -> Path | None:
-    """Where the run's tokenizer files are: RUN/tokenizer/, then the one recorded with its data, then ``flag``."""
+    """Where the run's tokenizer files are: RUN/tokenizer/, then the one beside its data (when it
+    is still the one the data was made by), then ``flag``."""
     if any((run / "tokenizer" / f).is_file() for f in TOKENIZER_FILES):
         return run / "tokenizer"
     data = last_meta.get("data") or {}
@@ -69,7 +71,12 @@ def _tokenizer_source(run: Path, last_meta: dict[str, Any], flag: str | Path | N
     if path:
         beside = Path(path).with_name(Path(path).stem + ".tokenizer")
         if any((beside / f).is_file() for f in TOKENIZER_FILES):
-            return beside
+            try:  # not one the data was prepared again with since, with another tokenizer
+                check_tokenizer_beside(beside, data)
+                return beside
+            except DataError:
+                if flag is None:
+                    raise
     if flag is not None:
         p = Path(flag)
         if p.is_file() and p.name == "tokenizer.json":

@@ -75,3 +75,28 @@ def test_prepare_names_a_bad_record_and_skips_and_counts_them_when_asked(tmp_pat
     assert err == ["note: 1 of the 3 documents read had no text (no tokens): left out",
                    "note: skipped 1 bad records (--skip-bad-records); they were:",
                    f"  {src}:2: field 'text' is null, not text"], err
+
+
+def test_export_and_generate_refuse_a_tokenizer_beside_the_data_that_was_replaced(tmp_path, capsys):
+    """They fall back on the ``<data>.tokenizer/`` directory the data was prepared with; preparing the
+    data again with another tokenizer replaces it, and its files would turn the run's ids into other
+    text: refused by its sha256 against the run's record, with --tokenizer as the way out (export
+    copied the new files, generate decoded with them)."""
+    (tmp_path / "a.txt").write_text("\n".join(SENTENCES * 3))
+    tok_a, tok_b = bpe_dir(tmp_path, name="tok_a"), bpe_dir(tmp_path, vocab_size=290, name="tok_b")
+    assert _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "a.bin", "--tokenizer", tok_a)[0] == 0
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=1, model_overrides={"n_layers": 2, "vocab_size": 320}).to_dict()))
+    store = tmp_path / "s"
+    assert _run(capsys, "train", "--config", cfg, "--store", store, "--data", tmp_path / "a.bin")[0] == 0
+    generate = ("generate", store, "--prompt", "the", "--max-new-tokens", "2")
+    assert _run(capsys, *generate)[0] == 0
+    assert _run(capsys, "prepare", tmp_path / "a.txt", "-o", tmp_path / "a.bin", "--tokenizer", tok_b)[0] == 0
+    for argv in (("export", store, "-o", tmp_path / "x"), generate):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and len(err) == 1 and "is not the one that data was made by" in err[0] and "--tokenizer" in err[0], err
+    assert not (tmp_path / "x").exists()
+    # told which: the run's own
+    assert _run(capsys, "export", store, "-o", tmp_path / "x", "--tokenizer", tok_a)[0] == 0
+    assert (tmp_path / "x" / "tokenizer.json").read_bytes() == (tok_a / "tokenizer.json").read_bytes()
+    assert _run(capsys, *generate, "--tokenizer", tok_a)[0] == 0
