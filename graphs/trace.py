@@ -574,7 +574,17 @@ def trace(
     graph = flatten_graph(ep)
     check_replayable(ep, graph)
     ph_source, const_values = input_sources(ep, model)
-    stage = assign_stages(graph, blocks_path, n_blocks)
+    try:
+        stage = assign_stages(graph, blocks_path, n_blocks)
+    except TraceError as e:
+        if blocks is not None:
+            raise
+        # the list was a guess (the longest top-level nn.ModuleList): another may hold the blocks
+        others = [n for n, m in model.named_children() if isinstance(m, nn.ModuleList) and n != blocks_path]
+        raise TraceError(f"{e} (mtc took {blocks_path!r}, the longest nn.ModuleList, for the blocks"
+                         + (f"; if they are in {' or '.join(repr(o) for o in others)}, trace with "
+                            f"mtc.trace(model, batch_size, seq_len, blocks={others[0]!r}) and train with plan= that program)"
+                            if others else ")")) from None
     block_out = block_outputs(stage, blocks_path, n_blocks)
     carry0 = hidden_state(stage, block_out, ph_source, n_blocks)
     templates, calls, aux_nodes = extract_layers(graph, stage, ph_source, carry0, block_out, blocks_path, n_blocks)

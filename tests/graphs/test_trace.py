@@ -296,6 +296,26 @@ def test_blocks_are_the_outermost_module_list_and_a_skip_past_a_block_is_named()
         trace(Skip(lambda: _Drop(p=0.0)), 2, 4)
 
 
+def test_when_a_longer_module_list_is_taken_for_the_blocks_the_error_names_it_and_the_way_out():
+    class ValueEmbeds(_Toy):  # modded-nanogpt's value embeddings: 3 tables, 2 blocks
+        def __init__(self) -> None:
+            super().__init__(lambda: nn.Linear(8, 8))
+            self.vembs = nn.ModuleList(nn.Embedding(16, 8) for _ in range(3))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for layer, ve in zip(self.layers, self.vembs, strict=False):
+                x = layer(x) + ve(ids)
+            return self.out(x)
+
+    with pytest.raises(TraceError, match=r"top-level code runs between blocks .*\(mtc took 'vembs', the longest nn.ModuleList, "
+                                         r"for the blocks; if they are in 'layers', trace with mtc.trace\(model, batch_size, "
+                                         r"seq_len, blocks='layers'\)"):
+        trace(ValueEmbeds(), 2, 4)
+    with pytest.raises(TraceError, match=r"top-level code runs between blocks .*layers loop$"):  # named: no guess to doubt
+        trace(ValueEmbeds(), 2, 4, blocks="layers")
+
+
 def test_a_forward_without_logits_in_its_output_says_what_to_return():
     class Dict(_Toy):
         def forward(self, ids: torch.Tensor) -> dict:
