@@ -96,9 +96,13 @@ class BatchSampler:
         boundary = n - int(n * val_fraction)
         self._tokens = arr
         self._mask = tokens.mask if isinstance(tokens, TokenFile) else None
+        self._path = tokens.path if isinstance(tokens, TokenFile) else None
         docs = tokens.docs if isinstance(tokens, TokenFile) else None
         self.mode = "documents" if docs is not None else "stream"
         self._pad = tokens.header.eos_id if isinstance(tokens, TokenFile) and tokens.header.eos_id is not None else 0
+        # the largest id a batch may hold: the file's (its header's), or the padding's
+        h = tokens.header if isinstance(tokens, TokenFile) else None
+        self._vocab = None if h is None else h.vocab_size if h.max_token_id is None else max(h.max_token_id, self._pad) + 1
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = int(seed)
@@ -223,6 +227,13 @@ class BatchSampler:
             else:
                 raise DataError(f"the {self.split} split's loss mask leaves almost no window with a target "
                                 f"(seq_len={self.seq_len}); check the SFT data (are the responses empty?)")
+        top = max(int(x.max()), int(y.max())) if x.size else -1
+        if self._vocab is not None and top >= self._vocab:
+            # the header vouched for every id (max_token_id, else its vocabulary; the model's was
+            # checked against it): a larger one here is damage to the file since it was written
+            raise DataError(f"token file {self._path} holds id {top} (batch {cursor}), beyond the ids its header states "
+                            f"(below {self._vocab}): the file was damaged since it was written; re-run `mtc prepare` to "
+                            "write it again")
         return torch.from_numpy(x).contiguous(), torch.from_numpy(y).contiguous()
 
     def __repr__(self) -> str:

@@ -197,3 +197,23 @@ def test_check_fits_with_documents(tmp_path: Path) -> None:
     lone = write_token_file(tmp_path / "lone", np.arange(1), vocab_size=256, tokenizer="byte", doc_ends=[1])
     with pytest.raises(DataError, match="the train split of the token file holds no sequence"):
         check_fits(lone, 8)
+
+
+def test_an_id_beyond_what_the_header_states_is_named_as_damage(tmp_path: Path) -> None:
+    # the model's vocabulary is checked against the header's max_token_id: an id past it (the .bin
+    # changed since) indexed past the embedding table ("IndexError: index out of range")
+    toks = np.arange(64) % 50
+    tf = write_token_file(tmp_path / "t", toks, vocab_size=256, tokenizer="byte")
+    s = BatchSampler(tf, batch_size=2, seq_len=8, seed=0)
+    s.batch(0)
+    raw = np.memmap(tf.path, dtype=np.uint16, mode="r+")
+    raw[:] = 200
+    raw.flush()
+    del raw
+    with pytest.raises(DataError, match=r"holds id 200 \(batch 0\), beyond the ids its header states \(below 50\): the file "
+                                        r"was damaged"):
+        BatchSampler(tf, batch_size=2, seq_len=8, seed=0).batch(0)
+    # documents padded with an EOS the tokens never hold: the padding is no damage
+    docs = write_token_file(tmp_path / "d", np.arange(5) % 5, vocab_size=256, tokenizer="byte", doc_ends=[2, 5], eos_id=99)
+    x, _ = BatchSampler(docs, batch_size=4, seq_len=8, seed=0).batch(0)
+    assert int(x.max()) == 99
