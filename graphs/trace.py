@@ -448,7 +448,10 @@ def extract_layers(
     """Step 6: a template and a layer call per stage (blocks with one structure share a template);
     also the embed stage's aux outputs."""
     nodes_of = _nodes_of(stage, n_blocks)
-    aux_nodes = [n for n in _used_outside(nodes_of[-1], -1, stage, n_blocks) if n is not carry0]
+    # the hidden state leaves the embed stage as the carry; when a later block or the head reads it
+    # too (modded-nanogpt's `x = x0 = embed(ids)`, then `block(x, x0)`), it is an aux value as well
+    beyond = any(stage.get(u, -1) > 0 for u in carry0.users)
+    aux_nodes = [n for n in _used_outside(nodes_of[-1], -1, stage, n_blocks) if n is not carry0 or beyond]
     aux_index = {n: k for k, n in enumerate(aux_nodes)}
     templates: dict[str, Template] = {}
     calls: list[LayerCall] = []

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from mtc.errors import ConfigError
 
-__all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "cpu_model", "load_machine"]
+__all__ = ["DEFAULT_PROFILE_PATH", "MachineProfile", "builtin", "builtin_names", "calibrate", "check_profile_path", "cpu_model",
+           "load_machine"]
 
 T = TypeVar("T")
 
@@ -200,6 +201,7 @@ class MachineProfile:
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically) and return the path."""
         p = Path(path)
+        check_profile_path(p)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
@@ -216,6 +218,22 @@ class MachineProfile:
             return cls.from_dict(json.loads(p.read_text()))
         except json.JSONDecodeError as e:
             raise ConfigError(f"machine profile {p} is not valid JSON ({e}); re-run `mtc calibrate -o {p}`") from None
+
+
+def check_profile_path(path: str | Path) -> None:
+    """Raise ConfigError unless `MachineProfile.save` can write a profile file at ``path``: it is a
+    directory, or a folder above it is a file. `mtc calibrate` asks before it measures (~30 s)."""
+    from mtc.store.directory import file_in_the_way
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"profile path {p} is a directory; give a file path such as {p / 'machine.json'}")
+    f = file_in_the_way(p.parent)
+    if f is not None:
+        raise ConfigError(f"profile path {p}: {f}, a parent of it, is a file, not a directory; give another path")
+    if p.with_name(p.name + ".tmp").is_dir():  # save writes there first, then renames it over the profile
+        raise ConfigError(f"profile path {p}: {p.name}.tmp beside it, where the profile is written first, is a directory; "
+                          "remove it or give another path")
 
 
 # a profile without the store's joint read-and-write rate (built in, or written before calibrate

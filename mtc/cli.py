@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -17,9 +18,10 @@ __all__ = ["main"]
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    from mtc.demo import run_demo
+    from mtc.demo import check_demo, run_demo
     from mtc.progress import ProgressBar
 
+    check_demo(a.dir, a.steps)  # before the first line says it is training
     print(f"mtc demo: training the `tiny` Llama on the embedded corpus for {a.steps} steps, through the store in {a.dir}/store")
     bar = ProgressBar(a.steps)
     res = run_demo(a.dir, steps=a.steps, on_step=lambda r: bar.update(r.step, loss=r.loss, lr=r.lr))
@@ -230,6 +232,10 @@ def _cmd_train_run(a: argparse.Namespace) -> int:
 
     cfg = _train_config(a)
     tokens = TokenFile.open(a.data)  # before the store: a bad data path must not leave a new store behind
+    if a.tensorboard:
+        from mtc.tensorboard import check_log_dir
+
+        check_log_dir(a.tensorboard)  # likewise a --tensorboard path that is a file
     world = _train_world(cfg, a.store)
     if not world.is_root:
         return _cmd_train_rank(a, cfg, tokens)
@@ -745,8 +751,9 @@ def _plan_world(a: argparse.Namespace, cfg: object, profile: object, program: ob
 
 
 def _cmd_calibrate(a: argparse.Namespace) -> int:
-    from mtc.calibrate import DEFAULT_PROFILE_PATH, calibrate
+    from mtc.calibrate import DEFAULT_PROFILE_PATH, calibrate, check_profile_path
 
+    check_profile_path(a.output or DEFAULT_PROFILE_PATH)  # before the measuring: it takes ~30 s
     prof = calibrate(directory=a.dir)
     out = prof.save(a.output or DEFAULT_PROFILE_PATH)
     pcie = "memcpy (no GPU: no PCIe link to measure)" if prof.pcie_is_memcpy else "pinned"
@@ -794,9 +801,17 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
+    from mtc.config import SEED_MAX
+    from mtc.errors import ConfigError
     from mtc.generate import generate_from_store
 
     a.top_k = a.top_k or None  # 0: no top-k cut (the settings are checked in generate_from_store)
+    if not 0 <= a.seed <= SEED_MAX:  # the range torch's generators take (as `mtc train --seed`)
+        raise ConfigError(f"--seed must be an integer from 0 to {SEED_MAX}, got {a.seed}")
+    if a.weights_budget_gb is not None and not (math.isfinite(a.weights_budget_gb) and a.weights_budget_gb >= 0):
+        # (checked here: nan and inf cannot become the byte count generate_from_store takes)
+        raise ConfigError(f"--weights-budget-gb must be a finite number of GB >= 0 (0: stream every layer), "
+                          f"got {a.weights_budget_gb:g}")
     budget = int(a.weights_budget_gb * 2**30) if a.weights_budget_gb is not None else None
     r = generate_from_store(a.store, a.prompt, step=a.step, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, seed=a.seed, context=a.context, kv_cache=not a.no_kv_cache,

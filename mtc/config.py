@@ -21,6 +21,7 @@ from mtc.rank_dirs import check_template as _rank_dir_template
 from mtc.schema import Rule, check_dataclass, check_value, describe, field, field_types, parse_text, unwrap_optional
 
 __all__ = [
+    "SEED_MAX",
     "OptimConfig",
     "TrainConfig",
     "auto_device",
@@ -163,14 +164,23 @@ _GPU_UPDATE_RULE = Rule(choices=_LAYER_SET_WORDS, syntax=_ranges, syntax_doc="la
 
 # ---- the configs ----
 
+# The largest float32. The AdamW update hands its scalars to fp32 kernels (torch's checked scalar
+# arguments, Triton's fp32 ones): a larger value stops the run inside the update ("cannot be
+# converted to type float without overflow") after set-up has written the store.
+_FLOAT32_MAX = (2 - 2**-23) * 2**127
+# torch.manual_seed and torch.Generator.manual_seed take any uint64 (and numpy's SeedSequence any
+# non-negative integer); a larger seed stops the run in the model's initialisation
+SEED_MAX = 2**64 - 1
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimConfig:
     """AdamW with decoupled weight decay, global-norm clipping, linear warmup then cosine decay."""
 
-    lr: float = field(3e-3, gt=0, help="peak learning rate")
-    min_lr: float = field(3e-4, ge=0, help="learning rate at the end of the cosine decay (at most lr)")
+    lr: float = field(3e-3, gt=0, le=_FLOAT32_MAX, help="peak learning rate")
+    min_lr: float = field(3e-4, ge=0, le=_FLOAT32_MAX, help="learning rate at the end of the cosine decay (at most lr)")
     warmup_steps: int = field(10, ge=0, help="steps of linear warmup to lr")
-    weight_decay: float = field(0.1, ge=0, help="AdamW decoupled weight decay")
+    weight_decay: float = field(0.1, ge=0, le=_FLOAT32_MAX, help="AdamW decoupled weight decay")
     beta1: float = field(0.9, ge=0, lt=1, help="AdamW beta1")
     beta2: float = field(0.95, ge=0, lt=1, help="AdamW beta2")
     eps: float = field(1e-8, gt=0, help="AdamW epsilon")
@@ -188,6 +198,19 @@ class OptimConfig:
                 f"config field optim.min_lr: expected at most optim.lr ({self.lr:g}), got {self.min_lr!r} (float); "
                 "lower min_lr or raise lr"
             )
+        # the update's step size, lr / (1 - beta1**t), is largest at its first step (at most
+        # lr / (1 - beta1)); it and the decay factor 1 - lr * weight_decay must fit in a float32 too
+        if self.lr / (1 - self.beta1) > _FLOAT32_MAX:
+            raise ConfigError(
+                f"config field optim.lr: AdamW's first step size, lr / (1 - beta1) = {self.lr / (1 - self.beta1):g}, "
+                f"overflows a float32 (max {_FLOAT32_MAX:g}), got lr {self.lr!r} with beta1 {self.beta1!r}; lower lr"
+            )
+        if self.lr * self.weight_decay > _FLOAT32_MAX:
+            raise ConfigError(
+                f"config field optim.weight_decay: lr * weight_decay = {self.lr * self.weight_decay:g} overflows a "
+                f"float32 (max {_FLOAT32_MAX:g}), got weight_decay {self.weight_decay!r} with lr {self.lr!r}; "
+                "lower weight_decay or lr"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -201,8 +224,8 @@ class TrainConfig:
     micro_batch_size: int = field(16, ge=1, help="sequences per micro-batch")
     seq_len: int = field(128, ge=1, help="tokens per sequence")
     grad_accum: int = field(1, ge=1, help="micro-batches per optimizer step")
-    # >= 0: the data sampler keys numpy's SeedSequence with it
-    seed: int = field(0, ge=0, help="seed of the initial weights and the data order")
+    # >= 0: the data sampler keys numpy's SeedSequence with it; <= 2**64 - 1: torch's manual_seed
+    seed: int = field(0, ge=0, le=SEED_MAX, help="seed of the initial weights and the data order")
     # cpu here, but mtc train and mtc.train fill in a device named nowhere (`auto_device`)
     device: str = field("cpu", choices=("cpu", "cuda"), syntax=_cuda_index, syntax_doc="'cuda:N'",
                         help="device to compute on",

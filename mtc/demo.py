@@ -8,11 +8,13 @@ from pathlib import Path
 
 from mtc.config import OptimConfig, TrainConfig
 from mtc.data import ByteTokenizer, embedded_corpus_dir, prepare
+from mtc.errors import ConfigError
 from mtc.generate import generate
 from mtc.runtime.state import load_into_module
+from mtc.store.directory import file_in_the_way
 from mtc.train import StepRecord, build_model, train
 
-__all__ = ["DemoResult", "demo_config", "run_demo"]
+__all__ = ["DemoResult", "check_demo", "demo_config", "run_demo"]
 
 PROMPT = "The old harbour"
 
@@ -42,13 +44,25 @@ def demo_config(steps: int = 400) -> TrainConfig:
     )
 
 
+def check_demo(workdir: str | Path, steps: int) -> None:
+    """Raise ConfigError for a demo that cannot run: ``steps`` below 1, or a ``workdir`` that is
+    (or lies under) a file. `run_demo` asks before it writes the corpus; so does `mtc demo`."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps: expected a number of steps >= 1, got {steps!r}; the demo trains 400 by default")
+    f = file_in_the_way(workdir)
+    if f is not None:
+        where = "it is a file" if f == Path(workdir) else f"{f}, a parent of it, is a file"
+        raise ConfigError(f"--dir {workdir}: {where}, not a directory; give a directory for the demo's corpus and store")
+
+
 def run_demo(workdir: str | Path, *, steps: int = 400, on_step: Callable[[StepRecord], None] | None = None) -> DemoResult:
     """Run the whole demo in ``workdir`` (a fresh store each time) and return its figures."""
+    check_demo(workdir, steps)  # before anything is written
+    cfg = demo_config(steps)
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     data = root / "corpus.bin"
     tokens = prepare(embedded_corpus_dir(), data, tokenizer="byte")
-    cfg = demo_config(steps)
     result = train(cfg, root / "store", tokens, on_step=on_step, overwrite=True)
     try:
         model = build_model(cfg)

@@ -364,12 +364,15 @@ def fit_checks(cfg: TrainConfig, shape: ModelShape, placement: list[str], mem: M
                f"disk); --disk-compute store reads it from the store at each visit instead ({_size(store_least)}, "
                "4 B/param more disk reads per visit)")
     elif least > have:
+        # `cpu_compute_bytes`: a micro-batch's tensors, times --grad-accum for the boundary
+        # activations and carries, which every micro-batch of the step keeps until its backward
+        compute = mem.compute and not budgeted
         fix = (f"even with every layer on disk the run needs {_size(least)} ({per_disk} B/param plus the fixed pipeline "
                "buffers, which grow with the largest layer" + (f", and the step's compute on the CPU, {_size(mem.compute)}, which "
-                                                              "grows with --micro-batch-size and --seq-len" if mem.compute and not budgeted
-                                                              else "") + "): "
+                                                              "grows with --micro-batch-size, --seq-len and --grad-accum"
+                                                              if compute else "") + "): "
                + ("raise --ram-budget-gb, " if cfg.ram_budget_gb is not None else "")
-               + ("lower --micro-batch-size, " if mem.compute and not budgeted else "")
+               + ("lower --micro-batch-size, --seq-len or --grad-accum, " if compute else "")
                + ("keep fewer blocks' activations (--save-activations), " if mem.host_saved and not budgeted else "")
                + "use a machine with more RAM or a smaller model")
     else:

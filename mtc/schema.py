@@ -39,6 +39,7 @@ class Rule:
 
     ge: float | None = None
     gt: float | None = None
+    le: float | None = None
     lt: float | None = None
     choices: tuple[str, ...] = ()
     syntax: Callable[[str], object] | None = None
@@ -53,7 +54,7 @@ _NO_RULE = Rule()
 def field(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, help: str = "",
           rule: Rule | None = None, **bounds: Any) -> Any:
     """A dataclass field carrying its help text and a `Rule`: ``rule`` (shared with other code), or
-    one built from ``bounds`` (ge, gt, lt, choices, syntax, syntax_doc, default_doc)."""
+    one built from ``bounds`` (ge, gt, le, lt, choices, syntax, syntax_doc, default_doc)."""
     r = dataclasses.replace(rule, help=help) if rule is not None else Rule(help=help, **bounds)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"rule": r})
 
@@ -74,10 +75,13 @@ def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # an int bound in full: 18446744073709551615, not 1.84467e+19
+
+
 def _bounds(rule: Rule) -> str:
-    parts = [f">= {rule.ge:g}" if rule.ge is not None else "", f"> {rule.gt:g}" if rule.gt is not None else "",
-             f"< {rule.lt:g}" if rule.lt is not None else ""]
-    return " and ".join(p for p in parts if p)
+    parts = [f"{op} {_number(x)}" for op, x in ((">=", rule.ge), (">", rule.gt), ("<=", rule.le), ("<", rule.lt)) if x is not None]
+    return " and ".join(parts)
 
 
 def describe(tp: Any, rule: Rule = _NO_RULE) -> str:
@@ -135,7 +139,7 @@ def check_value(label: str, value: Any, tp: Any, rule: Rule = _NO_RULE) -> Any:
             if not math.isfinite(value):
                 raise _fail(label, tp, rule, value)
         if ((rule.ge is not None and value < rule.ge) or (rule.gt is not None and value <= rule.gt)
-                or (rule.lt is not None and value >= rule.lt)):
+                or (rule.le is not None and value > rule.le) or (rule.lt is not None and value >= rule.lt)):
             raise _fail(label, tp, rule, value)
         return value
     if inner is str:

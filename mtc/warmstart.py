@@ -229,7 +229,7 @@ def init_from(source: str | Path, store_dir: str | Path, cfg: TrainConfig, *, ov
         steps = available_steps(st)
         step = max(steps)
         program = load_plan(src / "plan")
-        shape = {k: st.last_commit().config[k] for k in ("micro_batch_size", "seq_len")}
+        shape = {k: st.last_commit(rng=False).config[k] for k in ("micro_batch_size", "seq_len")}
         seed = seed_config(want["model"], want["model_overrides"], **shape)
         # a data-parallel source run's weights are assembled from its shard stores
         with StateReader(src, _record_of(st, step, steps[step]), root_store=st, what="--init-from") as reader:
@@ -258,7 +258,7 @@ def available_steps(st: TensorStore) -> dict[int, int]:
     overwriting the other one: the run's write log says so, or in a store without one, chunk
     files newer than the last commit).
     """
-    last = st.last_commit()
+    last = st.last_commit(rng=False)
     if last is None:
         raise StoreError(f"store {st.path} has no commit: no weights to read")
     if is_sharded(last) or (st.path is not None and read_write_starts(st.path) is not None):
@@ -341,4 +341,4 @@ def load_state_dict(run: str | Path, step: int | None = None) -> dict[str, torch
 
 def _record_of(st: TensorStore, step: int, generation: int) -> CommitRecord:
     """The newest commit record of ``step`` in ``generation`` (where a data-parallel run's shards are named)."""
-    return next((r for r in reversed(st.commit_history()) if r.step == step and r.generation == generation), st.last_commit())
+    return next((r for r in reversed(st.commit_history()) if r.step == step and r.generation == generation), st.last_commit(rng=False))

@@ -78,7 +78,7 @@ def check_untouched(store_dir: str | Path | None, step: int, generation: int, *,
 
 def committed_steps(store: TensorStore) -> list[CommittedStep]:
     """Steps whose master weights ``store`` holds intact, newest first (empty: nothing committed)."""
-    last = store.last_commit()
+    last = store.last_commit(rng=False)  # (the weights only: a resume file's damage is no reason to refuse them)
     if last is None:
         return []
     out = [CommittedStep(last.step, last.generation, last, True)]

@@ -83,6 +83,7 @@ __all__ = [
     "check_creatable",
     "context_file",
     "dir_state",
+    "file_in_the_way",
     "lock_store",
     "read_commit_file",
     "read_context",
@@ -527,8 +528,24 @@ def os_error_message(e: OSError) -> str:
     return f"{os_error_reason(e)}; {_fix(e)}"
 
 
+def file_in_the_way(path: str | os.PathLike[str]) -> Path | None:
+    """The file that keeps ``path`` from being (or becoming) a directory: ``path`` itself or the
+    nearest existing folder above it when that is not a directory; None when nothing is in the way."""
+    for p in (Path(path), *Path(path).parents):
+        if os.path.lexists(p):
+            # a symlink to a directory is a directory here; a dangling one is in the way
+            return None if p.is_dir() else p
+    return None
+
+
 def os_error_reason(e: OSError) -> str:
     """The cause of ``e`` in a few words ("no space left on device")."""
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and e.filename is not None and (f := file_in_the_way(e.filename)):
+        # not the disk but the path: a file stands where a directory of it should be (the store
+        # creates no file exclusively, so its EEXIST is a mkdir's, over something not a directory)
+        what = "a broken symlink" if f.is_symlink() and not f.exists() else "a file"
+        return f"{f} is {what}, not a directory" if f == Path(e.filename) else \
+            f"{f}, a parent of {e.filename}, is {what}, not a directory"
     if e.errno == errno.ENOSPC:
         return "no space left on device"
     if e.errno == errno.EDQUOT:
@@ -541,6 +558,8 @@ def os_error_reason(e: OSError) -> str:
 
 
 def _fix(e: OSError) -> str:
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and e.filename is not None and (f := file_in_the_way(e.filename)):
+        return f"move {f} away"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free space on that file system, then resume with the same command"
     if e.errno == errno.EROFS:

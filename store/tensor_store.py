@@ -743,15 +743,23 @@ class TensorStore:
                 ) from e
         self._commit_loaded = False  # read back with its RNG states
 
-    def last_commit(self) -> CommitRecord | None:
-        """The last committed record (with its RNG states), or None before the first commit."""
+    def last_commit(self, *, rng: bool = True) -> CommitRecord | None:
+        """The last committed record (with its RNG states), or None before the first commit.
+
+        ``rng=False``: for readers of the weights only (eval, generate, export, a warm start): a
+        resume file that is missing or damaged leaves the record's ``rng_state`` empty instead of
+        raising, since only a resume needs those states (`mtc repair` would roll back whole steps
+        whose weights are intact)."""
         self._check_open()
         if not self._commit_loaded:
-            self._commit = self._read_last_commit()
-            self._commit_loaded = True
+            record, whole = self._read_last_commit(rng)
+            if not whole:
+                return record  # (not kept: a resume asking next must still be told)
+            self._commit, self._commit_loaded = record, True
         return self._commit
 
-    def _read_last_commit(self) -> CommitRecord | None:
+    def _read_last_commit(self, rng: bool = True) -> tuple[CommitRecord | None, bool]:
+        """(the record, whether its RNG states were read); see `last_commit`."""
         assert self._path is not None
         f = commit_path(self._path)
         for _ in range(3):  # (a run holding the store may commit between the two reads: read again)
@@ -769,12 +777,16 @@ class TensorStore:
                     raise StoreCorruptionError(
                         f"commit record {f} is missing; `mtc repair {self._path}` restores it from {HISTORY_FILE}"
                     )
-                return None
+                return None, True
             try:
-                return dataclasses.replace(record, rng_state=read_resume(self._path, record))
+                return dataclasses.replace(record, rng_state=read_resume(self._path, record)), True
             except OSError as e:
+                if not rng:
+                    return record, False
                 raise StoreError(f"reading the resume file of step {record.step} failed: {os_error_message(e)}") from e
             except ValueError as e:
+                if not rng:
+                    return record, False
                 try:
                     moved = read_commit_file(self._path) != record
                 except (ValueError, TypeError, OSError):

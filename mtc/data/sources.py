@@ -200,6 +200,12 @@ class _Unreadable:
         self.problem, self.fix = problem, fix
 
 
+# what to do with a .json file holding one array of records, which reads as JSONL whose first
+# line is that array (or, written over several lines, its opening bracket)
+_ARRAY_FIX = ("mtc prepare reads JSONL, one JSON object per line: write each record of the array on its own line "
+              "(e.g. jq -c '.[]' FILE > FILE.jsonl)")
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -211,7 +217,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                 rec = _Unreadable(f" is not valid UTF-8 (byte {e.start} of the line: {e.reason})",
                                   "convert the file to UTF-8 first")
             except json.JSONDecodeError as e:
-                rec = _Unreadable(f" is not a JSON object ({e})", "each line of a JSONL file holds one")
+                if n == 1 and line.lstrip().startswith(b"["):
+                    rec = _Unreadable(" opens a JSON array, not an object", _ARRAY_FIX)
+                else:
+                    rec = _Unreadable(f" is not a JSON object ({e})", "each line of a JSONL file holds one")
             yield n, rec
 
 
@@ -248,11 +257,26 @@ def _records(path: Path, fmt: str, columns: list[str], faults: RecordFaults) -> 
             yield f"{path} row {n}", rec
 
 
+# JSON's names of the values json.loads gives that are not objects
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _not_an_object(rec: Any, where: str, faults: RecordFaults) -> bool:
+    """Whether JSONL record ``rec`` is some other JSON value than an object (reported to ``faults``)."""
+    if isinstance(rec, dict):
+        return False
+    kind = _JSON_KINDS.get(type(rec), type(rec).__name__)
+    fix = _ARRAY_FIX if isinstance(rec, list) else "each line of a JSONL file holds one JSON object, such as {\"text\": \"...\"}"
+    faults.bad(where, f" holds a JSON {kind}, not an object", fix)
+    return True
+
+
 def _field(rec: Any, name: str, where: str, faults: RecordFaults, flag: str = "--field") -> str | None:
     """The text of field ``name`` of a record, or None (reported to ``faults``) when it has none."""
-    if not isinstance(rec, dict) or name not in rec:
-        keys = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
-        faults.bad(where, f" has no field {name!r} (it has: {keys})", f"name the text field with {flag}")
+    if _not_an_object(rec, where, faults):
+        return None
+    if name not in rec:
+        faults.bad(where, f" has no field {name!r} (it has: {', '.join(map(str, rec))})", f"name the text field with {flag}")
         return None
     v = rec[name]
     if not isinstance(v, str):
@@ -327,7 +351,9 @@ def iter_conversations(files: list[tuple[Path, str]], *, prompt_field: str | Non
             raise DataError(f"{path}: SFT data must be JSONL or parquet records, not plain text")
         for where, rec in _records(path, fmt, cols, faults):  # type: ignore[arg-type]
             if messages_field is not None:
-                if not isinstance(rec, dict) or messages_field not in rec:
+                if _not_an_object(rec, where, faults):
+                    continue
+                if messages_field not in rec:
                     faults.bad(where, f" has no field {messages_field!r}", "name the chat field with --messages-field")
                     continue
                 conv = _messages(rec[messages_field], where, messages_field, faults)

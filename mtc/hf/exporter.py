@@ -110,7 +110,7 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
         raise CheckpointError(f"output {out} exists and is not an empty directory; pick a new directory or remove it")
     with open_run_store(run) as st:
         step, gen = resolve_step(st, step)
-        last = st.last_commit()
+        last = st.last_commit(rng=False)
         config = next((r.config for r in reversed(st.commit_history()) if r.step == step), last.config)
         # the record of that step: a data-parallel run's names the shard stores that hold it (mtc.shards)
         rec = next((r for r in reversed(st.commit_history()) if r.step == step and r.generation == gen), last)

@@ -185,3 +185,53 @@ def test_hf_class_trains_two_steps_like_torch(tmp_path, name, kernels):
             assert ((got[k] - v).norm() / v.norm()).item() < 1e-5, k
     finally:
         res.store.close()
+
+
+class _X0Block(torch.nn.Module):
+    """modded-nanogpt's block: mixes the embedding output x0 back in at every block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lam = torch.nn.Parameter(torch.full((2,), 0.5))
+        self.norm, self.mlp = torch.nn.LayerNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        x = self.lam[0] * x + self.lam[1] * x0
+        return x + self.mlp(self.norm(x))
+
+
+class _X0LM(torch.nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, d)
+        self.blocks = torch.nn.ModuleList(_X0Block(d) for _ in range(3))
+        self.head = torch.nn.Linear(d, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = x0 = self.tok(ids)  # one tensor: the hidden state and a value every block reads
+        for b in self.blocks:
+            x = b(x, x0)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kernels", ["unfused", pytest.param("fused", marks=pytest.mark.slow)])
+def test_the_embedding_output_as_hidden_state_and_as_every_blocks_input_trains_like_torch(tmp_path, kernels):
+    # it was refused: "blocks.1 uses embedding ... computed in the embedding stage; only the hidden
+    # state and values computed before the first block may cross layer boundaries" (it was both)
+    torch.manual_seed(0)
+    model = _X0LM()
+    toks = np.random.default_rng(2).integers(0, VOCAB, 4_000).astype(np.uint16)
+    tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=VOCAB, tokenizer="byte")
+    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=8, grad_accum=2, kernels=kernels,
+                      optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
+    ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(model))
+    res = train(cfg, None, tf, model=model)
+    try:
+        assert len(res.program.aux) == 1  # x0, beside the carry
+        for a, b in zip(res.losses, ref_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * b
+        got = read_params(res.program, res.store, res.generation)
+        for k, v in ref_weights.items():
+            assert ((got[k] - v).norm() / v.norm()).item() < 1e-5, k
+    finally:
+        res.store.close()

@@ -235,6 +235,13 @@ def test_unsupported_architecture_missing_and_misshaped_tensors_fail_before_writ
     assert "model.layers.0.self_attn.k_proj.weight" in err and "[32, 32]" in err and "[16, 32]" in err
     assert not store.exists()
 
+    # a store path under a file (once "I/O error (Not a directory); check the disk (dmesg)")
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "afile").write_text("x")
+    err = _cli_error(capsys, ["import", str(hf), "--store", str(tmp_path / "afile" / "sub")])
+    assert f"{tmp_path / 'afile'}, a parent of {tmp_path / 'afile' / 'sub'}, is a file, not a directory; " \
+           f"move {tmp_path / 'afile'} away" in err and "dmesg" not in err, err
+
 
 def test_init_from_a_run_and_from_hf_starts_with_its_weights_and_fresh_moments(tmp_path, capsys):
     hf = tmp_path / "hf"

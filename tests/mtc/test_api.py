@@ -319,7 +319,7 @@ def test_a_plan_needs_weights_and_fixes_the_shape(tokens, program):
 
 
 def test_bad_arguments_are_mtc_errors_not_tracebacks(tokens, program, tmp_path):
-    with pytest.raises(ConfigError, match=r"optim.lr: expected a finite number > 0, got 'x'"):  # (was a TypeError)
+    with pytest.raises(ConfigError, match=r"optim.lr: expected a finite number > 0 and <= 3.40282e\+38, got 'x'"):  # (was a TypeError)
         mtc.train(model=TinyLM(), plan=program, data=tokens, steps=1, optim={"lr": "x"})
     (tmp_path / "f").write_text("")
     for where in (tmp_path / "f", tmp_path / "f" / "plan"):  # (was FileExistsError / NotADirectoryError)
@@ -472,6 +472,23 @@ def test_a_layer_whose_only_weights_are_anothers_trains_resident_or_not(tokens):
     model = NoParamHead()
     want = weights(mtc.train(model=copy.deepcopy(model), data=tokens, steps=2, optim=OPTIM, placement="ram", **SHAPE))
     assert_close(weights(mtc.train(model=model, data=tokens, steps=2, optim=OPTIM, placement="gpu", **SHAPE)), want)
+
+
+def test_a_lost_resume_file_stops_only_a_resume_not_the_readers_of_the_weights(tokens, program, tmp_path, capsys):
+    from mtc.cli import main
+    from mtc.errors import StoreCorruptionError
+
+    store = tmp_path / "run"
+    mtc.train(model=build, plan=program, data=tokens, store=store, steps=2, optim=OPTIM).close()
+    with mtc.open_store(store, read_only=True) as st:
+        gen = st.last_commit().generation
+    (store / f"resume-g{gen}.json").unlink()
+    sd = mtc.load_state_dict(store)  # (they said "the RNG states cannot be read ... `mtc repair` rolls back")
+    assert main(["eval", str(store), "--data", str(tokens.path), "--batches", "1"]) == 0, capsys.readouterr().err
+    fresh = build()
+    fresh.load_state_dict(sd)
+    with pytest.raises(StoreCorruptionError, match="RNG states of step 2's commit cannot be read"):
+        mtc.train(data=tokens, store=store, steps=3, allow_change=["steps"])
 
 
 def test_a_plan_directory_gives_the_run_its_kernel_options(tokens, program, tmp_path):

@@ -52,6 +52,25 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
         assert out.out == "" and out.err.count("\n") == 1 and "unknown preset" in out.err, out
 
 
+def test_cli_demo_refuses_bad_arguments_before_writing_anything(tmp_path, capsys):
+    # --dir FILE raised FileExistsError; --steps 0 was refused only after the corpus was written
+    from mtc.demo import run_demo
+
+    (tmp_path / "afile").write_text("x")
+    for args, says in (
+        (["--steps", "0", "--dir", str(tmp_path / "d")], "--steps: expected a number of steps >= 1, got 0"),
+        (["--dir", str(tmp_path / "afile")], f"--dir {tmp_path / 'afile'}: it is a file, not a directory; give a directory"),
+        (["--dir", str(tmp_path / "afile" / "d")], f"--dir {tmp_path / 'afile' / 'd'}: {tmp_path / 'afile'}, a parent of it, "
+         "is a file, not a directory"),
+    ):
+        assert main(["demo", *args]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith(f"mtc: error: {says}") and out.err.count("\n") == 1, out
+    with pytest.raises(ConfigError, match="--steps: expected a number of steps >= 1, got -1"):
+        run_demo(tmp_path / "d", steps=-1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "x"
+
+
 def test_cli_trace_meta_preset(tmp_path, capsys):
     # 8B: 32 GB of fp32 weights, more than this machine's RAM, traced on meta (70B's 80 blocks took 20 s here)
     assert main(["trace", "8b", "-o", str(tmp_path / "plan"), "--meta", "--seq-len", "64"]) == 0

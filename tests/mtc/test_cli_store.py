@@ -116,3 +116,18 @@ def test_a_finished_durability_none_run_is_not_called_a_stopped_set_up(tmp_path,
         code, lines = _run(capsys, cmd, str(tmp_path / "n"))
         assert code == 2 and len(lines) == 1 and "durability 'none', which commits nothing" in lines[0], lines
         assert "stopped during set-up" not in lines[0]
+
+
+def test_train_into_a_store_path_under_a_file_names_that_file(tmp_path, capsys):
+    # once "I/O error (Not a directory); check the disk (dmesg)"
+    from tests.runtime.engine_util import skewed_tokens
+
+    data = skewed_tokens(tmp_path / "t.bin").path
+    (tmp_path / "afile").write_text("x")
+    code, lines = _run(capsys, "train", "--preset", "tiny", "--device", "cpu", "--store", str(tmp_path / "afile" / "sub"),
+                       "--data", str(data), "--steps", "1", "--seq-len", "16", "--micro-batch-size", "2")
+    err = [ln for ln in lines if ln.startswith("mtc: error: ")]
+    assert code == 2 and len(err) == 1, lines
+    assert f"{tmp_path / 'afile'}, a parent of {tmp_path / 'afile' / 'sub'}, is a file, not a directory; " \
+           f"move {tmp_path / 'afile'} away" in err[0] and "dmesg" not in err[0], err
+    assert (tmp_path / "afile").read_text() == "x"

@@ -77,6 +77,22 @@ def test_prepare_names_a_bad_record_and_skips_and_counts_them_when_asked(tmp_pat
                    f"  {src}:2: field 'text' is null, not text"], err
 
 
+
+def test_prepare_says_a_json_array_is_not_jsonl(tmp_path, capsys):
+    # a .json file holding one array of records once read "has no field 'text' (it has: list)"
+    recs = [{"text": "one"}, {"text": "two"}]
+    (tmp_path / "line.json").write_text(json.dumps(recs) + "\n")
+    (tmp_path / "pretty.json").write_text(json.dumps(recs, indent=1) + "\n")
+    for name, says in (("line.json", "line.json:1 holds a JSON array, not an object; "),
+                       ("pretty.json", "pretty.json:1 opens a JSON array, not an object; ")):
+        code, _, err = _run(capsys, "prepare", tmp_path / name, "-o", tmp_path / "o.bin")
+        assert code == 2 and len(err) == 1 and says in err[0], err
+        assert "reads JSONL, one JSON object per line" in err[0] and "jq -c '.[]'" in err[0], err
+    (tmp_path / "s.jsonl").write_text('{"text": "one"}\n"two"\n')
+    code, _, err = _run(capsys, "prepare", tmp_path / "s.jsonl", "-o", tmp_path / "o.bin")
+    assert code == 2 and "s.jsonl:2 holds a JSON string, not an object; each line of a JSONL file holds one JSON object" in err[0]
+    assert not list(tmp_path.glob("o.*"))  # nothing written
+
 def test_export_and_generate_refuse_a_tokenizer_beside_the_data_that_was_replaced(tmp_path, capsys):
     """They fall back on the ``<data>.tokenizer/`` directory the data was prepared with; preparing the
     data again with another tokenizer replaces it, and its files would turn the run's ids into other

@@ -29,6 +29,9 @@ BAD_TOML = [
     ("[optim]\nmin_lr = 0.1", "optim.min_lr", "0.1"),
     ("[optim]\nwarmup_steps = -1", "optim.warmup_steps", "-1 (int)"),
     ("seed = -1", "seed", "-1 (int)"),
+    ("seed = 18446744073709551616", "seed", "expected an integer >= 0 and <= 18446744073709551615, got 18446744073709551616 (int)"),
+    ("[optim]\nlr = 1e39", "optim.lr", "expected a finite number > 0 and <= 3.40282e+38, got 1e+39 (float)"),
+    ("[optim]\nweight_decay = 1e39", "optim.weight_decay", "1e+39 (float)"),
     ("ram_budget_gb = 0", "ram_budget_gb", "0.0 (float)"),
     ("gpu_budget_gb = -inf", "gpu_budget_gb", "-inf (float)"),
     ("commit_every = -1", "commit_every", "-1 (int)"),
@@ -122,8 +125,16 @@ def _train(tmp_path, *flags):
 
 
 @pytest.mark.parametrize(("flags", "shown"), [
-    (["--lr", "inf"], "config field optim.lr (--lr): expected a finite number > 0, got inf (float)"),
-    (["--lr", "abc"], "optim.lr (--lr): expected a finite number > 0, got 'abc'"),
+    (["--lr", "inf"], "config field optim.lr (--lr): expected a finite number > 0 and <= 3.40282e+38, got inf (float)"),
+    (["--lr", "abc"], "optim.lr (--lr): expected a finite number > 0 and <= 3.40282e+38, got 'abc'"),
+    # (these stopped the run inside AdamW, "cannot be converted to type float without overflow",
+    # after set-up had written the store; a seed past uint64 in torch.manual_seed, "Overflow when unpacking")
+    (["--lr", "1e39"], "optim.lr (--lr): expected a finite number > 0 and <= 3.40282e+38, got 1e+39 (float)"),
+    (["--lr", "1e38"], "optim.lr: AdamW's first step size, lr / (1 - beta1) = 1e+39, overflows a float32"),
+    (["--min-lr", "1e39"], "optim.min_lr (--min-lr): expected a finite number >= 0 and <= 3.40282e+38, got 1e+39"),
+    (["--weight-decay", "1e39"], "optim.weight_decay (--weight-decay): expected a finite number >= 0 and <= 3.40282e+38"),
+    (["--lr", "1e37", "--weight-decay", "1e3"], "optim.weight_decay: lr * weight_decay = 1e+40 overflows a float32"),
+    (["--seed", str(2**64)], f"seed (--seed): expected an integer >= 0 and <= {2**64 - 1}, got {2**64} (int)"),
     (["--steps", "2.5"], "steps (--steps): expected an integer >= 1, got '2.5'"),
     (["--micro-batch-size", "0"], "micro_batch_size (--micro-batch-size): expected an integer >= 1, got 0"),
     (["--clip-norm", "-1"], "optim.clip_norm (--clip-norm): expected a finite number > 0 or none, got -1.0"),
@@ -143,6 +154,24 @@ def test_cli_bad_flag_is_one_line_exit_2(tmp_path, capsys, flags, shown):
     err = capsys.readouterr().err
     assert err.startswith("mtc: error: ") and err.count("\n") == 1 and shown in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_the_largest_lr_and_seed_the_schema_takes_run_in_adamw_and_torch():
+    from mtc.kernels.adamw_ref import adamw_step_ref
+
+    f32max = float(torch.finfo(torch.float32).max)
+    cfg = OptimConfig(lr=f32max * (1 - 0.9), min_lr=0.0, beta1=0.9, weight_decay=1.0)
+    cfg.validate()  # the bound is the update's own: its first step size, lr / (1 - beta1), is a float32
+    p = torch.ones(4)
+    adamw_step_ref(p, torch.ones(4), torch.zeros(4), torch.zeros(4), lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                   eps=cfg.eps, weight_decay=cfg.weight_decay, step=1, decay_numel=4)
+    with pytest.raises(ConfigError, match=r"optim.lr: AdamW's first step size, lr / \(1 - beta1\) = 3.43685e\+38, overflows a float32"):
+        OptimConfig(lr=f32max * (1 - 0.9) * 1.01, min_lr=0.0, beta1=0.9).validate()
+    TrainConfig(seed=2**64 - 1).validate()
+    torch.manual_seed(2**64 - 1)  # torch's generators take any uint64
+    torch.Generator().manual_seed(2**64 - 1)
+    with pytest.raises(ConfigError, match=r"config field seed: expected an integer >= 0 and <= 18446744073709551615"):
+        TrainConfig(seed=2**64).validate()
 
 
 def test_cli_device_cuda_without_cuda(tmp_path, capsys, monkeypatch):

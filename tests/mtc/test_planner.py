@@ -12,6 +12,7 @@ from mtc.calibrate import (COMMIT_FILE_ASSUMED, COMMIT_FILE_S, COMMIT_LATENCY_AS
                            calibrate)
 from mtc.cli import main
 from mtc.config import TrainConfig
+from mtc.errors import ConfigError
 from mtc.planner import DISK_FREE_ENV, extrapolations, largest_fit, make_plan
 from mtc.runtime import placement as pl
 from tests.runtime.engine_util import skewed_tokens
@@ -993,3 +994,41 @@ def test_gpu_layers_on_the_cpu_device_are_planned_as_the_run_holds_them():
     tight = dataclasses.replace(cfg, placement="gpu", ram_budget_gb=16 * sum(gpu.shape.numels) / 2 / 2**30)
     with pytest.raises(ConfigError, match=r"this run does not fit: host RAM .*placement gpu:0-5"):
         check_fit(tight, program, ["gpu"] * program.n_layers, set(), None, new_run=True)
+
+
+def test_a_cpu_runs_compute_that_does_not_fit_names_every_flag_it_grows_with(tmp_path, capsys):
+    """`cpu_compute_bytes` keeps every micro-batch's boundary activations until the step's
+    backward: it grows with --grad-accum too, and the refusal said only --micro-batch-size and --seq-len."""
+    from mtc.planner import cpu_compute_bytes
+
+    prof = dataclasses.replace(builtin("h100-box"), accelerator="cpu", gpu_memory_bytes=0, host_available_bytes=8 * 2**30)
+    cfg = TrainConfig(model="125m", device="cpu")
+    shape = make_plan(cfg, prof).shape
+    assert cpu_compute_bytes(dataclasses.replace(cfg, grad_accum=256), shape) > 10 * cpu_compute_bytes(cfg, shape)
+    machine = prof.save(tmp_path / "cpu.json")
+    assert main(["plan", "125m", "--grad-accum", "256", "--machine", str(machine), "--no-extrapolate"]) == 1
+    fit = next(ln for ln in capsys.readouterr().out.splitlines() if "host RAM" in ln and "DOES NOT FIT" in ln)
+    assert "the step's compute on the CPU" in fit and "which grows with --micro-batch-size, --seq-len and --grad-accum" in fit, fit
+    assert "lower --micro-batch-size, --seq-len or --grad-accum, " in fit, fit
+
+
+def test_calibrate_refuses_an_output_path_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
+    # -o DIR raised IsADirectoryError after ~30 s of measuring (leaving DIR.tmp), -o FILE/p.json FileExistsError
+    import mtc.calibrate
+
+    measured = []
+    monkeypatch.setattr(mtc.calibrate, "calibrate", lambda **k: measured.append(1) or builtin("h100-box"))
+    (tmp_path / "existing_dir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((tmp_path / "existing_dir", f"profile path {tmp_path / 'existing_dir'} is a directory; give a file "
+                       f"path such as {tmp_path / 'existing_dir' / 'machine.json'}"),
+                      (tmp_path / "afile" / "p.json", f"profile path {tmp_path / 'afile' / 'p.json'}: {tmp_path / 'afile'}, "
+                       "a parent of it, is a file, not a directory")):
+        assert main(["calibrate", "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"mtc: error: {says}") and "\n" not in err, err
+        with pytest.raises(ConfigError, match="profile path"):
+            builtin("h100-box").save(out)  # the library's save says the same
+    assert not measured and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "existing_dir"]
+    assert main(["calibrate", "-o", str(tmp_path / "new" / "p.json")]) == 0 and measured == [1]
+    assert MachineProfile.load(tmp_path / "new" / "p.json").name == "h100-box"

@@ -255,7 +255,11 @@ def test_cli_generate_prints_text_and_speed_and_refuses_a_missing_step(gen_run, 
 @pytest.mark.parametrize("flags, says", [
     (["--context", "0"], "--context must be >= 1"),  # (0 was taken as the default window)
     (["--temperature", "nan"], "--temperature must be a finite number >= 0"),  # (torch's multinomial raised)
-    (["--weights-budget-gb", "-1"], "--weights-budget-gb must be >= 0"),
+    (["--weights-budget-gb", "-1"], "--weights-budget-gb must be a finite number of GB >= 0"),
+    (["--weights-budget-gb", "nan"], "--weights-budget-gb must be a finite number of GB >= 0"),  # (int() raised ValueError)
+    (["--weights-budget-gb", "inf"], "--weights-budget-gb must be a finite number of GB >= 0"),  # (and OverflowError)
+    (["--seed", str(2**64)], f"--seed must be an integer from 0 to {2**64 - 1}, got {2**64}"),  # (torch's "Overflow when unpacking")
+    (["--seed", "-1"], f"--seed must be an integer from 0 to {2**64 - 1}, got -1"),
     (["--device", "foo"], "a device is 'cpu', 'cuda' or 'cuda:N'"),  # (torch's RuntimeError)
 ])
 def test_cli_generate_refuses_settings_that_mean_nothing_in_one_line(gen_run, capsys, flags, says):
@@ -311,6 +315,23 @@ def test_tensorboard_sink_writes_events_or_says_how_to_install(run, tmp_path, mo
     err = capsys.readouterr().err
     assert err.strip() == "mtc: error: --tensorboard needs the tensorboard package: pip install tensorboard"
     assert not (tmp_path / "s2" / "commit.json").exists()
+
+
+def test_a_tensorboard_path_that_is_a_file_is_refused_before_the_store_is_made(run, tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    _, data = run
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=2).to_dict()))
+    (tmp_path / "afile").write_text("x")
+    for tb, says in (("afile", "it is a file, not a directory"), ("afile/tb", f"{tmp_path / 'afile'}, a parent of it, is a file")):
+        store = tmp_path / "s"
+        code = main(["train", "--config", str(cfg), "--store", str(store), "--data", str(data),
+                     "--tensorboard", str(tmp_path / tb)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err  # (a FileExistsError traceback, after the store was made)
+        assert err.startswith(f"mtc: error: --tensorboard {tmp_path / tb}: {says}"), err
+        assert not store.exists()
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_progress_bar_lines_off_a_terminal_and_tqdm_on_one():

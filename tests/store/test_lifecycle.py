@@ -102,6 +102,9 @@ def test_a_damaged_resume_file_is_damage_and_repair_rolls_back_past_it(tmp_path)
         rep = verify(ro)
         assert [x.where for x in rep.problems] == ["resume-g1.json"] and "would not restore its RNG states" in str(rep.problems[0])
         assert "rolls back" in rep.lines()[-1]
+        # the weights' readers get the record without the states only a resume needs, and a
+        # resume asking next is still told (the lenient read is not kept)
+        assert ro.last_commit(rng=False).step == 3 and ro.last_commit(rng=False).rng_state == {}
         with pytest.raises(StoreCorruptionError, match=r"RNG states of step 3's commit cannot be read .*resume-g1.json.*`mtc repair"):
             ro.last_commit()
     with TensorStore.open(p) as st:
@@ -363,6 +366,23 @@ def test_locking_a_store_that_is_not_there_says_so_not_check_the_disk(tmp_path):
 
 
 # -- read-only handles ------------------------------------------------------------------------
+
+
+def test_a_store_path_under_a_file_names_that_file_not_the_disk(tmp_path):
+    # `mtc train --store afile/sub` (and `mtc import`) once read "I/O error (Not a directory);
+    # check the disk (dmesg)": the disk is fine, a parent of the path is a file
+    (tmp_path / "afile").write_text("x")
+    for sub in ("sub", "sub/deeper"):
+        with pytest.raises(StoreError) as e:
+            TensorStore.create(tmp_path / "afile" / sub)
+        assert f"{tmp_path / 'afile'}, a parent of {tmp_path / 'afile' / sub}, is a file, not a directory; " \
+               f"move {tmp_path / 'afile'} away" in str(e.value)
+        assert "dmesg" not in str(e.value) and "I/O error" not in str(e.value)
+    # EEXIST: a dangling symlink stands where a folder of the path should be
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(StoreError, match=r"directory .*link/sub: .*link is a broken symlink, not a directory; move .*link away"):
+        TensorStore.create(tmp_path / "link" / "sub")
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "nowhere").exists()
 
 
 def test_read_only_open_beside_a_writer_takes_no_lock_and_changes_nothing(tmp_path):
