@@ -491,12 +491,46 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
     with TensorStore.open(a.store, read_only=True) as st:
         report = verify(st)
-    print("\n".join(report.lines()))
+    plan_lines = _verify_plan(Path(a.store), report.record)
+    plan_ok = not plan_lines
+    lines = report.lines()
+    if not plan_ok and lines[-1] == "healthy":
+        lines[-1] = "the state is whole"
+    print("\n".join(lines + plan_lines))
     if report.record is not None and shards.is_sharded(report.record):  # and every rank's shard store
         ok, lines = shards.verify_sharded(Path(a.store), report.record)
         print("\n".join(lines))
-        return 0 if report.ok and ok else 1
-    return 0 if report.ok else 1
+        return 0 if report.ok and ok and plan_ok else 1
+    return 0 if report.ok and plan_ok else 1
+
+
+def _verify_plan(store: Path, record: object) -> list[str]:
+    """Nothing when the run's plan (its traced model, ``STORE/plan``) loads; else what is damaged
+    and how to write it again (eval, generate, export and a resume all read it: the store alone
+    said "healthy" beside a deleted program.json)."""
+    from mtc.errors import PlanError
+    from mtc.plan import load_plan
+    from mtc.user_model import is_factory_path
+
+    if not (store / "plan").is_dir():
+        return []  # (a store written without a plan: not a training run's)
+    try:
+        load_plan(store / "plan")
+        return []
+    except PlanError as e:
+        out = [f"damaged: plan: {e}"]
+    cfg = getattr(record, "config", None) or {}
+    model, b, t = cfg.get("model"), cfg.get("micro_batch_size"), cfg.get("seq_len")
+    if model and not is_factory_path(str(model)) and model != "custom" and not cfg.get("model_overrides") and b and t:
+        from mtc.config import TrainConfig
+
+        dtype = TrainConfig.from_dict(cfg).resolved_compute_dtype
+        out.append(f"the weights are intact: `mtc trace {model} -o {store / 'plan'} --micro-batch-size {b} --seq-len {t} "
+                   f"--dtype {dtype}` writes the plan again")
+    else:
+        out.append(f"the weights are intact: restore {store / 'plan'} from a copy, or save it again from the model "
+                   f"(mtc.save_plan(mtc.trace(model, {b}, {t}), '{store / 'plan'}'), with factory= if the run names one)")
+    return out
 
 
 def _cmd_repair(a: argparse.Namespace) -> int:

@@ -131,3 +131,27 @@ def test_train_into_a_store_path_under_a_file_names_that_file(tmp_path, capsys):
     assert f"{tmp_path / 'afile'}, a parent of {tmp_path / 'afile' / 'sub'}, is a file, not a directory; " \
            f"move {tmp_path / 'afile'} away" in err[0] and "dmesg" not in err[0], err
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_verify_checks_the_runs_plan_and_says_how_to_write_it_again(tmp_path, capsys):
+    # eval, generate, export and a resume read STORE/plan: with its program.json gone verify said
+    # "healthy" and repair "nothing to repair"
+    import json
+
+    from tests.runtime.engine_util import skewed_tokens, small_config
+
+    data = skewed_tokens(tmp_path / "d.bin").path
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=1, grad_accum=1, model_overrides={}, device="cpu").to_dict()))
+    store = tmp_path / "s"
+    assert main(["train", "--config", str(cfg), "--store", str(store), "--data", str(data)]) == 0
+    capsys.readouterr()
+    (store / "plan" / "program.json").unlink()
+    code, lines = _run(capsys, "verify", str(store))
+    text = "\n".join(lines)
+    assert code == 1 and "the state is whole" in text and "healthy" not in text and "damaged: plan: " in text, text
+    cmd = next(ln for ln in text.splitlines() if ln.startswith("the weights are intact")).split("`")[1].split()
+    assert cmd[:3] == ["mtc", "trace", "tiny"] and "--micro-batch-size" in cmd and "--seq-len" in cmd, cmd
+    assert main(cmd[1:]) == 0  # the command it gives writes a plan the run resumes from
+    assert _run(capsys, "verify", str(store))[0] == 0
+    assert main(["train", "--store", str(store), "--data", str(data), "--steps", "2", "--allow-change", "steps"]) == 0
