@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import statistics
@@ -180,6 +181,9 @@ class MachineProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MachineProfile:
         """Build from `to_dict`'s output; unknown or missing fields raise ConfigError."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"machine profile must be a JSON object of measured figures, got a {type(d).__name__}; "
+                              "re-run `mtc calibrate`")
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
         if bad:
@@ -194,9 +198,40 @@ class MachineProfile:
                 and str(d.get("source", "")).startswith("mtc calibrate") and STALE_GPU_POINTS not in d.get("assumed", []):
             d = {**d, "assumed": [*d.get("assumed", []), STALE_GPU_POINTS]}
         try:
-            return cls(**d)
+            prof = cls(**d)
         except TypeError as e:
             raise ConfigError(f"machine profile is incomplete ({e}); re-run `mtc calibrate`") from None
+        prof.check()
+        return prof
+
+    # rates and counts the cost model divides by: a zero is no measurement (a hand-edited profile)
+    _POSITIVE = ("cores", "host_memory_bytes", "h2d_gbps", "d2h_gbps", "both_gbps", "disk_write_gbps", "disk_read_gbps",
+                 "disk_read_warm_gbps", "store_write_gbps", "store_read_gbps", "store_read_warm_gbps",
+                 "adamw_one_thread_gparams_s", "adamw_with_copies", "layer_efficiency", "other_scale_fwd", "other_scale_bwd")
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first figure that cannot be one: not a number of its field's
+        kind, not finite, negative, or zero where the cost model divides by it (the planner failed
+        with ZeroDivisionError or TypeError on such a hand-edited profile)."""
+        def bad(name: str, v: object, want: str) -> ConfigError:
+            return ConfigError(f"machine profile {self.name!r}: {name} is {v!r}, expected {want}; re-run `mtc calibrate` "
+                               "or fix the file")
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type not in ("int", "float"):
+                continue
+            ok = isinstance(v, int) if f.type == "int" else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise bad(f.name, v, f"a finite {'integer' if f.type == 'int' else 'number'} >= 0")
+            if f.name in self._POSITIVE and v <= 0:
+                raise bad(f.name, v, "a measured figure > 0")
+        rates = self.adamw_gparams_s
+        if not isinstance(rates, dict) or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in rates.values()):
+            raise bad("adamw_gparams_s", rates, "G params/s > 0 by implementation")
+        if self.adamw_impl not in rates:
+            raise bad("adamw_impl", self.adamw_impl, f"one of the measured implementations ({', '.join(rates)})")
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically) and return the path."""

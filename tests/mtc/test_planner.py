@@ -1032,3 +1032,26 @@ def test_calibrate_refuses_an_output_path_it_cannot_write_before_measuring(tmp_p
     assert not measured and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "existing_dir"]
     assert main(["calibrate", "-o", str(tmp_path / "new" / "p.json")]) == 0 and measured == [1]
     assert MachineProfile.load(tmp_path / "new" / "p.json").name == "h100-box"
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    ({"cores": 0}, r"cores is 0, expected a measured figure > 0"),
+    ({"cores": "two"}, r"cores is 'two', expected a finite integer >= 0"),
+    ({"store_write_gbps": 0.0}, r"store_write_gbps is 0.0, expected a measured figure > 0"),
+    ({"host_available_bytes": -5}, r"host_available_bytes is -5, expected a finite integer >= 0"),
+    ({"h2d_gbps": float("nan")}, r"h2d_gbps is nan, expected a finite number >= 0"),
+    ({"adamw_gparams_s": {"exact": 0}}, r"adamw_gparams_s is \{'exact': 0\}, expected G params/s > 0"),
+    ({"adamw_impl": "fast"}, r"adamw_impl is 'fast', expected one of the measured implementations"),
+])
+def test_a_hand_edited_machine_profile_with_a_figure_that_cannot_be_is_refused_in_one_line(tmp_path, capsys, edit, says):
+    # the planner divided by them (ZeroDivisionError) or compared them (TypeError), or printed nonsense
+    d = {**builtin("h100-box").to_dict(), **edit}
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(d))
+    assert main(["plan", "tiny", "--machine", str(f), "--no-extrapolate"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("mtc: error: machine profile 'h100-box': "), err
+    assert __import__("re").search(says, err), err
+    f.write_text(json.dumps([d]))
+    assert main(["plan", "tiny", "--machine", str(f), "--no-extrapolate"]) == 2
+    assert "machine profile must be a JSON object" in capsys.readouterr().err
