@@ -167,17 +167,22 @@ def test_no_grad_region_is_inlined_and_keeps_its_semantics():
                                                pytest.param("gemma2", "fused", marks=pytest.mark.slow),
                                                pytest.param("mixtral", "fused", marks=pytest.mark.slow)])
 def test_hf_class_trains_two_steps_like_torch(tmp_path, name, kernels):
-    model = _tiny(name)
+    res = _trains_like_torch(tmp_path, _tiny(name), kernels, steps=2, grad_accum=1)
+    if kernels == "fused":  # every fusion group of the block got a generated kernel: nothing ran unfused
+        blocks = [res.compiled[c.template] for c in res.program.iter_blocks()]
+        assert blocks and all(0 < b.backward_report.generated == b.backward_report.groups for b in blocks)
+
+
+def _trains_like_torch(tmp_path, model: torch.nn.Module, kernels: str, *, steps: int, grad_accum: int):
+    """Train ``model`` under mtc and under torch's AdamW on the same tokens; assert losses and
+    weights agree to 1e-5 relative; return mtc's (closed) result."""
     toks = np.random.default_rng(2).integers(0, VOCAB, 4_000).astype(np.uint16)
     tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=VOCAB, tokenizer="byte")
-    cfg = TrainConfig(steps=2, micro_batch_size=2, seq_len=8, grad_accum=1, kernels=kernels,
+    cfg = TrainConfig(steps=steps, micro_batch_size=2, seq_len=8, grad_accum=grad_accum, kernels=kernels,
                       optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
     ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(model))
     res = train(cfg, None, tf, model=model)
     try:
-        if kernels == "fused":  # every fusion group of the block got a generated kernel: nothing ran unfused
-            blocks = [res.compiled[c.template] for c in res.program.iter_blocks()]
-            assert blocks and all(0 < b.backward_report.generated == b.backward_report.groups for b in blocks)
         for a, b in zip(res.losses, ref_losses, strict=True):
             assert abs(a - b) <= 1e-5 * b
         got = read_params(res.program, res.store, res.generation)
@@ -185,6 +190,7 @@ def test_hf_class_trains_two_steps_like_torch(tmp_path, name, kernels):
             assert ((got[k] - v).norm() / v.norm()).item() < 1e-5, k
     finally:
         res.store.close()
+    return res
 
 
 class _X0Block(torch.nn.Module):
@@ -219,19 +225,5 @@ def test_the_embedding_output_as_hidden_state_and_as_every_blocks_input_trains_l
     # it was refused: "blocks.1 uses embedding ... computed in the embedding stage; only the hidden
     # state and values computed before the first block may cross layer boundaries" (it was both)
     torch.manual_seed(0)
-    model = _X0LM()
-    toks = np.random.default_rng(2).integers(0, VOCAB, 4_000).astype(np.uint16)
-    tf = write_token_file(tmp_path / "t.bin", toks, vocab_size=VOCAB, tokenizer="byte")
-    cfg = TrainConfig(steps=3, micro_batch_size=2, seq_len=8, grad_accum=2, kernels=kernels,
-                      optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, clip_norm=1.0))
-    ref_losses, ref_weights = reference_train(cfg, tf, model=copy.deepcopy(model))
-    res = train(cfg, None, tf, model=model)
-    try:
-        assert len(res.program.aux) == 1  # x0, beside the carry
-        for a, b in zip(res.losses, ref_losses, strict=True):
-            assert abs(a - b) <= 1e-5 * b
-        got = read_params(res.program, res.store, res.generation)
-        for k, v in ref_weights.items():
-            assert ((got[k] - v).norm() / v.norm()).item() < 1e-5, k
-    finally:
-        res.store.close()
+    res = _trains_like_torch(tmp_path, _X0LM(), kernels, steps=3, grad_accum=2)
+    assert len(res.program.aux) == 1  # x0, beside the carry

@@ -139,10 +139,9 @@ def test_a_chunk_write_that_fills_the_disk_part_way_says_no_space_left(tmp_path)
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(tmp_path, monkeypatch):
-    real = os.pwritev
-
-    def short(fd, views, offset):  # a file system that takes at most 100 bytes a call
+def _at_most_100_bytes(real):
+    """``real`` (os.preadv or os.pwritev) on a file system that moves at most 100 bytes a call."""
+    def short(fd, views, offset):
         head, left = [], 100
         for v in views:
             b = memoryview(v).cast("B")[:left]
@@ -152,7 +151,11 @@ def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(t
                 break
         return real(fd, head, offset)
 
-    monkeypatch.setattr(fastio.os, "pwritev", short)
+    return short
+
+
+def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(fastio.os, "pwritev", _at_most_100_bytes(os.pwritev))
     data = np.arange(300, dtype=np.float32)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     try:
@@ -163,21 +166,9 @@ def test_short_writes_are_continued_byte_for_byte_whatever_the_views_item_size(t
 
 
 def test_short_reads_are_continued_byte_for_byte_whatever_the_views_item_size(tmp_path, monkeypatch):
-    real = os.preadv
-
-    def short(fd, views, offset):  # a file system that gives at most 100 bytes a call
-        head, left = [], 100
-        for v in views:
-            b = memoryview(v).cast("B")[:left]
-            head.append(b)
-            left -= len(b)
-            if not left:
-                break
-        return real(fd, head, offset)
-
     want = np.arange(300, dtype=np.float32)
     (tmp_path / "f").write_bytes(want.tobytes() + bytes([9] * 7))
-    monkeypatch.setattr(fastio.os, "preadv", short)
+    monkeypatch.setattr(fastio.os, "preadv", _at_most_100_bytes(os.preadv))
     got, tail = np.zeros(300, dtype=np.float32), np.zeros(7, np.uint8)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
