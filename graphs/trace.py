@@ -420,9 +420,13 @@ def hidden_state(stage: dict[fx.Node, int], block_out: list[fx.Node], ph_source:
         out_spec = _spec(block_out[0])
         cands = [n for n in ext0 if n in embed_out and _spec(n) == out_spec and _depends_on_param(n, ph_source)]
         if len(cands) != 1:
+            names = ", ".join(f"{n.name} ({_module_of(n)})" for n in cands) or "none"
+            why = ("with one block there is no next block whose inputs would tell them apart (argument order is "
+                   "not kept in the trace): compute the others inside the block, or give the model a second block"
+                   if len(cands) > 1 else "the hidden state must come from the embedding stage, shaped like the block's output")
             raise TraceError(
-                f"cannot tell which value entering block 0 is the hidden state ({len(cands)} candidates); "
-                "have the first block take the embedding output as its first tensor argument"
+                f"cannot tell which value entering block 0 is the hidden state ({len(cands)} candidates shaped like its "
+                f"output and computed from parameters: {names}); {why}"
             )
         carry0 = cands[0]
     if stage.get(carry0) != -1:

@@ -316,6 +316,33 @@ def test_when_a_longer_module_list_is_taken_for_the_blocks_the_error_names_it_an
         trace(ValueEmbeds(), 2, 4, blocks="layers")
 
 
+def test_one_block_that_takes_two_hidden_state_like_values_is_told_what_can_tell_them_apart():
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(x0)
+
+    class OneBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.layers, self.out = nn.Embedding(16, 8), nn.ModuleList([Mix()]), nn.Linear(8, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x0 = self.emb(ids)
+            x = x0 * 2.0
+            for layer in self.layers:
+                x = layer(x, x0)
+            return self.out(x)
+
+    # it advised taking "the embedding output as its first tensor argument", which the trace cannot see
+    with pytest.raises(TraceError, match=r"\(2 candidates shaped like its output .*\); with one block there is no next "
+                                         r"block .*give the model a second block"):
+        trace(OneBlock(), 2, 4)
+
+
 def test_a_forward_without_logits_in_its_output_says_what_to_return():
     class Dict(_Toy):
         def forward(self, ids: torch.Tensor) -> dict:
