@@ -338,7 +338,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     ``local``: the ranks per host, which share ``host_available`` (the host's; default: the
     rank profile's share times ``local``)."""
     n, c, cuda = list(shape.numels), shape.compute_bytes, rprof.accelerator == "cuda"
-    host = rprof.host_available_bytes * local if host_available is None else host_available
+    avail = rprof.host_available_bytes * local if host_available is None else host_available
     s = shard_numels(n, world)
     if engine.built:  # as `mtc.dist.data_parallel_placement`: the GPU first (per-rank bytes), then RAM, the rest on disk
         auto = None
@@ -351,7 +351,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
                     need = _tier_bytes("gpu", n[i], s[i], c, cuda)[0]
                     if need <= g_left:
                         on_gpu[i], g_left = True, g_left - need
-            budget = _rank_budget(cfg, shape, cuda, local, host)
+            budget = _rank_budget(cfg, shape, cuda, local, avail)
             host = dp_auto_placement([0 if g else k for g, k in zip(on_gpu, n, strict=True)], world, c, int(budget))
             auto = ["gpu" if g else t for g, t in zip(on_gpu, host, strict=True)]
         placement = pl.resolve_placement(cfg.placement, len(n), auto=auto)
@@ -371,7 +371,7 @@ def rank_placement(cfg: TrainConfig, shape: ModelShape, rprof: MachineProfile, w
     if cfg.placement.strip() == "auto":
         g_left = (0 if not cuda else cfg.gpu_budget_gb * GiB if cfg.gpu_budget_gb is not None
                   else max(0, rprof.gpu_memory_bytes - gpu_workspace(cfg, shape)))
-        r_left = _rank_budget(cfg, shape, cuda, local, host)
+        r_left = _rank_budget(cfg, shape, cuda, local, avail)
         r_left -= _pipeline(["disk"] * len(n), n, s, cuda, _ties_weights(shape))
         auto = ["disk"] * len(n)
         for i in range(len(n)):

@@ -19,6 +19,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "TraceError",
+    "write_failure",
 ]
 
 
@@ -68,6 +69,15 @@ class StoreCorruptionError(StoreError):
 
 class KernelInputError(MTCError):
     """A kernel launcher received tensors of the wrong device, dtype, shape or layout."""
+
+
+def write_failure(e: OSError, output: object) -> str:
+    """Why writing ``output`` failed, from ``e``: its reason, and the path it failed on when that is
+    not ``output`` itself (a file standing where a folder of the path should be: "File exists: afile")."""
+    why = e.strerror or str(e)
+    if e.filename is not None and str(e.filename) != str(output):
+        why = f"{why}: {e.filename}"
+    return why
 
 
 class CheckpointError(MTCError):

@@ -243,7 +243,9 @@ def resolve_tokenizer(store_dir: str | Path, data_identity: dict | None, flag: s
         name = (data_identity.get("header") or {}).get("tokenizer")
         if data_identity.get("path") and beside.is_dir():
             check_tokenizer_beside(beside, data_identity)  # not one the data was prepared again with since
-        spec = str(beside) if data_identity.get("path") and beside.is_dir() else name
+            spec = str(beside)
+        else:
+            spec = name
     if spec is None and vocab_size == 256:
         spec = "byte"
     if spec is None:

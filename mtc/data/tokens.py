@@ -42,7 +42,7 @@ from typing import Any, BinaryIO, Self
 
 import numpy as np
 
-from mtc.errors import DataError
+from mtc.errors import DataError, write_failure
 
 __all__ = [
     "FORMAT",
@@ -337,12 +337,8 @@ def _open_sidecar(p: Path, dtype: np.dtype, n: int, bin_path: Path) -> np.ndarra
 
 
 def _cannot_write(path: Path, e: OSError) -> str:
-    """The one-line error for an output that cannot be written, naming the path in the way when
-    that is not the token file itself (a file where a parent directory should be)."""
-    why = e.strerror or str(e)
-    if e.filename is not None and Path(e.filename) != path:
-        why = f"{why}: {e.filename}"
-    return f"cannot write the token file {path}: {why}; choose another -o path"
+    """The one-line error for a token file that cannot be written."""
+    return f"cannot write the token file {path}: {write_failure(e, path)}; choose another -o path"
 
 
 def _temporary(final: Path) -> tuple[int, str]:
@@ -424,7 +420,7 @@ class TokenWriter:
         self._files: dict[str, tuple[Path, Path, BinaryIO, Any]] = {}
         for final in (self.bin_path, self.json_path, self.docs_path, self.mask_path):
             # checked now, not when `finish` renames into it after the whole corpus was tokenized
-            if final is not None and (final.is_dir() or (final.exists() and not final.is_file())):
+            if final is not None and final.exists() and not final.is_file():
                 raise DataError(f"cannot write the token file {self.bin_path}: {final} exists and is not a file; "
                                 "choose another -o path or move it away")
         # an earlier writer of these files that was killed left its temporaries: as large as its output

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mtc.data.tokens import check_tokenizer_beside
-from mtc.errors import CheckpointError, DataError
+from mtc.errors import CheckpointError, DataError, write_failure
 from mtc.hf.arch import tensor_map, to_hf_config
 from mtc.hf.importer import TOKENIZER_FILES, copy_tokenizer
 from mtc.hf.safetensors_io import ShardWriter
@@ -141,11 +141,9 @@ def export_hf(run: str | Path, out_dir: str | Path, *, dtype: str = "float32", s
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        except OSError as e:  # the path in the way, when it is not out itself (a file where a parent should be)
-            why = e.strerror or str(e)
-            if e.filename is not None and Path(e.filename) != out:
-                why = f"{why}: {e.filename}"
-            raise CheckpointError(f"cannot write the checkpoint at {out}: {why}; choose another -o directory") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot write the checkpoint at {out}: {write_failure(e, out)}; "
+                                  "choose another -o directory") from None
         try:
             total = 0
             cached: tuple[int, torch.Tensor | None] = (-1, None)
