@@ -36,7 +36,7 @@ from torch import nn
 
 from mtc import user_model
 from mtc.batch_source import BatchSource
-from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields
+from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields, min_lr_for
 from mtc.data import TokenFile
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program, dtype_name
@@ -115,9 +115,10 @@ def _instance(model: ModelArg, cfg: TrainConfig, device: str = "cpu", dtype: str
 
 
 def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: dict[str, Any], base: dict | None,
-            stored_device: str | None = None) -> TrainConfig:
+            stored_device: str | None = None, saved_optim: tuple[float, float] | None = None) -> TrainConfig:
     """The run's config: ``config`` (else the resumed run's ``base``, else the defaults) with ``fields``
-    over it; a device named nowhere is the resumed run's (``stored_device``), else CUDA where there is one."""
+    over it; a device named nowhere is the resumed run's (``stored_device``), else CUDA where there is one;
+    an unnamed min_lr keeps the resumed run's ratio to lr (``saved_optim``: its lr, min_lr)."""
     if isinstance(config, TrainConfig):
         d = config.to_dict()
     elif isinstance(config, dict):
@@ -127,6 +128,10 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
         d = {**TrainConfig.from_dict(raw).to_dict(), "device": raw.get("device")}
     else:
         d = copy.deepcopy(base) if base is not None else {**TrainConfig().to_dict(), "device": None}
+    optim = d.get("optim")
+    pre = None  # (lr, min_lr) before optim=
+    if isinstance(optim, dict) and all(isinstance(optim.get(k), (int, float)) for k in ("lr", "min_lr")) and optim["lr"] > 0:
+        pre = (optim["lr"], optim["min_lr"])
     if d.get("device") is None:  # named nowhere: the resumed run's, else CUDA where this machine has one
         d["device"] = stored_device or auto_device()
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -140,12 +145,33 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
             d["optim"] = {**d.get("optim", {}), **v}
         else:
             d[k] = v
+    # a min_lr named (in optim= or the config) is kept; unnamed, it keeps its ratio to lr: the resumed
+    # run's, else the config's before optim= (the defaults: lr / 10), as `mtc train` does
     given = fields.get("optim") or {}
-    lr = given.get("lr") if isinstance(given, dict) else None
+    named = (isinstance(given, dict) and "min_lr" in given) or _names_min_lr(config)
+    lr = d["optim"].get("lr") if isinstance(d.get("optim"), dict) else None
+    ref = saved_optim or (pre if isinstance(given, dict) and "lr" in given else None)
     # (an lr of another type is left for the config's check to name)
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and "min_lr" not in given and "min_lr" in d["optim"]:
-        d["optim"]["min_lr"] = min(d["optim"]["min_lr"], given["lr"])  # a lower lr alone must not trip min_lr <= lr
+    if not named and ref is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
+        d["optim"]["min_lr"] = min_lr_for(lr, *ref)
     return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
+
+
+def _names_min_lr(config: TrainConfig | dict | str | os.PathLike[str] | None) -> bool:
+    """Whether a config dict or file names optim.min_lr itself (a TrainConfig always holds one: its
+    min_lr keeps its ratio to a new lr like the defaults')."""
+    if config is None or isinstance(config, TrainConfig):
+        return False
+    optim = (config if isinstance(config, dict) else config_file_fields(config)).get("optim")
+    return isinstance(optim, dict) and "min_lr" in optim
+
+
+def _lr_pair(saved: dict | None) -> tuple[float, float] | None:
+    """(lr, min_lr) of a resumed run's config ``saved``; None for a new run."""
+    try:
+        return float(saved["optim"]["lr"]), float(saved["optim"]["min_lr"])
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _saved_config(store: str | os.PathLike[str] | None) -> dict | None:
@@ -252,7 +278,7 @@ def train(
     base = saved if config is None else None
     if base is not None and stored_device is None:  # a seeded store (an import): a new run, its device free
         base = {**base, "device": None}
-    cfg = _config(config, {**fields, **pfields}, base, stored_device)
+    cfg = _config(config, {**fields, **pfields}, base, stored_device, _lr_pair(saved))
     if program is not None and cfg.resolved_compute_dtype != _traced_dtype(program):
         raise ConfigError(f"the plan was traced in {_traced_dtype(program)}, this run computes in {cfg.resolved_compute_dtype} "
                           f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")

@@ -13,6 +13,7 @@ the stored state; `REFUSED` says why for each.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mtc.errors import ConfigError
@@ -48,9 +49,12 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], allow: tuple[str,
                           + (f" ({why})" if why else "; the others would reinterpret the stored state")
                           + "; start a new run (new store) for them")
     changes = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    diff = [k for k in changes if k not in allow]
+    # a min_lr that kept its ratio to a changed lr (named without min_lr: mtc.config.min_lr_for)
+    # changes with it: --allow-change optim.lr covers both
+    rides = "optim.lr" in changes and "optim.min_lr" in changes and _same_ratio(saved, now)
+    diff = [k for k in changes if k not in allow and not (rides and k == "optim.min_lr" and "optim.lr" in allow)]
     if diff:
-        fix = [k for k in diff if k in CHANGEABLE]
+        fix = [k for k in diff if k in CHANGEABLE and not (rides and k == "optim.min_lr")]
         never = [f"{k} ({REFUSED[k]})" for k in diff if k in REFUSED]
         shown = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in diff)
         raise ConfigError(
@@ -60,6 +64,16 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], allow: tuple[str,
             + ", or use a new store directory"
         )
     return changes
+
+
+def _same_ratio(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether min_lr / lr is the same (to float rounding) in the flat configs ``saved`` and ``now``."""
+    try:
+        a = saved["optim.min_lr"] / saved["optim.lr"]
+        b = now["optim.min_lr"] / now["optim.lr"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return False
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
 def change_values(saved: dict[str, Any], now: dict[str, Any], fields: list[str]) -> dict[str, list[Any]]:

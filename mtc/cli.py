@@ -56,7 +56,7 @@ def _dest(path: str) -> str:
 
 
 def _train_config(a: argparse.Namespace):  # -> TrainConfig
-    from mtc.config import TrainConfig, check_device, config_file_fields, parse_field, set_field
+    from mtc.config import TrainConfig, check_device, config_file_fields, min_lr_for, parse_field, set_field
     from mtc.errors import ConfigError
     from mtc.plan import compile_command
 
@@ -71,6 +71,7 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
         cfg = TrainConfig.from_dict(file_fields) if file_fields is not None else TrainConfig(model=a.preset or a.model)
     else:
         cfg = _stored_config(a)
+    ref = (cfg.optim.lr, cfg.optim.min_lr)  # before the flags: what an unnamed min_lr keeps its ratio to
     given = {}
     for path in _TRAIN_FLAGS:
         raw = getattr(a, _dest(path))
@@ -87,9 +88,13 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
     device_note = ""
     if "device" not in given and "device" not in (file_fields or {}):
         cfg.device, device_note = _unnamed_device(a)
-    named_min = "min_lr" in ((file_fields or {}).get("optim") or {})  # a config file's own min_lr is kept (and checked)
-    if "optim.lr" in given and "optim.min_lr" not in given and not named_min:
-        cfg.optim.min_lr = min(cfg.optim.min_lr, cfg.optim.lr)  # a lower --lr alone must not trip the default min_lr <= lr
+    # a min_lr named by a flag or the config file is kept (and checked); unnamed, it keeps its ratio
+    # to lr: the resumed run's (a resume with the same lr keeps its min_lr), else the config's
+    # before --lr (the defaults: lr / 10), so a lower --lr alone still decays
+    if "optim.min_lr" not in given and "min_lr" not in ((file_fields or {}).get("optim") or {}):
+        saved = _saved_optim(a)
+        if saved is not None or "optim.lr" in given:
+            cfg.optim.min_lr = min_lr_for(cfg.optim.lr, *(saved or ref))
     if a.stop_after is not None and a.stop_after < 1:
         raise ConfigError(
             f"--stop-after: expected a step number >= 1 (stop once that step is committed), got {a.stop_after}; "
@@ -140,6 +145,17 @@ def _unnamed_device(a: argparse.Namespace) -> tuple[str, str]:
         return stored, ""
     dev = auto_device()
     return dev, f"mtc: computing on {dev} (this machine has one; --device cpu for the CPU)" if dev != "cpu" else ""
+
+
+def _saved_optim(a: argparse.Namespace) -> tuple[float, float] | None:
+    """(lr, min_lr) of the run a train command resumes; None for a new run (or one it overwrites)."""
+    from mtc.warmstart import run_config
+
+    optim = (run_config(a.store) or {}).get("optim") if not a.overwrite else None
+    try:
+        return float(optim["lr"]), float(optim["min_lr"])
+    except (TypeError, KeyError, ValueError):
+        return None  # no run (or a damaged record: opening the store says so)
 
 
 def _stored_config(a: argparse.Namespace):  # -> TrainConfig

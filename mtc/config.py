@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "field_help",
     "field_metavar",
     "load_config",
+    "min_lr_for",
     "parse_field",
     "parse_layer_set",
     "parse_placement",
@@ -178,7 +180,9 @@ class OptimConfig:
     """AdamW with decoupled weight decay, global-norm clipping, linear warmup then cosine decay."""
 
     lr: float = field(3e-3, gt=0, le=_FLOAT32_MAX, help="peak learning rate")
-    min_lr: float = field(3e-4, ge=0, le=_FLOAT32_MAX, help="learning rate at the end of the cosine decay (at most lr)")
+    min_lr: float = field(3e-4, ge=0, le=_FLOAT32_MAX,
+                          help="learning rate at the end of the cosine decay (at most lr); when lr is given without it: "
+                               "lr / 10, or a resumed run's own ratio to lr")
     warmup_steps: int = field(10, ge=0, help="steps of linear warmup to lr")
     weight_decay: float = field(0.1, ge=0, le=_FLOAT32_MAX, help="AdamW decoupled weight decay")
     beta1: float = field(0.9, ge=0, lt=1, help="AdamW beta1")
@@ -388,9 +392,23 @@ class TrainConfig:
             raise ConfigError(f"config field optim: expected a table of OptimConfig fields, got {optim!r} ({type(optim).__name__})")
         _check_keys(cls, d, "")
         _check_keys(OptimConfig, optim, "optim.")
+        lr = optim.get("lr")
+        if "min_lr" not in optim and isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0:
+            defaults = OptimConfig()
+            optim = {**optim, "min_lr": min_lr_for(lr, defaults.lr, defaults.min_lr)}  # (a bad lr: validate names it)
         cfg = cls(**d, optim=OptimConfig(**optim))
         cfg.validate()
         return cfg
+
+
+def min_lr_for(lr: float, ref_lr: float, ref_min_lr: float) -> float:
+    """The min_lr of a run that names ``lr`` but not min_lr: the reference's (the defaults', or the
+    resumed run's) min_lr at the same ratio to lr, so the cosine still decays (from the defaults:
+    to lr / 10) where a fixed default above a low lr would leave it flat; the reference's own lr
+    keeps its min_lr exactly (a resume with the same command recomputes nothing)."""
+    if lr == ref_lr:
+        return ref_min_lr
+    return min(lr, lr * (ref_min_lr / ref_lr))
 
 
 def _check_keys(cls: type, d: dict[str, Any], prefix: str) -> None:

@@ -121,6 +121,8 @@ def check_value(label: str, value: Any, tp: Any, rule: Rule = _NO_RULE) -> Any:
     Raises ConfigError naming ``label`` (the dotted field name), the value, its type and what was expected.
     """
     inner, nullable = unwrap_optional(tp)
+    if nullable and isinstance(value, str) and value.strip().lower() in _NONE_TEXT:
+        value = None  # TOML has no null: a config file writes none as the flags do, a string
     if value is None:
         if nullable:
             return None

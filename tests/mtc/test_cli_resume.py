@@ -52,6 +52,28 @@ def test_extend_steps_needs_allow_change_and_shape_changes_are_refused(tmp_path,
     assert code == 2 and "only data, steps" in err, err
 
 
+def test_an_unnamed_min_lr_keeps_the_runs_ratio_to_lr_and_rides_with_its_change(tmp_path, capsys):
+    a = skewed_tokens(tmp_path / "a.bin")
+    store = tmp_path / "s"
+    cfg_file = tmp_path / "run.json"
+    d = small_config(steps=3).to_dict()
+    del d["optim"]["min_lr"]
+    cfg_file.write_text(json.dumps(d))
+    # a run with a min_lr of its own (as stores written before the lr / 10 default may hold)
+    assert _train(capsys, cfg_file, store, a.path, "--lr", "1e-3", "--min-lr", "3e-4", "--stop-after", "1")[0] == 0
+    code, err = _train(capsys, cfg_file, store, a.path, "--lr", "1e-3", "--stop-after", "2")
+    assert code == 0, err  # the same command without --min-lr resumes: the run's min_lr, not lr / 10
+    code, err = _train(capsys, cfg_file, store, a.path, "--lr", "5e-4")
+    assert code == 2 and err.rstrip().endswith("or pass --allow-change optim.lr, or use a new store directory"), err
+    code, err = _train(capsys, cfg_file, store, a.path, "--lr", "5e-4", "--allow-change", "optim.lr")
+    assert code == 0, err
+    with TensorStore.open(store, read_only=True) as st:
+        last = st.last_commit()
+        assert last.step == 3 and last.config["optim"]["min_lr"] == pytest.approx(1.5e-4, rel=1e-12)
+        (change,) = last.meta["changes"]
+        assert change["from_step"] == 2 and change["fields"] == ["optim.lr", "optim.min_lr"], change
+
+
 def test_fused_kernels_on_the_cpu_without_the_interpreter_are_refused_before_the_store(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     a = skewed_tokens(tmp_path / "a.bin")

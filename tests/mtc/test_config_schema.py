@@ -189,7 +189,7 @@ def test_cli_flags_reach_the_config(tmp_path):
         "--warmup-steps", "0", "--weight-decay", "0", "--durability", "weights", "--compute-dtype", "float32",
     ))
     cfg = _train_config(a)
-    assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == 1e-4, "a lower --lr alone lowers min_lr with it"
+    assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == pytest.approx(1e-5, rel=1e-12), "--lr alone: min_lr = lr / 10"
     assert cfg.optim.clip_norm is None and cfg.allow_tf32 is False and cfg.placement == "gpu:0-1,ram:2-5"
     assert (cfg.gpu_update, cfg.commit_every, cfg.ram_budget_gb, cfg.max_nonfinite_steps) == ("2-3", 4, 32.0, 5)
     assert (cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.durability, cfg.compute_dtype) == (0, 0.0, "weights", "float32")
@@ -201,6 +201,38 @@ def test_a_lower_lr_flag_keeps_a_config_files_own_min_lr_and_says_when_they_clas
     assert _train_config(build_parser().parse_args([*args, "--lr", "0.002"])).optim.min_lr == 0.001
     with pytest.raises(ConfigError, match=r"optim.min_lr: expected at most optim.lr \(0.0005\), got 0.001"):
         _train_config(build_parser().parse_args([*args, "--lr", "0.0005"]))
+
+
+def test_lr_given_alone_still_decays_to_a_tenth_of_it(tmp_path):
+    # a fixed default min_lr (3e-4) above a fine-tuning lr had been lowered to lr: a flat schedule
+    args = ["train", "--preset", "tiny", "--store", str(tmp_path / "s"), "--data", "d", "--device", "cpu"]
+    assert _train_config(build_parser().parse_args(args)).optim.min_lr == 3e-4  # the defaults' own, exactly
+    assert _train_config(build_parser().parse_args([*args, "--lr", "1e-5"])).optim.min_lr == pytest.approx(1e-6, rel=1e-12)
+    (tmp_path / "c.toml").write_text('[optim]\nlr = 1e-5\n')
+    assert load_config(tmp_path / "c.toml").optim.min_lr == pytest.approx(1e-6, rel=1e-12)
+    (tmp_path / "d.toml").write_text('[optim]\nlr = 0.01\nmin_lr = 0.004\n')  # a config's own ratio, kept by --lr
+    cfg = _train_config(build_parser().parse_args([*args[:1], "--config", str(tmp_path / "d.toml"), *args[3:], "--lr", "0.005"]))
+    assert cfg.optim.min_lr == 0.004, "a min_lr the config file names is its own"
+    from mtc.api import _config
+
+    assert _config(None, {"optim": {"lr": 1e-5}}, None, "cpu").optim.min_lr == pytest.approx(1e-6, rel=1e-12)
+    assert _config({"optim": {"lr": 1e-5}}, {}, None, "cpu").optim.min_lr == pytest.approx(1e-6, rel=1e-12)
+    base = TrainConfig(optim=OptimConfig(lr=1e-2, min_lr=4e-3))
+    assert _config(base, {"optim": {"lr": 5e-3}}, None, "cpu").optim.min_lr == pytest.approx(2e-3, rel=1e-12)
+    assert _config(None, {"optim": {"lr": 5e-3, "min_lr": 0.0}}, None, "cpu").optim.min_lr == 0.0
+    saved = (1e-3, 3e-4)  # a resumed run's pair: the same lr keeps its min_lr exactly, another keeps the ratio
+    assert _config(None, {"optim": {"lr": 1e-3}}, None, "cpu", saved).optim.min_lr == 3e-4
+    assert _config(None, {"optim": {"lr": 5e-4}}, None, "cpu", saved).optim.min_lr == pytest.approx(1.5e-4, rel=1e-12)
+
+
+def test_a_toml_config_writes_none_as_a_string(tmp_path):
+    # TOML has no null: `clip_norm = "none"` was refused with a message that offered "none"
+    (tmp_path / "c.toml").write_text('ram_budget_gb = "None"\nrank_dir = "none"\n[optim]\nclip_norm = "none"\n')
+    cfg = load_config(tmp_path / "c.toml")
+    assert (cfg.optim.clip_norm, cfg.ram_budget_gb, cfg.rank_dir) == (None, None, None)
+    (tmp_path / "c.toml").write_text('steps = "none"\n')  # not nullable: still refused
+    with pytest.raises(ConfigError, match=r"config field steps: expected an integer >= 1, got 'none' \(str\)"):
+        load_config(tmp_path / "c.toml")
 
 
 def test_cli_flags_override_config_file(tmp_path):
