@@ -35,9 +35,10 @@ import torch
 
 from mtc.errors import ConfigError
 
-__all__ = ["World", "agree", "attach", "check_launch", "check_placement", "check_same_start", "cpu_share", "current_world",
-           "data_parallel_placement", "device_collectives", "gpu_shard_bytes", "groups", "init_world", "open_follower",
-           "root_failed", "root_ready", "shutdown_world", "sum_over_ranks", "world_from_env"]
+__all__ = ["PER_HOST_FIELDS", "World", "agree", "attach", "check_launch", "check_placement", "check_same_config",
+           "check_same_placement", "check_same_start", "cpu_share", "current_world", "data_parallel_placement", "device_collectives",
+           "gpu_shard_bytes", "groups", "init_world", "open_follower", "root_failed", "root_ready", "shutdown_world",
+           "sum_over_ranks", "world_from_env"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,7 +161,10 @@ def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # host tensors (ram-tier gradients and state) go over gloo; device tensors over NCCL
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
+        try:
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
+        except RuntimeError as e:  # DistStoreError (a rank never came), DistNetworkError (the port): both RuntimeErrors
+            raise _join_failed(world, timeout_s, e) from e
     _GROUPS = _Groups(
         sync=dist.new_group(backend="gloo", timeout=timeout),
         comm=dist.new_group(backend="gloo", timeout=timeout),
@@ -171,6 +175,63 @@ def init_world(device: str = "cpu", timeout_s: float = 60.0) -> World:
     )
     _pin_cpus(world)
     return world
+
+
+def _join_failed(world: World, timeout_s: float, e: BaseException) -> Exception:
+    """The one-line error of a rank that could not form the process group (``e``: torch's)."""
+    import os
+
+    from mtc.runtime.collectives import PeerLostError
+
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return PeerLostError(
+        f"rank {world.rank} of {world.world_size}: the ranks did not all meet at {where} within dist_timeout_s "
+        f"({timeout_s:g} s): {first}; start the same command on every rank (every host's torchrun with the same "
+        "--nnodes, --nproc-per-node and rendezvous address, reachable from each host), or raise --dist-timeout-s "
+        "when hosts start far apart")
+
+
+# Fields a rank may set for its own host; every other config field must be rank 0's
+# (`check_same_config`): the model, data order, schedule, durability and the collectives'
+# pattern are one run's. The device's index may differ, its kind may not.
+PER_HOST_FIELDS = frozenset({
+    "device", "io_threads", "optim_threads", "ram_budget_gb", "gpu_budget_gb", "activation_budget_gb", "rank_dir",
+    "dist_timeout_s", "update_prefetch", "cuda_graphs", "save_activations",
+})
+
+
+def _shared_fields(cfg: object) -> dict[str, object]:
+    """``cfg``'s fields that every rank must agree on, flat (``optim.lr``), the device as its kind."""
+    d = cfg.to_dict()
+    flat = {f"optim.{k}": v for k, v in d.pop("optim").items()}
+    flat.update({k: v for k, v in d.items() if k not in PER_HOST_FIELDS})
+    flat["device"] = cfg.device.partition(":")[0]
+    flat["compute_dtype"] = cfg.resolved_compute_dtype
+    return flat
+
+
+def check_same_config(world: World, cfg: object) -> None:
+    """Every rank must train rank 0's run: a rank launched with other flags (another lr, seed,
+    grad_accum or durability) trained a different run beside it, unnoticed, and could leave shards
+    a resume cannot read. Before any state is written, all ranks exchange their shared fields
+    (all but `PER_HOST_FIELDS`); a difference stops every rank with the same one-line error."""
+    if not world.distributed:
+        return
+    from mtc.runtime.collectives import collective
+
+    mine = _shared_fields(cfg)
+    every: list[object] = [None] * world.world_size
+    collective("the config check", torch.distributed.all_gather_object, every, mine, group=groups().sync)
+    root = every[0]
+    for rank, theirs in enumerate(every):
+        diff = sorted(k for k in set(root) | set(theirs) if root.get(k) != theirs.get(k))
+        if diff:
+            shown = ", ".join(f"{k} {root.get(k)!r} (rank 0) vs {theirs.get(k)!r}" for k in diff)
+            raise ConfigError(
+                f"rank {rank}'s config differs from rank 0's: {shown}; every rank must run the same command (only "
+                f"{', '.join(sorted(PER_HOST_FIELDS - {'device'}))} and the device's index may differ per host): fix "
+                f"rank {rank}'s flags or config file and relaunch every rank")
 
 
 def groups() -> _Groups:
@@ -399,6 +460,29 @@ def sum_over_ranks(t: torch.Tensor, what: str) -> torch.Tensor:
 
     collective(what, torch.distributed.all_reduce, t, group=groups().sync)
     return t
+
+
+def check_same_placement(world: World, placement: str, gpu_update: list[int]) -> None:
+    """Every rank must hold the same tiers (``placement``, `mtc.runtime.placement.describe`) and
+    GPU-update the same layers: the ranks' collectives follow them, and auto placement follows each
+    host's own RAM and GPU budgets. Compared before any state is written; a difference stops
+    every rank with the same one-line error."""
+    if not world.distributed:
+        return
+    from mtc.runtime.collectives import collective
+
+    every: list[object] = [None] * world.world_size
+    collective("the placement check", torch.distributed.all_gather_object, every, (placement, gpu_update),
+               group=groups().sync)
+    other = [r for r, p in enumerate(every) if p != every[0]]
+    if other:
+        (mine, upd), (root, rupd) = every[other[0]], every[0]
+        what = f"places the layers as {mine}" if mine != root else f"GPU-updates layers {upd}"
+        theirs = root if mine != root else rupd
+        raise ConfigError(
+            f"rank {other[0]} {what}, rank 0 {'as ' if mine != root else ''}{theirs}: every rank must hold the same tiers "
+            "(auto placement follows each host's RAM and GPU budgets); pass rank 0's placement as "
+            f"--placement {root} on every rank, or the same --ram-budget-gb/--gpu-budget-gb, and relaunch")
 
 
 def check_same_start(world: World, step: int, generation: int, data: dict | None = None) -> None:

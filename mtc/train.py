@@ -818,6 +818,11 @@ def train(
             raise
     if world.is_root:
         _dist.root_ready(world)  # the other ranks may open the run directory and its plan now
+    try:
+        _dist.check_same_config(world, cfg)  # before any rank writes its shard
+    except BaseException:
+        run.store.close()
+        raise
     st, program = run.store, run.program
     if isinstance(tokens, BatchSource):  # a list too short is known now, not after the steps it can feed
         first_step = run.start_step
@@ -843,6 +848,7 @@ def train(
         placement, gpu_update = plan_placement(pcfg, program, disk_compute=dc)
         placement, gpu_update = _dist.data_parallel_placement(world, cfg, placement, gpu_update, program,
                                                               gpu_bytes=_gpu_budget(cfg, program, cdtype.itemsize) if device.type == "cuda" else None)
+        _dist.check_same_placement(world, pl.describe(placement), sorted(gpu_update))  # before any rank writes its shard
         numels = [program.layer_numel(i) for i in range(program.n_layers)]
         spill = pl.choose_grad_spill(placement, numels, cdtype.itemsize, ram_bytes=_ram_budget(cfg, program),
                                      disk_compute=dc, device_is_cuda=device.type == "cuda", tied_weights=_ties_weights(program),
