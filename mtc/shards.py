@@ -16,7 +16,15 @@ generation with the digest the global record names; a missing or stale shard is 
 A store written at world size 1 (or seeded by an import) holds full arrays in RUN itself; any world
 size opens it (each rank reads its range). A sharded store opens only at its world size;
 `reshard` rewrites it for another one (M = 1: the single-process layout), bit-identically, and
-makes that a new global commit of the same step.
+makes that a new global commit of the same step. The full arrays in RUN are deleted once no record
+a resume or a roll-back may use reads them (`drop_root_state`): by `reshard` after its commit, by
+a run resumed on N ranks after its second commit (until then `mtc repair` may roll back to the
+single-process one).
+
+Verify and repair: a shard store's own last commit may be a step the run never committed (a rank
+died during the global commit), so `verify_sharded` checks each shard's state of the commit the
+global record names, and `mtc repair RUN` rolls the global record back only to a commit whose
+every shard is whole (`run_state_problems`); a shard store is not rolled back alone.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 from mtc import rank_dirs
 from mtc.errors import StoreError
 from mtc.store import LAYOUT_ATTR, STATE_DTYPE, CommitRecord, TensorStore, state_array_name
-from mtc.store.verify import REQUIRED_KINDS
+from mtc.store.verify import REQUIRED_KINDS, Problem, check_state
 
 __all__ = ["RANKS_DIR", "StateReader", "check_shard", "digest", "is_sharded", "layer_ranges", "open_rank_store", "rank_dir",
            "read_layer", "require_visible", "reshard", "shard_dir", "shard_world"]
@@ -171,12 +179,15 @@ def shards_meta(world_size: int, digests: list[str], dirs: list[str] | None = No
             "ranks": [{"rank": r, "dir": dirs[r], "digest": d} for r, d in enumerate(digests)]}
 
 
-def check_shard(root: Path, record: CommitRecord, rank: int, st: TensorStore) -> None:
+def check_shard(root: Path, record: CommitRecord, rank: int, st: TensorStore) -> CommitRecord:
     """Refuse to resume rank ``rank`` unless its shard store holds ``record``'s step and generation,
-    written by the commit the global record names (one StoreError line otherwise)."""
+    written by the commit the global record names (one StoreError line otherwise). Returns that
+    per-rank commit: the one whose state a resume loads, which need not be the shard store's last
+    (a rank that committed its shard of a step the run never committed is ahead of the record)."""
     entry = record.meta["shards"]["ranks"][rank]
     mine = [r for r in st.commit_history() if r.step == record.step and r.generation == record.generation]
-    if not any(digest(r) == entry["digest"] for r in mine):
+    named = [r for r in mine if digest(r) == entry["digest"]]
+    if not named:
         last = st.last_commit()
         what = f"its last commit is step {last.step}" if last is not None else "it has no commit"
         raise StoreError(f"rank {rank}'s shard store {st.path} is stale: the run's commit record names step {record.step} "
@@ -187,6 +198,7 @@ def check_shard(root: Path, record: CommitRecord, rank: int, st: TensorStore) ->
         raise StoreError(f"rank {rank}'s shard store {st.path} overwrote generation {record.generation} at step {later[-1].step}, "
                          f"after the step {record.step} the run's commit record names: the run directory's commit.json is "
                          "stale; check that every node sees the same run directory")
+    return named[-1]
 
 
 def read_layer(root: Path, record: CommitRecord, layer: int, kind: str, numel: int, *, root_store: TensorStore | None = None,
@@ -257,7 +269,8 @@ def reshard(root: Path, world_size: int, *, template: str | None = None, io_thre
     single-process layout in ``root``), bit-identically, and commit it as a new global record of
     the same step. ``template``: where the new shard stores go (``--rank-dir`` with ``{rank}`` and
     ``{world_size}`` only; default: under ``root``). Every old shard must be visible here. The old
-    layout stays valid until that commit; its shard stores are removed after."""
+    layout stays valid until that commit; after it, its shard stores are removed, or, from the
+    single-process layout, the run directory's state arrays (`drop_root_state`)."""
     from mtc.errors import ConfigError
     from mtc.plan import load_plan
 
@@ -274,7 +287,11 @@ def reshard(root: Path, world_size: int, *, template: str | None = None, io_thre
             raise StoreError(f"store {root} has no commit to reshard")
         old = shard_world(last)
         if old == world_size and (not is_sharded(last) or template == last.meta["shards"].get("template")):
-            if log:
+            if is_sharded(last) and drop_root_state(st, last):  # left by a reshard or resume stopped before it did
+                if log:
+                    log(f"{root} is already laid out for world size {world_size}; removed the single-process state arrays "
+                        "no commit reads any more")
+            elif log:
                 log(f"{root} is already laid out for world size {world_size}; nothing to do")
             return last
         old_dirs = require_visible(root, last, "mtc reshard") if is_sharded(last) else []
@@ -339,6 +356,8 @@ def reshard(root: Path, world_size: int, *, template: str | None = None, io_thre
         new = CommitRecord(step=last.step, generation=gen, data_cursor=last.data_cursor, rng_state=last.rng_state,
                            config=last.config, time_unix=time.time(), extra=last.extra, durability=last.durability, meta=meta)
         st.commit(new)
+        if world_size > 1:  # the single-process arrays: the durable record above no longer reads them
+            drop_root_state(st, new)
     for p in old_dirs:  # no record names them any more
         shutil.rmtree(p, ignore_errors=True)
     if log:
@@ -383,9 +402,16 @@ def committer(root_st: TensorStore, shard_st: TensorStore, rank: int, world_size
         if rank == 0:
             meta = dict(record.meta, shards=shards_meta(world_size, [d[0] for d in got], [d[1] for d in got], got[0][2]),
                         world_size=world_size)
-            root_st.commit(CommitRecord(step=record.step, generation=gen, data_cursor=record.data_cursor,
-                                        rng_state=record.rng_state, config=record.config, time_unix=record.time_unix,
-                                        extra=record.extra, durability=record.durability, meta=meta))
+            new = CommitRecord(step=record.step, generation=gen, data_cursor=record.data_cursor, rng_state=record.rng_state,
+                               config=record.config, time_unix=record.time_unix, extra=record.extra,
+                               durability=record.durability, meta=meta)
+            before = root_st.last_commit(rng=False) if root_st.path is not None and (root_st.path / "layers").is_dir() else None
+            root_st.commit(new)
+            if is_sharded(before):
+                # a single-process store resumed on these ranks (`start_state`): its arrays were kept
+                # until the records a resume or a roll-back may use, this one and the one before, are
+                # both sharded
+                drop_root_state(root_st, new)
         # nobody writes the other generation before the global record names this one
         collective(f"step {record.step}'s commit barrier", dist.barrier, group=groups().commit)
 
@@ -529,8 +555,10 @@ def _copy_disk_shards(root_st: TensorStore, st: TensorStore, tiers: object, gen:
 
 
 def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:
-    """`mtc verify` of a sharded run: every shard store the global ``record`` names is verified
-    (its commit files, arrays and chunks) and must hold the step and digest ``record`` names."""
+    """`mtc verify` of a sharded run: every shard store the global ``record`` names must hold the
+    step and digest ``record`` names, and is verified: its commit files, and the arrays and chunks
+    of that per-rank commit (the one a resume loads: a rank may have committed its shard of a later
+    step the run never committed, into the other generation). The advice names the run's repair."""
     from mtc.store import verify
 
     ok, lines = True, [f"global commit: step {record.step}, generation {record.generation}, world size {shard_world(record)}"]
@@ -543,8 +571,7 @@ def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:
             continue
         try:
             with TensorStore.open(path, read_only=True) as st:
-                report = verify(st)
-                check_shard(root, record, r, st)
+                report = verify(st, record=check_shard(root, record, r, st), repair_at=str(root))
         except StoreError as e:
             ok = False
             lines.append(f"rank {r}: damaged: {e}")
@@ -552,3 +579,68 @@ def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:
         ok = ok and report.ok
         lines += [f"rank {r}: {line}" for line in report.lines()]
     return ok, lines
+
+
+def run_state_problems(root: Path, record: CommitRecord, *, not_after: float | None = None) -> list[Problem]:
+    """Damage to the state of the data-parallel run ``root``'s global ``record``, every rank's shard
+    of it (every chunk read): a shard store not visible here, not holding the commit ``record``
+    names or overwritten since (`check_shard`), or damaged. ``not_after``: a chunk file modified
+    after this time (unix seconds) holds a later step. `mtc repair` of the run restores a commit
+    only when this finds nothing."""
+    out: list[Problem] = []
+    for r in range(shard_world(record)):
+        path = shard_dir(root, record, r)
+        try:
+            with TensorStore.open(path, read_only=True) as st:
+                mine = check_shard(root, record, r, st)
+                out += [Problem(f"rank {r}'s shard store {path}", str(p)) for p in check_state(st, mine, not_after=not_after)]
+        except StoreError as e:
+            out.append(Problem(f"rank {r}'s shard store {path}", str(e)))
+    return out
+
+
+def named_in_run(st: TensorStore) -> tuple[Path, int, CommitRecord] | None:
+    """For a rank's shard store: its run directory, its rank, and its per-rank commit that the
+    run's global record names (the one a resume loads). None for any other store, and where the
+    run's record cannot be read or does not name this store (then the run's repair or resume says
+    what is wrong)."""
+    from mtc.store.directory import read_commit_file
+
+    where, layout = st.attributes().get(rank_dirs.SHARD_DIR_ATTR), st.attributes().get(LAYOUT_ATTR)
+    if st.path is None or not isinstance(where, dict) or not isinstance(layout, dict) or not isinstance(layout.get("shard"), dict):
+        return None
+    rank, form = layout["shard"].get("rank"), Path(str(where.get("dir")))
+    # a shard inside its run directory is named relative to it (the run may have been copied or
+    # moved with it); one elsewhere (--rank-dir) by the run directory it was made for
+    inside = not form.is_absolute() and st.path.parts[-len(form.parts):] == form.parts
+    run = st.path.parents[len(form.parts) - 1] if inside else Path(str(where.get("run")))
+    try:
+        record = read_commit_file(run)
+        if not is_sharded(record) or not isinstance(rank, int) or not 0 <= rank < shard_world(record):
+            return None
+        if os.path.realpath(shard_dir(run, record, rank)) != os.path.realpath(st.path):
+            return None  # a shard of another layout (a reshard moved the state)
+        return run, rank, check_shard(run, record, rank, st)
+    except (StoreError, ValueError, TypeError, KeyError, OSError):
+        return None
+
+
+def drop_root_state(st: TensorStore, record: CommitRecord) -> bool:
+    """Delete the run directory's state arrays (``layers/``: a single-process layout's master, m
+    and v, both generations) once ``record``, its durable last commit, names shard stores: no
+    resume reads them any more, and they are the size of the whole optimizer state (~190 GB for
+    an 8B model). The plan, the commit history, the resume and context files stay. Returns
+    whether there were any. Idempotent: a crash part-way leaves arrays no record reads, and
+    `mtc verify` does not check them (a sharded record has no state in the run directory)."""
+    assert is_sharded(record) and st.path is not None, "the run directory's state is dropped behind a sharded commit only"
+    layers = st.path / "layers"
+    if not layers.is_dir() or layers.is_symlink():
+        return False
+    inside = [p for p in (shard_dir(st.path, record, r) for r in range(shard_world(record)))
+              if os.path.realpath(p).startswith(os.path.realpath(layers) + os.sep)]
+    if inside:  # (a --rank-dir inside it: its shards are the run's state now)
+        return False
+    if isinstance(st.attributes().get(LAYOUT_ATTR), dict):
+        st.set_attribute(LAYOUT_ATTR, None)  # as a run started on several ranks: the run directory has no layout
+    shutil.rmtree(layers)
+    return True

@@ -27,6 +27,13 @@ damaged (a roll-back: the steps since the restored commit are lost, nothing else
 than the history's last is appended to ``commits.jsonl`` again, so the history ends with the
 commit a resume uses, as after any commit. A missing or damaged context file that history lines
 name is rewritten from ``commit.json`` when its record has that context.
+
+A data-parallel run (`mtc.shards`) keeps no state in its run directory: its global record names
+the ranks' shard stores, so `verify` of the run directory checks no arrays of it. `repair` of the
+run directory checks a commit's every shard (the shard stores' commit the record names, which may
+be older than a shard's own last commit) before it keeps or restores that commit; `repair` of a
+rank's shard store refuses to roll it back alone while its run's record names damaged state in it
+(that needs the run's repair, which rolls every shard back alike).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from mtc.store.tensor_store import TensorStore
 
 from mtc.errors import StoreError
 
-__all__ = ["REQUIRED_KINDS", "Problem", "RepairReport", "VerifyReport", "repair", "verify"]
+__all__ = ["REQUIRED_KINDS", "Problem", "RepairReport", "VerifyReport", "check_state", "repair", "verify"]
 
 # which state kinds of the committed generation each durability mode guarantees are on disk
 REQUIRED_KINDS: dict[str, tuple[str, ...]] = {"full": ("master", "m", "v"), "weights": ("master",), "none": ()}
@@ -92,6 +99,7 @@ class VerifyReport:
     notes: tuple[str, ...]
     arrays_checked: int
     chunks_checked: int
+    repair_at: str | None = None  # the store whose `mtc repair` fixes this one (None: this one)
 
     @property
     def ok(self) -> bool:
@@ -116,17 +124,18 @@ class VerifyReport:
     def fixes(self) -> list[str]:
         """What to do about the problems found, one phrase per kind of damage."""
         out = []
+        at = self.repair_at or self.store  # a rank's shard store: its run's repair, which rolls every shard back alike
         if any(p.where == COMMIT_FILE for p in self.problems):
-            out.append(f"`mtc repair {self.store}` restores {COMMIT_FILE} from {HISTORY_FILE}")
+            out.append(f"`mtc repair {at}` restores {COMMIT_FILE} from {HISTORY_FILE}")
         elif any(p.where == HISTORY_FILE for p in self.problems):  # commit.json is whole: the history lacks it
-            out.append(f"`mtc repair {self.store}` writes {COMMIT_FILE}'s record back into {HISTORY_FILE}")
+            out.append(f"`mtc repair {at}` writes {COMMIT_FILE}'s record back into {HISTORY_FILE}")
         if any(p.where.startswith(CONTEXT_DIR + "/") for p in self.problems):
-            out.append(f"`mtc repair {self.store}` rewrites the context file from {COMMIT_FILE}")
+            out.append(f"`mtc repair {at}` rewrites the context file from {COMMIT_FILE}")
         if any(p.where.startswith("group ") for p in self.problems):
-            out.append(f"`mtc repair {self.store}` rewrites a group's garbled metadata (mtc's groups below the root hold "
+            out.append(f"`mtc repair {at}` rewrites a group's garbled metadata (mtc's groups below the root hold "
                        "no attributes: nothing is lost)")
         if any(p.array is not None or p.where in RESUME_FILES for p in self.problems):
-            out.append(f"`mtc repair {self.store}` rolls back to the newest earlier commit whose state is whole (losing the "
+            out.append(f"`mtc repair {at}` rolls back to the newest earlier commit whose state is whole (losing the "
                        "steps since), if there is one; else restore the store from a copy, or start over with "
                        "`mtc train ... --overwrite`")
         return out
@@ -140,28 +149,34 @@ class RepairReport:
     restored: CommitRecord | None
 
 
-def verify(store: TensorStore, *, check_chunks: bool = True) -> VerifyReport:
+def verify(store: TensorStore, *, check_chunks: bool = True, record: CommitRecord | None = None,
+           repair_at: str | None = None) -> VerifyReport:
     """Check ``store`` (see the module docstring); ``check_chunks=False`` skips reading the chunks.
 
+    ``record``: check the state of this commit (one of the store's history) instead of the last
+    one's: a rank's shard store is resumed from the commit its run's global record names, and the
+    shard's own last commit may be a step the run never committed (`mtc.shards.verify_sharded`).
+    ``repair_at``: the store whose `mtc repair` the report's advice names (default ``store``).
     Works on a read-only handle, beside a run that holds the store.
     """
     problems: list[Problem] = []
     notes: list[str] = []
     bad_nodes = dict(store.metadata_problems())
     if store.path is None:
-        record = store.last_commit()
+        current = store.last_commit()
     else:
-        record = _check_commit_files(store.path, problems, notes)
+        current = _check_commit_files(store.path, problems, notes)
+    record = record if record is not None else current
     arrays = chunks = 0
     if record is not None:
         found, arrays, chunks = _check_record(store, record, check_chunks=check_chunks, bad_nodes=bad_nodes)
         problems += found
-        if store.path is not None:
+        if store.path is not None and current is not None:
             try:
                 now = read_commit_file(store.path)
             except (ValueError, TypeError, OSError):
                 now = None
-            if now is not None and now != record:
+            if now is not None and now != current:
                 # a run holding the store committed meanwhile; its new generation was not checked
                 notes.append(
                     f"the store was committed again while it was checked (now step {now.step}); this report is about step {record.step}"
@@ -172,7 +187,14 @@ def verify(store: TensorStore, *, check_chunks: bool = True) -> VerifyReport:
             continue
         group = store.path is not None and name != "<root group>" and looks_like_group(store.path.joinpath(*name.split("/")))
         problems.append(Problem(f"group {name}", msg) if group else Problem(name, msg, array=name))
-    return VerifyReport(str(store.path or "<memory>"), record, tuple(problems), tuple(notes), arrays, chunks)
+    return VerifyReport(str(store.path or "<memory>"), record, tuple(problems), tuple(notes), arrays, chunks, repair_at)
+
+
+def check_state(store: TensorStore, record: CommitRecord, *, not_after: float | None = None) -> list[Problem]:
+    """Damage to the state arrays ``record`` (a commit of ``store``) needs, every chunk read: the
+    check `repair` makes before it restores a commit. ``not_after``: a chunk file modified after
+    this time (unix seconds) is damage too (it holds a later step)."""
+    return _check_record(store, record, check_chunks=True, bad_nodes=dict(store.metadata_problems()), not_after=not_after)[0]
 
 
 def repair(store: TensorStore) -> RepairReport:
@@ -182,7 +204,8 @@ def repair(store: TensorStore) -> RepairReport:
     none. When ``commit.json`` is intact its state is checked (every chunk's CRC): when that state
     is damaged it rolls back the same way to the newest earlier record whose state is whole;
     otherwise it only appends ``commit.json`` to a history that lacks it. A restored record older
-    than the history's last is appended to the history too.
+    than the history's last is appended to the history too. A data-parallel run's record's state
+    is every rank's shard of it (see the module docstring).
     """
     p = store.path
     if p is None:
@@ -219,8 +242,9 @@ def repair(store: TensorStore) -> RepairReport:
     history = [h for h in read_history(p) if h.record is not None]
     newest = history[-1].record if history else None
     bad_nodes = dict(store.metadata_problems())
+    named = _check_run_commit(store, bad_nodes)  # (a rank's shard store: the commit its run resumes from is whole)
     if current is not None:
-        damaged, _a, _c = _check_record(store, current, check_chunks=True, bad_nodes=bad_nodes)
+        damaged = [] if current == named else _state_problems(store, current, bad_nodes=bad_nodes)
         if not damaged:
             return _reconcile_history(store, current, history)
         # the last commit's state is damaged: no run can resume from it, so roll back to the newest
@@ -248,10 +272,8 @@ def repair(store: TensorStore) -> RepairReport:
             continue
         # without the write log, chunk files newer than the next commit tell it (file times: a plain
         # copy of the store resets them, and then this refuses what the log would have allowed)
-        found, _a, _c = _check_record(
-            store, rec, check_chunks=True, bad_nodes=bad_nodes,
-            not_after=successor.time_unix if successor is not None and starts is None else None,
-        )
+        found = _state_problems(store, rec, bad_nodes=bad_nodes,
+                                not_after=successor.time_unix if successor is not None and starts is None else None)
         if found:
             actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {_first(found)}")
             continue
@@ -273,6 +295,46 @@ def repair(store: TensorStore) -> RepairReport:
         f"cannot repair store {p}: {COMMIT_FILE} is {damage} and no record in {HISTORY_FILE} has intact state ({why}); "
         "restore the store from a copy, or start over with `mtc train ... --overwrite`"
     )
+
+
+def _names_shards(record: CommitRecord) -> bool:
+    """Whether ``record`` is a data-parallel run's global record: its state is in the ranks' shard
+    stores it names (`mtc.shards`), none of it in the run directory's store."""
+    return isinstance(record.meta.get("shards"), dict)
+
+
+def _state_problems(store: TensorStore, record: CommitRecord, *, bad_nodes: dict[str, str],
+                    not_after: float | None = None) -> list[Problem]:
+    """Damage to the state ``record`` needs, every chunk read: in ``store``, or, for a data-parallel
+    run's global record, in every rank's shard store (a roll-back of the run is only safe to a
+    commit whose every shard is whole). ``bad_nodes`` and ``not_after`` as in `_check_record`."""
+    if _names_shards(record) and store.path is not None:
+        from mtc.shards import run_state_problems  # (imported here: mtc.shards builds on this module)
+
+        return run_state_problems(store.path, record, not_after=not_after)
+    return _check_record(store, record, check_chunks=True, bad_nodes=bad_nodes, not_after=not_after)[0]
+
+
+def _check_run_commit(store: TensorStore, bad_nodes: dict[str, str]) -> CommitRecord | None:
+    """For a rank's shard store of a data-parallel run: the commit the run's global record names
+    (the one a resume loads), checked whole; None for any other store. A damaged one raises:
+    rolling back one shard alone leaves the run's record naming the damaged state, so only the
+    run's repair can roll back (every shard alike)."""
+    from mtc.shards import named_in_run  # (imported here: mtc.shards builds on this module)
+
+    named = named_in_run(store)
+    if named is None:
+        return None
+    run, rank, record = named
+    found = _check_record(store, record, check_chunks=True, bad_nodes=bad_nodes)[0]
+    if found:
+        raise StoreError(
+            f"cannot repair store {store.path} alone: it is rank {rank}'s shard store of the data-parallel run {run}, whose "
+            f"commit record names this shard's step {record.step} (generation {record.generation}), and that state is damaged "
+            f"({_first(found)}); run `mtc repair {run}`, which rolls every rank's shard back alike to the newest commit "
+            "whose state is whole, if there is one"
+        )
+    return record
 
 
 def _first(found: list[Problem]) -> str:
@@ -387,7 +449,9 @@ def _check_record(
     names = set(store.array_names())
     layout = store.attributes().get(LAYOUT_ATTR)
     expect: dict[int, int | None]
-    if isinstance(layout, dict) and isinstance(layout.get("numels"), list):
+    if _names_shards(record):  # a data-parallel run's record: none of its state is here (`mtc.shards.verify_sharded`)
+        expect = {}
+    elif isinstance(layout, dict) and isinstance(layout.get("numels"), list):
         expect = {i: n for i, n in enumerate(layout["numels"]) if isinstance(n, int) and n > 0}
     else:  # a store from before the layout was recorded: the layers that have any state array
         expect = {int(m.group(1)): None for n in names if (m := _STATE_NAME.fullmatch(n))}

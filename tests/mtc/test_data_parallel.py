@@ -184,13 +184,13 @@ def _torchrun(n: int, cfg_file: Path, store: Path, data: Path) -> subprocess.Com
     return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
 
 
-def _launch(n: int, cfg_file: Path, store: Path, data: Path) -> list[subprocess.Popen]:
+def _launch(n: int, cfg_file: Path, store: Path, data: Path, *extra: str) -> list[subprocess.Popen]:
     """``n`` ranks started directly with torchrun's environment (no agent that would kill the survivors)."""
     port, procs = _free_port(), []
     for r in range(n):
         env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                    LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
-        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, store, data)], env=env, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, *_train_args(cfg_file, store, data), *extra], env=env, cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -434,3 +434,118 @@ def test_a_weights_commit_resumed_on_two_ranks_restarts_adam_as_one_process_does
                 # reduction order moves a near-zero gradient's weight by up to ~2e-5 here; the step counted
                 # from 0, or a disk layer's stale moments, moved weights by ~4e-3)
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"layer {i}: {m}")
+
+
+def _damage(store: TensorStore, name: str) -> None:
+    """Flip 8 bytes in the middle of chunk 0 of array ``name`` (its CRC32C no longer matches)."""
+    chunk = store.chunk_path(name, 0)
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 8] = bytes(b ^ 0xFF for b in raw[len(raw) // 2 : len(raw) // 2 + 8])
+    chunk.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+def test_verify_and_repair_check_the_generation_the_global_record_names(runs, tmp_path, capsys):
+    """A rank whose peer died during a global commit has committed its shard of a step the run never
+    committed, into the other generation: its shard store's last commit is ahead of the run's record.
+    `mtc verify` checks the generation the run's record names (the one a resume loads); it checked
+    the shard's own last commit and called the run healthy, while a relaunch and `mtc eval` failed
+    on the damaged chunk and `mtc repair` of that shard said "nothing to repair". Repair rolls the
+    whole run back, only to a commit whose every shard is whole; a shard store alone is not."""
+    from mtc.store.directory import record_write_start
+    from mtc.store.layout import state_array_name
+
+    d, _, _ = runs
+    ahead, behind = tmp_path / "ahead", tmp_path / "behind"
+    for store in (ahead, behind):
+        shutil.copytree(d / "w2", store)
+    with TensorStore.open(ahead, read_only=True) as st:
+        last = st.last_commit()
+    g, damaged = last.generation, state_array_name(1, "master", last.generation)
+    # rank 0 writes and commits its shard of the next step into the other generation; rank 1 never does
+    record_write_start(ahead, last.step + 1, 1 - g)
+    with TensorStore.open(shards.shard_dir(ahead, last, 0)) as rs:
+        for i in range(4):
+            for k in ("master", "m", "v"):
+                rs.write(state_array_name(i, k, 1 - g), rs.read(state_array_name(i, k, g)))
+        rs.commit(shards.rank_record(last.step + 1, 1 - g, last.data_cursor + 6, last.config, last.durability, 0, 2))
+    for store in (ahead, behind):
+        with TensorStore.open(shards.shard_dir(store, last, 0), read_only=True) as rs:
+            _damage(rs, damaged)
+        capsys.readouterr()
+        assert main(["verify", str(store)]) == 1
+        out = capsys.readouterr().out
+        assert f"rank 0: damaged: array {damaged} chunk 0: " in out, out
+        assert f"rank 0: store {shards.shard_dir(store, last, 0)}: step {last.step}, generation {g}" in out, out
+        assert f"`mtc repair {store}` rolls back" in out and f"`mtc repair {shards.shard_dir(store, last, 0)}`" not in out, out
+        # the shard's own repair would leave the run's record naming the damage: it names the run's
+        assert main(["repair", str(shards.shard_dir(store, last, 0))]) == 2
+        err = capsys.readouterr().err
+        assert f"rank 0's shard store of the data-parallel run {store}" in err and f"run `mtc repair {store}`" in err, err
+    # ahead: rank 0's step 4 overwrote the generation of step 2, on rank 0 only: no commit to roll back to
+    assert main(["repair", str(ahead)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot repair store {ahead}" in err and f"step {last.step}'s state is damaged (rank 0's shard store" in err, err
+    with TensorStore.open(ahead, read_only=True) as st:
+        assert st.last_commit() == last  # left as it was
+    # behind: every shard of step 2 is whole, and the run's record rolls back to it
+    assert main(["repair", str(behind)]) == 0
+    assert f"restored it from commits.jsonl line {last.step}: step {last.step - 1}" in capsys.readouterr().out
+    assert main(["verify", str(behind)]) == 0
+    with TensorStore.open(behind, read_only=True) as st:
+        back = st.last_commit()
+        assert (back.step, back.generation) == (last.step - 1, 1 - g)
+        for i in range(4):
+            shards.read_layer(behind, back, i, "master", load_plan(behind / "plan").layer_numel(i))  # every chunk reads
+
+
+def _root_state(store: Path) -> list[str]:
+    """The state arrays in the run directory itself (not in the ranks' shard stores)."""
+    with TensorStore.open(store, read_only=True) as st:
+        return [n for n in st.array_names() if n.startswith("layers/")]
+
+
+@pytest.mark.slow
+def test_reshard_from_one_process_removes_the_run_directorys_state(runs, tmp_path, capsys):
+    """`mtc reshard RUN --world-size 2` of a single-process store deletes the full arrays in RUN
+    once the sharded commit is durable: no record reads them, and `mtc verify` checked them (an
+    8B model's ~190 GB). The plan, the history and reading the state back stay as they were."""
+    d, _, _ = runs
+    store = tmp_path / "one"
+    shutil.copytree(d / "ref", store)
+    before, _, _ = _state(store)
+    assert _root_state(store)
+    assert main(["reshard", str(store), "--world-size", "2"]) == 0
+    assert _root_state(store) == [] and not (store / "layers").exists()
+    with TensorStore.open(store, read_only=True) as st:
+        assert shards.is_sharded(st.last_commit()) and len(st.commit_history()) == STEPS + 2
+        assert not isinstance(st.attributes().get("mtc_layers"), dict)  # as a run started on 2 ranks
+    capsys.readouterr()
+    assert main(["verify", str(store)]) == 0
+    assert "checked 0 arrays" in capsys.readouterr().out.splitlines()[0]
+    mid, _, _ = _state(store)
+    assert main(["reshard", str(store), "--world-size", "1"]) == 0 and main(["verify", str(store)]) == 0
+    after, _, _ = _state(store)
+    assert all(torch.equal(before[k], mid[k]) and torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_a_single_process_store_resumed_on_two_ranks_removes_its_state_after_two_sharded_commits(runs, tmp_path):
+    """Two ranks resuming a single-process store read its full arrays (each its range) and commit
+    shards; the full arrays stay while a record a resume or `mtc repair` may use (the last two)
+    reads them, and are deleted behind the second sharded commit. They were kept for good."""
+    d, tokens, _ = runs
+    store = tmp_path / "one"
+    shutil.copytree(d / "ref", store)
+    cfg_file = tmp_path / "more.json"
+    cfg_file.write_text(json.dumps(_config(steps=STEPS + 2).to_dict()))
+    for p in _launch(2, cfg_file, store, tokens.path, "--allow-change", "steps", "--stop-after", str(STEPS + 1)):
+        assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    assert _root_state(store)  # the record before the last is the single-process one: a roll-back target
+    for p in _launch(2, cfg_file, store, tokens.path, "--allow-change", "steps"):
+        assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:]
+    assert _root_state(store) == [] and not (store / "layers").exists()
+    assert main(["verify", str(store)]) == 0
+    with TensorStore.open(store, read_only=True) as st:
+        hist = st.commit_history()
+        assert [(r.step, shards.is_sharded(r)) for r in hist[-3:]] == [(STEPS, False), (STEPS + 1, True), (STEPS + 2, True)]
