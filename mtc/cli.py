@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -555,13 +556,16 @@ def _cmd_repair(a: argparse.Namespace) -> int:
     from mtc import shards
 
     with TensorStore.open(a.store) as st:  # takes the lock: no run may commit meanwhile
-        done = repair(st)
+        # a data-parallel run's record is whole when every rank's shard of it is; a rank's shard
+        # store is not rolled back alone while its run's record names it
+        done = repair(st, shard_state=functools.partial(shards.run_state_problems, Path(a.store)),
+                      in_run=shards.named_in_run(st))
         record = st.last_commit()
     print("\n".join(done.actions))
     if shards.is_sharded(record):  # a data-parallel run: every rank's shard store too
         for r, path in enumerate(shards.require_visible(Path(a.store), record, "mtc repair")):
             with TensorStore.open(path) as rs:
-                print("\n".join(f"rank {r}: {x}" for x in repair(rs).actions))
+                print("\n".join(f"rank {r}: {x}" for x in repair(rs, in_run=shards.named_in_run(rs)).actions))
     return 0
 
 

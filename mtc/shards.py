@@ -581,7 +581,7 @@ def verify_sharded(root: Path, record: CommitRecord) -> tuple[bool, list[str]]:
     return ok, lines
 
 
-def run_state_problems(root: Path, record: CommitRecord, *, not_after: float | None = None) -> list[Problem]:
+def run_state_problems(root: Path, record: CommitRecord, not_after: float | None = None) -> list[Problem]:
     """Damage to the state of the data-parallel run ``root``'s global ``record``, every rank's shard
     of it (every chunk read): a shard store not visible here, not holding the commit ``record``
     names or overwritten since (`check_shard`), or damaged. ``not_after``: a chunk file modified

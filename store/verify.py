@@ -42,6 +42,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from mtc.store.directory import (
@@ -197,15 +198,24 @@ def check_state(store: TensorStore, record: CommitRecord, *, not_after: float | 
     return _check_record(store, record, check_chunks=True, bad_nodes=dict(store.metadata_problems()), not_after=not_after)[0]
 
 
-def repair(store: TensorStore) -> RepairReport:
+# a data-parallel run's global record's state, every rank's shard of it: `mtc.shards.run_state_problems`
+# bound to the run directory (the store layer knows no ranks: the caller wires it)
+ShardState = Callable[[CommitRecord, float | None], list[Problem]]
+
+
+def repair(store: TensorStore, *, shard_state: ShardState | None = None,
+           in_run: tuple[Path, int, CommitRecord] | None = None) -> RepairReport:
     """Restore a missing or garbled ``commit.json`` of ``store`` (opened for writing) from ``commits.jsonl``.
 
     Picks the newest intact history record whose arrays verify; raises StoreError when there is
     none. When ``commit.json`` is intact its state is checked (every chunk's CRC): when that state
     is damaged it rolls back the same way to the newest earlier record whose state is whole;
     otherwise it only appends ``commit.json`` to a history that lacks it. A restored record older
-    than the history's last is appended to the history too. A data-parallel run's record's state
-    is every rank's shard of it (see the module docstring).
+    than the history's last is appended to the history too.
+
+    A data-parallel run (see the module docstring): ``shard_state`` checks a global record's every
+    shard (without it such a record's state is not checked); ``in_run``: ``store`` is rank r's
+    shard store of run directory d, whose global record names its commit c, as ``(d, r, c)``.
     """
     p = store.path
     if p is None:
@@ -214,7 +224,7 @@ def repair(store: TensorStore) -> RepairReport:
         raise StoreError(f"store {p} was opened read-only; repair needs TensorStore.open({str(p)!r}) (it takes the lock)")
     rewritten = _rewrite_group_metadata(store)
     if rewritten:
-        report = repair(store)  # (then what else there is to do, if anything)
+        report = repair(store, shard_state=shard_state, in_run=in_run)  # (then what else there is to do, if anything)
         rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
         return RepairReport(tuple(rewritten) + rest, report.restored)
     try:
@@ -234,7 +244,7 @@ def repair(store: TensorStore) -> RepairReport:
         if (still := _context_problem(p, current, read_history(p))) is not None:
             raise StoreError(f"cannot repair store {p}: {still.where} was rewritten but does not read back ({still.message}); "
                              "check the disk (dmesg)")
-        report = repair(store)  # (then what else there is to do, if anything)
+        report = repair(store, shard_state=shard_state, in_run=in_run)  # (then what else there is to do, if anything)
         rest = tuple(a.removesuffix("; nothing to repair") for a in report.actions)
         what = f"rewrote context file {CONTEXT_DIR}/{split_context(current)[2]}.json (the run's config and data identity) " \
                f"from {COMMIT_FILE}"
@@ -242,9 +252,9 @@ def repair(store: TensorStore) -> RepairReport:
     history = [h for h in read_history(p) if h.record is not None]
     newest = history[-1].record if history else None
     bad_nodes = dict(store.metadata_problems())
-    named = _check_run_commit(store, bad_nodes)  # (a rank's shard store: the commit its run resumes from is whole)
+    named = _check_run_commit(store, bad_nodes, in_run)  # (a rank's shard store: the commit its run resumes from is whole)
     if current is not None:
-        damaged = [] if current == named else _state_problems(store, current, bad_nodes=bad_nodes)
+        damaged = [] if current == named else _state_problems(store, current, bad_nodes=bad_nodes, shard_state=shard_state)
         if not damaged:
             return _reconcile_history(store, current, history)
         # the last commit's state is damaged: no run can resume from it, so roll back to the newest
@@ -272,7 +282,7 @@ def repair(store: TensorStore) -> RepairReport:
             continue
         # without the write log, chunk files newer than the next commit tell it (file times: a plain
         # copy of the store resets them, and then this refuses what the log would have allowed)
-        found = _state_problems(store, rec, bad_nodes=bad_nodes,
+        found = _state_problems(store, rec, bad_nodes=bad_nodes, shard_state=shard_state,
                                 not_after=successor.time_unix if successor is not None and starts is None else None)
         if found:
             actions.append(f"skipped step {rec.step} ({HISTORY_FILE} line {line}): {_first(found)}")
@@ -304,28 +314,26 @@ def _names_shards(record: CommitRecord) -> bool:
 
 
 def _state_problems(store: TensorStore, record: CommitRecord, *, bad_nodes: dict[str, str],
-                    not_after: float | None = None) -> list[Problem]:
+                    not_after: float | None = None, shard_state: ShardState | None = None) -> list[Problem]:
     """Damage to the state ``record`` needs, every chunk read: in ``store``, or, for a data-parallel
-    run's global record, in every rank's shard store (a roll-back of the run is only safe to a
-    commit whose every shard is whole). ``bad_nodes`` and ``not_after`` as in `_check_record`."""
-    if _names_shards(record) and store.path is not None:
-        from mtc.shards import run_state_problems  # (imported here: mtc.shards builds on this module)
-
-        return run_state_problems(store.path, record, not_after=not_after)
+    run's global record, in every rank's shard store (``shard_state``: a roll-back of the run is
+    only safe to a commit whose every shard is whole). ``bad_nodes`` and ``not_after`` as in
+    `_check_record`."""
+    if _names_shards(record) and shard_state is not None:
+        return shard_state(record, not_after)
     return _check_record(store, record, check_chunks=True, bad_nodes=bad_nodes, not_after=not_after)[0]
 
 
-def _check_run_commit(store: TensorStore, bad_nodes: dict[str, str]) -> CommitRecord | None:
-    """For a rank's shard store of a data-parallel run: the commit the run's global record names
-    (the one a resume loads), checked whole; None for any other store. A damaged one raises:
-    rolling back one shard alone leaves the run's record naming the damaged state, so only the
-    run's repair can roll back (every shard alike)."""
-    from mtc.shards import named_in_run  # (imported here: mtc.shards builds on this module)
-
-    named = named_in_run(store)
-    if named is None:
+def _check_run_commit(store: TensorStore, bad_nodes: dict[str, str],
+                      in_run: tuple[Path, int, CommitRecord] | None) -> CommitRecord | None:
+    """For a rank's shard store of a data-parallel run (``in_run``: its run directory, its rank,
+    and the commit the run's global record names, the one a resume loads): that commit, checked
+    whole; None for any other store. A damaged one raises: rolling back one shard alone leaves
+    the run's record naming the damaged state, so only the run's repair can roll back (every
+    shard alike)."""
+    if in_run is None:
         return None
-    run, rank, record = named
+    run, rank, record = in_run
     found = _check_record(store, record, check_chunks=True, bad_nodes=bad_nodes)[0]
     if found:
         raise StoreError(
