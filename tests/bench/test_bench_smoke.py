@@ -111,25 +111,7 @@ def test_bench_train_compiles_a_shape_once_and_records_issue_8s_fields(tmp_path)
     assert p3["train_templates"] == {"compiled": 0, "loaded": 3}
 
 
-def test_bench_train_unfused_smoke_records_p1(tmp_path):
-    from tests.mtc.test_planner import _this_host_profile
-
-    home = tmp_path / "home"
-    _this_host_profile(home / ".cache" / "mtc" / "machine.json")  # as `mtc calibrate` leaves it on this host
-    (rec,) = run_bench("bench_train.py", ["--smoke", "--only", "P1-16", "--quiet"], tmp_path / "out", home=home)
-    assert rec["part"] == "P1-16" and rec["goal_stateless_tflops"] == 230.0
-    assert [r["setting"] for r in rec["settings"]] == ["stateless", "auto"]
-    for r in rec["settings"]:
-        check_mtc_setting(r)
-        assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
-        # mtc plan's prediction beside the measurement, on the calibrated profile of this host
-        pred = r["predicted_by_mtc_plan"]
-        assert pred["profile"] == "this-host" and pred["step_s"] > 0 and pred["placement"] == r["placement"]
-        assert pred["measured_over_predicted"] == pytest.approx(r["median_step_s"] / pred["step_s"])
-    assert rec["settings"][0]["placement_spec"] == "stateless"
-
-
-def test_bench_train_unfused_smoke_records_p1_48_with_three_times_p1_16s_sequences(tmp_path):
+def test_bench_train_unfused_smoke_records_p1_16_and_p1_48_with_three_times_its_sequences(tmp_path):
     from tests.mtc.test_planner import _this_host_profile
 
     if str(BENCH) not in sys.path:
@@ -140,15 +122,18 @@ def test_bench_train_unfused_smoke_records_p1_48_with_three_times_p1_16s_sequenc
     _this_host_profile(home / ".cache" / "mtc" / "machine.json")
     p16, p48 = run_bench("bench_train.py", ["--smoke", "--only", "P1-16,P1-48", "--quiet"], tmp_path / "out", home=home)
     assert (p16["part"], p48["part"]) == ("P1-16", "P1-48") and p48["benchmark"] == "bench_train-smoke-P1-48"
+    assert p16["goal_stateless_tflops"] == 230.0
     assert p48["goal_stateless_tflops"] == 300.0 and p48["megatrain_tflops"] == 181.0
-    assert "partial" not in p48 and [r["setting"] for r in p48["settings"]] == ["stateless", "auto"]
-    for r in p48["settings"]:
-        check_mtc_setting(r)
-        assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
-        pred = r["predicted_by_mtc_plan"]
-        assert pred["profile"] == "this-host" and pred["step_s"] > 0 and pred["placement"] == r["placement"]
-        assert pred["measured_over_predicted"] == pytest.approx(r["median_step_s"] / pred["step_s"])
-    assert p48["settings"][0]["placement_spec"] == "stateless"
+    for rec in (p16, p48):
+        assert "partial" not in rec and [r["setting"] for r in rec["settings"]] == ["stateless", "auto"]
+        for r in rec["settings"]:
+            check_mtc_setting(r)
+            assert r["plan"]["kernels"] == "unfused" and r["plan"]["compile_or_load_s"] is None
+            # mtc plan's prediction beside the measurement, on the calibrated profile of this host
+            pred = r["predicted_by_mtc_plan"]
+            assert pred["profile"] == "this-host" and pred["step_s"] > 0 and pred["placement"] == r["placement"]
+            assert pred["measured_over_predicted"] == pytest.approx(r["median_step_s"] / pred["step_s"])
+        assert rec["settings"][0]["placement_spec"] == "stateless"
     # the same model and micro-batch as P1-16, more micro-batches per step: the smoke mode runs
     # 2 x 2 and 2 x 3 sequences (Env.split), so the smoke ratio is 1.5 ...
     for a, b in zip(p16["settings"], p48["settings"], strict=True):

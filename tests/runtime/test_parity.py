@@ -171,9 +171,9 @@ def test_resume_parity_new_process(tokens, reference, tmp_path):
 
 KILL_MODES = {
     "every-step": {"commit_every": 1},  # ram tier (the CPU's auto placement)
-    "every-3-gpu-update": {"commit_every": 3, "gpu_update": "1"},  # ram state updated on the device
-    "gpu-every-3": {"placement": "gpu", "commit_every": 3},  # device-resident state, staged out at commits
-    "every-3-fused": {"commit_every": 3, "host_adamw": "fused"},  # ram state, torch's fused AdamW on the host
+    # device-resident state staged out at commits (layers 0-1), ram state updated on the device
+    # (layer 2), and ram state under torch's fused AdamW on the host (3-5), in one run
+    "mixed-every-3": {"placement": "gpu:0-1,ram:2-5", "gpu_update": "2", "host_adamw": "fused", "commit_every": 3},
     # nothing resident: every layer's state loaded for its device update (two ahead of the norm) and back
     "stateless-every-3": {"placement": "stateless", "gpu_update": "all", "update_prefetch": 2, "commit_every": 3},
     # disk layers write their state into the other generation every step, so a run with any
