@@ -102,9 +102,14 @@ def _train_config(a: argparse.Namespace):  # -> TrainConfig
             "omit it to train to --steps"
         )
     if a.stop_after is not None and cfg.durability == "none":
+        from mtc.train import last_committed_step
+
+        last = None if a.overwrite else last_committed_step(a.store)
+        where = f"the store's last commit, step {last}" if last else "step 0"
         raise ConfigError(
-            f"--stop-after {a.stop_after} with --durability none: nothing would be committed, so the run could not be "
-            "resumed later (it would start again from step 0); use --durability weights or full, or drop --stop-after"
+            f"--stop-after {a.stop_after} with --durability none: this run would commit nothing, so the steps it trains "
+            f"would be lost and a later run would start again from {where}; use --durability weights or full, or drop "
+            "--stop-after"
         )
     cfg.validate()
     check_device(cfg)
@@ -1087,26 +1092,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(argv: list[str] | None) -> int:
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # (restored on the way out: `_last_words` ignores both, and a caller's own handlers, e.g. a
+    # test harness's, are theirs again)
+    before = [(signal.SIGINT, signal.getsignal(signal.SIGINT)), (signal.SIGTERM, signal.signal(signal.SIGTERM, _on_sigterm))] \
+        if main_thread else []
     try:
         try:
             # (inside: the parser imports torch, seconds in which a Ctrl-C is as likely as later)
             args = build_parser().parse_args(argv)
             return args.fn(args)
         except MTCError as e:
-            for line in str(e).splitlines() or [""]:  # a fit refusal names every resource that is short, one line each
-                print(f"mtc: error: {line}", file=sys.stderr)
-            return 2
+            # (a fit refusal names every resource that is short, one line each)
+            return _last_words([f"mtc: error: {line}" for line in str(e).splitlines() or [""]], 2, main_thread)
         except KeyboardInterrupt:
-            print("mtc: interrupted", file=sys.stderr)
-            return 130
+            return _last_words(["mtc: interrupted"], 130, main_thread)
         except _Terminated:
-            print("mtc: terminated (SIGTERM)", file=sys.stderr)
-            return 143
+            return _last_words(["mtc: terminated (SIGTERM)"], 143, main_thread)
     finally:
+        for sig, handler in before:
+            if handler is not None:  # (None: not set from Python; nothing to put back)
+                signal.signal(sig, handler)
         # Flush here, not at interpreter exit, so a reader that closed the pipe surfaces in main.
         sys.stdout.flush()
+
+
+def _last_words(lines: list[str], code: int, main_thread: bool) -> int:
+    """Print why the command ended on stderr and return its exit ``code``, SIGTERM and Ctrl-C
+    ignored from here on (`_run` restores the handlers it found): torchrun terminates the other
+    ranks when one fails, and a SIGTERM raised inside the handler that reported a lost peer
+    escaped it as a traceback in place of the line."""
+    if main_thread:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    for line in lines:
+        print(line, file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

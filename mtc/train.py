@@ -838,6 +838,7 @@ def train(
     cdtype = getattr(torch, cfg.resolved_compute_dtype)
     tf32 = set_matmul_precision(cfg, device)
     parts: list = []
+    record_gates: list[threading.Event] = []  # commits waiting for their step's metrics record (`_after_record`)
     try:
         # a data-parallel rank's store holds its shard only: its disk layers keep the compute copy in RAM
         dc = "ram" if world.distributed else run_disk_compute(cfg, program)
@@ -994,6 +995,9 @@ def train(
                 step_meta = _commit_meta(meta, opt, next_step)
                 commit_fn = (_committer(st, next_step, next_cursor, cfg, step_meta) if not world.distributed
                              else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, step_meta))
+                if metrics is not None:
+                    record_gates.append(threading.Event())
+                    commit_fn = _after_record(record_gates[-1], commit_fn)
             if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
                 gens = ({1 - committed_gen} if commit_now else set()) | ({tiers.disk_write_generation()} if disk_layers else set())
                 for g in sorted(gens):
@@ -1025,6 +1029,7 @@ def train(
                     raise StoreError(f"writing {metrics.name} failed after step {step} ({os_error_reason(e)}); the "
                                      "store's last commit is intact: free space (or fix the file system), then resume "
                                      "with the same command") from e
+                _open_gates(record_gates)
             if on_step is not None:
                 on_step(rec)
             if bad_run >= max_bad:
@@ -1047,6 +1052,7 @@ def train(
         if graph_lines and st.path is not None:
             (st.path / "logs" / f"cuda_graphs-step{last.step}.txt").write_text("\n".join(graph_lines) + "\n")
     except BaseException as e:
+        _open_gates(record_gates)  # a stopped run's commit in flight lands (without its step's record), as before
         opt = next((p for p in parts if isinstance(p, StreamingAdamW)), None)
         if not isinstance(e, Exception) and notify is not None and opt is not None and not opt.commit_future.done():
             # the first Ctrl-C lets the commit in flight land (bounded by one generation's write);
@@ -1202,6 +1208,25 @@ def _shard_committer(st: TensorStore, shard_st: TensorStore, world: _dist.World,
                             time_unix=time.time(), durability=cfg.durability, meta=meta())
 
     return _shards.committer(st, shard_st, world.rank, world.world_size, record)
+
+
+def _after_record(gate: threading.Event, commit: Callable[[int], None]) -> Callable[[int], None]:
+    """``commit`` (run on the optimizer's writer thread), once ``gate`` is set: after the step's
+    metrics record is written. A commit lands in the background while the training thread goes on
+    to the step's record, and an eval due at that step takes seconds before it: a run killed then
+    resumed after the landed step, whose record (and val_loss) was never written, for good. Held
+    back, the commit is the previous one and the step is redone and logged."""
+    def gated(gen: int) -> None:
+        gate.wait()
+        commit(gen)
+
+    return gated
+
+
+def _open_gates(gates: list[threading.Event]) -> None:
+    """Let every commit waiting in `_after_record` land."""
+    while gates:
+        gates.pop().set()
 
 
 def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: Callable[[], dict]) -> Callable[[int], None]:

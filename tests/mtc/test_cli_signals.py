@@ -137,3 +137,28 @@ def test_a_reader_that_goes_away_does_not_stop_training(tmp_path):
     proc.stdout.close()  # the reader is gone: the next progress line meets a broken pipe
     assert proc.wait(timeout=180) == 0
     assert json.loads((store / "commit.json").read_text())["step"] == 40
+
+
+_TERM_WHILE_REPORTING = """
+import builtins, os, signal, sys
+from mtc.cli import main
+
+real = builtins.print
+
+def print(*a, **kw):  # torchrun's SIGTERM to a surviving rank, arriving as it reports its lost peer
+    if a and str(a[0]).startswith("mtc: error:"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    real(*a, **kw)
+
+builtins.print = print
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_while_the_error_is_printed_leaves_the_one_line_error(tmp_path):
+    # a SIGTERM raised inside the handler that printed an MTCError escaped it: ~90 lines of
+    # traceback ending in _Terminated, and the error itself never printed
+    proc = subprocess.run([sys.executable, "-c", _TERM_WHILE_REPORTING, "inspect", str(tmp_path / "nothing")], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("mtc: error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -141,7 +141,8 @@ def _train(tmp_path, *flags):
     (["--ram-budget-gb", "nan"], "ram_budget_gb (--ram-budget-gb): expected a finite number > 0 or none, got nan"),
     (["--stop-after", "0"], "--stop-after: expected a step number >= 1"),
     (["--stop-after", "-3"], "got -3"),
-    (["--stop-after", "3", "--durability", "none"], "nothing would be committed, so the run could not be resumed later"),
+    (["--stop-after", "3", "--durability", "none"], "this run would commit nothing, so the steps it trains would be lost "
+                                                     "and a later run would start again from step 0"),
     (["--placement", "gpu:0-3,ram:2-4"], "layer 2 is in both gpu:0-3 and ram:2-4"),
     (["--placement", "gpus"], "placement (--placement): expected one of 'auto', 'gpu'"),
     (["--gpu-update", "1-"], "gpu_update (--gpu-update)"),
@@ -335,6 +336,12 @@ def test_a_run_that_names_no_device_computes_on_cuda_where_there_is_one(tmp_path
     a = build_parser().parse_args(["train", "--preset", "tiny", "--store", str(seeded), "--data", "d"])
     assert _train_config(a).device == "cuda"
     capsys.readouterr()
+    # --stop-after with durability none on a store with a commit: a later run starts from it, not from step 0
+    (tmp_path / "five").mkdir()
+    (tmp_path / "five" / "commit.json").write_text(_record(step=5, config={**TrainConfig(model="tiny").to_dict(), "device": "cpu"}))
+    with pytest.raises(ConfigError, match=r"would start again from the store's last commit, step 5; use --durability"):
+        _train_config(build_parser().parse_args(["train", "--preset", "tiny", "--store", str(tmp_path / "five"), "--data", "d",
+                                                 "--stop-after", "9", "--durability", "none", "--device", "cpu"]))
     # a refusal stays one line: the device note comes only once the config checks out
     with pytest.raises(ConfigError):
         _train_config(build_parser().parse_args(_train(tmp_path, "--stop-after", "2", "--durability", "none")))

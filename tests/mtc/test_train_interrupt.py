@@ -66,3 +66,51 @@ def test_second_ctrl_c_during_a_slow_commit_releases_the_store_once_it_lands(tmp
     with mtc.train(data=tokens.path, store=store, config=kw) as res:
         assert res.start_step == landed and res.end_step == 8
     assert not [t.name for t in threading.enumerate() if t.name.startswith("mtc-store-io")]
+
+
+_KILL_IN_EVAL = """
+import os, signal, sys, time
+from mtc import watch
+from mtc.cli import main
+
+real = watch.RunWatcher.validate
+calls = []
+
+def validate(self):
+    calls.append(1)
+    if len(calls) == int(os.environ["KILL_AT_EVAL"]):
+        time.sleep(1.0)  # a slow eval: the step's commit, in flight, lands meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self)
+
+watch.RunWatcher.validate = validate
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_in_an_eval_at_a_commit_step_redoes_that_step_and_logs_it(tmp_path):
+    # The commit landed in the background while the training thread ran the step's eval, before
+    # its metrics record: a kill there resumed after that step, and its record (with val_loss) was
+    # never written. Now a commit waits for its step's record: the step is redone and logged.
+    import subprocess
+    import sys
+
+    from tests.mtc.test_data_parallel import ROOT, _env
+
+    tokens = skewed_tokens(tmp_path / "tok.bin")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(small_config(steps=6, commit_every=2, eval_every=2, eval_batches=2).to_dict()))
+    store = tmp_path / "s"
+    args = ["train", "--config", str(cfg), "--store", str(store), "--data", str(tokens.path), "--device", "cpu"]
+    killed = subprocess.run([sys.executable, "-c", _KILL_IN_EVAL, *args], env=dict(_env(), KILL_AT_EVAL="2"), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
+    with TensorStore.open(store, read_only=True) as st:
+        assert st.last_commit().step == 2 and steps == [1, 2, 3], steps  # killed in step 4's eval: 4 not committed
+    done = subprocess.run([sys.executable, "-m", "mtc", *args], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    recs = [json.loads(line) for line in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 3, 4, 5, 6]  # step 3 ran again after the resume from 2
+    assert [r["step"] for r in recs if r.get("val_loss") is not None] == [2, 4, 6]
