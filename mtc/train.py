@@ -1210,15 +1210,15 @@ def _shard_committer(st: TensorStore, shard_st: TensorStore, world: _dist.World,
     return _shards.committer(st, shard_st, world.rank, world.world_size, record)
 
 
-def _after_record(gate: threading.Event, commit: Callable[[int], None]) -> Callable[[int], None]:
+def _after_record(gate: threading.Event, commit: Callable[..., None]) -> Callable[..., None]:
     """``commit`` (run on the optimizer's writer thread), once ``gate`` is set: after the step's
     metrics record is written. A commit lands in the background while the training thread goes on
     to the step's record, and an eval due at that step takes seconds before it: a run killed then
     resumed after the landed step, whose record (and val_loss) was never written, for good. Held
     back, the commit is the previous one and the step is redone and logged."""
-    def gated(gen: int) -> None:
+    def gated(gen: int, *error: BaseException | None) -> None:  # (a data-parallel commit also takes the writes' error)
         gate.wait()
-        commit(gen)
+        commit(gen, *error)
 
     return gated
 
