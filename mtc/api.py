@@ -148,7 +148,8 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
     # a min_lr named (in optim= or the config) is kept; unnamed, it keeps its ratio to lr: the resumed
     # run's, else the config's before optim= (the defaults: lr / 10), as `mtc train` does
     given = fields.get("optim") or {}
-    named = (isinstance(given, dict) and "min_lr" in given) or _names_min_lr(config)
+    # (an OptimConfig given as optim= names every field)
+    named = isinstance(given, OptimConfig) or (isinstance(given, dict) and "min_lr" in given) or _names_min_lr(config)
     lr = d["optim"].get("lr") if isinstance(d.get("optim"), dict) else None
     ref = saved_optim or (pre if isinstance(given, dict) and "lr" in given else None)
     # (an lr of another type is left for the config's check to name)

@@ -224,6 +224,7 @@ def test_lr_given_alone_still_decays_to_a_tenth_of_it(tmp_path):
     saved = (1e-3, 3e-4)  # a resumed run's pair: the same lr keeps its min_lr exactly, another keeps the ratio
     assert _config(None, {"optim": {"lr": 1e-3}}, None, "cpu", saved).optim.min_lr == 3e-4
     assert _config(None, {"optim": {"lr": 5e-4}}, None, "cpu", saved).optim.min_lr == pytest.approx(1.5e-4, rel=1e-12)
+    assert _config(None, {"optim": OptimConfig(lr=5e-4, min_lr=2e-4)}, None, "cpu", saved).optim.min_lr == 2e-4
 
 
 def test_a_toml_config_writes_none_as_a_string(tmp_path):
