@@ -148,12 +148,13 @@ def _config(config: TrainConfig | dict | str | os.PathLike[str] | None, fields: 
     # a min_lr named (in optim= or the config) is kept; unnamed, it keeps its ratio to lr: the resumed
     # run's, else the config's before optim= (the defaults: lr / 10), as `mtc train` does
     given = fields.get("optim") or {}
-    # (an OptimConfig given as optim= names every field)
-    named = isinstance(given, OptimConfig) or (isinstance(given, dict) and "min_lr" in given) or _names_min_lr(config)
+    # (only an lr given in optim= without min_lr: a config's own min_lr, a TrainConfig's included, is
+    # the user's, and an OptimConfig given as optim= names every field)
+    lr_alone = isinstance(given, dict) and "lr" in given and "min_lr" not in given and not _names_min_lr(config)
     lr = d["optim"].get("lr") if isinstance(d.get("optim"), dict) else None
-    ref = saved_optim or (pre if isinstance(given, dict) and "lr" in given else None)
+    ref = saved_optim or pre
     # (an lr of another type is left for the config's check to name)
-    if not named and ref is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
+    if lr_alone and ref is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
         d["optim"]["min_lr"] = min_lr_for(lr, *ref)
     return TrainConfig.from_dict({k: v for k, v in d.items() if k in known})
 

@@ -995,7 +995,7 @@ def train(
                 step_meta = _commit_meta(meta, opt, next_step)
                 commit_fn = (_committer(st, next_step, next_cursor, cfg, step_meta) if not world.distributed
                              else _shard_committer(st, shard_st, world, next_step, next_cursor, cfg, step_meta))
-                if metrics is not None:
+                if metrics is not None and not serialize:  # (serialize waits for the commit inside finish_step)
                     record_gates.append(threading.Event())
                     commit_fn = _after_record(record_gates[-1], commit_fn)
             if st.path is not None and world.is_root and (commit_now or disk_layers):  # before any state write starts (mtc eval --step)
@@ -1224,9 +1224,11 @@ def _after_record(gate: threading.Event, commit: Callable[..., None]) -> Callabl
 
 
 def _open_gates(gates: list[threading.Event]) -> None:
-    """Let every commit waiting in `_after_record` land."""
-    while gates:
-        gates.pop().set()
+    """Let every commit waiting in `_after_record` land (each set before the list forgets it: an
+    interrupt in between leaves the rest to the stopped run's own call)."""
+    for g in gates:
+        g.set()
+    gates.clear()
 
 
 def _committer(st: TensorStore, step: int, cursor: int, cfg: TrainConfig, meta: Callable[[], dict]) -> Callable[[int], None]:

@@ -225,6 +225,10 @@ def test_lr_given_alone_still_decays_to_a_tenth_of_it(tmp_path):
     assert _config(None, {"optim": {"lr": 1e-3}}, None, "cpu", saved).optim.min_lr == 3e-4
     assert _config(None, {"optim": {"lr": 5e-4}}, None, "cpu", saved).optim.min_lr == pytest.approx(1.5e-4, rel=1e-12)
     assert _config(None, {"optim": OptimConfig(lr=5e-4, min_lr=2e-4)}, None, "cpu", saved).optim.min_lr == 2e-4
+    # a TrainConfig's own min_lr is the user's, on a resume too (it had been replaced by the run's ratio)
+    assert _config(TrainConfig(optim=OptimConfig(lr=1e-3, min_lr=0.0)), {}, None, "cpu", saved).optim.min_lr == 0.0
+    assert _config(TrainConfig(optim=OptimConfig(lr=1e-3, min_lr=0.0)), {"optim": {"lr": 1e-3}}, None, "cpu",
+                   saved).optim.min_lr == 3e-4  # (lr given alone: the resumed run's min_lr at its lr)
 
 
 def test_a_toml_config_writes_none_as_a_string(tmp_path):

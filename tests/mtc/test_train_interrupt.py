@@ -114,3 +114,50 @@ def test_a_run_killed_in_an_eval_at_a_commit_step_redoes_that_step_and_logs_it(t
     recs = [json.loads(line) for line in (store / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 3, 4, 5, 6]  # step 3 ran again after the resume from 2
     assert [r["step"] for r in recs if r.get("val_loss") is not None] == [2, 4, 6]
+
+
+def test_an_interrupt_while_the_gates_open_leaves_the_rest_for_the_stopped_runs_own_call():
+    # the gates were popped before they were set: a Ctrl-C in between lost one, and the stopped
+    # run's close waited for its commit for good
+    import threading
+
+    from mtc.train import _open_gates
+
+    interrupts = [KeyboardInterrupt()]
+
+    class Gate(threading.Event):
+        def set(self) -> None:
+            if interrupts:  # the first set of any gate is interrupted
+                raise interrupts.pop()
+            super().set()
+
+    gates = [Gate(), Gate()]
+    everyone = list(gates)
+    with pytest.raises(KeyboardInterrupt):
+        _open_gates(gates)
+    _open_gates(gates)  # the stopped run's own call (train's except path)
+    assert all(g.is_set() for g in everyone) and gates == []
+
+
+_SERIALIZED = """
+import sys
+from mtc.train import train
+from tests.runtime.engine_util import skewed_tokens, small_config
+
+res = train(small_config(steps=2, commit_every=1), sys.argv[1], skewed_tokens(sys.argv[2]), serialize=True)
+res.store.close()
+print(res.end_step)
+"""
+
+
+def test_a_serialized_run_with_a_store_commits_without_waiting_for_itself(tmp_path):
+    # serialize waits for the commit inside finish_step, before the step's record is written: the
+    # commit gated on that record never came (a deadlock at the first commit)
+    import subprocess
+    import sys
+
+    from tests.mtc.test_data_parallel import ROOT, _env
+
+    proc = subprocess.run([sys.executable, "-c", _SERIALIZED, str(tmp_path / "s"), str(tmp_path / "tok.bin")], env=_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "2", proc.stderr[-2000:]
