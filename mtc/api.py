@@ -36,7 +36,7 @@ from torch import nn
 
 from mtc import user_model
 from mtc.batch_source import BatchSource
-from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields, min_lr_for
+from mtc.config import OptimConfig, TrainConfig, auto_device, config_file_fields, lr_pair, min_lr_for
 from mtc.data import TokenFile
 from mtc.errors import ConfigError
 from mtc.graphs.program import Program, dtype_name
@@ -168,14 +168,6 @@ def _names_min_lr(config: TrainConfig | dict | str | os.PathLike[str] | None) ->
     return isinstance(optim, dict) and "min_lr" in optim
 
 
-def _lr_pair(saved: dict | None) -> tuple[float, float] | None:
-    """(lr, min_lr) of a resumed run's config ``saved``; None for a new run."""
-    try:
-        return float(saved["optim"]["lr"]), float(saved["optim"]["min_lr"])
-    except (TypeError, KeyError, ValueError):
-        return None
-
-
 def _saved_config(store: str | os.PathLike[str] | None) -> dict | None:
     """The config of a store's last commit (None: no store or no commit), read without its lock."""
     if store is None:
@@ -280,7 +272,7 @@ def train(
     base = saved if config is None else None
     if base is not None and stored_device is None:  # a seeded store (an import): a new run, its device free
         base = {**base, "device": None}
-    cfg = _config(config, {**fields, **pfields}, base, stored_device, _lr_pair(saved))
+    cfg = _config(config, {**fields, **pfields}, base, stored_device, lr_pair(saved))
     if program is not None and cfg.resolved_compute_dtype != _traced_dtype(program):
         raise ConfigError(f"the plan was traced in {_traced_dtype(program)}, this run computes in {cfg.resolved_compute_dtype} "
                           f"(device {cfg.device}); pass compute_dtype={_traced_dtype(program)!r} or trace the model in that dtype")

@@ -155,13 +155,10 @@ def _unnamed_device(a: argparse.Namespace) -> tuple[str, str]:
 
 def _saved_optim(a: argparse.Namespace) -> tuple[float, float] | None:
     """(lr, min_lr) of the run a train command resumes; None for a new run (or one it overwrites)."""
+    from mtc.config import lr_pair
     from mtc.warmstart import run_config
 
-    optim = (run_config(a.store) or {}).get("optim") if not a.overwrite else None
-    try:
-        return float(optim["lr"]), float(optim["min_lr"])
-    except (TypeError, KeyError, ValueError):
-        return None  # no run (or a damaged record: opening the store says so)
+    return None if a.overwrite else lr_pair(run_config(a.store))
 
 
 def _stored_config(a: argparse.Namespace):  # -> TrainConfig

@@ -32,6 +32,7 @@ __all__ = [
     "field_help",
     "field_metavar",
     "load_config",
+    "lr_pair",
     "min_lr_for",
     "parse_field",
     "parse_layer_set",
@@ -409,6 +410,15 @@ def min_lr_for(lr: float, ref_lr: float, ref_min_lr: float) -> float:
     if lr == ref_lr:
         return ref_min_lr
     return min(lr, lr * (ref_min_lr / ref_lr))
+
+
+def lr_pair(config: dict[str, Any] | None) -> tuple[float, float] | None:
+    """(lr, min_lr) of a stored config dict (a commit's record), the reference `min_lr_for` scales;
+    None without one (a new run, or a damaged record: opening the store says so)."""
+    try:
+        return float(config["optim"]["lr"]), float(config["optim"]["min_lr"])
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _check_keys(cls: type, d: dict[str, Any], prefix: str) -> None:
